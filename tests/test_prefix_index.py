@@ -1,0 +1,173 @@
+"""PrefixIndex against a brute-force reference model, plus bounds and predictions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from index import TIERS, PrefixIndex, TierMatch
+
+WORKERS = ["w0", "w1", "w2", "w3"]
+# A small universe of chains: blocks are (chain, depth) so chains share prefixes.
+CHAINS = [[10, 11, 12, 13, 14], [10, 11, 22, 23], [30, 31, 32], [10, 41]]
+
+
+@dataclass
+class Reference:
+    held: dict[str, dict[str, set[int]]] = field(default_factory=dict)
+
+    def store(self, w: str, hashes: list[int], tier: str) -> None:
+        self.held.setdefault(w, {t: set() for t in TIERS})[tier].update(hashes)
+
+    def remove(self, w: str, hashes: list[int], tier: str) -> None:
+        if w in self.held:
+            self.held[w][tier].difference_update(hashes)
+
+    def clear(self, w: str) -> None:
+        if w in self.held:
+            self.held[w] = {t: set() for t in TIERS}
+
+    def remove_worker(self, w: str) -> None:
+        self.held.pop(w, None)
+
+    def _shared(self) -> set[int]:
+        return set().union(*(tiers["shared"] for tiers in self.held.values()))
+
+    def depth(self, w: str, hashes: list[int], tiers: tuple[str, ...], shared: bool) -> int:
+        have = set().union(*(self.held[w][t] for t in tiers))
+        if shared:
+            have |= self._shared()
+        n = 0
+        for h in hashes:
+            if h not in have:
+                break
+            n += 1
+        return n
+
+    def match(self, hashes: list[int]) -> dict[str, int]:
+        out = {w: self.depth(w, hashes, TIERS, True) for w in self.held}
+        return {w: d for w, d in out.items() if d}
+
+    def match_tiers(self, hashes: list[int]) -> dict[str, TierMatch]:
+        out = {}
+        for w, total in self.match(hashes).items():
+            out[w] = TierMatch(
+                self.depth(w, hashes, ("gpu",), False),
+                self.depth(w, hashes, ("gpu", "cpu"), False),
+                self.depth(w, hashes, ("gpu", "cpu", "disk"), False),
+                total,
+            )
+        return out
+
+
+def chain_slice() -> st.SearchStrategy[list[int]]:
+    return st.builds(
+        lambda c, lo, hi: CHAINS[c][min(lo, hi) : max(lo, hi) + 1],
+        st.integers(0, len(CHAINS) - 1),
+        st.integers(0, 4),
+        st.integers(0, 4),
+    )
+
+
+ops = st.one_of(
+    st.tuples(st.just("store"), st.sampled_from(WORKERS), chain_slice(), st.sampled_from(TIERS)),
+    st.tuples(st.just("remove"), st.sampled_from(WORKERS), chain_slice(), st.sampled_from(TIERS)),
+    st.tuples(st.just("clear"), st.sampled_from(WORKERS)),
+    st.tuples(st.just("remove_worker"), st.sampled_from(WORKERS)),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(ops, max_size=40))
+def test_match_equals_reference(steps: list[tuple]) -> None:
+    index, ref = PrefixIndex(), Reference()
+    for op, *args in steps:
+        getattr(index, op)(*args)
+        getattr(ref, op)(*args)
+        if op == "store":  # stores register the worker in both, even an empty chain
+            ref.held.setdefault(args[0], {t: set() for t in TIERS})
+    for chain in CHAINS:
+        for cut in range(len(chain) + 1):
+            query = chain[:cut] + [99]
+            assert index.match(query) == ref.match(query), (steps, query)
+            assert index.match_tiers(query) == ref.match_tiers(query), (steps, query)
+    counts = index.stats().workers
+    for w, tiers in ref.held.items():
+        # Blocks with no holder left are dropped, so counts equal the reference sets.
+        assert counts[w] == {t: len(s) for t, s in tiers.items()}
+
+
+def test_hole_ends_the_match() -> None:
+    index = PrefixIndex()
+    index.store("a", [1, 2, 3, 4])
+    index.remove("a", [2])
+    assert index.match([1, 2, 3, 4]) == {"a": 1}
+
+
+def test_lower_tiers_count_in_match_and_split_in_match_tiers() -> None:
+    index = PrefixIndex()
+    index.store("a", [1, 2])
+    index.store("a", [3], "cpu")
+    index.store("a", [4], "disk")
+    index.store("pool", [5], "shared")
+    assert index.match([1, 2, 3, 4, 5, 6]) == {"a": 5}
+    tiers = index.match_tiers([1, 2, 3, 4, 5, 6])
+    assert tiers["a"] == TierMatch(gpu=2, cpu=3, disk=4, total=5)
+
+
+def test_memory_bound_drops_least_recently_matched() -> None:
+    index = PrefixIndex(max_blocks=100)
+    index.store("a", list(range(60)))
+    index.match(list(range(10)))  # the first ten are now the most recently used
+    index.store("b", list(range(1000, 1060)))
+    assert len(index) <= 100
+    assert index.dropped >= 20
+    assert index.match(list(range(10))) == {"a": 10}
+    assert sum(sum(c.values()) for c in index.stats().workers.values()) == len(index)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_predictions_expire_or_are_confirmed() -> None:
+    clock = Clock()
+    index = PrefixIndex(clock=clock)
+    index.add_worker("a")
+    index.predict("a", [1, 2, 3], ttl=2.0)
+    assert index.match([1, 2, 3]) == {"a": 3}
+    assert index.match([1, 2, 3], speculative=False) == {}
+    assert index.match_tiers([1, 2, 3])["a"] == TierMatch(3, 3, 3, 3)
+    index.store("a", [1, 2])  # the engine confirms two of them
+    assert index.spec_confirmed == 2
+    clock.now = 5.0
+    assert index.match([1, 2, 3]) == {"a": 2}
+    assert index.spec_expired == 1
+    assert index.stats().speculative == 0
+
+
+def test_re_prediction_extends_the_ttl() -> None:
+    clock = Clock()
+    index = PrefixIndex(clock=clock)
+    index.predict("a", [1], ttl=1.0)
+    clock.now = 0.5
+    index.predict("a", [1], ttl=1.0)
+    clock.now = 1.2
+    assert index.match([1]) == {"a": 1}
+    clock.now = 1.6
+    assert index.match([1]) == {}
+
+
+def test_removed_worker_slot_is_reused_cleanly() -> None:
+    index = PrefixIndex()
+    index.store("a", [1, 2])
+    index.remove_worker("a")
+    index.store("b", [7])
+    assert index.match([1, 2]) == {}
+    assert index.workers == ["b"]
