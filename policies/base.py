@@ -1,0 +1,88 @@
+"""The one interface every routing policy implements, and the plain data it sees.
+
+A policy is synchronous, deterministic given its ``random.Random`` and does no I/O: the
+router and the simulator build ``WorkerView``s from the index and their load trackers,
+call ``select`` and act on the ``Decision``.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from index.prefix_index import TierMatch
+
+NO_MATCH = TierMatch(0, 0, 0, 0)
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    """What a policy knows of one request."""
+
+    request_id: str
+    model: str
+    num_tokens: int  # prompt tokens
+    block_hashes: list[int]  # router rolling hashes of the prompt's full blocks
+    block_size: int
+    session_key: str | None = None
+    max_tokens: int | None = None
+    prompt_text: str | None = None  # for text-keyed baselines only
+
+
+@dataclass(slots=True)
+class WorkerView:
+    """One candidate worker as the policy sees it at decision time."""
+
+    worker_id: str
+    match: TierMatch = NO_MATCH  # leading blocks of the request held, per tier
+    inflight_requests: int = 0  # routed by this router (and its peers), not finished
+    inflight_prefill_tokens: int = 0  # uncached prompt tokens not yet past first token
+    decode_streams: int = 0  # requests past first token, still generating
+    engine_running: int | None = None  # engine-reported, when known
+    engine_waiting: int | None = None
+    kv_usage: float | None = None  # engine-reported KV cache usage, 0..1
+    healthy: bool = True
+    in_sync: bool = True  # False while the index may be stale for this worker
+
+
+@dataclass(slots=True)
+class PrefetchHint:
+    """Ask ``target_worker`` to pull the request's first ``blocks`` blocks early."""
+
+    source_worker: str | None  # who holds them (None: the shared pool)
+    target_worker: str
+    blocks: int
+    tier: str  # where the target loads them from: "cpu" (source host memory) or "shared"
+    deadline_ms: float  # when the target's prefill is expected to start
+
+
+@dataclass(slots=True)
+class Decision:
+    worker_id: str
+    prefetch: PrefetchHint | None = None
+    # per worker, the numbers behind the choice (e.g. {"ttft_ms": .., "hit_blocks": ..})
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)
+    reason: str = ""
+
+
+class NoWorkerError(RuntimeError):
+    """No healthy candidate: the router answers 503."""
+
+
+class Policy(ABC):
+    """Chooses a worker for a request. Subclasses set ``name`` and implement ``select``."""
+
+    name: ClassVar[str]
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self.rng = rng or random.Random()
+
+    @abstractmethod
+    def select(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
+        """Pick one of ``workers`` (healthy ones only); raise ``NoWorkerError`` if none."""
+
+    def on_finish(self, request: RouteRequest, worker_id: str) -> None:  # noqa: B027
+        """Called once the request is done (stateful policies may release state)."""
