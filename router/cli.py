@@ -1,0 +1,45 @@
+"""``cache-router`` command line: one subcommand per module, imported only when used.
+
+Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``, so
+``cache-router replay`` never pays for importing the HTTP stack and vice versa.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("router.serve", "run the router (OpenAI-compatible proxy)"),
+    "replay": ("sim.replay", "replay a request trace through the simulator, per policy"),
+    "mock-engine": ("sim.mock_engine", "run a mock vLLM-like engine"),
+    "agent": ("agent.main", "run the node agent: engine ZMQ events -> NATS"),
+    "demo": ("router.demo", "run the whole stack on an embedded default and compare policies"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: cache-router COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "cache-router COMMAND --help shows a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"cache-router: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    parser = argparse.ArgumentParser(prog=f"cache-router {name}", description=COMMANDS[name][1])
+    module.add_arguments(parser)
+    return int(module.run(parser.parse_args(rest)) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
