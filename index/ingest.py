@@ -69,6 +69,7 @@ class IngestResult:
 class _Worker:
     # engine hash -> [router hash, tier bits held]
     blocks: dict[int, list[int]] = field(default_factory=dict)
+    engine_of: dict[int, int] = field(default_factory=dict)  # router hash -> engine hash
     last_seq: dict[int | None, int] = field(default_factory=dict)
     seen: dict[int | None, int] = field(default_factory=dict)  # highest seq seen per rank
     epoch: object = None
@@ -103,6 +104,23 @@ class EventIngest:
         """Engine hash -> router hash for every block the worker is known to hold."""
         w = self._workers.get(worker_id)
         return {} if w is None else {e: v[0] for e, v in w.blocks.items()}
+
+    def engine_hashes(self, worker_id: str, router_hashes: list[int]) -> list[int]:
+        """The worker's own hashes for the leading ``router_hashes`` it holds.
+
+        Prefetch hints name blocks in the source engine's terms; this stops at the
+        first block the worker is not known to hold.
+        """
+        w = self._workers.get(worker_id)
+        out: list[int] = []
+        if w is None:
+            return out
+        for rh in router_hashes:
+            eh = w.engine_of.get(rh)
+            if eh is None:
+                break
+            out.append(eh)
+        return out
 
     def remove_worker(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
@@ -207,6 +225,7 @@ class EventIngest:
 
     def _reset(self, worker_id: str, w: _Worker) -> None:
         w.blocks.clear()
+        w.engine_of.clear()
         w.last_seq.clear()
         w.seen.clear()
         self.index.clear(worker_id)
@@ -229,6 +248,7 @@ class EventIngest:
         """Apply one event; the name of what was wrong with it, or None."""
         if isinstance(event, AllBlocksCleared):
             w.blocks.clear()
+            w.engine_of.clear()
             self.index.clear(worker_id)
             return None
         if event.group_idx:
@@ -247,6 +267,7 @@ class EventIngest:
                 entry[1] &= ~bit
                 if not entry[1]:
                     del w.blocks[eh]
+                    w.engine_of.pop(entry[0], None)
             self.index.remove(worker_id, gone, tier)
             return None
         return self._store(worker_id, w, event, tier, bit)
@@ -281,5 +302,6 @@ class EventIngest:
             else:
                 entry[0] = rh
                 entry[1] |= bit
+            w.engine_of[rh] = eh
         self.index.store(worker_id, router, tier)
         return None
