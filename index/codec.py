@@ -35,6 +35,7 @@ class BlockStored:
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
+    cache_salt: str | None = None  # SGLang sends it as a field; vLLM inside extra_keys
 
 
 @dataclass(slots=True)
@@ -142,14 +143,23 @@ def _named(body: list[Any] | dict[str, Any], names: tuple[str, ...]) -> dict[str
     return body if isinstance(body, dict) else dict(zip(names, body, strict=False))
 
 
+def _token_ids(value: Any) -> list[int]:
+    """Token ids; SGLang's EAGLE mode sends ``[t, t+1]`` pairs, flattened here to the
+    ``n + 1`` tokens the bigram windows cover."""
+    if not isinstance(value, list | tuple):
+        raise TypeError("token_ids is not a list")
+    if value and isinstance(value[0], list | tuple):
+        if any(len(p) != 2 for p in value):
+            raise TypeError("bigram token_ids must be pairs")
+        return [p[0] for p in value] + [value[-1][1]]
+    return list(value)
+
+
 def decode_event(raw: Any) -> Event | None:
     """One event, or None for a kind this codec does not know (future events)."""
     tag, body = _split(raw)
     if tag == "BlockStored":
         f = _named(body, _STORED_FIELDS)
-        tokens = f.get("token_ids")
-        if not isinstance(tokens, list | tuple):
-            raise TypeError("token_ids is not a list")
         parent = f.get("parent_block_hash")
         block_size = f.get("block_size")
         if not isinstance(block_size, int) or block_size <= 0:
@@ -158,13 +168,14 @@ def decode_event(raw: Any) -> Event | None:
         return BlockStored(
             block_hashes=_hashes(f.get("block_hashes")),
             parent_block_hash=None if parent is None else norm_hash(parent),
-            token_ids=list(tokens),
+            token_ids=_token_ids(f.get("token_ids")),
             block_size=block_size,
             lora_id=_opt_int(f.get("lora_id")),
             medium=_opt_str(f.get("medium")),
             lora_name=_opt_str(f.get("lora_name")),
             extra_keys=list(extra) if isinstance(extra, list | tuple) else None,
             group_idx=_opt_int(f.get("group_idx")),
+            cache_salt=_opt_str(f.get("cache_salt")) if isinstance(body, dict) else None,
         )
     if tag == "BlockRemoved":
         f = _named(body, _REMOVED_FIELDS)
@@ -256,6 +267,8 @@ def event_to_obj(event: Event, *, as_map: bool) -> Any:
         for i, (name, value) in enumerate(zip(names, values, strict=True)):
             if i < required or value is not None:
                 obj[name] = value
+        if isinstance(event, BlockStored) and event.cache_salt is not None:
+            obj["cache_salt"] = event.cache_salt
         return obj
     while len(values) > required and values[-1] is None:
         values.pop()

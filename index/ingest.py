@@ -5,9 +5,11 @@ reproduced here), so a ``BlockStored`` is applied by rehashing its ``token_ids``
 the router's ``BlockHasher``, chained from the router hash of its parent. The engine
 hash -> router hash map per worker exists only to resolve parents and removals.
 
-Sequence numbers are tracked per (worker, dp rank). A batch is applied only in order:
-a gap is reported, not applied, so the caller can fetch the missing batches (replay)
-or a full dump first; a duplicate is ignored, which makes re-delivery harmless.
+Sequence numbers are tracked per (worker, dp rank), the rank being the one the
+transport names (each DP rank is its own ZMQ publisher with its own seq). A batch is
+applied only in order: a gap is reported, not applied, so the caller can fetch the
+missing batches (replay) or a full dump first; a duplicate is ignored, which makes
+re-delivery harmless.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from index.codec import (
     Event,
     decode,
 )
-from index.hashing import BlockHasher, extra_key_bytes
+from index.hashing import BlockHasher, extra_key_bytes, salt_extras
 from index.prefix_index import PrefixIndex
 
 _TIER_OF_MEDIUM = {
@@ -164,7 +166,7 @@ class EventIngest:
         w = self._workers.get(worker_id)
         if w is None:
             w = self._workers[worker_id] = _Worker(epoch=epoch)
-        rank = batch.dp_rank if dp_rank is None else dp_rank
+        rank = dp_rank
         last = w.last_seq.get(rank)
         w.seen[rank] = max(seq, w.seen.get(rank, seq))
         status = SeqStatus.OK
@@ -174,7 +176,9 @@ class EventIngest:
         elif last is None:
             if seq != 0:  # joined mid-stream: everything before this batch is unknown
                 return self._gap(w, 0)
-        elif seq == 0 and last > 0:
+        elif seq == 0 and last > 0 and epoch is None:
+            # Without an epoch from the transport, seq 0 again is the only restart sign;
+            # with one, a late seq 0 is just a duplicate.
             status = SeqStatus.RESTART
             w.seen[rank] = seq
         elif seq <= last:
@@ -279,7 +283,8 @@ class EventIngest:
         if event.block_size != hasher.block_size:
             return "block_size_mismatch"
         n = len(event.block_hashes)
-        if n == 0 or len(event.token_ids) != n * hasher.block_size:
+        # Bigram (EAGLE) blocks cover one token past their end: n blocks need n*B + 1.
+        if n == 0 or len(event.token_ids) != n * hasher.block_size + hasher.bigram:
             return "token_count_mismatch"
         parent: int | None = None
         if event.parent_block_hash is not None:
@@ -290,6 +295,8 @@ class EventIngest:
         extras = None
         if event.extra_keys:
             extras = {i: extra_key_bytes(keys) for i, keys in enumerate(event.extra_keys) if keys}
+        elif event.cache_salt and parent is None:
+            extras = salt_extras(event.cache_salt)
         router = hasher.hash_tokens(
             event.token_ids,
             parent=parent if parent is not None else hasher.root(event.lora_name),

@@ -90,7 +90,7 @@ def test_match_equals_reference(steps: list[tuple]) -> None:
             ref.held.setdefault(args[0], {t: set() for t in TIERS})
     for chain in CHAINS:
         for cut in range(len(chain) + 1):
-            query = chain[:cut] + [99]
+            query = [*chain[:cut], 99]
             assert index.match(query) == ref.match(query), (steps, query)
             assert index.match_tiers(query) == ref.match_tiers(query), (steps, query)
     counts = index.stats().workers

@@ -1,0 +1,314 @@
+"""EventIngest: engine events -> router hashes -> index, with seq gaps, restarts, faults."""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgpack
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from index import (
+    AllBlocksCleared,
+    BlockHasher,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    EventIngest,
+    PrefixIndex,
+    SeqStatus,
+    decode,
+    encode,
+    extra_key_bytes,
+)
+
+B = 4
+
+
+def engine_hash(parent: int | None, tokens: list[int]) -> int:
+    """An engine's own opaque hash (sha256 like vLLM's), unrelated to the router's."""
+    data = repr((parent, tokens)).encode()
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
+
+
+class Engine:
+    """A tiny engine cache: stores chains, evicts leaves, emits vLLM-shaped events."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, tuple[int | None, list[int]]] = {}  # hash -> (parent, tokens)
+        self.log: list[bytes] = []
+
+    def store(self, tokens: list[int], medium: str = "GPU") -> None:
+        parent: int | None = None
+        new_hashes, new_tokens, first_parent = [], [], None
+        for i in range(len(tokens) // B):
+            blk = tokens[i * B : (i + 1) * B]
+            h = engine_hash(parent, blk)
+            if h not in self.blocks:
+                if not new_hashes:
+                    first_parent = parent
+                self.blocks[h] = (parent, blk)
+                new_hashes.append(h)
+                new_tokens += blk
+            elif new_hashes:
+                break
+            parent = h
+        if new_hashes:
+            self.emit([BlockStored(new_hashes, first_parent, new_tokens, B, medium=medium)])
+
+    def evict_leaf(self, pick: int) -> None:
+        parents = {p for p, _ in self.blocks.values()}
+        leaves = sorted(h for h in self.blocks if h not in parents)
+        if leaves:
+            h = leaves[pick % len(leaves)]
+            del self.blocks[h]
+            self.emit([BlockRemoved([h], "GPU")])
+
+    def clear(self) -> None:
+        self.blocks.clear()
+        self.emit([AllBlocksCleared()])
+
+    def emit(self, events: list) -> None:
+        self.log.append(encode(EventBatch(float(len(self.log)), events, 0)))
+
+    def router_hashes(self, hasher: BlockHasher) -> set[int]:
+        """What the index should hold for this engine: rehash every chain it has."""
+        out = set()
+        for h in self.blocks:
+            chain = []
+            cur: int | None = h
+            while cur is not None:
+                parent, tokens = self.blocks[cur]
+                chain.append(tokens)
+                cur = parent
+            flat = [t for blk in reversed(chain) for t in blk]
+            out.add(hasher.hash_tokens(flat)[-1])
+        return out
+
+
+prompts = st.lists(st.integers(0, 3), min_size=B, max_size=4 * B)
+engine_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("store"), prompts),
+        st.tuples(st.just("evict"), st.integers(0, 10)),
+        st.tuples(st.just("clear")),
+    ),
+    max_size=25,
+)
+
+
+def run_engine(ops: list) -> Engine:
+    eng = Engine()
+    for op, *args in ops:
+        {"store": eng.store, "evict": eng.evict_leaf, "clear": eng.clear}[op](*args)
+    return eng
+
+
+def held(index: PrefixIndex, worker: str, hashes: set[int]) -> bool:
+    return all(index.holds(worker, h) for h in hashes)
+
+
+@settings(max_examples=150, deadline=None)
+@given(engine_ops)
+def test_index_mirrors_the_engine_cache(ops: list) -> None:
+    eng = run_engine(ops)
+    hasher, index = BlockHasher(B), PrefixIndex()
+    ingest = EventIngest(index, hasher)
+    for seq, payload in enumerate(eng.log):
+        assert ingest.apply("w", seq, payload).status in (SeqStatus.OK,)
+    expected = eng.router_hashes(hasher)
+    assert held(index, "w", expected)
+    assert len(index) == len(expected)
+    assert not ingest.errors
+
+
+@settings(max_examples=150, deadline=None)
+@given(engine_ops, st.data())
+def test_faulty_delivery_with_replay_converges(ops: list, data: st.DataObject) -> None:
+    """Drop, duplicate and reorder batches; replaying from expected_seq must converge."""
+    eng = run_engine(ops)
+    n = len(eng.log)
+    deliveries = data.draw(st.lists(st.integers(0, max(n - 1, 0)), max_size=2 * n)) if n else []
+    hasher, index = BlockHasher(B), PrefixIndex()
+    ingest = EventIngest(index, hasher)
+    replays = 0
+    for seq in [*deliveries, n - 1] if n else []:
+        result = ingest.apply("w", seq, eng.log[seq])
+        if result.status is SeqStatus.GAP:
+            replays += 1
+            for s in range(result.expected_seq, seq + 1):  # the agent's replay
+                assert ingest.apply("w", s, eng.log[s]).status is SeqStatus.OK
+        assert ingest.in_sync("w") or result.status is SeqStatus.DUPLICATE
+    if n:
+        assert ingest.in_sync("w")
+        assert ingest.last_seq("w") == n - 1
+        expected = eng.router_hashes(hasher)
+        assert held(index, "w", expected) and len(index) == len(expected)
+
+
+def test_duplicate_batch_changes_nothing() -> None:
+    eng = Engine()
+    eng.store(list(range(8)))
+    ingest = EventIngest(PrefixIndex(), BlockHasher(B))
+    assert ingest.apply("w", 0, eng.log[0]).status is SeqStatus.OK
+    assert ingest.apply("w", 0, eng.log[0]).status is SeqStatus.DUPLICATE
+    assert ingest.duplicates == 1 and ingest.events_applied == 1
+
+
+def test_gap_is_not_applied_and_marks_out_of_sync() -> None:
+    eng = Engine()
+    eng.store(list(range(8)))
+    eng.store([9] * 8)
+    ingest = EventIngest(PrefixIndex(), BlockHasher(B))
+    ingest.apply("w", 0, eng.log[0])
+    eng.store([7] * 8)
+    result = ingest.apply("w", 2, eng.log[2])
+    assert result.status is SeqStatus.GAP and result.expected_seq == 1
+    assert not ingest.in_sync("w")
+    assert ingest.apply("w", 1, eng.log[1]).status is SeqStatus.OK
+    assert not ingest.in_sync("w")  # seq 2 was seen and is still missing
+    assert ingest.apply("w", 2, eng.log[2]).status is SeqStatus.OK
+    assert ingest.in_sync("w")
+
+
+def test_joining_mid_stream_asks_for_history_from_zero() -> None:
+    eng = Engine()
+    for i in range(3):
+        eng.store([i] * 8)
+    ingest = EventIngest(PrefixIndex(), BlockHasher(B))
+    result = ingest.apply("w", 2, eng.log[2])
+    assert result.status is SeqStatus.GAP and result.expected_seq == 0
+
+
+def test_restart_by_seq_zero_or_new_epoch_clears_the_worker() -> None:
+    hasher, index = BlockHasher(B), PrefixIndex()
+    ingest = EventIngest(index, hasher)
+    old = Engine()
+    old.store(list(range(8)))
+    old.store([5] * 8)
+    ingest.apply("w", 0, old.log[0])
+    ingest.apply("w", 1, old.log[1])
+    new = Engine()
+    new.store([6] * 8)
+    assert ingest.apply("w", 0, new.log[0]).status is SeqStatus.RESTART  # seq back to 0
+    assert index.match(hasher.hash_tokens(list(range(8)))) == {}
+    assert index.match(hasher.hash_tokens([6] * 8)) == {"w": 2}
+    # epoch change with a seq that would otherwise look like a duplicate
+    third = Engine()
+    third.store([3] * 8)
+    ingest.apply("w", 1, new.log[0], epoch="a")
+    assert ingest.apply("w", 0, third.log[0], epoch="b").status is SeqStatus.RESTART
+    assert index.match(hasher.hash_tokens([6] * 8)) == {}
+    assert ingest.restarts == 2
+
+
+def test_dump_replaces_state_and_reports_newer_batches_missing() -> None:
+    hasher, index = BlockHasher(B), PrefixIndex()
+    ingest = EventIngest(index, hasher)
+    eng = Engine()
+    for i in range(4):
+        eng.store([i] * 8)
+    ingest.apply("w", 0, eng.log[0])
+    ingest.apply("w", 3, eng.log[3])  # gap: 1..2 missing, 3 seen
+    dump = Engine()
+    for i in range(3):
+        dump.store([i] * 8)
+    result = ingest.load_dump("w", 2, [decode(p) for p in dump.log])
+    assert result.applied == 3
+    assert not ingest.in_sync("w")  # seq 3 was seen after the dump point
+    assert ingest.apply("w", 3, eng.log[3]).status is SeqStatus.OK
+    assert ingest.in_sync("w")
+    for i in range(4):
+        assert index.match(hasher.hash_tokens([i] * 8)) == {"w": 2}
+
+
+def test_malformed_batch_is_counted_and_asks_for_replay() -> None:
+    ingest = EventIngest(PrefixIndex(), BlockHasher(B))
+    result = ingest.apply("w", 0, b"\x93garbage")
+    assert result.status is SeqStatus.MALFORMED and result.expected_seq == 0
+    assert ingest.errors["malformed_batch"] == 1 and not ingest.in_sync("w")
+
+
+def test_bad_events_are_counted_by_kind() -> None:
+    hasher, index = BlockHasher(B), PrefixIndex()
+    ingest = EventIngest(index, hasher)
+    events = [
+        BlockStored([1], None, list(range(8)), 8),  # wrong block size
+        BlockStored([2, 3], None, list(range(4)), B),  # token count
+        BlockStored([4], 999, list(range(4)), B),  # unknown parent
+        BlockStored([5], None, list(range(4)), B, medium="NVME?"),  # unknown medium
+        BlockStored([6], None, list(range(4)), B, group_idx=1),  # sliding-window group
+        BlockStored([7], None, list(range(4)), B),  # fine
+    ]
+    result = ingest.apply("w", 0, encode(EventBatch(0.0, events, 0)))
+    assert result.applied == 1
+    assert result.errors == {
+        "block_size_mismatch": 1,
+        "token_count_mismatch": 1,
+        "unknown_parent": 1,
+        "unknown_medium": 1,
+        "other_kv_group": 1,
+    }
+
+
+def test_tiers_lora_and_extra_keys_follow_the_request_side_hashes() -> None:
+    hasher, index = BlockHasher(B), PrefixIndex()
+    ingest = EventIngest(index, hasher)
+    toks = list(range(8))
+    events = [
+        BlockStored([1, 2], None, toks, B, medium="GPU"),
+        BlockStored([1, 2], None, toks, B, medium="CPU"),
+        BlockRemoved([2], "GPU"),
+        BlockStored([3], None, toks[:4], B, lora_name="sql"),
+        BlockStored([4], None, toks[:4], B, extra_keys=[["salt-a"]]),
+    ]
+    ingest.apply("w", 0, encode(EventBatch(0.0, events, 0)))
+    tiers = index.match_tiers(hasher.hash_tokens(toks))["w"]
+    assert (tiers.gpu, tiers.cpu) == (1, 2)
+    assert index.match(hasher.hash_tokens(toks[:4], lora_name="sql")) == {"w": 1}
+    salted = hasher.hash_tokens(toks[:4], block_extras={0: extra_key_bytes(["salt-a"])})
+    assert index.match(salted) == {"w": 1}
+    assert ingest.engine_hashes("w", hasher.hash_tokens(toks)) == [1, 2]
+
+
+def test_sglang_bigram_pairs_match_a_bigram_hasher() -> None:
+    hasher, index = BlockHasher(B, bigram=True), PrefixIndex()
+    ingest = EventIngest(index, hasher)
+    pairs = [[t, t + 1] for t in range(8)]
+    payload = msgpack.packb(
+        [
+            0.0,
+            [
+                {
+                    "type": "BlockStored",
+                    "block_hashes": [-1, -2],
+                    "parent_block_hash": None,
+                    "token_ids": pairs,
+                    "block_size": B,
+                    "lora_id": None,
+                }
+            ],
+            None,
+        ]
+    )
+    assert ingest.apply("w", 0, payload).applied == 1
+    assert index.match(hasher.hash_tokens(list(range(9)))) == {"w": 2}
+
+
+def test_garbage_never_escapes_the_ingest_loop() -> None:
+    ingest = EventIngest(PrefixIndex(), BlockHasher(B))
+    for seq, junk in enumerate([b"", b"\xff" * 9, msgpack.packb([1, [[None]], 0]), b"[]"]):
+        ingest.apply("w", seq, junk)
+    assert sum(ingest.errors.values()) >= 3
+
+
+def test_with_epochs_a_late_seq_zero_is_a_duplicate_not_a_restart() -> None:
+    hasher, index = BlockHasher(B), PrefixIndex()
+    ingest = EventIngest(index, hasher)
+    eng = Engine()
+    eng.store(list(range(8)))
+    eng.store([5] * 8)
+    ingest.apply("w", 0, eng.log[0], epoch="e1")
+    ingest.apply("w", 1, eng.log[1], epoch="e1")
+    assert ingest.apply("w", 0, eng.log[0], epoch="e1").status is SeqStatus.DUPLICATE
+    assert index.match(hasher.hash_tokens([5] * 8)) == {"w": 2}
