@@ -1,0 +1,193 @@
+"""Engine timing constants and the per-worker time-to-first-token estimate built on them.
+
+One set of constants serves two users: the ``cache_aware`` policy estimates with them and
+the simulator's engines run on them, so the policy is judged against the same physics it
+assumes (a policy tuned to a different engine would be tested on a lie).
+
+The defaults describe one Llama-3-8B-class model (fp16 KV, 128 KiB per token) on one
+H100-class GPU. They need no tuning per trace: the policy compares workers against each
+other, and queue wait and prefill are both charged in prefill-token time, so the choice
+depends on token counts, not on how fast the GPU is. Only the tier and network rates
+matter in relative terms (loading a block from host memory is ~10x cheaper than
+recomputing it, from local disk ~2x, over the network ~4x).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from index.prefix_index import TierMatch
+
+from .base import WorkerView
+
+_GB = 1e9
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCosts:
+    """Timing constants of one engine (milliseconds, tokens, bytes, GB/s)."""
+
+    prefill_ms_per_token: float = 0.05  # linear layers: ~20k prompt tokens/s
+    attn_ms_per_token_ctx: float = 2e-6  # attention: per new token, per token of context
+    decode_ms_per_step: float = 6.0  # fixed cost of one scheduler step (weights read once)
+    decode_ms_per_kv_token: float = 4e-5  # decode attention reads each context token's KV
+    max_batch_tokens: int = 8192  # token budget of one step (chunked prefill)
+    kv_bytes_per_token: int = 131072
+    cpu_load_gbps: float = 25.0  # host memory -> GPU (PCIe)
+    disk_load_gbps: float = 5.0  # local NVMe -> GPU
+    shared_load_gbps: float = 10.0  # shared pool (network) -> GPU
+    prefetch_gbps: float = 10.0  # peer host memory -> target, over the network
+    # derived per-token transfer times, filled in __post_init__
+    cpu_ms_per_token: float = field(init=False, repr=False)
+    disk_ms_per_token: float = field(init=False, repr=False)
+    shared_ms_per_token: float = field(init=False, repr=False)
+    prefetch_ms_per_token: float = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if f.init and not getattr(self, f.name) > 0:
+                raise ValueError(f"EngineCosts.{f.name} must be > 0, got {getattr(self, f.name)}")
+        ms_per_gb = self.kv_bytes_per_token / _GB * 1000.0
+        object.__setattr__(self, "cpu_ms_per_token", ms_per_gb / self.cpu_load_gbps)
+        object.__setattr__(self, "disk_ms_per_token", ms_per_gb / self.disk_load_gbps)
+        object.__setattr__(self, "shared_ms_per_token", ms_per_gb / self.shared_load_gbps)
+        object.__setattr__(self, "prefetch_ms_per_token", ms_per_gb / self.prefetch_gbps)
+
+    @classmethod
+    def from_config(cls, value: EngineCosts | Mapping[str, Any] | None) -> EngineCosts:
+        """Accept an ``EngineCosts``, a plain mapping of its fields (TOML/JSON) or None."""
+        if value is None:
+            return cls()
+        if isinstance(value, EngineCosts):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"costs must be EngineCosts or a mapping, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown EngineCosts field(s) {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+    # -- engine physics (the simulator runs on these) ------------------------------
+    def prefill_ms(self, tokens: float, context: float = 0.0) -> float:
+        """Compute time of ``tokens`` new prompt tokens after ``context`` cached ones.
+
+        Attention grows with context: token ``j`` of the chunk attends to
+        ``context + j`` tokens, so the chunk pays ``tokens * (context + tokens / 2)``.
+        """
+        return tokens * (
+            self.prefill_ms_per_token + self.attn_ms_per_token_ctx * (context + 0.5 * tokens)
+        )
+
+    def step_ms(
+        self,
+        prefill_tokens: float = 0.0,
+        prefill_context: float = 0.0,
+        decode_seqs: int = 0,
+        decode_kv_tokens: float = 0.0,
+    ) -> float:
+        """One scheduler step: a prefill chunk plus ``decode_seqs`` decode tokens."""
+        return (
+            self.decode_ms_per_step
+            + self.prefill_ms(prefill_tokens, prefill_context)
+            + decode_seqs * self.prefill_ms_per_token
+            + decode_kv_tokens * self.decode_ms_per_kv_token
+        )
+
+    def load_ms(self, tier: str, tokens: float) -> float:
+        """Time to bring ``tokens`` of KV from ``tier`` ("gpu" is free) into GPU memory."""
+        if tier == "gpu":
+            return 0.0
+        if tier == "cpu":
+            return tokens * self.cpu_ms_per_token
+        if tier == "disk":
+            return tokens * self.disk_ms_per_token
+        if tier == "shared":
+            return tokens * self.shared_ms_per_token
+        raise ValueError(f"unknown tier {tier!r}; expected gpu, cpu, disk or shared")
+
+    def prefetch_ms(self, tokens: float) -> float:
+        """Time to pull ``tokens`` of KV from a peer's host memory to the target."""
+        return tokens * self.prefetch_ms_per_token
+
+
+# -- estimates per worker (the policy's view of the physics above) --------------------
+def decode_seqs(view: WorkerView) -> int:
+    """Sequences decoding on the worker: the router's count, or the engine's if larger."""
+    if view.engine_running is None:
+        return view.decode_streams
+    prefilling = max(view.inflight_requests - view.decode_streams, 0)
+    return max(view.decode_streams, view.engine_running - prefilling)
+
+
+def queue_tokens(view: WorkerView, fallback_tokens: float) -> float:
+    """Prompt tokens ahead of a new request on ``view``.
+
+    The router's own in-flight prefill tokens are exact for what it routed; waiting
+    requests the engine reports beyond those (another router, direct traffic) are
+    charged at the mean size of ours, or at ``fallback_tokens`` when we have none.
+    """
+    tokens = float(view.inflight_prefill_tokens)
+    waiting = view.engine_waiting
+    if waiting is not None:
+        pending = view.inflight_requests - view.decode_streams
+        if pending < 0:
+            pending = 0
+        if waiting > pending:
+            per = tokens / pending if pending and tokens else fallback_tokens
+            tokens += (waiting - pending) * per
+    return tokens
+
+
+def busy_ms(costs: EngineCosts, prefill_tokens: float, decode: int, context: float = 0.0) -> float:
+    """Time for the engine to push ``prefill_tokens`` through while ``decode`` seqs decode.
+
+    Each step carries at most ``max_batch_tokens`` tokens and pays its fixed cost plus
+    one token per decoding sequence, so decoding neighbours slow a prefill down.
+    """
+    if prefill_tokens <= 0:
+        return 0.0
+    steps = prefill_tokens / costs.max_batch_tokens
+    if steps < 1.0:
+        steps = 1.0
+    per_step = costs.decode_ms_per_step + decode * costs.prefill_ms_per_token
+    return costs.prefill_ms(prefill_tokens, context) + steps * per_step
+
+
+def queue_wait_ms(costs: EngineCosts, view: WorkerView, fallback_tokens: float) -> float:
+    """Expected wait before a new request's prefill starts on ``view``."""
+    return busy_ms(costs, queue_tokens(view, fallback_tokens), decode_seqs(view))
+
+
+def uncached_tokens(num_tokens: int, hit_blocks: int, block_size: int) -> int:
+    """Prompt tokens left to compute; an engine always computes at least the last one."""
+    left = num_tokens - hit_blocks * block_size
+    return left if left > 1 else 1
+
+
+def prefill_time_ms(
+    costs: EngineCosts, num_tokens: int, hit_blocks: int, block_size: int, decode: int
+) -> float:
+    """Compute time of the request's uncached tokens, with its hits as attention context."""
+    left = uncached_tokens(num_tokens, hit_blocks, block_size)
+    return busy_ms(costs, left, decode, context=num_tokens - left)
+
+
+def load_time_ms(costs: EngineCosts, match: TierMatch, block_size: int) -> float:
+    """Time to load the lower-tier part of a (cumulative) tier match into GPU memory."""
+    return block_size * (
+        (match.cpu - match.gpu) * costs.cpu_ms_per_token
+        + (match.disk - match.cpu) * costs.disk_ms_per_token
+        + (match.total - match.disk) * costs.shared_ms_per_token
+    )
+
+
+def prefetch_fits(costs: EngineCosts, tokens: float, queue_ms: float, tier: str = "cpu") -> bool:
+    """Whether ``tokens`` of KV can reach the target before its prefill starts."""
+    if tokens <= 0 or queue_ms <= 0:
+        return False
+    transfer = costs.prefetch_ms(tokens) if tier == "cpu" else costs.load_ms(tier, tokens)
+    return transfer <= queue_ms

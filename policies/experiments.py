@@ -1,0 +1,114 @@
+"""A/B experiments: arms (policy + parameters + weight), sticky per session key.
+
+A session must stay on one arm, or its cache hits and TTFT would be credited to a mix of
+policies. The arm is a pure function of the key (xxh3 of salt + key mapped onto the
+cumulative weights), so every router replica and every restart agrees without sharing
+state. Requests without a session key get a weighted random arm.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from .base import Policy
+from .registry import make_policy
+
+_TWO64 = float(2**64)
+
+
+@dataclass(frozen=True, slots=True)
+class Arm:
+    """One arm: ``policy_name`` built with ``params``, chosen with relative ``weight``."""
+
+    name: str
+    policy_name: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+    weight: float = 1.0
+
+
+class Experiment:
+    """Assigns requests to arms and owns one policy instance per arm."""
+
+    _CONFIG_KEYS = frozenset({"name", "policy", "weight", "params"})
+
+    def __init__(
+        self, arms: Sequence[Arm], rng: random.Random | None = None, *, salt: str = ""
+    ) -> None:
+        if not arms:
+            raise ValueError("an experiment needs at least one arm")
+        names = [a.name for a in arms]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate arm name(s) {dupes}")
+        for a in arms:
+            if not a.weight > 0:
+                raise ValueError(f"arm {a.name!r}: weight must be > 0, got {a.weight}")
+        self.arms: tuple[Arm, ...] = tuple(arms)
+        self.rng = rng or random.Random()
+        self.salt = salt.encode() + b"\x00" if salt else b""
+        total = sum(a.weight for a in arms)
+        acc = 0.0
+        self._bounds: list[float] = []
+        for a in arms:
+            acc += a.weight / total
+            self._bounds.append(acc)
+        self._bounds[-1] = 1.0  # float sums must not leave a gap at the top
+        # built now, so a bad policy name or parameter fails at config load, not mid-traffic
+        self._policies: dict[str, Policy] = {
+            a.name: make_policy(a.policy_name, random.Random(self.rng.getrandbits(64)), **a.params)
+            for a in arms
+        }
+
+    @classmethod
+    def from_config(
+        cls,
+        arms: Iterable[Mapping[str, Any]],
+        rng: random.Random | None = None,
+        *,
+        salt: str = "",
+    ) -> Experiment:
+        """Arms from plain dicts: ``{"name", "policy", "weight" (1.0), "params" ({})}``."""
+        parsed = []
+        for i, raw in enumerate(arms):
+            if not isinstance(raw, Mapping):
+                raise ValueError(f"arm #{i}: expected a table/dict, got {type(raw).__name__}")
+            unknown = sorted(set(raw) - cls._CONFIG_KEYS)
+            missing = sorted({"name", "policy"} - set(raw))
+            if unknown or missing:
+                raise ValueError(
+                    f"arm #{i}: unknown key(s) {unknown}, missing key(s) {missing}; "
+                    f"expected name, policy, weight, params"
+                )
+            params = raw.get("params") or {}
+            if not isinstance(params, Mapping):
+                raise ValueError(f"arm {raw['name']!r}: params must be a table/dict")
+            try:
+                weight = float(raw.get("weight", 1.0))
+            except (TypeError, ValueError):
+                raise ValueError(f"arm {raw['name']!r}: weight must be a number") from None
+            parsed.append(Arm(str(raw["name"]), str(raw["policy"]), dict(params), weight))
+        return cls(parsed, rng, salt=salt)
+
+    def assign(self, session_key: str | None) -> Arm:
+        """The arm for a request: fixed per session key, weighted random without one."""
+        if session_key is None:
+            u = self.rng.random()
+        else:
+            u = xxhash.xxh3_64_intdigest(self.salt + session_key.encode()) / _TWO64
+        for arm, bound in zip(self.arms, self._bounds, strict=True):
+            if u < bound:
+                return arm
+        return self.arms[-1]
+
+    def policy_for(self, arm: Arm | str) -> Policy:
+        """The policy instance of ``arm`` (one per arm, kept for the experiment's life)."""
+        name = arm if isinstance(arm, str) else arm.name
+        try:
+            return self._policies[name]
+        except KeyError:
+            raise ValueError(f"no arm named {name!r} in this experiment") from None
