@@ -310,5 +310,5 @@ class EventIngest:
                 entry[0] = rh
                 entry[1] |= bit
             w.engine_of[rh] = eh
-        self.index.store(worker_id, router, tier)
+        self.index.store(worker_id, router, tier, parent=parent)
         return None

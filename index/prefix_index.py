@@ -2,11 +2,14 @@
 
 Every block key is already a rolling hash of (parent hash, block tokens), so the radix
 tree is one flat ``dict``: key -> entry. An entry holds one bitmask of worker slots per
-tier, so a prefix match is one probe and one AND per block, and stops at the first
-block no remaining candidate holds.
+tier, so probing block ``i`` of a prompt is one dict lookup, with no walk from the root.
 
-Engines cache prefixes, so a worker holding block ``i`` almost always holds ``0..i-1``;
-the match still reports the exact *leading* run per worker (a hole ends it), because
+Engines cache prefixes: a worker that holds block ``i`` holds ``0..i-1`` too, unless it
+evicted a middle block. The index keeps count of such holes per worker ("orphans":
+blocks held whose parent is not). For a worker without orphans, "holds block i" is
+monotone along a prompt, so its match depth is found by bisection over depth, a few
+probes instead of one per block; workers with holes (and short prompts) take the exact
+linear walk with early exit. Both report the exact *leading* run per worker, because
 that is what the engine can reuse.
 """
 
@@ -14,14 +17,15 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 TIERS: tuple[str, ...] = ("gpu", "cpu", "disk", "shared")
 _TIER_POS = {name: pos for pos, name in enumerate(TIERS, start=1)}
-# Entry layout: [any_mask, gpu, cpu, disk, shared, last_used_tick]. any_mask is -1
-# (every bit set) when the block sits in the shared pool: every worker can reach it.
-_ANY, _GPU, _CPU, _DISK, _SHARED, _TICK = range(6)
+# Entry layout: [any_mask, gpu, cpu, disk, shared, last_used_tick, parent_key]. any_mask
+# is -1 (every bit set) when the block sits in the shared pool: every worker reaches it.
+_ANY, _GPU, _CPU, _DISK, _SHARED, _TICK, _PARENT = range(7)
+_SLOT_SHIFT = 64  # kid-count keys are (slot << 64) | block key; block keys are 64-bit
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,29 +50,39 @@ class IndexStats:
     dropped: int
     spec_confirmed: int
     spec_expired: int
+    workers_with_holes: int
 
 
 class PrefixIndex:
-    """Flat hash map of block key -> per-tier worker bitmasks.
+    """Flat hash map of 64-bit block key -> per-tier worker bitmasks.
 
-    ``max_blocks`` bounds memory: past it, the least recently matched blocks are
-    dropped (down to 90 % of the bound) and counted in ``dropped``.
+    ``max_blocks`` bounds memory: past it, the least recently matched blocks (leaves
+    first, so no holes are made) are dropped down to 90 % of the bound and counted in
+    ``dropped``. Prompts shorter than ``bisect_min_blocks`` are matched linearly,
+    where bisection saves nothing.
     """
 
     def __init__(
-        self, max_blocks: int | None = None, clock: Callable[[], float] = time.monotonic
+        self,
+        max_blocks: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        bisect_min_blocks: int = 24,
     ) -> None:
         self.max_blocks = max_blocks
+        self.bisect_min_blocks = bisect_min_blocks
         self.dropped = 0
         self.spec_confirmed = 0
         self.spec_expired = 0
         self._clock = clock
         self._entries: dict[int, list[int]] = {}
+        self._kids: dict[int, int] = {}  # (slot << 64 | key) -> children of key held by slot
         self._tick = 0
         self._slot_of: dict[str, int] = {}
         self._names: list[str | None] = []
         self._free: list[int] = []
         self._live = 0  # bitmask of live worker slots
+        self._holey = 0  # bitmask of slots with orphans
+        self._orphans: list[int] = []
         self._counts: list[list[int]] = []  # per slot: blocks per tier
         self._spec: dict[int, int] = {}  # block -> mask of predicted holders
         self._spec_expiry: dict[tuple[int, int], float] = {}
@@ -86,11 +100,13 @@ class PrefixIndex:
         if self._free:
             slot = self._free.pop()
             self._names[slot] = worker_id
-            self._counts[slot] = [0, 0, 0, 0]
         else:
             slot = len(self._names)
             self._names.append(worker_id)
             self._counts.append([0, 0, 0, 0])
+            self._orphans.append(0)
+        self._counts[slot] = [0, 0, 0, 0]
+        self._orphans[slot] = 0
         self._slot_of[worker_id] = slot
         self._live |= 1 << slot
         return slot
@@ -103,20 +119,27 @@ class PrefixIndex:
         slot = self._slot_of.get(worker_id)
         if slot is None:
             return
-        keep = ~(1 << slot)
+        bit = 1 << slot
+        keep = ~bit
         dead = []
         for key, e in self._entries.items():
-            e[_GPU] &= keep
-            e[_CPU] &= keep
-            e[_DISK] &= keep
-            e[_SHARED] &= keep
-            if not self._refresh(e):
-                dead.append(key)
+            if (e[_GPU] | e[_CPU] | e[_DISK] | e[_SHARED]) & bit:
+                e[_GPU] &= keep
+                e[_CPU] &= keep
+                e[_DISK] &= keep
+                e[_SHARED] &= keep
+                if not self._refresh(e):
+                    dead.append(key)
         for key in dead:
             del self._entries[key]
-        for key in [k for k, m in self._spec.items() if m & ~keep]:
+        low = slot << _SLOT_SHIFT
+        high = (slot + 1) << _SLOT_SHIFT
+        for k in [k for k in self._kids if low <= k < high]:
+            del self._kids[k]
+        for key in [k for k, m in self._spec.items() if m & bit]:
             self._drop_spec(key, slot)
         self._counts[slot] = [0, 0, 0, 0]
+        self._set_orphans(slot, 0)
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget the worker and its blocks; its slot is reused by the next newcomer."""
@@ -129,31 +152,43 @@ class PrefixIndex:
         self._free.append(slot)
 
     # -- events ------------------------------------------------------------------
-    def store(self, worker_id: str, hashes: Iterable[int], tier: str = "gpu") -> None:
-        """Record that ``worker_id`` holds ``hashes`` (a chain from block 0) in ``tier``."""
+    def store(
+        self,
+        worker_id: str,
+        hashes: Sequence[int],
+        tier: str = "gpu",
+        parent: int | None = None,
+    ) -> None:
+        """Record that ``worker_id`` holds the chain ``hashes`` in ``tier``.
+
+        ``parent`` is the block before ``hashes[0]`` (None: ``hashes[0]`` is block 0).
+        """
         pos = _TIER_POS[tier]
         slot = self._slot(worker_id)
         bit = 1 << slot
         entries = self._entries
         tick = self._tick
         added = 0
-        confirm = self._spec
+        spec = self._spec
         for h in hashes:
             e = entries.get(h)
             if e is None:
-                e = entries[h] = [0, 0, 0, 0, 0, tick]
+                e = entries[h] = [0, 0, 0, 0, 0, tick, parent]
             if not e[pos] & bit:
+                held = (e[_GPU] | e[_CPU] | e[_DISK] | e[_SHARED]) & bit
                 e[pos] |= bit
                 added += 1
                 e[_ANY] = -1 if e[_SHARED] else e[_GPU] | e[_CPU] | e[_DISK]
-            if confirm and confirm.get(h, 0) & bit:
-                self._drop_spec(h, slot)
-                self.spec_confirmed += 1
+                if not held:
+                    self._hold(h, e, slot, bit)
+                    if spec and spec.get(h, 0) & bit:
+                        self.spec_confirmed += 1
+            parent = h
         self._counts[slot][pos - 1] += added
         if self.max_blocks is not None and len(entries) > self.max_blocks:
             self._evict(int(self.max_blocks * 0.9))
 
-    def remove(self, worker_id: str, hashes: Iterable[int], tier: str = "gpu") -> None:
+    def remove(self, worker_id: str, hashes: Sequence[int], tier: str = "gpu") -> None:
         """Record that ``worker_id`` no longer holds ``hashes`` in ``tier``."""
         slot = self._slot_of.get(worker_id)
         if slot is None:
@@ -168,6 +203,8 @@ class PrefixIndex:
                 continue
             e[pos] &= ~bit
             removed += 1
+            if not (e[_GPU] | e[_CPU] | e[_DISK] | e[_SHARED]) & bit:
+                self._unhold(h, e, slot)
             if not self._refresh(e):
                 del entries[h]
         self._counts[slot][pos - 1] -= removed
@@ -181,11 +218,56 @@ class PrefixIndex:
         mask = e[_TIER_POS[tier]] if tier else e[_GPU] | e[_CPU] | e[_DISK] | e[_SHARED]
         return bool(mask >> slot & 1)
 
+    # -- hole accounting -----------------------------------------------------------
+    def _held_by(self, key: int | None, bit: int) -> bool:
+        e = self._entries.get(key) if key is not None else None
+        return e is not None and bool((e[_GPU] | e[_CPU] | e[_DISK] | e[_SHARED]) & bit)
+
+    def _hold(self, key: int, e: list[int], slot: int, bit: int) -> None:
+        """``slot`` now holds ``key`` (in some tier): update kid counts and orphans."""
+        kids = self._kids
+        base = slot << _SLOT_SHIFT
+        delta = -kids.get(base | key, 0)  # its held children are no longer orphans
+        p = e[_PARENT]
+        if p is not None:
+            kids[base | p] = kids.get(base | p, 0) + 1
+            if not self._held_by(p, bit):
+                delta += 1
+        if delta:
+            self._set_orphans(slot, self._orphans[slot] + delta)
+
+    def _unhold(self, key: int, e: list[int], slot: int) -> None:
+        """``slot`` no longer holds ``key`` in any tier: the reverse of ``_hold``."""
+        kids = self._kids
+        base = slot << _SLOT_SHIFT
+        delta = kids.get(base | key, 0)  # its held children become orphans
+        p = e[_PARENT]
+        if p is not None:
+            k = base | p
+            left = kids.get(k, 0) - 1
+            if left > 0:
+                kids[k] = left
+            else:
+                kids.pop(k, None)
+            if not self._held_by(p, 1 << slot):
+                delta -= 1
+        if delta:
+            self._set_orphans(slot, self._orphans[slot] + delta)
+
+    def _set_orphans(self, slot: int, n: int) -> None:
+        self._orphans[slot] = n
+        if n:
+            self._holey |= 1 << slot
+        else:
+            self._holey &= ~(1 << slot)
+
     # -- predict-on-route ---------------------------------------------------------
     def predict(self, worker_id: str, hashes: Sequence[int], ttl: float) -> None:
-        """Mark ``hashes`` as probably on ``worker_id`` for ``ttl`` seconds.
+        """Mark the chain ``hashes`` (from block 0) as probably on ``worker_id``.
 
-        A real BlockStored for the same block confirms the guess; otherwise it expires.
+        The mark lasts ``ttl`` seconds; a real BlockStored in that time confirms it.
+        Marks are per chain from block 0 and a block's mark lasts at least as long as
+        its descendants', so predictions never make holes.
         """
         slot = self._slot(worker_id)
         bit = 1 << slot
@@ -198,14 +280,13 @@ class PrefixIndex:
 
     def _expire(self) -> None:
         heap = self._spec_heap
-        if not heap:
-            return
         now = self._clock()
         while heap and heap[0][0] <= now:
             expiry, h, slot = heapq.heappop(heap)
             if self._spec_expiry.get((h, slot)) == expiry:
+                if not self._held_by(h, 1 << slot):
+                    self.spec_expired += 1
                 self._drop_spec(h, slot)
-                self.spec_expired += 1
 
     def _drop_spec(self, h: int, slot: int) -> None:
         mask = self._spec.get(h, 0) & ~(1 << slot)
@@ -221,15 +302,66 @@ class PrefixIndex:
 
         Workers that hold no leading block are left out.
         """
+        names = self._names
+        return {names[s]: d for s, d in self._depths(hashes, speculative).items()}  # type: ignore[misc]
+
+    def match_tiers(
+        self, hashes: Sequence[int], *, speculative: bool = True
+    ) -> dict[str, TierMatch]:
+        """Per worker, leading blocks by tier (see ``TierMatch``); for the cost model.
+
+        Speculative (predicted) blocks count as GPU hits: the request that caused the
+        prediction is about to put them there.
+        """
+        depths = self._depths(hashes, speculative)
+        if not depths:
+            return {}
+        names = self._names
+        out: dict[str, TierMatch] = {}
+        split = 0  # slots whose hit may span tiers: only those need a per-tier walk
+        limit = 0
+        counts = self._counts
+        shared = self._shared_blocks()
+        for slot, d in depths.items():
+            c = counts[slot]
+            if not shared and not c[1] and not c[2]:
+                out[names[slot]] = TierMatch(d, d, d, d)  # type: ignore[index]
+            else:
+                split |= 1 << slot
+                limit = max(limit, d)
+        if split:
+            spec = self._spec if speculative and self._spec else None
+            tiers = self._walk_tiers(hashes, split, limit, spec)
+            for slot, (g, c, k) in tiers.items():
+                out[names[slot]] = TierMatch(g, c, k, depths[slot])  # type: ignore[index]
+        return out
+
+    def _shared_blocks(self) -> int:
+        return sum(c[3] for c in self._counts)
+
+    def _depths(self, hashes: Sequence[int], speculative: bool) -> dict[int, int]:
         if speculative and self._spec_heap:
             self._expire()
         spec = self._spec if speculative and self._spec else None
-        entries = self._entries
         self._tick += 1
+        out: dict[int, int] = {}
+        live = self._live
+        if len(hashes) < self.bisect_min_blocks or self._shared_blocks():
+            self._walk(hashes, live, spec, out)
+            return out
+        fast = live & ~self._holey
+        if fast:
+            self._bisect(hashes, fast, spec, out)
+        if live & self._holey:
+            self._walk(hashes, live & self._holey, spec, out)
+        return out
+
+    def _walk(
+        self, hashes: Sequence[int], active: int, spec: dict[int, int] | None, out: dict[int, int]
+    ) -> None:
+        """Exact leading runs for the slots in ``active``: one probe per block, early exit."""
+        entries = self._entries
         tick = self._tick
-        names = self._names
-        active = self._live
-        out: dict[str, int] = {}
         depth = 0
         for h in hashes:
             e = entries.get(h)
@@ -243,92 +375,107 @@ class PrefixIndex:
             nxt = active & m
             if nxt != active:
                 if depth:
-                    lost = active ^ nxt
-                    while lost:
-                        low = lost & -lost
-                        out[names[low.bit_length() - 1]] = depth  # type: ignore[index]
-                        lost ^= low
+                    _record(active ^ nxt, depth, out)
                 active = nxt
                 if not active:
-                    return out
+                    return
             depth += 1
-        while active:
-            low = active & -active
-            out[names[low.bit_length() - 1]] = depth  # type: ignore[index]
-            active ^= low
-        return out
+        _record(active, depth, out)
 
-    def match_tiers(
-        self, hashes: Sequence[int], *, speculative: bool = True
-    ) -> dict[str, TierMatch]:
-        """Per worker, leading blocks by tier (see ``TierMatch``); for the cost model.
+    def _bisect(
+        self, hashes: Sequence[int], active: int, spec: dict[int, int] | None, out: dict[int, int]
+    ) -> None:
+        """Leading runs for hole-free slots: bisect each slot's last held block.
 
-        Speculative (predicted) blocks count as GPU hits: the request that caused the
-        prediction is about to put them there.
+        For these slots the holders of block i shrink as i grows, so an interval whose
+        ends have the same holders needs no probe inside it.
         """
-        if speculative and self._spec_heap:
-            self._expire()
-        spec = self._spec if speculative and self._spec else None
         entries = self._entries
-        self._tick += 1
         tick = self._tick
-        live = self._live
-        a_gpu = a_cpu = a_disk = a_any = live
+        # (lo, hi, holders of block lo, holders of block hi); -1 and n are sentinels.
+        stack = [(-1, len(hashes), active, 0)]
+        while stack:
+            lo, hi, at_lo, at_hi = stack.pop()
+            if at_lo == at_hi:
+                continue
+            if hi - lo == 1:
+                if hi:
+                    _record(at_lo & ~at_hi, hi, out)
+                continue
+            mid = (lo + hi) >> 1
+            h = hashes[mid]
+            e = entries.get(h)
+            if e is None:
+                m = 0
+            else:
+                m = e[_ANY]
+                e[_TICK] = tick
+            if spec is not None:
+                m |= spec.get(h, 0)
+            m &= at_lo
+            stack.append((mid, hi, m, at_hi & m))
+            stack.append((lo, mid, at_lo, m))
+
+    def _walk_tiers(
+        self, hashes: Sequence[int], active: int, limit: int, spec: dict[int, int] | None
+    ) -> dict[int, tuple[int, int, int]]:
+        """Per slot in ``active``: leading blocks in gpu, gpu+cpu, gpu+cpu+disk."""
+        entries = self._entries
+        a_gpu = a_cpu = a_disk = active
         d_gpu: dict[int, int] = {}
         d_cpu: dict[int, int] = {}
         d_disk: dict[int, int] = {}
-        d_any: dict[int, int] = {}
         depth = 0
-        for h in hashes:
+        for h in hashes[:limit]:
             e = entries.get(h)
             s = spec.get(h, 0) if spec is not None else 0
             if e is None:
-                m_gpu = m_cpu = m_disk = m_any = s
+                m_gpu = m_cpu = m_disk = s
             else:
-                e[_TICK] = tick
                 m_gpu = e[_GPU] | s
                 m_cpu = m_gpu | e[_CPU]
                 m_disk = m_cpu | e[_DISK]
-                m_any = e[_ANY] | s
             a_gpu = _narrow(a_gpu, m_gpu, depth, d_gpu)
             a_cpu = _narrow(a_cpu, m_cpu, depth, d_cpu)
             a_disk = _narrow(a_disk, m_disk, depth, d_disk)
-            a_any = _narrow(a_any, m_any, depth, d_any)
-            if not a_any:
+            if not a_disk:
                 break
             depth += 1
-        for active, record in ((a_gpu, d_gpu), (a_cpu, d_cpu), (a_disk, d_disk), (a_any, d_any)):
-            _narrow(active, 0, depth, record)
-        names = self._names
+        _record(a_gpu, depth, d_gpu)
+        _record(a_cpu, depth, d_cpu)
+        _record(a_disk, depth, d_disk)
         return {
-            names[slot]: TierMatch(  # type: ignore[misc]
-                d_gpu.get(slot, 0), d_cpu.get(slot, 0), d_disk.get(slot, 0), total
-            )
-            for slot, total in d_any.items()
+            slot: (d_gpu.get(slot, 0), d_cpu.get(slot, 0), d_disk.get(slot, 0))
+            for slot in _slots(active)
         }
 
     # -- memory ------------------------------------------------------------------
     def _refresh(self, e: list[int]) -> bool:
         """Recompute the any-tier mask; False when no worker holds the block any more."""
         e[_ANY] = -1 if e[_SHARED] else e[_GPU] | e[_CPU] | e[_DISK]
-        return bool(e[_ANY])
+        return bool(e[_GPU] | e[_CPU] | e[_DISK] | e[_SHARED])
+
+    def _is_leaf(self, key: int, e: list[int]) -> bool:
+        kids = self._kids
+        holders = e[_GPU] | e[_CPU] | e[_DISK] | e[_SHARED]
+        return not any((slot << _SLOT_SHIFT | key) in kids for slot in _slots(holders))
 
     def _evict(self, target: int) -> None:
+        """Drop least recently matched blocks down to ``target``, leaves first."""
         entries = self._entries
-        excess = len(entries) - target
-        if excess <= 0:
-            return
-        victims = heapq.nsmallest(excess, entries.items(), key=lambda kv: kv[1][_TICK])
-        counts = self._counts
-        for key, e in victims:
-            for pos in (_GPU, _CPU, _DISK, _SHARED):
-                mask = e[pos]
-                while mask:
-                    low = mask & -mask
-                    counts[low.bit_length() - 1][pos - 1] -= 1
-                    mask ^= low
-            del entries[key]
-        self.dropped += len(victims)
+        while len(entries) > target:
+            excess = len(entries) - target
+            leaves = [(k, e) for k, e in entries.items() if self._is_leaf(k, e)]
+            pool = leaves or list(entries.items())
+            victims = heapq.nsmallest(excess, pool, key=lambda kv: kv[1][_TICK])
+            for key, e in victims:
+                for pos in (_GPU, _CPU, _DISK, _SHARED):
+                    for slot in _slots(e[pos]):
+                        self._counts[slot][pos - 1] -= 1
+                for slot in _slots(e[_GPU] | e[_CPU] | e[_DISK] | e[_SHARED]):
+                    self._unhold(key, e, slot)
+                del entries[key]
+            self.dropped += len(victims)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -345,16 +492,29 @@ class PrefixIndex:
             dropped=self.dropped,
             spec_confirmed=self.spec_confirmed,
             spec_expired=self.spec_expired,
+            workers_with_holes=self._holey.bit_count(),
         )
+
+
+def _slots(mask: int) -> list[int]:
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
+
+
+def _record(mask: int, depth: int, out: dict[int, int]) -> None:
+    while mask:
+        low = mask & -mask
+        out[low.bit_length() - 1] = depth
+        mask ^= low
 
 
 def _narrow(active: int, mask: int, depth: int, record: dict[int, int]) -> int:
     """AND ``mask`` into ``active``; slots that drop out stop at ``depth`` blocks."""
     nxt = active & mask
     if nxt != active and depth:
-        lost = active ^ nxt
-        while lost:
-            low = lost & -lost
-            record[low.bit_length() - 1] = depth
-            lost ^= low
+        _record(active ^ nxt, depth, record)
     return nxt

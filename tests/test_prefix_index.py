@@ -62,32 +62,50 @@ class Reference:
         return out
 
 
-def chain_slice() -> st.SearchStrategy[list[int]]:
-    return st.builds(
-        lambda c, lo, hi: CHAINS[c][min(lo, hi) : max(lo, hi) + 1],
-        st.integers(0, len(CHAINS) - 1),
-        st.integers(0, 4),
-        st.integers(0, 4),
-    )
+def chain_slice(c: int, lo: int, hi: int) -> tuple[list[int], int | None]:
+    """A piece of chain ``c`` and the parent of its first block."""
+    lo, hi = min(lo, hi), max(lo, hi)
+    chain = CHAINS[c]
+    lo = min(lo, len(chain) - 1)
+    return chain[lo : hi + 1], chain[lo - 1] if lo else None
+
+
+slices = st.builds(
+    chain_slice,
+    st.integers(0, len(CHAINS) - 1),
+    st.integers(0, 4),
+    st.integers(0, 4),
+)
 
 
 ops = st.one_of(
-    st.tuples(st.just("store"), st.sampled_from(WORKERS), chain_slice(), st.sampled_from(TIERS)),
-    st.tuples(st.just("remove"), st.sampled_from(WORKERS), chain_slice(), st.sampled_from(TIERS)),
+    st.tuples(st.just("store"), st.sampled_from(WORKERS), slices, st.sampled_from(TIERS)),
+    st.tuples(st.just("remove"), st.sampled_from(WORKERS), slices, st.sampled_from(TIERS)),
     st.tuples(st.just("clear"), st.sampled_from(WORKERS)),
     st.tuples(st.just("remove_worker"), st.sampled_from(WORKERS)),
 )
 
 
-@settings(max_examples=400, deadline=None)
-@given(st.lists(ops, max_size=40))
-def test_match_equals_reference(steps: list[tuple]) -> None:
-    index, ref = PrefixIndex(), Reference()
+def apply(index: PrefixIndex, ref: Reference, steps: list[tuple]) -> None:
     for op, *args in steps:
-        getattr(index, op)(*args)
-        getattr(ref, op)(*args)
-        if op == "store":  # stores register the worker in both, even an empty chain
-            ref.held.setdefault(args[0], {t: set() for t in TIERS})
+        if op == "store":
+            worker, (hashes, parent), tier = args
+            index.store(worker, hashes, tier, parent=parent)
+            ref.store(worker, hashes, tier)
+        elif op == "remove":
+            worker, (hashes, _), tier = args
+            index.remove(worker, hashes, tier)
+            ref.remove(worker, hashes, tier)
+        else:
+            getattr(index, op)(*args)
+            getattr(ref, op)(*args)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(ops, max_size=40), st.sampled_from([1, 24]))
+def test_match_equals_reference(steps: list[tuple], bisect_min: int) -> None:
+    index, ref = PrefixIndex(bisect_min_blocks=bisect_min), Reference()
+    apply(index, ref, steps)
     for chain in CHAINS:
         for cut in range(len(chain) + 1):
             query = [*chain[:cut], 99]
@@ -146,9 +164,11 @@ def test_predictions_expire_or_are_confirmed() -> None:
     assert index.match_tiers([1, 2, 3])["a"] == TierMatch(3, 3, 3, 3)
     index.store("a", [1, 2])  # the engine confirms two of them
     assert index.spec_confirmed == 2
+    index.store("a", [1, 2], "cpu")  # a second tier is no second confirmation
+    assert index.spec_confirmed == 2
     clock.now = 5.0
     assert index.match([1, 2, 3]) == {"a": 2}
-    assert index.spec_expired == 1
+    assert index.spec_expired == 1  # block 3 was never confirmed
     assert index.stats().speculative == 0
 
 
@@ -171,3 +191,80 @@ def test_removed_worker_slot_is_reused_cleanly() -> None:
     index.store("b", [7])
     assert index.match([1, 2]) == {}
     assert index.workers == ["b"]
+
+
+# Long chains so bisection really bisects: a tree of chains with shared prefixes.
+def long_chain(branch: int, length: int) -> list[int]:
+    return [
+        1000 * (i // 8 if branch else 0) + (branch if i >= 8 else 0) * 100 + i
+        for i in range(length)
+    ]
+
+
+LONG = [long_chain(b, 64) for b in range(4)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["store", "remove", "clear"]),
+            st.sampled_from(WORKERS),
+            st.integers(0, 3),
+            st.integers(0, 63),
+            st.integers(1, 64),
+        ),
+        max_size=30,
+    )
+)
+def test_bisection_equals_linear_walk_with_holes(steps: list[tuple]) -> None:
+    fast, slow = PrefixIndex(bisect_min_blocks=1), PrefixIndex(bisect_min_blocks=10**9)
+    ref = Reference()
+    for op, worker, branch, start, length in steps:
+        chain = LONG[branch]
+        if op == "store":  # engines store chains from block 0
+            for index in (fast, slow):
+                index.store(worker, chain[:length])
+            ref.store(worker, chain[:length], "gpu")
+        elif op == "remove":
+            piece = chain[start : start + length // 8 + 1]
+            for index in (fast, slow):
+                index.remove(worker, piece)
+            ref.remove(worker, piece, "gpu")
+        else:
+            for index in (fast, slow):
+                index.clear(worker)
+            ref.clear(worker)
+    for chain in LONG:
+        for cut in (1, 7, 8, 9, 33, 64):
+            expected = ref.match(chain[:cut])
+            assert fast.match(chain[:cut]) == expected
+            assert slow.match(chain[:cut]) == expected
+            assert fast.match_tiers(chain[:cut]) == slow.match_tiers(chain[:cut])
+
+
+def test_holes_are_counted_and_healed() -> None:
+    index = PrefixIndex(bisect_min_blocks=1)
+    chain = list(range(1, 41))
+    index.store("a", chain)
+    assert index.stats().workers_with_holes == 0
+    index.remove("a", [5])
+    assert index.stats().workers_with_holes == 1
+    assert index.match(chain) == {"a": 4}
+    index.store("a", [5], parent=4)
+    assert index.stats().workers_with_holes == 0
+    assert index.match(chain) == {"a": 40}
+    index.remove("a", chain[::-1])  # leaf-first eviction never makes a hole
+    assert index.stats().workers_with_holes == 0 and len(index) == 0
+
+
+def test_memory_bound_evicts_leaves_first_and_makes_no_holes() -> None:
+    index = PrefixIndex(max_blocks=50, bisect_min_blocks=1)
+    index.store("a", list(range(1, 41)))
+    index.match(list(range(1, 41)))
+    index.store("b", list(range(100, 140)))
+    assert len(index) <= 50
+    assert index.stats().workers_with_holes == 0
+    depth_a = index.match(list(range(1, 41))).get("a", 0)
+    depth_b = index.match(list(range(100, 140))).get("b", 0)
+    assert depth_a + depth_b == len(index)
