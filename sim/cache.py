@@ -27,17 +27,18 @@ from dataclasses import dataclass
 from hashlib import blake2b
 
 from index.codec import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from index.hashing import TokenIds, token_bytes
 
 GPU = "GPU"
 CPU = "CPU"
 
 
 def engine_block_hashes(
-    token_ids: Sequence[int], block_size: int, seed: int = 0, parent: int | None = None
+    token_ids: TokenIds, block_size: int, seed: int = 0, parent: int | None = None
 ) -> list[int]:
     """The engine-side hash of every full block of ``token_ids``, chained from ``parent``."""
     key = (seed & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "little")
-    data = array("I", token_ids).tobytes()
+    data = bytes(token_bytes(token_ids))
     step = block_size * 4
     prev = (parent or 0).to_bytes(8, "little")
     out: list[int] = []
@@ -45,6 +46,11 @@ def engine_block_hashes(
         prev = blake2b(prev + data[start : start + step], digest_size=8, key=key).digest()
         out.append(int.from_bytes(prev, "little"))
     return out
+
+
+def _as_list(tokens: Sequence[int]) -> list[int]:
+    """Event payloads need plain ints; ``array('I')`` converts fastest with ``tolist``."""
+    return tokens.tolist() if isinstance(tokens, array) else list(tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,7 +321,7 @@ class PrefixCache:
             BlockStored(
                 block_hashes=stored,
                 parent_block_hash=req.hashes[first - 1] if first else None,
-                token_ids=list(req.tokens[first * bs : (first + len(stored)) * bs]),
+                token_ids=_as_list(req.tokens[first * bs : (first + len(stored)) * bs]),
                 block_size=bs,
                 medium=GPU,
             )
@@ -346,7 +352,7 @@ class PrefixCache:
             BlockStored(
                 block_hashes=[h],
                 parent_block_hash=parent,
-                token_ids=list(tokens or ()),
+                token_ids=_as_list(tokens or ()),
                 block_size=self.block_size,
                 medium=CPU,
             )
@@ -364,7 +370,7 @@ class PrefixCache:
             BlockStored(
                 block_hashes=[h],
                 parent_block_hash=parent,
-                token_ids=list(tokens),
+                token_ids=_as_list(tokens),
                 block_size=self.block_size,
                 medium=GPU,
             )
@@ -384,7 +390,7 @@ class PrefixCache:
                 BlockStored(
                     block_hashes=[h],
                     parent_block_hash=src.parent,
-                    token_ids=list(req.tokens[i * bs : (i + 1) * bs]),
+                    token_ids=_as_list(req.tokens[i * bs : (i + 1) * bs]),
                     block_size=bs,
                     medium=GPU,
                 )
