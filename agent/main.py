@@ -1,0 +1,63 @@
+"""``cache-router agent``: run the node agent beside one vLLM / SGLang / mock engine."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+
+from agent.node import AgentConfig, NodeAgent
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--worker-id", required=True, help="this engine's id in the pool")
+    parser.add_argument("--zmq-endpoint", required=True, help="the engine's KV-event PUB socket")
+    parser.add_argument("--replay-endpoint", help="the engine's KV-event replay ROUTER socket")
+    parser.add_argument("--engine-url", help="engine HTTP base URL (/metrics, mock /prefetch)")
+    parser.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    parser.add_argument("--subject-prefix", default="kv")
+    parser.add_argument("--prefetch-hook", help="URL to POST prefetch hints to (real engines)")
+    parser.add_argument("--load-interval", type=float, default=1.0, help="seconds; 0 disables")
+    parser.add_argument("--buffer", type=int, default=10_000, help="batches kept for replay")
+    parser.add_argument("--topic", default="", help="ZMQ topic the engine publishes under")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def config_from_args(args: argparse.Namespace) -> AgentConfig:
+    if args.buffer <= 0:
+        raise SystemExit("--buffer must be positive")
+    return AgentConfig(
+        worker_id=args.worker_id,
+        zmq_endpoint=args.zmq_endpoint,
+        nats_url=args.nats_url,
+        engine_url=args.engine_url,
+        replay_endpoint=args.replay_endpoint,
+        subject_prefix=args.subject_prefix,
+        prefetch_hook=args.prefetch_hook,
+        load_interval=args.load_interval,
+        buffer=args.buffer,
+        topic=args.topic,
+    )
+
+
+async def _serve(cfg: AgentConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    async with NodeAgent(cfg):
+        logging.getLogger(__name__).info(
+            "agent %s: %s -> %s", cfg.worker_id, cfg.zmq_endpoint, cfg.nats_url
+        )
+        await stop.wait()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    asyncio.run(_serve(config_from_args(args)))
+    return 0

@@ -1,0 +1,291 @@
+"""The node agent's I/O shell: engine ZMQ -> ``AgentCore`` -> NATS, and back.
+
+One task reads the engine's PUB socket and, on a gap, asks the engine's replay socket
+for the missing batches before going on, so batches reach NATS in seq order. NATS
+callbacks answer replay requests from the core and queue prefetch hints; another task
+scrapes ``/metrics`` into load reports. Nothing here raises out of a loop: bad frames,
+failed publishes and unreachable engines are counted and logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+import httpx
+import nats
+import orjson
+import zmq
+import zmq.asyncio
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from zmq.utils.monitor import parse_monitor_message
+
+from agent.core import Accepted, AgentCore, Verdict
+from agent.engine_zmq import fetch_replay, parse_live
+from agent.load import parse_load
+from agent.prefetch import PrefetchForwarder
+from index.replay import ReplayMessage, ReplayRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class AgentConfig:
+    worker_id: str
+    zmq_endpoint: str
+    nats_url: str
+    engine_url: str | None = None  # for /metrics and (mock engine) /prefetch
+    replay_endpoint: str | None = None
+    subject_prefix: str = "kv"
+    prefetch_hook: str | None = None  # a real engine's prefetch endpoint
+    load_interval: float = 1.0
+    buffer: int = 10_000
+    topic: str = ""
+    replay_timeout: float = 1.0  # seconds without a reply before a replay gives up
+
+
+class NodeAgent:
+    """Runs beside one engine. ``async with NodeAgent(cfg):`` or ``start``/``stop``."""
+
+    def __init__(self, cfg: AgentConfig) -> None:
+        self.cfg = cfg
+        self.core = AgentCore(cfg.buffer)
+        self.counters: Counter[str] = Counter()
+        hook = cfg.prefetch_hook or (cfg.engine_url and cfg.engine_url.rstrip("/") + "/prefetch")
+        self.prefetch = PrefetchForwarder(hook or None)
+        self.nc: NATS | None = None
+        self._ctx = zmq.asyncio.Context()
+        self._sub: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._http: httpx.AsyncClient | None = None
+        self._suspect_restart = False
+        p = cfg.subject_prefix
+        self.events_subject = f"{p}.events.{cfg.worker_id}"
+        self.replay_subject = f"{p}.replay.{cfg.worker_id}"
+        self.prefetch_subject = f"{p}.prefetch.{cfg.worker_id}"
+        self.load_subject = f"{p}.load.{cfg.worker_id}"
+
+    # -- lifecycle ----------------------------------------------------------------
+    async def start(self) -> NodeAgent:
+        """Connect to NATS (retrying with backoff) and the engine, then run."""
+        self._http = httpx.AsyncClient(timeout=5.0)
+        await self.prefetch.start()
+        self.nc = await self._connect_nats()
+        await self.nc.subscribe(self.replay_subject, cb=self._on_replay)
+        await self.nc.subscribe(self.prefetch_subject, cb=self._on_prefetch)
+        await self.nc.flush()
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 0)  # never drop here: the engine's replay is bounded
+        sub.setsockopt(zmq.SUBSCRIBE, self.cfg.topic.encode())
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sub.connect(self.cfg.zmq_endpoint)
+        self._sub = sub
+        self._spawn(self._zmq_loop(), "zmq-events")
+        self._spawn(self._monitor_loop(monitor), "zmq-monitor")
+        if self.cfg.engine_url and self.cfg.load_interval > 0:
+            self._spawn(self._load_loop(), "load-report")
+        return self
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        await self.prefetch.stop()
+        if self.nc is not None:
+            with contextlib.suppress(Exception):  # closing a half-dead connection
+                await self.nc.drain()
+            self.nc = None
+        if self._sub is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sub.disable_monitor()
+            self._sub = None
+        if self._http is not None:
+            await self._http.aclose()
+        self._ctx.destroy(linger=0)
+        log.info("agent %s stopped: %s", self.cfg.worker_id, dict(self.stats()))
+
+    async def __aenter__(self) -> NodeAgent:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def stats(self) -> Counter[str]:
+        """Every counter: core (batches, restarts, lost...), I/O and prefetch."""
+        out = Counter(self.core.counters)
+        out.update(self.counters)
+        out.update({f"prefetch_{k}": v for k, v in self.prefetch.counters.items()})
+        return out
+
+    def _spawn(self, coro: object, name: str) -> None:
+        self._tasks.append(asyncio.create_task(coro, name=name))  # type: ignore[arg-type]
+
+    async def _connect_nats(self) -> NATS:
+        delay = 0.1
+        while True:
+            try:
+                return await nats.connect(
+                    self.cfg.nats_url,
+                    name=f"cache-router-agent-{self.cfg.worker_id}",
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=1,
+                    error_cb=self._on_nats_error,
+                    disconnected_cb=self._on_nats_disconnect,
+                )
+            except Exception as exc:  # nats-py raises several types when no server answers
+                self.counters["nats_connect_failures"] += 1
+                log.warning(
+                    "NATS %s unreachable (%s); retry in %.1fs", self.cfg.nats_url, exc, delay
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def _on_nats_error(self, exc: Exception) -> None:
+        self.counters["nats_errors"] += 1
+        log.warning("NATS error: %s", exc)
+
+    async def _on_nats_disconnect(self) -> None:
+        self.counters["nats_disconnects"] += 1
+        log.warning("NATS disconnected; reconnecting")
+
+    # -- engine events -------------------------------------------------------------
+    async def _zmq_loop(self) -> None:
+        assert self._sub is not None
+        await self._catch_up()  # an engine running before us: take what it buffers
+        while True:
+            frames = await self._sub.recv_multipart()
+            parsed = parse_live(frames)
+            if parsed is None:
+                self.counters["bad_frames"] += 1
+                log.warning("not a KV-event message: %d frames", len(frames))
+                continue
+            try:
+                await self._on_batch(*parsed)
+            except Exception:  # one bad batch must not stop the stream
+                self.counters["internal_errors"] += 1
+                log.exception("failed to handle engine batch %d", parsed[0])
+
+    async def _monitor_loop(self, monitor: zmq.asyncio.Socket) -> None:
+        """A dropped engine connection may be a restart that keeps seqs rising."""
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    self._suspect_restart = True
+        finally:
+            monitor.close(linger=0)
+
+    async def _on_batch(self, seq: int, payload: bytes) -> None:
+        core = self.core
+        if self._suspect_restart and core.last_seq is not None and seq > core.last_seq:
+            self._suspect_restart = False
+            if await self._engine_restarted():
+                core.restart()
+        self._suspect_restart = False
+        verdict = core.classify(seq, payload)
+        if verdict is Verdict.RESTART:
+            core.restart()
+            verdict = core.classify(seq, payload)
+        if verdict is Verdict.GAP:
+            self.counters["engine_gaps"] += 1
+            await self._catch_up()
+            verdict = core.classify(seq, payload)
+        if verdict is Verdict.DUPLICATE:
+            self.counters["duplicates"] += 1
+            return
+        if verdict is Verdict.RESTART:  # the engine's replay disagreed with its live stream
+            core.restart()
+        await self._publish(core.accept(seq, payload))
+
+    async def _catch_up(self) -> None:
+        """Accept every batch the engine's replay socket holds from ``expected`` on."""
+        if not self.cfg.replay_endpoint:
+            return
+        batches, _ = await fetch_replay(
+            self._ctx,
+            self.cfg.replay_endpoint,
+            self.core.expected,
+            idle_timeout=self.cfg.replay_timeout,
+        )
+        for seq, payload in batches:
+            if seq >= self.core.expected:
+                await self._publish(self.core.accept(seq, payload))
+
+    async def _engine_restarted(self) -> bool:
+        """After a reconnect: does the engine still hold our last batch, byte for byte?"""
+        last = self.core.last_seq
+        if not self.cfg.replay_endpoint or last is None:
+            return False
+        batches, complete = await fetch_replay(
+            self._ctx, self.cfg.replay_endpoint, last, idle_timeout=self.cfg.replay_timeout
+        )
+        if not complete:
+            return False  # no answer: cannot tell, keep the epoch
+        return not batches or batches[0] != (last, self.core.ring.get(last))
+
+    async def _publish(self, acc: Accepted | None) -> None:
+        if acc is None:
+            return
+        headers = {"Kv-Seq": str(acc.seq), "Kv-Epoch": acc.epoch}
+        if acc.dp_rank is not None:
+            headers["Kv-Dp-Rank"] = str(acc.dp_rank)
+        try:
+            assert self.nc is not None
+            await self.nc.publish(self.events_subject, acc.payload, headers=headers)
+            self.counters["published"] += 1
+        except Exception as exc:  # disconnected with a full buffer, payload too big...
+            self.counters["publish_failed"] += 1
+            log.warning("batch %d not published (%s); routers can replay it", acc.seq, exc)
+
+    # -- NATS requests -------------------------------------------------------------
+    async def _on_replay(self, msg: Msg) -> None:
+        if not msg.reply:
+            self.counters["bad_replay_requests"] += 1
+            return
+        try:
+            request = ReplayRequest.decode(msg.data)
+            replies = self.core.replay(request.from_seq)  # one consistent snapshot
+        except (ValueError, orjson.JSONDecodeError) as exc:
+            self.counters["bad_replay_requests"] += 1
+            log.warning("bad replay request: %s", exc)
+            replies = [ReplayMessage("end", -1, epoch=self.core.epoch)]
+        try:
+            assert self.nc is not None
+            for reply in replies:
+                await self.nc.publish(msg.reply, reply.encode())
+        except Exception as exc:
+            self.counters["replay_publish_failed"] += 1
+            log.warning("replay reply failed: %s", exc)
+
+    async def _on_prefetch(self, msg: Msg) -> None:
+        self.prefetch.submit(msg.data)
+
+    # -- load ----------------------------------------------------------------------
+    async def _load_loop(self) -> None:
+        assert self._http is not None and self.cfg.engine_url
+        url = self.cfg.engine_url.rstrip("/") + "/metrics"
+        while True:
+            try:
+                resp = await self._http.get(url)
+                resp.raise_for_status()
+                report = parse_load(resp.text)
+            except (httpx.HTTPError, ValueError) as exc:
+                self.counters["load_scrape_failed"] += 1
+                log.debug("load scrape of %s failed: %s", url, exc)
+            else:
+                try:
+                    assert self.nc is not None
+                    await self.nc.publish(self.load_subject, orjson.dumps(report.to_json()))
+                    self.counters["load_published"] += 1
+                except Exception as exc:
+                    self.counters["publish_failed"] += 1
+                    log.warning("load report not published: %s", exc)
+            await asyncio.sleep(self.cfg.load_interval)
