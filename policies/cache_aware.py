@@ -20,7 +20,8 @@ in the shared pool are hinted the same way (tier "shared") so the load overlaps 
 A worker whose index is out of sync is estimated with no hit at all: a stale match
 promises a saving the engine may not deliver.
 
-Ties (within ``tie_ms``) are broken at random, never by list order.
+Ties (within ``tie_ms``) are broken at random, never by list order. An estimate that
+relies on a prefetch must win by more than ``tie_ms``: the hint may be dropped.
 """
 
 from __future__ import annotations
@@ -32,13 +33,7 @@ from typing import Any
 from index.prefix_index import TierMatch
 
 from .base import NO_MATCH, Decision, Policy, PrefetchHint, RouteRequest, WorkerView
-from .cost_model import (
-    EngineCosts,
-    decode_seqs,
-    load_time_ms,
-    prefill_time_ms,
-    queue_wait_ms,
-)
+from .cost_model import EngineCosts, estimate_ttft_prefetched, prefetch_fits
 from .selection import argmin_random, healthy
 
 
@@ -64,49 +59,90 @@ class CacheAware(Policy):
 
     def select(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
         cands = healthy(workers)
-        costs = self.costs
+        c = self.costs
+        ppt = c.prefill_ms_per_token
+        attn = c.attn_ms_per_token_ctx
+        step = c.decode_ms_per_step
+        inv_budget = 1.0 / c.max_batch_tokens
         bs = request.block_size
+        cpu_r = c.cpu_ms_per_token * bs
+        disk_r = c.disk_ms_per_token * bs
+        shared_r = c.shared_ms_per_token * bs
         ntok = request.num_tokens
         nblocks = len(request.block_hashes)
         matches: list[TierMatch] = []
+        queues: list[float] = []
         ttfts: list[float] = []
         scores: dict[str, dict[str, float]] = {}
-        src: WorkerView | None = None
+        src_id: str | None = None
         src_local = 0
         src_queue = 0.0
+        maybe_prefetch = False
+        # cost_model.estimate_ttft, inlined: this loop is the router's per-request overhead
         for w in cands:
             m = w.match if w.in_sync else NO_MATCH
-            if m.total > nblocks:  # a view built for another request: never trust more
-                m = NO_MATCH
-            decode = decode_seqs(w)
-            queue = queue_wait_ms(costs, w, ntok)
-            prefill = prefill_time_ms(costs, ntok, m.total, bs, decode)
-            load = load_time_ms(costs, m, bs)
+            total = m.total
+            if total > nblocks:  # a view built for another request: never trust more
+                m, total = NO_MATCH, 0
+            dec = w.decode_streams
+            pending = w.inflight_requests - dec
+            if pending < 0:
+                pending = 0
+            running = w.engine_running
+            if running is not None and running - pending > dec:
+                dec = running - pending
+            per_step = step + dec * ppt
+            qt = w.inflight_prefill_tokens
+            waiting = w.engine_waiting
+            if waiting is not None and waiting > pending:
+                qt += (waiting - pending) * (qt / pending if pending and qt else ntok)
+            if qt > 0:
+                n_steps = qt * inv_budget
+                queue = qt * ppt + (n_steps if n_steps > 1.0 else 1.0) * per_step
+            else:
+                queue = 0.0
+            left = ntok - total * bs
+            if left < 1:
+                left = 1
+            n_steps = left * inv_budget
+            prefill = (
+                left * (ppt + attn * (ntok - left + 0.5 * left))
+                + (n_steps if n_steps > 1.0 else 1.0) * per_step
+            )
+            local = m.disk
+            load = (m.cpu - m.gpu) * cpu_r + (local - m.cpu) * disk_r + (total - local) * shared_r
             ttft = queue + prefill + load
             matches.append(m)
+            queues.append(queue)
             ttfts.append(ttft)
             scores[w.worker_id] = {
                 "ttft_ms": ttft,
                 "queue_ms": queue,
                 "prefill_ms": prefill,
                 "load_ms": load,
-                "hit_blocks": m.total,
+                "hit_blocks": total,
                 "prefetch_blocks": 0,
             }
-            if m.disk > src_local or (m.disk == src_local and src and queue < src_queue):
-                src, src_local, src_queue = w, m.disk, queue
+            if queue > 0 and total > local:
+                maybe_prefetch = True
+            if local > src_local or (local == src_local and src_id and queue < src_queue):
+                src_id, src_local, src_queue = w.worker_id, local, queue
 
         options: dict[int, tuple[str | None, int, str]] | None = None
-        if self.prefetch:
-            src_id = src.worker_id if src is not None else None
+        if self.prefetch and (src_local or maybe_prefetch):
+            # a worker whose queue alone exceeds the best estimate cannot win with a prefetch
+            bound = min(ttfts) + self.tie_ms
             for i, w in enumerate(cands):
+                if queues[i] <= 0 or queues[i] > bound:
+                    continue
                 score = scores[w.worker_id]
                 option = self._prefetch_option(request, w, matches[i], score, src_id, src_local)
                 if option is not None:
                     if options is None:
                         options = {}
                     options[i] = option
-                    ttfts[i] = score["ttft_ms"]
+                    # it relies on a hint landing: on a near-tie the worker that needs none wins
+                    ttfts[i] = score["ttft_ms"] + self.tie_ms
 
         i = argmin_random(ttfts, self.rng, self.tie_ms)
         chosen = cands[i].worker_id
@@ -114,9 +150,9 @@ class CacheAware(Policy):
         if option is None:
             return Decision(chosen, scores=scores, reason=f"min ttft {ttfts[i]:.1f} ms")
         source, blocks, tier = option
-        queue = scores[chosen]["queue_ms"]
-        hint = PrefetchHint(source, chosen, blocks, tier, deadline_ms=queue)
-        return Decision(chosen, hint, scores, f"min ttft {ttfts[i]:.1f} ms with {tier} prefetch")
+        hint = PrefetchHint(source, chosen, blocks, tier, deadline_ms=queues[i])
+        ttft = scores[chosen]["ttft_ms"]
+        return Decision(chosen, hint, scores, f"min ttft {ttft:.1f} ms with {tier} prefetch")
 
     def _prefetch_option(
         self,
@@ -131,30 +167,23 @@ class CacheAware(Policy):
 
         Updates ``score`` in place to the with-prefetch estimate when that is lower.
         """
-        queue = score["queue_ms"]
-        if queue <= 0:
-            return None
         costs = self.costs
         bs = request.block_size
         local = m.disk
         if src_id is not None and src_id != w.worker_id and src_local > m.total:
             # pull [local, src_local) from the source's host memory over the network
-            moved = src_local - local
-            if costs.prefetch_ms(moved * bs) > queue:
-                return None
-            hit, tier, source = src_local, "cpu", src_id
+            moved, hit, tier, source = src_local - local, src_local, "cpu", src_id
         elif m.total > local:
             # blocks w reaches only in the shared pool: load them while w is busy anyway
-            moved = m.total - local
-            if costs.load_ms("shared", moved * bs) > queue:
-                return None
-            hit, tier, source = m.total, "shared", src_id if src_local else None
+            moved, hit, tier = m.total - local, m.total, "shared"
+            source = src_id if src_local else None
         else:
             return None
-        prefill = prefill_time_ms(costs, request.num_tokens, hit, bs, decode_seqs(w))
-        # w's own lower tiers as before; the moved blocks land in its host memory
-        load = load_time_ms(costs, TierMatch(m.gpu, m.cpu, m.disk, m.disk), bs)
-        load += costs.load_ms("cpu", moved * bs)
+        if not prefetch_fits(costs, moved * bs, score["queue_ms"], tier):
+            return None
+        queue, prefill, load = estimate_ttft_prefetched(
+            costs, w, m, request.num_tokens, bs, hit, moved
+        )
         ttft = queue + prefill + load
         if ttft >= score["ttft_ms"]:
             return None

@@ -114,7 +114,11 @@ class EngineCosts:
         return tokens * self.prefetch_ms_per_token
 
 
-# -- estimates per worker (the policy's view of the physics above) --------------------
+# -- estimates per worker --------------------------------------------------------------
+# The plain reference of the estimate. ``CacheAware.select`` inlines the same arithmetic
+# (function calls would triple its cost) and a property test holds the two equal.
+
+
 def decode_seqs(view: WorkerView) -> int:
     """Sequences decoding on the worker: the router's count, or the engine's if larger."""
     if view.engine_running is None:
@@ -133,33 +137,35 @@ def queue_tokens(view: WorkerView, fallback_tokens: float) -> float:
     tokens = float(view.inflight_prefill_tokens)
     waiting = view.engine_waiting
     if waiting is not None:
-        pending = view.inflight_requests - view.decode_streams
-        if pending < 0:
-            pending = 0
+        pending = max(view.inflight_requests - view.decode_streams, 0)
         if waiting > pending:
             per = tokens / pending if pending and tokens else fallback_tokens
             tokens += (waiting - pending) * per
     return tokens
 
 
-def busy_ms(costs: EngineCosts, prefill_tokens: float, decode: int, context: float = 0.0) -> float:
-    """Time for the engine to push ``prefill_tokens`` through while ``decode`` seqs decode.
+def steps_ms(costs: EngineCosts, tokens: float, decode: int) -> float:
+    """Fixed step costs while ``tokens`` prefill with ``decode`` sequences decoding.
 
     Each step carries at most ``max_batch_tokens`` tokens and pays its fixed cost plus
     one token per decoding sequence, so decoding neighbours slow a prefill down.
     """
-    if prefill_tokens <= 0:
-        return 0.0
-    steps = prefill_tokens / costs.max_batch_tokens
-    if steps < 1.0:
-        steps = 1.0
-    per_step = costs.decode_ms_per_step + decode * costs.prefill_ms_per_token
-    return costs.prefill_ms(prefill_tokens, context) + steps * per_step
+    steps = tokens / costs.max_batch_tokens
+    return (steps if steps > 1.0 else 1.0) * (
+        costs.decode_ms_per_step + decode * costs.prefill_ms_per_token
+    )
 
 
 def queue_wait_ms(costs: EngineCosts, view: WorkerView, fallback_tokens: float) -> float:
-    """Expected wait before a new request's prefill starts on ``view``."""
-    return busy_ms(costs, queue_tokens(view, fallback_tokens), decode_seqs(view))
+    """Expected wait before a new request's prefill starts on ``view``.
+
+    Linear in the queued tokens: their contexts are unknown, and charging the queue as
+    one long sequence would make attention grow with the square of the queue.
+    """
+    tokens = queue_tokens(view, fallback_tokens)
+    if tokens <= 0:
+        return 0.0
+    return tokens * costs.prefill_ms_per_token + steps_ms(costs, tokens, decode_seqs(view))
 
 
 def uncached_tokens(num_tokens: int, hit_blocks: int, block_size: int) -> int:
@@ -173,7 +179,7 @@ def prefill_time_ms(
 ) -> float:
     """Compute time of the request's uncached tokens, with its hits as attention context."""
     left = uncached_tokens(num_tokens, hit_blocks, block_size)
-    return busy_ms(costs, left, decode, context=num_tokens - left)
+    return costs.prefill_ms(left, num_tokens - left) + steps_ms(costs, left, decode)
 
 
 def load_time_ms(costs: EngineCosts, match: TierMatch, block_size: int) -> float:
@@ -186,8 +192,45 @@ def load_time_ms(costs: EngineCosts, match: TierMatch, block_size: int) -> float
 
 
 def prefetch_fits(costs: EngineCosts, tokens: float, queue_ms: float, tier: str = "cpu") -> bool:
-    """Whether ``tokens`` of KV can reach the target before its prefill starts."""
+    """Whether ``tokens`` of KV can reach the target before its prefill starts.
+
+    "cpu" pulls from a peer's host memory over the network; "shared" from the pool.
+    """
     if tokens <= 0 or queue_ms <= 0:
         return False
     transfer = costs.prefetch_ms(tokens) if tier == "cpu" else costs.load_ms(tier, tokens)
     return transfer <= queue_ms
+
+
+def estimate_ttft(
+    costs: EngineCosts, view: WorkerView, match: TierMatch, num_tokens: int, block_size: int
+) -> tuple[float, float, float]:
+    """(queue_ms, prefill_ms, load_ms) of a request on ``view`` without prefetch."""
+    return (
+        queue_wait_ms(costs, view, num_tokens),
+        prefill_time_ms(costs, num_tokens, match.total, block_size, decode_seqs(view)),
+        load_time_ms(costs, match, block_size),
+    )
+
+
+def estimate_ttft_prefetched(
+    costs: EngineCosts,
+    view: WorkerView,
+    match: TierMatch,
+    num_tokens: int,
+    block_size: int,
+    hit_blocks: int,
+    moved_blocks: int,
+) -> tuple[float, float, float]:
+    """(queue_ms, prefill_ms, load_ms) when ``moved_blocks`` were pulled in while queued.
+
+    The request then hits ``hit_blocks``; the pulled blocks sit in the target's host
+    memory (loaded at the cpu rate), its own lower tiers load as before.
+    """
+    own = TierMatch(match.gpu, match.cpu, match.disk, match.disk)
+    load = load_time_ms(costs, own, block_size) + costs.load_ms("cpu", moved_blocks * block_size)
+    return (
+        queue_wait_ms(costs, view, num_tokens),
+        prefill_time_ms(costs, num_tokens, hit_blocks, block_size, decode_seqs(view)),
+        load,
+    )

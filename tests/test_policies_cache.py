@@ -1,0 +1,438 @@
+"""Cache-aware policies: SGLang's rule, Dynamo's cost, our TTFT estimate, the cost model."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter, deque
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from index.prefix_index import TierMatch
+from policies import EngineCosts, RouteRequest, WorkerView, make_policy
+from policies.cost_model import estimate_ttft, estimate_ttft_prefetched, uncached_tokens
+
+BS = 16
+SCORE_KEYS = ("ttft_ms", "queue_ms", "prefill_ms", "load_ms", "hit_blocks", "prefetch_blocks")
+
+
+def chain(tag: int, blocks: int, prefix: list[int] | None = None) -> list[int]:
+    """Block hashes: ``prefix`` then ``blocks`` more unique to ``tag``."""
+    head = list(prefix or [])
+    return head + [hash(("blk", tag, i)) & (2**64 - 1) for i in range(blocks)]
+
+
+def req(hashes: list[int], extra_tokens: int = 0, rid: str = "r") -> RouteRequest:
+    return RouteRequest(rid, "m", len(hashes) * BS + extra_tokens, hashes, BS)
+
+
+def tm(gpu: int = 0, cpu: int = 0, disk: int = 0, shared: int = 0) -> TierMatch:
+    """A cumulative TierMatch from per-tier block counts."""
+    return TierMatch(gpu, gpu + cpu, gpu + cpu + disk, gpu + cpu + disk + shared)
+
+
+def views(n: int, **kw: object) -> list[WorkerView]:
+    return [WorkerView(f"w{i}", **kw) for i in range(n)]  # type: ignore[arg-type]
+
+
+# -- sglang_cache_aware ---------------------------------------------------------------
+def _sglang_with_w1_holding(hashes: list[int], **params: object):
+    policy = make_policy("sglang_cache_aware", random.Random(0), **params)
+    ws = views(3)
+    # only w1 is a candidate, so the tree records the prefix for w1
+    assert policy.select(req(hashes, rid="seed"), [ws[1]]).worker_id == "w1"
+    return policy, ws
+
+
+@pytest.mark.parametrize(
+    ("loads", "expect"),
+    [
+        ((0, 64, 10), "w1"),  # max - min == 64: not above the absolute threshold
+        ((0, 65, 10), "w0"),  # 65 > 64 and 65 > 0 * 1.5: imbalanced, least load
+        ((130, 195, 140), "w1"),  # 65 > 64 but 195 == 130 * 1.5: not above the relative one
+        ((130, 196, 140), "w0"),  # both thresholds exceeded
+        ((130, 196, 131), "w0"),
+    ],
+)
+def test_sglang_balance_thresholds_switch_exactly_at_the_boundary(
+    loads: tuple[int, int, int], expect: str
+) -> None:
+    hashes = chain(1, 10)
+    policy, ws = _sglang_with_w1_holding(hashes)
+    for w, load in zip(ws, loads, strict=True):
+        w.inflight_requests = load
+    d = policy.select(req(hashes), ws)
+    assert d.worker_id == expect
+    assert ("imbalanced" in d.reason) == (expect == "w0")
+
+
+def test_sglang_imbalance_counts_unhealthy_workers_load() -> None:
+    hashes = chain(2, 10)
+    policy, ws = _sglang_with_w1_holding(hashes)
+    ws[0].inflight_requests, ws[0].healthy = 0, False
+    ws[1].inflight_requests, ws[2].inflight_requests = 100, 50
+    # min load 0 comes from the unhealthy w0; the pick is the least-loaded healthy one
+    assert policy.select(req(hashes), ws).worker_id == "w2"
+
+
+@pytest.mark.parametrize(("held", "hit"), [(3, False), (4, True)])
+def test_sglang_cache_threshold_is_strict(held: int, hit: bool) -> None:
+    hashes = chain(3, 10)
+    policy, _ = _sglang_with_w1_holding(hashes[:held])
+    # match rate = held * 16 / 160: 0.3 is not above cache_threshold 0.3, 0.4 is
+    d = policy.select(req(hashes), views(3))
+    assert (d.worker_id == "w1") is hit
+    assert d.reason.startswith("cache hit" if hit else "cache miss")
+
+
+def test_sglang_miss_goes_to_the_smallest_tree_at_random() -> None:
+    policy = make_policy("sglang_cache_aware", random.Random(5))
+    ws = views(4)
+    first = policy.select(req(chain(10, 8)), ws).worker_id
+    picks = Counter(policy.select(req(chain(11 + i, 8)), ws).worker_id for i in range(3))
+    # each miss lands on a tenant with an empty tree: the first four requests fill all four
+    assert first not in picks and len(picks) == 3
+
+
+def test_sglang_never_reads_the_index() -> None:
+    policy, ws = _sglang_with_w1_holding(chain(4, 10))
+    ws[2].match = tm(gpu=10)  # the index says w2 holds everything; SGLang cannot know
+    assert policy.select(req(chain(4, 10)), ws).worker_id == "w1"
+
+
+def test_sglang_tree_is_bounded_and_evicts_leaves_first() -> None:
+    hashes = chain(5, 8)
+    policy, ws = _sglang_with_w1_holding(hashes, max_tree_size=5)
+    d = policy.select(req(hashes), ws)
+    assert d.scores["w1"]["tree_blocks"] == 5  # the 3 deepest blocks were dropped
+    # the 5 kept are the leading ones: a request of those 5 blocks fully matches w1
+    assert policy.select(req(hashes[:5]), ws).worker_id == "w1"
+
+
+def test_sglang_drops_a_vanished_tenant_and_falls_back_to_first_healthy() -> None:
+    hashes = chain(6, 10)
+    policy, ws = _sglang_with_w1_holding(hashes)
+    rest = [ws[2], ws[0]]
+    d = policy.select(req(hashes), rest)
+    assert d.worker_id == "w2" and "unavailable" in d.reason
+    # w1's entries are gone: the same prefix is now a miss
+    assert "miss" in policy.select(req(hashes), rest).reason
+
+
+# -- dynamo_kv ------------------------------------------------------------------------
+def test_dynamo_cost_equals_the_formula_on_hand_computed_cases() -> None:
+    policy = make_policy("dynamo_kv", random.Random(0))
+    hashes = chain(20, 10)
+    ws = [
+        WorkerView("w0", match=tm(gpu=4), inflight_prefill_tokens=320),
+        WorkerView("w1", match=tm(gpu=2, cpu=4, disk=2, shared=1)),
+        WorkerView("w2"),
+    ]
+    d = policy.select(req(hashes, rid="a"), ws)
+    # w0: (320+160)/16 = 30 blocks - credit 4 -> 26, + decode 10 = 36
+    # w1: 10 - (2 + 0.75*4 + 0.25*2 + 0*1 = 5.5) = 4.5, + 10 = 14.5
+    # w2: 10 - 0 + 10 = 20
+    assert d.scores["w0"]["logit"] == pytest.approx(36.0)
+    assert d.scores["w1"]["logit"] == pytest.approx(14.5)
+    assert d.scores["w1"]["credit_blocks"] == pytest.approx(5.5)
+    assert d.scores["w2"]["logit"] == pytest.approx(20.0)
+    assert d.worker_id == "w1"
+    assert policy.active_blocks("w1") == 10
+
+    # same prefix + a partial block: 11 request blocks, 10 already active on w1
+    d = policy.select(req(hashes, extra_tokens=8, rid="b"), ws)
+    assert d.scores["w1"]["decode_blocks"] == pytest.approx(10 + 11 - 10)
+    assert d.scores["w2"]["decode_blocks"] == pytest.approx(11)
+    # w1: (168/16 = 10.5) - 5.5 = 5 + 11 = 16 ; w2: 10.5 + 11 = 21.5
+    assert d.scores["w1"]["logit"] == pytest.approx(16.0)
+    assert d.scores["w2"]["logit"] == pytest.approx(21.5)
+    assert d.worker_id == "w1" and policy.active_blocks("w1") == 11
+
+    policy.on_finish(req(hashes, rid="a"), "w1")
+    policy.on_finish(req(hashes, extra_tokens=8, rid="b"), "w1")
+    assert policy.active_blocks("w1") == 0
+
+
+def test_dynamo_optional_terms() -> None:
+    policy = make_policy(
+        "dynamo_kv",
+        random.Random(0),
+        prefill_load_scale=2.0,
+        decode_active_request_weight=0.5,
+        shared_cache_multiplier=0.5,
+        host_cache_hit_weight=0.0,
+    )
+    ws = [WorkerView("w0", match=tm(gpu=1, cpu=2, shared=4), inflight_requests=6)]
+    d = policy.select(req(chain(21, 10)), ws)
+    # 2 * (10 - (1 + 0*2 + 0.5*4)) + 10 + 0.5*6 = 14 + 10 + 3
+    assert d.scores["w0"]["logit"] == pytest.approx(27.0)
+
+
+def test_dynamo_credit_never_drives_prefill_negative() -> None:
+    policy = make_policy("dynamo_kv", overlap_score_credit=1.0)
+    d = policy.select(req(chain(22, 4)), [WorkerView("w0", match=tm(gpu=4))])
+    assert d.scores["w0"]["logit"] == pytest.approx(0.0 + 4)
+
+
+def test_dynamo_ties_break_at_random() -> None:
+    policy = make_policy("dynamo_kv", random.Random(1))
+    ws = views(3)
+    picks = Counter()
+    for i in range(300):
+        r = req(chain(100 + i, 4), rid=f"t{i}")
+        picks[policy.select(r, ws).worker_id] += 1
+        policy.on_finish(r, "ignored")  # finish by request id, whatever the caller says
+    assert set(picks) == {"w0", "w1", "w2"} and min(picks.values()) > 60
+
+
+def test_dynamo_temperature_samples_the_softmax_of_normalised_costs() -> None:
+    hashes = chain(23, 10)
+    ws = [WorkerView("w0"), WorkerView("w1", match=tm(gpu=10))]  # logits 20 and 10
+    greedy = make_policy("dynamo_kv", random.Random(0))
+    warm = make_policy("dynamo_kv", random.Random(0), temperature=1.0)
+    n = 4000
+    picks = Counter()
+    for i in range(n):
+        r = req(hashes, rid=f"s{i}")
+        assert greedy.select(r, ws).worker_id == "w1"
+        greedy.on_finish(r, "w1")
+        picks[warm.select(r, ws).worker_id] += 1
+        warm.on_finish(r, "")
+    # z = -(logit - 10) / (10 * T): w1 -> 0, w0 -> -1
+    expected = 1.0 / (1.0 + math.exp(-1.0))
+    assert picks["w1"] / n == pytest.approx(expected, abs=0.03)
+
+
+# -- cache_aware ----------------------------------------------------------------------
+def test_cache_aware_affinity_at_low_load() -> None:
+    hashes = chain(30, 10)
+    for seed in range(20):
+        policy = make_policy("cache_aware", random.Random(seed))
+        ws = views(4)
+        ws[2].match = tm(gpu=1)
+        d = policy.select(req(hashes), ws)
+        assert d.worker_id == "w2" and d.prefetch is None
+        assert d.scores["w2"]["hit_blocks"] == 1
+
+
+def test_cache_aware_prefers_gpu_over_disk_hits_of_equal_depth() -> None:
+    ws = views(3)
+    ws[0].match = tm(disk=8)
+    ws[1].match = tm(gpu=8)
+    ws[2].match = tm(cpu=8)
+    d = make_policy("cache_aware").select(req(chain(31, 10)), ws)
+    assert d.worker_id == "w1"
+    s = d.scores
+    assert s["w1"]["load_ms"] == 0 < s["w2"]["load_ms"] < s["w0"]["load_ms"]
+
+
+def test_cache_aware_spreads_at_high_load_with_a_prefetch_hint() -> None:
+    hashes = chain(32, 10)
+    policy = make_policy("cache_aware", random.Random(0))
+    ws = views(4, inflight_requests=2, inflight_prefill_tokens=4000)
+    ws[1].match = tm(gpu=10)
+    ws[1].inflight_requests, ws[1].inflight_prefill_tokens = 25, 50_000
+    d = policy.select(req(hashes), ws)
+    assert d.worker_id != "w1"
+    hint = d.prefetch
+    assert hint is not None
+    assert (hint.source_worker, hint.target_worker, hint.blocks, hint.tier) == (
+        "w1",
+        d.worker_id,
+        10,
+        "cpu",
+    )
+    score = d.scores[d.worker_id]
+    assert hint.deadline_ms == score["queue_ms"] > 0
+    assert score["hit_blocks"] == 10 and score["prefetch_blocks"] == 10
+    # the estimate with the prefetch beats staying put, and staying put beats cold prefill
+    assert score["ttft_ms"] < d.scores["w1"]["ttft_ms"]
+
+
+def test_cache_aware_no_hint_when_the_transfer_cannot_land_in_time() -> None:
+    hashes = chain(33, 10)
+    ws = views(4)  # idle targets: prefill starts at once, nothing can arrive first
+    ws[1].match = tm(gpu=10)
+    ws[1].inflight_requests, ws[1].inflight_prefill_tokens = 25, 50_000
+    d = make_policy("cache_aware", random.Random(0)).select(req(hashes), ws)
+    assert d.worker_id != "w1" and d.prefetch is None
+    no_pf = make_policy("cache_aware", random.Random(0), prefetch=False)
+    busy = views(4, inflight_requests=2, inflight_prefill_tokens=4000)
+    busy[1] = ws[1]
+    assert no_pf.select(req(hashes), busy).prefetch is None
+
+
+def test_cache_aware_hints_the_shared_pool() -> None:
+    hashes = chain(34, 10)
+    # every worker reaches 6 blocks in the shared pool and holds nothing locally
+    ws = views(3, match=tm(shared=6), inflight_requests=1, inflight_prefill_tokens=3000)
+    d = make_policy("cache_aware", random.Random(0)).select(req(hashes), ws)
+    assert d.prefetch is not None
+    assert (d.prefetch.tier, d.prefetch.source_worker, d.prefetch.blocks) == ("shared", None, 6)
+    assert d.scores[d.worker_id]["load_ms"] < d.scores[d.worker_id]["prefill_ms"]
+
+
+def _route_window(policy_name: str, shared_blocks: int, n_req: int, window: int, seed: int):
+    """Route requests that all share ``shared_blocks`` leading blocks, held by w0 only.
+
+    ``window`` requests stay in flight; the oldest finishes when a new one arrives.
+    """
+    policy = make_policy(policy_name, random.Random(seed))
+    ws = views(8)
+    system = chain(999, shared_blocks)
+    inflight: deque[tuple[RouteRequest, str, int]] = deque()
+    picks = Counter()
+    for i in range(n_req):
+        hashes = chain(1000 + i, 18, prefix=system)
+        for w in ws:
+            w.match = tm(gpu=shared_blocks) if w.worker_id == "w0" else tm()
+        r = req(hashes, rid=f"p{i}")
+        d = policy.select(r, ws)
+        picks[d.worker_id] += 1
+        w = next(w for w in ws if w.worker_id == d.worker_id)
+        hit = shared_blocks if w.worker_id == "w0" else 0
+        tokens = uncached_tokens(r.num_tokens, hit, BS)
+        w.inflight_requests += 1
+        w.inflight_prefill_tokens += tokens
+        inflight.append((r, w.worker_id, tokens))
+        if len(inflight) > window:
+            old, wid, tok = inflight.popleft()
+            done = next(w for w in ws if w.worker_id == wid)
+            done.inflight_requests -= 1
+            done.inflight_prefill_tokens -= tok
+            policy.on_finish(old, wid)
+    return picks
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cache_aware_no_pile_up_on_a_shared_system_prompt(seed: int) -> None:
+    picks = _route_window("cache_aware", shared_blocks=2, n_req=400, window=24, seed=seed)
+    mean = 400 / 8
+    assert len(picks) == 8
+    assert max(picks.values()) <= 1.5 * mean, picks
+    assert picks["w0"] <= 1.5 * mean  # the holder of block 0 does not attract everything
+
+
+def test_cache_aware_ignores_out_of_sync_workers() -> None:
+    hashes = chain(35, 10)
+    policy = make_policy("cache_aware", random.Random(0))
+    ws = views(4)
+    ws[3].match, ws[3].in_sync = tm(gpu=10), False
+    picks = Counter(policy.select(req(hashes), ws).worker_id for _ in range(400))
+    assert set(picks) == {"w0", "w1", "w2", "w3"}  # w3 is no better than the others
+    d = policy.select(req(hashes), ws)
+    assert d.scores["w3"]["hit_blocks"] == 0
+    ws[3].in_sync = True
+    assert policy.select(req(hashes), ws).worker_id == "w3"
+
+
+def test_cache_aware_ties_break_at_random_not_by_list_order() -> None:
+    hashes = chain(36, 10)
+    policy = make_policy("cache_aware", random.Random(4))
+    ws = views(4)
+    for order in (ws, ws[::-1]):
+        picks = Counter(policy.select(req(hashes), order).worker_id for _ in range(800))
+        assert set(picks) == {"w0", "w1", "w2", "w3"}
+        assert min(picks.values()) > 140
+    ws[1].match = ws[2].match = tm(gpu=5)
+    picks = Counter(policy.select(req(hashes), ws).worker_id for _ in range(400))
+    assert set(picks) == {"w1", "w2"} and min(picks.values()) > 150
+
+
+def test_cache_aware_scores_explain_the_choice() -> None:
+    ws = views(2, inflight_prefill_tokens=100, inflight_requests=1, decode_streams=0)
+    ws[0].match = tm(gpu=2, cpu=1, disk=1)
+    d = make_policy("cache_aware").select(req(chain(37, 10)), ws)
+    for s in d.scores.values():
+        assert set(s) == {
+            "ttft_ms",
+            "queue_ms",
+            "prefill_ms",
+            "load_ms",
+            "hit_blocks",
+            "prefetch_blocks",
+        }
+        assert s["ttft_ms"] == pytest.approx(s["queue_ms"] + s["prefill_ms"] + s["load_ms"])
+    assert d.scores["w0"]["hit_blocks"] == 4 and d.worker_id == "w0"
+    assert d.reason.startswith("min ttft")
+
+
+def test_cache_aware_charges_the_engines_queue_beyond_its_own() -> None:
+    ws = views(2)
+    ws[0].engine_waiting = 5  # another router's requests, unknown to us
+    ws[1].engine_running, ws[1].inflight_requests = 40, 0  # 40 decoding streams
+    d = make_policy("cache_aware").select(req(chain(38, 10)), ws)
+    s = d.scores
+    assert s["w0"]["queue_ms"] > 0 and s["w1"]["queue_ms"] == 0
+    assert s["w1"]["prefill_ms"] > s["w0"]["prefill_ms"]  # decoding neighbours slow it
+    assert d.worker_id == "w1"
+
+
+# -- the cost model and the policy agree ----------------------------------------------
+_match = st.builds(
+    lambda g, c, d, s: TierMatch(g, g + c, g + c + d, g + c + d + s),
+    *(st.integers(0, 6) for _ in range(4)),
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    ws=st.lists(
+        st.builds(
+            WorkerView,
+            worker_id=st.just(""),
+            match=_match,
+            inflight_requests=st.integers(0, 50),
+            inflight_prefill_tokens=st.integers(0, 60_000),
+            decode_streams=st.integers(0, 60),
+            engine_running=st.none() | st.integers(0, 100),
+            engine_waiting=st.none() | st.integers(0, 40),
+            in_sync=st.booleans(),
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+    extra=st.integers(0, BS - 1),
+    prefetch=st.booleans(),
+)
+def test_policy_scores_equal_the_reference_cost_model(
+    ws: list[WorkerView], extra: int, prefetch: bool
+) -> None:
+    for i, w in enumerate(ws):
+        w.worker_id = f"w{i}"
+    costs = EngineCosts()
+    r = req(chain(40, 24), extra_tokens=extra)
+    d = make_policy("cache_aware", random.Random(0), prefetch=prefetch).select(r, ws)
+    for w in ws:
+        s = d.scores[w.worker_id]
+        m = w.match if w.in_sync else TierMatch(0, 0, 0, 0)
+        if s["prefetch_blocks"]:
+            assert prefetch
+            q, p, ld = estimate_ttft_prefetched(
+                costs, w, m, r.num_tokens, BS, int(s["hit_blocks"]), int(s["prefetch_blocks"])
+            )
+        else:
+            q, p, ld = estimate_ttft(costs, w, m, r.num_tokens, BS)
+        assert (s["queue_ms"], s["prefill_ms"], s["load_ms"]) == pytest.approx((q, p, ld))
+    best = min(s["ttft_ms"] for s in d.scores.values())
+    assert d.scores[d.worker_id]["ttft_ms"] <= best + 0.25
+
+
+def test_engine_costs_physics() -> None:
+    c = EngineCosts()
+    assert c.prefill_ms(1000, 0) == pytest.approx(1000 * 0.05 + 2e-6 * 1000 * 500)
+    # the same tokens cost more after a long context (attention)
+    assert c.prefill_ms(1000, 30_000) > c.prefill_ms(1000, 0)
+    # loading is cheaper than recomputing, from every tier
+    for tier in ("cpu", "shared", "disk"):
+        assert 0 < c.load_ms(tier, 1000) < c.prefill_ms(1000)
+    assert c.load_ms("gpu", 1000) == 0
+    assert c.load_ms("cpu", 1000) < c.load_ms("shared", 1000) < c.load_ms("disk", 1000)
+    assert c.step_ms(decode_seqs=10) > c.step_ms() == c.decode_ms_per_step
+    with pytest.raises(ValueError, match="unknown tier"):
+        c.load_ms("tape", 1)
+    with pytest.raises(ValueError, match="must be > 0"):
+        EngineCosts(prefetch_gbps=0)
+    assert EngineCosts.from_config({"prefill_ms_per_token": 0.1}).prefill_ms_per_token == 0.1
