@@ -1,0 +1,87 @@
+"""Per-policy numbers from a finished simulation (one flat JSON-ready dict)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from sim.simulator import Simulation
+
+PolicyReport = dict[str, Any]
+
+
+def _ratio(values: list[float]) -> float:
+    mean = sum(values) / len(values)
+    return max(values) / mean if mean else 1.0
+
+
+def cache_loss(sim: Simulation) -> float:
+    """DESIGN.md: 1 - (prefill throughput on missed tokens, cache on) / (cache off).
+
+    With the cache on, missed tokens attend to the cached context and host hits must be
+    loaded, so each missed token costs more than an average token of a cold prefill.
+    """
+    costs, bs = sim.costs, sim.block_size
+    missed = total = 0
+    t_on = t_off = 0.0
+    for r in sim.requests:
+        if r.first_token_ms < 0:
+            continue
+        hit = (r.hit_gpu_blocks + r.hit_host_blocks) * bs
+        left = r.input_len - hit
+        missed += left
+        total += r.input_len
+        t_on += costs.prefill_ms(left, hit) + costs.load_ms("cpu", r.hit_host_blocks * bs)
+        t_off += costs.prefill_ms(r.input_len)
+    if not missed or not t_on:
+        return 0.0
+    return 1.0 - (missed / t_on) / (total / t_off)
+
+
+def summarize(sim: Simulation, wall_s: float) -> PolicyReport:
+    bs = sim.block_size
+    served = [r for r in sim.requests if r.first_token_ms >= 0]
+    tokens_in = sum(r.input_len for r in served) or 1
+    gpu = sum(r.hit_gpu_blocks for r in served) * bs
+    host = sum(r.hit_host_blocks for r in served) * bs
+    ttft = np.array([r.first_token_ms - r.arrival_ms for r in served] or [0.0])
+    queue = np.array([r.admit_ms - r.arrival_ms for r in served] or [0.0])
+    start = min(r.arrival_ms for r in sim.requests)
+    span_s = max(max(r.finish_ms for r in sim.requests) - start, 1e-9) / 1000.0
+    p50, p90, p99 = np.percentile(ttft, [50, 90, 99])
+    route = np.array(sim.route_us or [0.0])
+    counters = sim.counters
+    return {
+        "policy": sim.policy.name,
+        "requests": len(sim.requests),
+        "rejected": sim.num_rejected,
+        "hit_rate": (gpu + host) / tokens_in,
+        "hit_rate_gpu": gpu / tokens_in,
+        "hit_rate_host": host / tokens_in,
+        "ttft_mean_ms": float(ttft.mean()),
+        "ttft_p50_ms": float(p50),
+        "ttft_p90_ms": float(p90),
+        "ttft_p99_ms": float(p99),
+        "queue_mean_ms": float(queue.mean()),
+        "queue_p90_ms": float(np.percentile(queue, 90)),
+        "throughput_rps": len(served) / span_s,
+        "input_tok_s": tokens_in / span_s,
+        "output_tok_s": sum(r.output_len for r in served) / span_s,
+        "prefill_load_max_over_mean": _ratio([e.prefill_tokens for e in sim.engines]),
+        "requests_max_over_mean": _ratio(sim.routed),
+        "busy_max": max(e.busy_ms for e in sim.engines) / 1000.0 / span_s,
+        "busy_mean": sum(e.busy_ms for e in sim.engines) / len(sim.engines) / 1000.0 / span_s,
+        "prefetch_hints": counters["prefetch_hints"],
+        "prefetch_blocks": counters["prefetch_blocks"],
+        "prefetch_tokens": counters["prefetch_blocks"] * bs,
+        "prefetch_late": counters["prefetch_late"],
+        "cache_loss": cache_loss(sim),
+        "route_us_mean": float(route.mean()),
+        "route_us_p99": float(np.percentile(route, 99)),
+        "event_batches": counters["event_batches"],
+        "ingest_errors": sum(v for k, v in counters.items() if k.startswith("ingest_")),
+        "sim_duration_s": span_s,
+        "wall_s": wall_s,
+    }

@@ -1,0 +1,267 @@
+"""Discrete-event replay of a trace through the real index, codec and policies.
+
+N ``BatchEngine``s run on one virtual clock (milliseconds, a heap of timed callbacks).
+What the router side does is the code users run:
+
+- engines' KV events are msgpack-encoded with ``index.codec.encode`` and applied by
+  ``EventIngest.apply`` to a ``PrefixIndex`` after ``event_lag_ms``;
+- each arrival builds ``WorkerView``s as the router does (``match_tiers`` from the index;
+  in-flight requests and prefill tokens counted by the router and released at first
+  token; the engines' running / waiting / KV usage as last sampled every
+  ``load_interval_ms``) and asks the policy from ``policies.make_policy``;
+- a decision's prefetch hint is translated to the source engine's hashes with
+  ``EventIngest.engine_hashes`` and executed as a transfer over the target's link at
+  ``EngineCosts.prefetch_gbps``, landing in the target's host tier (GPU without one).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+import time
+from array import array
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from index.codec import Event, EventBatch, encode
+from index.hashing import BlockHasher
+from index.ingest import EventIngest, SeqStatus
+from index.prefix_index import PrefixIndex
+from policies import EngineCosts, PrefetchHint, RouteRequest, WorkerView, make_policy
+from policies.base import NO_MATCH
+from policies.cost_model import uncached_tokens
+from sim.batch_engine import BatchEngine
+from sim.cache import PrefixCache
+from sim.report import PolicyReport, summarize
+from sim.request import SimRequest
+from sim.traces import Trace
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    workers: int = 8
+    l1_blocks: int = 16384  # GPU pages per engine (Dynamo's mocker default)
+    l2_blocks: int = 0  # host pages per engine (0: no host tier)
+    max_num_seqs: int = 256
+    event_lag_ms: float = 10.0  # engine -> agent -> NATS -> router
+    load_interval_ms: float = 500.0  # engine load reports
+    predict_ttl_ms: float = 0.0  # predict-on-route TTL; 0 disables it
+    engine_seed: int = 0
+    seed: int = 0
+    costs: EngineCosts = field(default_factory=EngineCosts)
+
+
+class Simulation:
+    """One policy over one trace. ``run()`` once; it returns the policy's report."""
+
+    def __init__(
+        self,
+        trace: Trace,
+        policy: str,
+        config: SimConfig,
+        *,
+        policy_params: dict[str, Any] | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        if config.workers < 1:
+            raise ValueError("workers must be >= 1")
+        self.trace = trace
+        self.config = config
+        self.costs = config.costs
+        self.block_size = trace.block_size
+        self.policy = make_policy(policy, random.Random(config.seed), **(policy_params or {}))
+        self.progress = progress
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[..., None], tuple[object, ...]]] = []
+        self._tick = itertools.count()
+        self.index = PrefixIndex(clock=lambda: self.now / 1000.0)
+        self.ingest = EventIngest(self.index, BlockHasher(trace.block_size))
+        n = config.workers
+        self.ids = [f"w{i}" for i in range(n)]
+        self.slot = {wid: i for i, wid in enumerate(self.ids)}
+        self.engines = [
+            BatchEngine(
+                wid,
+                PrefixCache(
+                    trace.block_size, config.l1_blocks, config.l2_blocks, seed=config.engine_seed
+                ),
+                self.costs,
+                self,
+                max_num_seqs=config.max_num_seqs,
+            )
+            for wid in self.ids
+        ]
+        for wid in self.ids:
+            self.index.add_worker(wid)
+        # The router's own load counts per worker.
+        self.inflight = [0] * n
+        self.inflight_prefill = [0] * n
+        self.decode_streams = [0] * n
+        self.routed = [0] * n
+        # Engine-reported load as last sampled: (running, waiting, kv usage).
+        self.reported: list[tuple[int, int, float]] = [(0, 0, 0.0)] * n
+        self.link_free = [0.0] * n  # when each target's prefetch link is next idle
+        self.requests: list[SimRequest] = []
+        self.route_us: list[float] = []
+        self.done = 0
+        self.num_rejected = 0
+        self.counters: Counter[str] = Counter()
+
+    # -- clock ------------------------------------------------------------------------
+    def at(self, time_ms: float, fn: Callable[..., None], *args: object) -> None:
+        heapq.heappush(self._heap, (time_ms, next(self._tick), fn, args))
+
+    def run(self) -> PolicyReport:
+        wall = time.perf_counter()
+        for i, tr in enumerate(self.trace.requests):
+            self.at(tr.arrival_ms, self._arrive, i)
+        self.at(0.0, self._sample)
+        heap = self._heap
+        pop = heapq.heappop
+        while heap:
+            t, _, fn, args = pop(heap)
+            self.now = t
+            fn(*args)
+        if self.done != len(self.trace.requests):
+            raise RuntimeError(f"{self.done} of {len(self.trace.requests)} requests finished")
+        return summarize(self, time.perf_counter() - wall)
+
+    # -- router side --------------------------------------------------------------------
+    def _views(self, hashes: list[int]) -> list[WorkerView]:
+        matches = self.index.match_tiers(hashes)
+        in_sync = self.ingest.in_sync
+        views = []
+        for i, wid in enumerate(self.ids):
+            running, waiting, usage = self.reported[i]
+            views.append(
+                WorkerView(
+                    worker_id=wid,
+                    match=matches.get(wid, NO_MATCH),
+                    inflight_requests=self.inflight[i],
+                    inflight_prefill_tokens=self.inflight_prefill[i],
+                    decode_streams=self.decode_streams[i],
+                    engine_running=running,
+                    engine_waiting=waiting,
+                    kv_usage=usage,
+                    in_sync=in_sync(wid),
+                )
+            )
+        return views
+
+    def _arrive(self, i: int) -> None:
+        tr = self.trace.requests[i]
+        hashes = tr.router_hashes.tolist()
+        route = RouteRequest(
+            request_id=f"r{i}",
+            model="sim",
+            num_tokens=tr.input_len,
+            block_hashes=hashes,
+            block_size=self.block_size,
+            session_key=tr.session,
+            max_tokens=tr.output_len,
+        )
+        req = SimRequest(
+            i,
+            tr.arrival_ms,
+            tr.input_len,
+            tr.output_len,
+            self.trace.tokens(i),
+            tr.engine_hashes,
+            route,
+        )
+        self.requests.append(req)
+        start = time.perf_counter()
+        views = self._views(hashes)
+        decision = self.policy.select(route, views)
+        self.route_us.append((time.perf_counter() - start) * 1e6)
+        w = self.slot[decision.worker_id]
+        req.worker = w
+        req.est_prefill = uncached_tokens(tr.input_len, views[w].match.total, self.block_size)
+        self.inflight[w] += 1
+        self.inflight_prefill[w] += req.est_prefill
+        self.routed[w] += 1
+        if self.config.predict_ttl_ms > 0:
+            self.index.predict(decision.worker_id, hashes, self.config.predict_ttl_ms / 1000.0)
+        if decision.prefetch is not None:
+            self._prefetch(req, decision.prefetch)
+        self.engines[w].submit(req, self.now)
+
+    def _sample(self) -> None:
+        self.reported = [(e.running, e.num_waiting, e.cache.usage) for e in self.engines]
+        if self.done < len(self.trace.requests):
+            self.at(self.now + self.config.load_interval_ms, self._sample)
+
+    # -- prefetch -----------------------------------------------------------------------
+    def _prefetch(self, req: SimRequest, hint: PrefetchHint) -> None:
+        self.counters["prefetch_hints"] += 1
+        if hint.source_worker is None or hint.source_worker not in self.slot:
+            self.counters["prefetch_no_source"] += 1  # no shared pool in this simulation
+            return
+        source = self.engines[self.slot[hint.source_worker]]
+        wanted = req.route.block_hashes[: hint.blocks]
+        hashes = self.ingest.engine_hashes(hint.source_worker, wanted)
+        gpu, host = source.cache.lookup(hashes)
+        n = gpu + host
+        if n == 0:
+            self.counters["prefetch_source_lost"] += 1
+            return
+        t = self.slot[hint.target_worker]
+        begin = max(self.now, self.link_free[t])
+        end = begin + self.costs.prefetch_ms(n * self.block_size)
+        self.link_free[t] = end
+        self.counters["prefetch_blocks_sent"] += n
+        self.at(end, self._prefetch_done, t, req, req.tokens, hashes[:n])
+
+    def _prefetch_done(self, t: int, req: SimRequest, tokens: array, hashes: list[int]) -> None:
+        engine = self.engines[t]
+        placed = engine.cache.prefetch(tokens, block_hashes=hashes, max_blocks=len(hashes))
+        self.counters["prefetch_blocks"] += placed
+        if req.admit_ms >= 0:
+            self.counters["prefetch_late"] += 1
+        engine.publish_now(self.now)
+
+    # -- engine hooks ---------------------------------------------------------------------
+    def first_token(self, req: SimRequest, now: float) -> None:
+        req.first_token_ms = now
+        w = req.worker
+        self.inflight_prefill[w] -= req.est_prefill
+        self.decode_streams[w] += 1
+
+    def finished(self, req: SimRequest, now: float) -> None:
+        req.finish_ms = now
+        w = req.worker
+        self.inflight[w] -= 1
+        self.decode_streams[w] -= 1
+        self._close(req)
+
+    def rejected(self, req: SimRequest, now: float) -> None:
+        req.finish_ms = now
+        w = req.worker
+        self.inflight[w] -= 1
+        self.inflight_prefill[w] -= req.est_prefill
+        self.num_rejected += 1
+        self._close(req)
+
+    def _close(self, req: SimRequest) -> None:
+        self.policy.on_finish(req.route, self.ids[req.worker])
+        req.tokens = None  # type: ignore[assignment]  # free the prompt; metrics stay
+        self.done += 1
+        if self.progress is not None:
+            self.progress(self.done)
+
+    def publish(self, engine: BatchEngine, events: list[Event], now: float) -> None:
+        payload = encode(EventBatch(ts=now / 1000.0, events=events))
+        seq = engine.seq
+        engine.seq += 1
+        self.counters["event_batches"] += 1
+        self.at(now + self.config.event_lag_ms, self._deliver, engine.worker_id, seq, payload)
+
+    def _deliver(self, worker_id: str, seq: int, payload: bytes) -> None:
+        result = self.ingest.apply(worker_id, seq, payload)
+        if result.status is not SeqStatus.OK:
+            self.counters[f"ingest_{result.status.value}"] += 1
+        for name, count in result.errors.items():
+            self.counters[f"ingest_error_{name}"] += count
