@@ -33,6 +33,7 @@ class _Block:
     lora_id: int | None
     lora_name: str | None
     extra_keys: Any
+    cache_salt: str | None  # SGLang's salt, on a chain's first block only
 
 
 class EngineMirror:
@@ -40,6 +41,7 @@ class EngineMirror:
 
     def __init__(self) -> None:
         self._blocks: dict[Key, _Block] = {}
+        self._tiers: set[tuple[str | None, int | None]] = set()  # (medium, group) seen
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -50,6 +52,19 @@ class EngineMirror:
     def hashes(self, medium: str | None = None) -> set[int]:
         """Engine hashes held in ``medium`` (as the events named it)."""
         return {k[0] for k in self._blocks if k[1] == medium}
+
+    def tokens_of(self, hashes: list[int]) -> list[int]:
+        """Token ids of the leading ``hashes`` held in any tier (a peer's prefetch asks)."""
+        out: list[int] = []
+        for h in hashes:
+            block = next(
+                (b for m, g in self._tiers if (b := self._blocks.get((h, m, g))) is not None),
+                None,
+            )
+            if block is None:
+                break
+            out.extend(block.token_ids)
+        return out
 
     def clear(self) -> None:
         self._blocks.clear()
@@ -68,6 +83,7 @@ class EngineMirror:
         size = event.block_size
         parent = event.parent_block_hash
         extras = event.extra_keys or []
+        self._tiers.add((event.medium, event.group_idx))
         for i, h in enumerate(event.block_hashes):
             self._blocks[(h, event.medium, event.group_idx)] = _Block(
                 parent=parent,
@@ -76,6 +92,7 @@ class EngineMirror:
                 lora_id=event.lora_id,
                 lora_name=event.lora_name,
                 extra_keys=extras[i] if i < len(extras) else None,
+                cache_salt=event.cache_salt if i == 0 and parent is None else None,
             )
             parent = h
 
@@ -125,6 +142,7 @@ class EngineMirror:
                     lora_name=b.lora_name,
                     extra_keys=None if b.extra_keys is None else [b.extra_keys],
                     group_idx=key[2],
+                    cache_salt=b.cache_salt,
                 )
             )
             tokens += len(b.token_ids)

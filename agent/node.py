@@ -2,8 +2,9 @@
 
 One task reads the engine's PUB socket and, on a gap, asks the engine's replay socket
 for the missing batches before going on, so batches reach NATS in seq order. NATS
-callbacks answer replay requests from the core and queue prefetch hints; another task
-scrapes ``/metrics`` into load reports. Nothing here raises out of a loop: bad frames,
+callbacks answer replay requests from the core, queue prefetch hints and tell peer
+agents the tokens of blocks their engines want to prefetch (``<prefix>.blocks.<id>``);
+another task scrapes ``/metrics`` into load reports. Nothing here raises out of a loop: bad frames,
 failed publishes and unreachable engines are counted and logged.
 """
 
@@ -28,6 +29,7 @@ from agent.core import Accepted, AgentCore, Verdict
 from agent.engine_zmq import fetch_replay, parse_live
 from agent.load import parse_load
 from agent.prefetch import PrefetchForwarder
+from index.codec import norm_hash
 from index.replay import ReplayMessage, ReplayRequest
 
 log = logging.getLogger(__name__)
@@ -56,7 +58,7 @@ class NodeAgent:
         self.core = AgentCore(cfg.buffer)
         self.counters: Counter[str] = Counter()
         hook = cfg.prefetch_hook or (cfg.engine_url and cfg.engine_url.rstrip("/") + "/prefetch")
-        self.prefetch = PrefetchForwarder(hook or None)
+        self.prefetch = PrefetchForwarder(hook or None, resolve=self._resolve_tokens)
         self.nc: NATS | None = None
         self._ctx = zmq.asyncio.Context()
         self._sub: zmq.asyncio.Socket | None = None
@@ -68,6 +70,7 @@ class NodeAgent:
         self.replay_subject = f"{p}.replay.{cfg.worker_id}"
         self.prefetch_subject = f"{p}.prefetch.{cfg.worker_id}"
         self.load_subject = f"{p}.load.{cfg.worker_id}"
+        self.blocks_subject = f"{p}.blocks.{cfg.worker_id}"
 
     # -- lifecycle ----------------------------------------------------------------
     async def start(self) -> NodeAgent:
@@ -77,6 +80,7 @@ class NodeAgent:
         self.nc = await self._connect_nats()
         await self.nc.subscribe(self.replay_subject, cb=self._on_replay)
         await self.nc.subscribe(self.prefetch_subject, cb=self._on_prefetch)
+        await self.nc.subscribe(self.blocks_subject, cb=self._on_blocks)
         await self.nc.flush()
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
@@ -267,6 +271,38 @@ class NodeAgent:
 
     async def _on_prefetch(self, msg: Msg) -> None:
         self.prefetch.submit(msg.data)
+
+    async def _on_blocks(self, msg: Msg) -> None:
+        """A peer agent asks for the tokens of blocks (to hand a prefetch to its engine)."""
+        try:
+            hashes = orjson.loads(msg.data)["block_hashes"]
+            if not isinstance(hashes, list) or not all(isinstance(h, int) for h in hashes):
+                raise ValueError("block_hashes must be a list of ints")
+            tokens = self.core.mirror.tokens_of([norm_hash(h) for h in hashes])
+        except (ValueError, KeyError, TypeError) as exc:
+            self.counters["bad_blocks_requests"] += 1
+            log.warning("bad blocks request: %s", exc)
+            tokens = []
+        if msg.reply:
+            with contextlib.suppress(Exception):  # the asker gave up or NATS is down
+                await self.nc.publish(msg.reply, orjson.dumps({"token_ids": tokens}))  # type: ignore[union-attr]
+
+    async def _resolve_tokens(self, hint: dict[str, object]) -> bool:
+        """Add ``token_ids`` to a hint from the source worker's agent (its mirror)."""
+        source = hint.get("source_worker")
+        hashes = hint["block_hashes"]
+        if not isinstance(source, str) or not isinstance(hashes, list) or self.nc is None:
+            return False
+        if source == self.cfg.worker_id:
+            tokens = self.core.mirror.tokens_of(hashes)
+        else:
+            subject = f"{self.cfg.subject_prefix}.blocks.{source}"
+            reply = await self.nc.request(subject, orjson.dumps({"block_hashes": hashes}), 1.0)
+            tokens = orjson.loads(reply.data).get("token_ids") or []
+        if not tokens:
+            return False
+        hint["token_ids"] = tokens
+        return True
 
     # -- load ----------------------------------------------------------------------
     async def _load_loop(self) -> None:

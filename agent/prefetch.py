@@ -1,8 +1,10 @@
 """Hands prefetch hints from NATS to the engine without blocking the NATS reader.
 
-Hints queue up (bounded) and one task POSTs them, as received, to the mock engine's
-``/prefetch`` or a real engine's hook. A hint that is malformed, finds the queue full or
-cannot be delivered is counted and logged, never dropped silently.
+Hints queue up (bounded) and one task POSTs them to the mock engine's ``/prefetch`` or a
+real engine's hook, with the blocks' ``token_ids`` added when the source's agent can
+name them (an engine can only materialise blocks whose tokens it knows). A hint that is
+malformed, finds the queue full or cannot be delivered is counted and logged, never
+dropped silently.
 """
 
 from __future__ import annotations
@@ -11,11 +13,15 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
+from collections.abc import Awaitable, Callable
 
 import httpx
 import orjson
 
 log = logging.getLogger(__name__)
+
+# Fills in a hint's ``token_ids`` (the blocks' tokens) when it can; see agent.node.
+Resolver = Callable[[dict[str, object]], Awaitable[bool]]
 
 
 def check_hint(data: bytes) -> dict[str, object]:
@@ -35,8 +41,16 @@ def check_hint(data: bytes) -> dict[str, object]:
 
 
 class PrefetchForwarder:
-    def __init__(self, url: str | None, *, queue_size: int = 1024, timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        url: str | None,
+        *,
+        resolve: Resolver | None = None,
+        queue_size: int = 1024,
+        timeout: float = 5.0,
+    ) -> None:
         self.url = url
+        self.resolve = resolve
         self.timeout = timeout
         self.counters: Counter[str] = Counter()
         self._queue: asyncio.Queue[dict[str, object]] = asyncio.Queue(queue_size)
@@ -85,6 +99,15 @@ class PrefetchForwarder:
         assert self._client is not None and self.url is not None
         while True:
             hint = await self._queue.get()
+            if "token_ids" not in hint and self.resolve is not None:
+                try:
+                    resolved = await self.resolve(hint)
+                except Exception as exc:  # a peer that is down or answers garbage
+                    resolved = False
+                    log.warning(
+                        "prefetch hint %s: tokens not resolved: %s", hint.get("request_id"), exc
+                    )
+                self.counters["resolved" if resolved else "unresolved"] += 1
             try:
                 resp = await self._client.post(self.url, json=hint)
                 ok = resp.status_code < 300

@@ -1,0 +1,452 @@
+"""``cache-router mock-engine``: an OpenAI-compatible server that behaves like one vLLM.
+
+It serves ``/v1/chat/completions``, ``/v1/completions`` (SSE streaming or not),
+``/v1/models``, ``/health``, ``/metrics`` (vLLM's metric names, or SGLang's with
+``--sglang``) and ``POST /prefetch``. Requests run through a batching scheduler
+(``sim.mock_scheduler``) over the same ``PrefixCache`` the simulator uses, and every
+step's cache changes go out as a KV-event batch on ZMQ (``sim.mock_publisher``).
+
+``POST /prefetch`` takes a prefetch hint (``block_hashes`` named by the source engine,
+which shares this engine's hash function) plus ``token_ids``, the tokens of those
+blocks: the node agent fills them in from the source's agent, a router that has them
+may send them. After a modelled transfer time the blocks land in the host tier (GPU
+without one), so a later request hits them.
+
+For tests: ``async with MockEngine(MockEngineConfig(...)) as engine:`` starts it on a
+free port in the running event loop; ``engine.url``, ``engine.zmq_endpoint``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from index.codec import norm_hash
+from router.errors import ApiError, error_body
+from sim.cache import PrefixCache
+from sim.mock_openai import (
+    DONE,
+    Kind,
+    Params,
+    full_response,
+    parse_params,
+    role_chunk,
+    token_chunk,
+    usage,
+    usage_chunk,
+)
+from sim.mock_publisher import Encoding, KvEventPublisher
+from sim.mock_scheduler import Scheduler, Sequence, Timing
+from sim.mock_text import MockText
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class MockEngineConfig:
+    port: int = 0  # 0: a free port
+    host: str = "127.0.0.1"
+    model: str = "mock-model"
+    worker_id: str = "mock-0"
+    block_size: int = 16
+    gpu_blocks: int = 2048
+    host_blocks: int = 0
+    seed: int = 0  # engine hash seed: engines that share it can exchange blocks
+    zmq_endpoint: str | None = None  # e.g. tcp://127.0.0.1:5557; None: no KV events
+    replay_endpoint: str | None = None
+    topic: str = ""
+    buffer_steps: int = 10_000
+    encoding: Encoding = "vllm"
+    tokenizer: str | None = None  # tokenizer.json path; None: the router's fallback
+    max_model_len: int = 32_768
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    timing: Timing | None = None
+
+
+class _Metrics:
+    """Collects the engine's gauges and counters at scrape time."""
+
+    def __init__(self, engine: MockEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        e = self.engine
+        s = e.scheduler
+        labels = {"model_name": e.cfg.model, "engine": "0"}
+        if e.cfg.encoding == "sglang":
+            hit_rate = s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0
+            gauges = {
+                "sglang:num_running_reqs": len(s.running),
+                "sglang:num_queue_reqs": len(s.waiting),
+                "sglang:token_usage": e.cache.usage,
+                "sglang:cache_hit_rate": hit_rate,
+            }
+            counters: dict[str, int] = {}
+        else:
+            gauges = {
+                "vllm:num_requests_running": len(s.running),
+                "vllm:num_requests_waiting": len(s.waiting),
+                "vllm:kv_cache_usage_perc": e.cache.usage,
+            }
+            counters = {
+                "vllm:prefix_cache_queries": s.prefix_queries,
+                "vllm:prefix_cache_hits": s.prefix_hits,
+                "vllm:prompt_tokens": s.prompt_tokens,
+                "vllm:generation_tokens": s.generation_tokens,
+            }
+        for name, value in gauges.items():
+            g = GaugeMetricFamily(name, name, labels=list(labels))
+            g.add_metric(list(labels.values()), value)
+            yield g
+        for name, value in counters.items():
+            c = CounterMetricFamily(name, name, labels=list(labels))
+            c.add_metric(list(labels.values()), value)
+            yield c
+
+
+class MockEngine:
+    def __init__(self, cfg: MockEngineConfig) -> None:
+        self.cfg = cfg
+        self.timing = cfg.timing or Timing()
+        self.cache = PrefixCache(cfg.block_size, cfg.gpu_blocks, cfg.host_blocks, cfg.seed)
+        self.text = MockText(cfg.tokenizer)
+        self.publisher: KvEventPublisher | None = None
+        self.scheduler = Scheduler(
+            self.cache,
+            self.timing,
+            self._publish,
+            max_num_seqs=cfg.max_num_seqs,
+            max_batched_tokens=cfg.max_num_batched_tokens,
+        )
+        self.prefetched_blocks = 0
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_Metrics(self))  # type: ignore[arg-type]
+        self.app = self._build_app()
+        self._server: uvicorn.Server | None = None
+        self._serve_task: asyncio.Task[None] | None = None
+        self._scheduler_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()  # prefetches in flight
+        self.port = cfg.port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.host}:{self.port}"
+
+    @property
+    def zmq_endpoint(self) -> str | None:
+        return self.publisher.endpoint if self.publisher else None
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        return self.publisher.replay_endpoint if self.publisher else None
+
+    # -- lifecycle ----------------------------------------------------------------
+    async def start(self) -> MockEngine:
+        cfg = self.cfg
+        if cfg.zmq_endpoint:
+            self.publisher = KvEventPublisher(
+                cfg.zmq_endpoint,
+                cfg.replay_endpoint,
+                topic=cfg.topic,
+                buffer_steps=cfg.buffer_steps,
+                encoding=cfg.encoding,
+            )
+            self.publisher.start()
+        sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((cfg.host, cfg.port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            self.app,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=1,
+        )
+        self._server = uvicorn.Server(config)
+        self._serve_task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        self._scheduler_task = asyncio.create_task(self.scheduler.run())
+        for _ in range(500):
+            if self._server.started:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            await self.stop()
+            raise RuntimeError("mock engine HTTP server did not start")
+        log.info(
+            "mock engine %s on %s, KV events on %s", cfg.worker_id, self.url, self.zmq_endpoint
+        )
+        return self
+
+    async def stop(self) -> None:
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            seq.error = "engine shutting down"
+            seq.done = True
+            seq.out.put_nowait(None)
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._serve_task is not None:
+            await self._serve_task  # lets open streams end (each got its None above)
+        for task in [*self._tasks, self._scheduler_task]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self.publisher is not None:
+            await self.publisher.close()
+
+    async def __aenter__(self) -> MockEngine:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _publish(self, events: list[Any]) -> None:
+        if self.publisher is not None:
+            self.publisher.publish(events)
+
+    # -- HTTP -----------------------------------------------------------------------
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="cache-router mock engine", docs_url=None, redoc_url=None)
+
+        @app.exception_handler(ApiError)
+        async def _api_error(_: Request, exc: ApiError) -> Response:
+            return Response(exc.body(), exc.status, media_type="application/json")
+
+        @app.get("/health")
+        async def health() -> Response:
+            return Response(status_code=200)
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+        @app.get("/v1/models")
+        async def models() -> dict[str, Any]:
+            card = {
+                "id": self.cfg.model,
+                "object": "model",
+                "created": 0,
+                "owned_by": "vllm",
+                "root": self.cfg.model,
+                "parent": None,
+                "max_model_len": self.cfg.max_model_len,
+            }
+            return {"object": "list", "data": [card]}
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request) -> Response:
+            return await self._generate("chat", request)
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            return await self._generate("completion", request)
+
+        @app.post("/prefetch")
+        async def prefetch(request: Request) -> Response:
+            return JSONResponse(self._prefetch(await _json(request)), status_code=202)
+
+        return app
+
+    async def _generate(self, kind: Kind, request: Request) -> Response:
+        body = await _json(request)
+        p = parse_params(kind, body, self.cfg.model)
+        prompt = self.text.chat(body) if kind == "chat" else self.text.completion(body["prompt"])
+        seq = self._sequence(p, prompt)
+        self.scheduler.submit(seq)
+        if p.stream:
+            return StreamingResponse(self._stream(p, seq), media_type="text/event-stream")
+        pieces: list[str] = []
+        try:
+            while (step := await seq.out.get()) is not None:
+                pieces.extend(step)
+        finally:
+            self.scheduler.abort(seq)  # no-op when it finished
+        if seq.error:
+            raise ApiError(500, seq.error, "engine_error")
+        use = usage(len(prompt), seq.generated, seq.cached_tokens)
+        return JSONResponse(full_response(p, "".join(pieces), seq.finish_reason, use))
+
+    def _sequence(self, p: Params, prompt: list[int]) -> Sequence:
+        natural = self.text.natural_length(prompt)
+        limit = p.max_tokens
+        if limit is not None and (p.ignore_eos or natural > limit):
+            n_out, finish = limit, "length"
+        else:
+            n_out, finish = natural, "stop"
+        total = len(prompt) + n_out
+        if total > self.cfg.max_model_len:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.cfg.max_model_len} tokens; "
+                f"the request needs {total} ({len(prompt)} prompt).",
+                "context_length_exceeded",
+                "messages" if p.kind == "chat" else "prompt",
+            )
+        if self.cache.blocks_needed(total) > self.cache.gpu_blocks:
+            raise ApiError(400, f"{total} tokens do not fit in the KV cache", "kv_cache_too_small")
+        return Sequence(
+            prompt=prompt,
+            hashes=self.cache.hash_blocks(prompt),
+            max_tokens=n_out,
+            pieces=self.text.pieces(prompt, n_out),
+            finish_reason=finish,
+        )
+
+    async def _stream(self, p: Params, seq: Sequence) -> AsyncIterator[bytes]:
+        try:
+            if p.kind == "chat":
+                yield role_chunk(p)
+            sent = 0
+            while (step := await seq.out.get()) is not None:
+                for piece in step:
+                    sent += 1
+                    last = sent == seq.max_tokens
+                    yield token_chunk(p, piece, seq.finish_reason if last else None)
+            if seq.error:
+                yield b"data: " + error_body(500, seq.error, "engine_error") + b"\n\n"
+                return
+            if p.include_usage:
+                yield usage_chunk(p, usage(len(seq.prompt), seq.generated, seq.cached_tokens))
+            yield DONE
+        finally:
+            self.scheduler.abort(seq)  # the client left early, or a no-op
+
+    def _prefetch(self, hint: Any) -> dict[str, Any]:
+        """Accept a hint; its blocks land after the modelled transfer time."""
+        if not isinstance(hint, dict):
+            raise ApiError(400, "prefetch hint must be a JSON object", "invalid_body")
+        hashes, tokens = hint.get("block_hashes"), hint.get("token_ids")
+        if not isinstance(hashes, list) or not all(isinstance(h, int) for h in hashes):
+            raise ApiError(400, "block_hashes must be a list of ints", "invalid_value")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise ApiError(
+                422,
+                "token_ids missing: this engine can only fetch blocks whose tokens it is given",
+                "unresolved_blocks",
+            )
+        bs = self.cache.block_size
+        n = min(len(hashes), len(tokens) // bs)
+        num_tokens = hint.get("num_tokens")
+        if isinstance(num_tokens, int) and num_tokens >= 0:
+            n = min(n, num_tokens // bs)
+        own = self.cache.hash_blocks(tokens[: n * bs])
+        # The source's names must be ours too (same hash function): keep the agreeing run.
+        m = next((i for i in range(n) if own[i] != norm_hash(hashes[i])), n)
+        if m < n:
+            log.warning("prefetch hint: %d of %d block hashes are not this engine's", n - m, n)
+        delay = self.timing.scaled(m * self.timing.transfer_s_per_block)
+        self._spawn(self._land(tokens[: m * bs], own[:m], delay))
+        return {"blocks": m, "rejected_blocks": n - m, "transfer_ms": delay * 1000}
+
+    async def _land(self, tokens: list[int], hashes: list[int], delay: float) -> None:
+        await asyncio.sleep(delay)
+        self.prefetched_blocks += self.cache.prefetch(tokens, block_hashes=hashes)
+        self.scheduler.flush_events()
+
+
+async def _json(request: Request) -> Any:
+    try:
+        return orjson.loads(await request.body())
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"request body is not JSON: {exc}", "invalid_json") from exc
+
+
+# -- command line ---------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = MockEngineConfig()
+    t = Timing()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default=d.host)
+    parser.add_argument("--model", default=d.model, help="served model name")
+    parser.add_argument("--worker-id", default=d.worker_id, help="name used in logs")
+    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--gpu-blocks", type=int, default=d.gpu_blocks)
+    parser.add_argument("--host-blocks", type=int, default=d.host_blocks, help="0: no host tier")
+    parser.add_argument("--seed", type=int, default=d.seed, help="engine block-hash seed")
+    parser.add_argument("--zmq-endpoint", help="KV-event PUB endpoint to bind (tcp://HOST:PORT)")
+    parser.add_argument("--replay-endpoint", help="KV-event replay ROUTER endpoint to bind")
+    parser.add_argument("--topic", default=d.topic, help="ZMQ topic of KV-event messages")
+    parser.add_argument("--buffer-steps", type=int, default=d.buffer_steps)
+    parser.add_argument(
+        "--events-as-map", action="store_true", help="vLLM's newer map-encoded events"
+    )
+    parser.add_argument(
+        "--sglang", action="store_true", help="SGLang's event layout and metric names"
+    )
+    parser.add_argument("--tokenizer", help="tokenizer.json (default: the router's fallback)")
+    parser.add_argument("--speed", type=float, default=t.speed, help="divide all latencies by X")
+    parser.add_argument("--decode-tps", type=float, default=t.decode_tps)
+    parser.add_argument("--prefill-tps", type=float, default=t.prefill_tps)
+    parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument("--log-level", default="INFO")
+
+
+def config_from_args(args: argparse.Namespace) -> MockEngineConfig:
+    if args.sglang and args.events_as_map:
+        raise SystemExit("--sglang and --events-as-map are exclusive")
+    if args.speed <= 0 or args.decode_tps <= 0 or args.prefill_tps <= 0:
+        raise SystemExit("--speed, --decode-tps and --prefill-tps must be positive")
+    return MockEngineConfig(
+        port=args.port,
+        host=args.host,
+        model=args.model,
+        worker_id=args.worker_id,
+        block_size=args.block_size,
+        gpu_blocks=args.gpu_blocks,
+        host_blocks=args.host_blocks,
+        seed=args.seed,
+        zmq_endpoint=args.zmq_endpoint,
+        replay_endpoint=args.replay_endpoint,
+        topic=args.topic,
+        buffer_steps=args.buffer_steps,
+        encoding="sglang" if args.sglang else "vllm-map" if args.events_as_map else "vllm",
+        tokenizer=args.tokenizer,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        timing=Timing(speed=args.speed, decode_tps=args.decode_tps, prefill_tps=args.prefill_tps),
+    )
+
+
+async def _serve(cfg: MockEngineConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    async with MockEngine(cfg):
+        await stop.wait()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    asyncio.run(_serve(config_from_args(args)))
+    return 0

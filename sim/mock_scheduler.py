@@ -1,0 +1,195 @@
+"""The mock engine's continuous-batching scheduler over the shared ``PrefixCache``.
+
+Like vLLM's scheduler, each step spends a token budget: one token for every decoding
+request, then prefill chunks for running requests, then new requests in arrival order
+(the head of the queue waits when its pages cannot be freed, so later ones wait too).
+The step then "runs" for a modelled time:
+
+    (1 / decode_tps + prefill tokens / prefill_tps + host blocks loaded * load_s) / speed
+
+so prefill latency grows with uncached tokens, a lone request decodes at ``decode_tps``
+and everything speeds up by ``speed`` for tests. Blocks are cached as their prefill
+chunk is scheduled; the step's KV events go out as one batch after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from index.codec import Event
+from sim.cache import CacheFullError, PrefixCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Timing:
+    speed: float = 1.0
+    decode_tps: float = 50.0  # tokens/s of one request decoding alone
+    prefill_tps: float = 10_000.0  # uncached prompt tokens/s
+    load_s_per_block: float = 0.0005  # host -> GPU copy of one block
+    transfer_s_per_block: float = 0.001  # a prefetched block arriving from elsewhere
+
+    def scaled(self, seconds: float) -> float:
+        return seconds / self.speed
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request from admission to its last token."""
+
+    prompt: list[int]
+    hashes: list[int]
+    max_tokens: int
+    pieces: list[str]  # the output text, one piece per token
+    finish_reason: str
+    id: str = field(default_factory=lambda: f"seq-{next(_ids)}")
+    cached_tokens: int = 0
+    computed: int = 0  # prompt tokens done (hits included)
+    generated: int = 0
+    error: str | None = None
+    aborted: bool = False
+    done: bool = False
+    # Each step's new output pieces; None closes the stream.
+    out: asyncio.Queue[list[str] | None] = field(default_factory=asyncio.Queue)
+
+
+_ids = itertools.count()
+
+
+class Scheduler:
+    def __init__(
+        self,
+        cache: PrefixCache,
+        timing: Timing,
+        publish: Callable[[list[Event]], None],
+        *,
+        max_num_seqs: int = 256,
+        max_batched_tokens: int = 2048,
+    ) -> None:
+        self.cache = cache
+        self.timing = timing
+        self.publish = publish
+        self.max_num_seqs = max_num_seqs
+        self.max_batched_tokens = max_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.prefix_queries = 0  # prompt tokens looked up (vllm:prefix_cache_queries)
+        self.prefix_hits = 0  # of which cached, GPU or host (vllm:prefix_cache_hits)
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self._wake = asyncio.Event()
+
+    def submit(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+        self._wake.set()
+
+    def abort(self, seq: Sequence) -> None:
+        """The client went away: free its pages at the next step."""
+        if seq.done:
+            return
+        seq.aborted = True
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            self._finish(seq)
+        self._wake.set()
+
+    def flush_events(self) -> None:
+        """Publish events made outside a step (a prefetch landing) right away."""
+        events = self.cache.drain_events()
+        if events:
+            self.publish(events)
+
+    async def run(self) -> None:
+        while True:
+            if not self.running and not self.waiting:
+                self._wake.clear()
+                await self._wake.wait()
+            try:
+                if not await self._step():
+                    # The head of the queue cannot fit and nothing runs to free pages:
+                    # wait for a new request or an abort instead of spinning.
+                    self._wake.clear()
+                    await self._wake.wait()
+            except Exception:  # a bug in one step must not leave every client hanging
+                log.exception("scheduler step failed; failing its requests")
+                for seq in [*self.running, *self.waiting]:
+                    seq.error = "internal scheduler error"
+                    self._finish(seq)
+                self.running.clear()
+                self.waiting.clear()
+
+    async def _step(self) -> bool:
+        """One engine step; False when it could do nothing at all."""
+        budget = self.max_batched_tokens
+        emitting: list[Sequence] = []
+        for seq in self.running:
+            if seq.computed == len(seq.prompt) and not seq.aborted:
+                emitting.append(seq)
+        budget -= len(emitting)
+        decoding = len(emitting)
+        prefill = 0
+        for seq in self.running:
+            if seq.computed < len(seq.prompt) and not seq.aborted and budget > 0:
+                chunk = self._prefill(seq, budget)
+                budget -= chunk
+                prefill += chunk
+                if seq.computed == len(seq.prompt):
+                    emitting.append(seq)
+        loaded = 0
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            try:
+                alloc = self.cache.allocate(
+                    seq.id, seq.prompt, block_hashes=seq.hashes, reserve_tokens=seq.max_tokens
+                )
+            except CacheFullError as exc:
+                self.waiting.popleft()
+                seq.error = str(exc)
+                self._finish(seq)
+                continue
+            if alloc is None:
+                break  # first come, first served: nobody overtakes the head
+            self.waiting.popleft()
+            self.running.append(seq)
+            hit = (alloc.gpu_hit_blocks + alloc.host_hit_blocks) * self.cache.block_size
+            seq.cached_tokens = seq.computed = hit
+            loaded += alloc.host_hit_blocks
+            self.prefix_queries += len(seq.prompt)
+            self.prefix_hits += hit
+            self.prompt_tokens += len(seq.prompt)
+            chunk = self._prefill(seq, budget)
+            budget -= chunk
+            prefill += chunk
+            if seq.computed == len(seq.prompt):
+                emitting.append(seq)
+        t = self.timing
+        cost = 1 / t.decode_tps if decoding or prefill else 0.0
+        cost += prefill / t.prefill_tps + loaded * t.load_s_per_block
+        await asyncio.sleep(t.scaled(cost))
+        for seq in emitting:
+            seq.out.put_nowait([seq.pieces[seq.generated]])
+            seq.generated += 1
+            self.generation_tokens += 1
+        finished = [s for s in self.running if s.aborted or s.generated >= s.max_tokens]
+        for seq in finished:
+            self.running.remove(seq)
+            self.cache.release(seq.id)
+            self._finish(seq)
+        self.flush_events()
+        return bool(emitting or prefill or finished)
+
+    def _prefill(self, seq: Sequence, budget: int) -> int:
+        chunk = min(len(seq.prompt) - seq.computed, budget)
+        seq.computed += chunk
+        self.cache.commit(seq.id, seq.computed)
+        return chunk
+
+    def _finish(self, seq: Sequence) -> None:
+        seq.done = True
+        seq.out.put_nowait(None)
