@@ -1,0 +1,185 @@
+"""The admin API under ``/admin/``, behind a bearer token.
+
+Operators add, drain and remove workers, read the index and event counters, ask why a
+request would go where it goes (``POST /admin/explain``, which decides without
+sending), and watch the experiment arms. Without a configured token the whole API is
+off: an unauthenticated admin API would let anyone point the router at any URL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import time
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from policies.base import NO_MATCH
+from router.config import worker_spec
+from router.errors import ApiError
+
+if TYPE_CHECKING:
+    from router.app import RouterState
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj, default=_default), status, media_type="application/json")
+
+
+def _default(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    if isinstance(obj, set | frozenset):
+        return sorted(obj)
+    raise TypeError(type(obj).__name__)
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    try:
+        body = orjson.loads(await request.body())
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"body is not valid JSON: {exc}", "invalid_json") from exc
+    if not isinstance(body, dict):
+        raise ApiError(400, "body must be a JSON object", "invalid_json")
+    return body
+
+
+def admin_router(state: RouterState) -> APIRouter:
+    def authorize(request: Request) -> None:
+        token = state.cfg.admin_token
+        if not token:
+            raise ApiError(
+                403, "the admin API is disabled: configure admin_token", "admin_disabled"
+            )
+        given = request.headers.get("authorization", "")
+        scheme, _, value = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(value.encode(), token.encode()):
+            raise ApiError(401, "admin API: missing or wrong bearer token", "unauthorized")
+
+    api = APIRouter(prefix="/admin", dependencies=[Depends(authorize)])
+    registry = state.registry
+
+    def worker_or_404(worker_id: str) -> Any:
+        worker = registry.get(worker_id)
+        if worker is None:
+            raise ApiError(404, f"no worker {worker_id}", "worker_not_found")
+        return worker
+
+    @api.get("/workers")
+    async def list_workers() -> Response:
+        now = time.monotonic()
+        return _json({"workers": [w.describe(now) for w in registry]})
+
+    @api.post("/workers")
+    async def add_worker(request: Request) -> Response:
+        try:
+            spec = worker_spec(await _body(request), "worker")
+            worker = registry.add(spec)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), "invalid_worker") from exc
+        await registry.check(state.client, worker)
+        state.events.resync(worker.id)
+        return _json(worker.describe(time.monotonic()), 201)
+
+    @api.post("/workers/{worker_id}/drain")
+    async def drain_worker(worker_id: str) -> Response:
+        worker_or_404(worker_id)
+        return _json(registry.drain(worker_id).describe(time.monotonic()))
+
+    @api.delete("/workers/{worker_id}")
+    async def remove_worker(worker_id: str) -> Response:
+        worker_or_404(worker_id)
+        worker = registry.remove(worker_id)
+        return _json({"removed": worker_id, "inflight_requests": worker.load.inflight_requests})
+
+    @api.get("/index")
+    async def index_stats() -> Response:
+        pools = {}
+        for pool in registry.pools.values():
+            ing = pool.ingest
+            pools[pool.name] = {
+                "block_size": pool.block_size,
+                "index": pool.index.stats(),
+                "events_applied": ing.events_applied,
+                "batches_applied": ing.batches_applied,
+                "gaps": ing.gaps,
+                "restarts": ing.restarts,
+                "duplicates": ing.duplicates,
+                "dropped_events": dict(ing.errors),
+                "in_sync": {w: ing.in_sync(w) for w in pool.index.workers},
+            }
+        nats = {
+            "connected": state.bus.connected if state.bus else False,
+            "reconnects": state.bus.reconnects if state.bus else 0,
+            "dropped_publishes": state.bus.dropped_publishes if state.bus else 0,
+            "counts": dict(state.events.counts),
+            "hints_published": state.hints.published,
+            "hints_skipped": state.hints.skipped,
+        }
+        return _json({"pools": pools, "nats": nats})
+
+    @api.post("/explain")
+    async def explain(request: Request) -> Response:
+        """The decision for a request body and every worker's numbers; nothing is sent."""
+        raw = await request.body()
+        kind = "chat" if b'"messages"' in raw else "completion"
+        headers = {
+            k: v for k, v in request.headers.items() if k in ("x-session-id", "x-request-id")
+        }
+        router = state.router
+        prep = await router.prepare(router.parse(kind, raw, headers), len(raw))
+        decision, views = router.decide(prep)
+        by_id = {v.worker_id: v for v in views}
+        matches = prep.pool.index.match_tiers(prep.request.block_hashes)
+        now = time.monotonic()
+        workers = []
+        for w in prep.workers:
+            view = by_id.get(w.id)
+            workers.append(
+                {
+                    "worker_id": w.id,
+                    "usable": view is not None,
+                    "in_sync": prep.pool.ingest.in_sync(w.id),
+                    "match": matches.get(w.id, NO_MATCH),
+                    "view": view,
+                    "scores": decision.scores.get(w.id, {}),
+                    "state": w.describe(now),
+                }
+            )
+        return _json(
+            {
+                "request_id": prep.request.request_id,
+                "model": prep.request.model,
+                "pool": prep.pool.name,
+                "arm": prep.arm,
+                "policy": state.experiment.policy_for(prep.arm).name,
+                "num_tokens": prep.request.num_tokens,
+                "blocks": len(prep.request.block_hashes),
+                "decision": {
+                    "worker_id": decision.worker_id,
+                    "reason": decision.reason,
+                    "prefetch": decision.prefetch,
+                },
+                "workers": workers,
+            }
+        )
+
+    @api.get("/experiments")
+    async def experiments() -> Response:
+        live = state.metrics.by_arm()
+        arms = [
+            {
+                "name": a.name,
+                "policy": a.policy_name,
+                "weight": a.weight,
+                "params": dict(a.params),
+                "metrics": live.get(a.name, {}),
+            }
+            for a in state.experiment.arms
+        ]
+        return _json({"experiment": state.cfg.experiment, "arms": arms})
+
+    return api

@@ -1,0 +1,106 @@
+"""The router's NATS connection: connect with backoff, reconnect forever, never block routing.
+
+nats-py reconnects and re-subscribes on its own once a first connection succeeded;
+the first connection is retried here with exponential backoff, so the router can start
+before NATS does. While NATS is away routing goes on (on load alone for workers whose
+events it misses) and publishes are dropped and counted instead of queued unbounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import nats
+from nats.aio.client import Client
+
+log = logging.getLogger(__name__)
+
+Hook = Callable[[Client], Awaitable[None]]
+
+
+class Bus:
+    def __init__(self, url: str, *, name: str = "cache-router", max_backoff: float = 5.0) -> None:
+        self.url = url
+        self.name = name
+        self.max_backoff = max_backoff
+        self.nc: Client | None = None
+        self.dropped_publishes = 0
+        self.reconnects = 0
+        self._on_connect: list[Hook] = []  # run once, after the first connection
+        self._on_reconnect: list[Hook] = []  # run after every reconnection
+        self._task: asyncio.Task[None] | None = None
+        self.ready = asyncio.Event()
+
+    @property
+    def connected(self) -> bool:
+        return self.nc is not None and self.nc.is_connected
+
+    def on_connect(self, hook: Hook) -> None:
+        self._on_connect.append(hook)
+
+    def on_reconnect(self, hook: Hook) -> None:
+        self._on_reconnect.append(hook)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._connect_loop(), name="nats-connect")
+
+    async def _connect_loop(self) -> None:
+        delay = 0.05
+        while True:
+            try:
+                nc = await nats.connect(
+                    self.url,
+                    name=self.name,
+                    connect_timeout=2,
+                    reconnect_time_wait=0.25,
+                    max_reconnect_attempts=-1,
+                    allow_reconnect=True,
+                    reconnected_cb=self._reconnected,
+                    disconnected_cb=self._disconnected,
+                    error_cb=self._error,
+                )
+            except Exception as exc:  # nats-py raises several types when no server answers
+                log.warning("NATS %s unreachable (%s); retrying in %.2fs", self.url, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.max_backoff)
+                continue
+            self.nc = nc
+            log.info("connected to NATS %s", self.url)
+            for hook in self._on_connect:
+                await hook(nc)
+            self.ready.set()
+            return
+
+    async def _reconnected(self) -> None:
+        self.reconnects += 1
+        log.info("reconnected to NATS %s", self.url)
+        if self.nc is not None:
+            for hook in self._on_reconnect:
+                await hook(self.nc)
+
+    async def _disconnected(self) -> None:
+        log.warning("disconnected from NATS %s; routing on what is known", self.url)
+
+    async def _error(self, exc: Exception) -> None:
+        log.debug("NATS error: %s", exc)
+
+    async def publish(self, subject: str, data: bytes) -> bool:
+        """Publish if connected; otherwise drop and count (a stale hint is worse than none)."""
+        if not self.connected:
+            self.dropped_publishes += 1
+            return False
+        assert self.nc is not None
+        await self.nc.publish(subject, data)
+        return True
+
+    async def close(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self.nc is not None and not self.nc.is_closed:
+            try:
+                await asyncio.wait_for(self.nc.drain(), timeout=2)
+            except Exception:  # closing anyway
+                await self.nc.close()

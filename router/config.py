@@ -1,0 +1,254 @@
+"""Router configuration: one source of truth, layered defaults < TOML < env < flags.
+
+The TOML file holds everything (workers, per-model tokenizers, experiment arms); the
+``CACHE_ROUTER_*`` environment variables and the command-line flags override its scalar
+settings, so containers and scripts can change one knob without writing a file. The
+defaults run the demo with no file at all.
+
+Example ``router.toml``::
+
+    port = 8000
+    nats_url = "nats://127.0.0.1:4222"
+    policy = "cache_aware"
+    admin_token = "secret"
+
+    [[workers]]
+    id = "w0"
+    url = "http://127.0.0.1:9000"
+    model = "llama"
+    pool = "default"
+    block_size = 16
+
+    [models.llama]
+    tokenizer = "/models/llama"      # dir with tokenizer.json (+ tokenizer_config.json)
+
+    [[arms]]                          # A/B experiment; omit for one policy
+    name = "cache"
+    policy = "cache_aware"
+    weight = 0.5
+    params = {}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "CACHE_ROUTER_"
+DEFAULT_POOL = "default"
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be used; the message says which setting and why."""
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    id: str
+    url: str
+    model: str | None = None  # None: learnt from the engine's /v1/models
+    pool: str = DEFAULT_POOL
+    block_size: int | None = None  # None: the router's block_size
+
+
+@dataclass(slots=True)
+class ModelSpec:
+    tokenizer: str | None = None  # path to tokenizer.json or a dir holding it
+
+
+@dataclass(slots=True)
+class ArmSpec:
+    name: str
+    policy: str
+    weight: float = 1.0
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    nats_url: str | None = None  # None: no KV events, route on load alone
+    subject_prefix: str = "kv"
+    block_size: int = 16
+    policy: str = "cache_aware"
+    policy_params: dict[str, Any] = field(default_factory=dict)
+    tokenizer: str | None = None  # default for models without their own
+    admin_token: str | None = None  # None: the admin API is disabled
+    max_body_bytes: int = 8 * 1024 * 1024
+    request_timeout: float = 600.0  # seconds to wait for the engine's response headers
+    connect_retries: int = 2  # other workers tried when nothing reached the engine
+    predict_ttl: float = 0.0  # seconds a routed prefix counts as cached; 0 disables
+    offload_chars: int = 4096  # prompts longer than this tokenize on the thread pool
+    health_interval: float = 2.0
+    health_timeout: float = 1.0
+    unhealthy_after: int = 2  # consecutive failed checks before a worker is down
+    healthy_after: int = 1  # consecutive good checks before it is back
+    breaker_failures: int = 3  # consecutive request failures that open the breaker
+    breaker_cooldown: float = 5.0  # seconds before a half-open trial request
+    load_stale_after: float = 5.0  # engine load older than this is ignored (and scraped)
+    drain_timeout: float = 30.0  # graceful shutdown: seconds in-flight requests may take
+    max_index_blocks: int | None = None
+    experiment: str = "default"
+    workers: list[WorkerSpec] = field(default_factory=list)
+    models: dict[str, ModelSpec] = field(default_factory=dict)
+    arms: list[ArmSpec] = field(default_factory=list)
+
+    def tokenizer_for(self, model: str) -> str | None:
+        spec = self.models.get(model)
+        return spec.tokenizer if spec and spec.tokenizer else self.tokenizer
+
+
+_SCALARS = {
+    f.name: f
+    for f in dataclasses.fields(RouterConfig)
+    if f.name not in ("workers", "models", "arms", "policy_params")
+}
+
+
+def parse_worker(text: str) -> WorkerSpec:
+    """``ID=URL`` (the ``--worker`` flag and ``CACHE_ROUTER_WORKERS`` entries)."""
+    wid, sep, url = text.partition("=")
+    if not sep or not wid.strip() or not url.strip():
+        raise ConfigError(f"worker {text!r}: expected ID=URL")
+    return WorkerSpec(id=wid.strip(), url=url.strip().rstrip("/"))
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """``value`` (from TOML, env text or a flag) as the type of setting ``name``."""
+    kind = str(_SCALARS[name].type)
+    if value is None or (isinstance(value, str) and value == "" and "None" in kind):
+        if "None" not in kind:
+            raise ConfigError(f"{name} cannot be empty")
+        return None
+    try:
+        if kind.startswith("int"):
+            if isinstance(value, bool):
+                raise ValueError("bool")
+            return int(value)
+        if kind.startswith("float"):
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{name}: {value!r} is not a valid {kind}") from exc
+
+
+def worker_spec(raw: Any, where: str) -> WorkerSpec:
+    """A worker from a TOML table or an admin API body."""
+    if not isinstance(raw, Mapping) or not raw.get("id") or not raw.get("url"):
+        raise ConfigError(f"{where}: a worker needs id and url")
+    unknown = set(raw) - {"id", "url", "model", "pool", "block_size"}
+    if unknown:
+        raise ConfigError(f"{where}: unknown worker keys {sorted(unknown)}")
+    block = raw.get("block_size")
+    if block is not None and (not isinstance(block, int) or block <= 0):
+        raise ConfigError(f"{where}: block_size must be a positive int")
+    return WorkerSpec(
+        id=str(raw["id"]),
+        url=str(raw["url"]).rstrip("/"),
+        model=raw.get("model"),
+        pool=str(raw.get("pool") or DEFAULT_POOL),
+        block_size=block,
+    )
+
+
+def _apply_toml(cfg: RouterConfig, data: Mapping[str, Any], where: str) -> None:
+    for key, value in data.items():
+        if key in _SCALARS:
+            setattr(cfg, key, _coerce(key, value))
+        elif key == "policy_params":
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{where}: policy_params must be a table")
+            cfg.policy_params = dict(value)
+        elif key == "workers":
+            cfg.workers = [worker_spec(w, f"{where} workers[{i}]") for i, w in enumerate(value)]
+        elif key == "models":
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{where}: models must be a table of tables")
+            cfg.models = {
+                name: ModelSpec(tokenizer=(spec or {}).get("tokenizer"))
+                for name, spec in value.items()
+            }
+        elif key == "arms":
+            cfg.arms = [_arm_spec(a, f"{where} arms[{i}]") for i, a in enumerate(value)]
+        else:
+            raise ConfigError(f"{where}: unknown setting {key!r}")
+
+
+def _arm_spec(raw: Any, where: str) -> ArmSpec:
+    if not isinstance(raw, Mapping) or not raw.get("name") or not raw.get("policy"):
+        raise ConfigError(f"{where}: an arm needs name and policy")
+    weight = raw.get("weight", 1.0)
+    if not isinstance(weight, int | float) or weight <= 0:
+        raise ConfigError(f"{where}: weight must be a positive number")
+    params = raw.get("params", {})
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"{where}: params must be a table")
+    return ArmSpec(str(raw["name"]), str(raw["policy"]), float(weight), dict(params))
+
+
+def load_config(
+    path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    extra_workers: list[str] | None = None,
+) -> RouterConfig:
+    """Build the config: defaults, then the TOML file, env ``CACHE_ROUTER_*``, ``overrides``.
+
+    ``overrides`` are flag values (None means "not given"); ``extra_workers`` are
+    ``ID=URL`` strings added after the file's workers (a repeated id replaces one).
+    """
+    cfg = RouterConfig()
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: {exc}") from exc
+        _apply_toml(cfg, data, str(path))
+    env = os.environ if env is None else env
+    for name in _SCALARS:
+        key = ENV_PREFIX + name.upper()
+        if key in env:
+            setattr(cfg, name, _coerce(name, env[key]))
+    workers = [w for w in env.get(ENV_PREFIX + "WORKERS", "").split(",") if w.strip()]
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            setattr(cfg, name, _coerce(name, value))
+    by_id = {w.id: w for w in cfg.workers}
+    for text in [*workers, *(extra_workers or [])]:
+        spec = parse_worker(text)
+        by_id[spec.id] = spec
+    cfg.workers = list(by_id.values())
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RouterConfig) -> None:
+    """Reject settings that cannot work, with the reason, before anything starts."""
+    if cfg.block_size <= 0:
+        raise ConfigError("block_size must be positive")
+    if not 0 < cfg.port < 65536:
+        raise ConfigError(f"port {cfg.port} is out of range")
+    if cfg.max_body_bytes <= 0:
+        raise ConfigError("max_body_bytes must be positive")
+    for w in cfg.workers:
+        if not w.url.startswith(("http://", "https://")):
+            raise ConfigError(f"worker {w.id}: url must start with http:// or https://")
+    pool_of: dict[str, str] = {}
+    block_of: dict[str, int] = {}
+    for w in cfg.workers:
+        if w.model is not None and pool_of.setdefault(w.model, w.pool) != w.pool:
+            raise ConfigError(f"model {w.model} is served by pools {pool_of[w.model]} and {w.pool}")
+        size = w.block_size or cfg.block_size
+        if block_of.setdefault(w.pool, size) != size:
+            raise ConfigError(f"pool {w.pool} mixes block sizes {block_of[w.pool]} and {size}")
+    names = [a.name for a in cfg.arms]
+    if len(names) != len(set(names)):
+        raise ConfigError("experiment arm names must be unique")

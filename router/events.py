@@ -1,0 +1,233 @@
+"""What the router consumes from NATS: KV events (with replay on gaps) and load reports.
+
+Events for one worker must be applied in sequence order. A gap (or an unreadable
+batch) is not applied: the worker is marked out of sync (its matches are not trusted)
+and a resync task asks ``<prefix>.replay.<worker>`` for the missing batches or a dump
+(``index/replay.py``). Live batches that arrive meanwhile are held in order and fed
+after the replay; duplicates are harmless because ingest ignores them. nats-py runs one
+subscription's callbacks one at a time, so the live path needs no lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from typing import NamedTuple
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
+
+from index.codec import CodecError, DecodedBatch, decode
+from index.ingest import SeqStatus
+from index.replay import ReplayMessage, ReplayRequest
+from router.load import parse_load_report
+from router.workers import WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+_RETRY = (SeqStatus.GAP, SeqStatus.MALFORMED)
+
+
+class Live(NamedTuple):
+    seq: int
+    payload: bytes
+    dp_rank: int | None
+    epoch: str | None
+
+
+class EventSync:
+    """Keeps every pool's index in step with its workers' KV events."""
+
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        prefix: str = "kv",
+        *,
+        replay_timeout: float = 2.0,
+        max_pending: int = 10_000,
+        max_backoff: float = 5.0,
+    ) -> None:
+        self.registry = registry
+        self.prefix = prefix
+        self.replay_timeout = replay_timeout
+        self.max_pending = max_pending
+        self.max_backoff = max_backoff
+        self.counts: Counter[str] = Counter()
+        self._nc: Client | None = None
+        self._pending: dict[str, list[Live]] = {}
+        self._resync: dict[str, asyncio.Task[None]] = {}
+        self._events_prefix = f"{prefix}.events."
+        self._load_prefix = f"{prefix}.load."
+
+    # -- wiring ------------------------------------------------------------------
+    async def attach(self, nc: Client) -> None:
+        """Subscribe once; nats-py re-subscribes by itself after reconnects."""
+        self._nc = nc
+        await nc.subscribe(f"{self.prefix}.events.>", cb=self._on_event)
+        await nc.subscribe(f"{self.prefix}.load.*", cb=self._on_load)
+
+    async def resync_all(self, nc: Client) -> None:
+        """On (re)connect: ask every worker's agent for what this router has not seen."""
+        for worker in self.registry:
+            self.resync(worker.id)
+
+    def resync(self, worker_id: str) -> None:
+        """Fetch a worker's batches after the last one applied (all of them if none was).
+
+        Ends after one round when nothing was missing or no agent answers; keeps trying
+        only while the worker is out of sync.
+        """
+        worker = self.registry.get(worker_id)
+        if worker is not None:
+            last = worker.pool.ingest.last_seq(worker_id)
+            self._start_resync(worker_id, 0 if last is None else last + 1)
+
+    async def close(self) -> None:
+        tasks = list(self._resync.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def resyncing(self, worker_id: str) -> bool:
+        return worker_id in self._resync
+
+    # -- live path ---------------------------------------------------------------
+    async def _on_load(self, msg: Msg) -> None:
+        worker = self.registry.get(msg.subject[len(self._load_prefix) :])
+        if worker is None:
+            self.counts["load_unknown_worker"] += 1
+            return
+        try:
+            worker.load.report(parse_load_report(msg.data))
+        except ValueError:
+            self.counts["load_malformed"] += 1
+
+    async def _on_event(self, msg: Msg) -> None:
+        self.counts["messages"] += 1
+        worker_id = msg.subject[len(self._events_prefix) :]
+        worker = self.registry.get(worker_id)
+        if worker is None:
+            self.counts["unknown_worker"] += 1
+            return
+        headers = msg.headers or {}
+        try:
+            seq = int(headers["Kv-Seq"])
+            rank = headers.get("Kv-Dp-Rank")
+            live = Live(seq, msg.data, int(rank) if rank else None, headers.get("Kv-Epoch"))
+        except (KeyError, ValueError):
+            self.counts["bad_headers"] += 1
+            return
+        if worker_id in self._resync:
+            self._hold(worker_id, [live])
+            return
+        result = worker.pool.ingest.apply(
+            worker_id, live.seq, live.payload, dp_rank=live.dp_rank, epoch=live.epoch
+        )
+        if result.status in _RETRY:
+            self.counts[str(result.status)] += 1
+            if result.status is SeqStatus.GAP:
+                self._hold(worker_id, [live])
+            self._start_resync(worker_id, result.expected_seq or 0)
+
+    def _hold(self, worker_id: str, items: list[Live]) -> None:
+        pending = self._pending.setdefault(worker_id, [])
+        pending.extend(items)
+        if len(pending) > self.max_pending:
+            # Too far behind to catch up batch by batch: drop the backlog; the replay
+            # after this one starts from the next expected seq (or a dump).
+            self.counts["pending_dropped"] += len(pending)
+            pending.clear()
+
+    # -- resync ------------------------------------------------------------------
+    def _start_resync(self, worker_id: str, from_seq: int) -> None:
+        if worker_id in self._resync or self._nc is None:
+            return
+        task = asyncio.create_task(
+            self._resync_loop(worker_id, from_seq), name=f"resync-{worker_id}"
+        )
+        self._resync[worker_id] = task
+        task.add_done_callback(lambda _t: self._resync.pop(worker_id, None))
+
+    async def _resync_loop(self, worker_id: str, from_seq: int) -> None:
+        delay = 0.1
+        while True:
+            worker = self.registry.get(worker_id)
+            if worker is None:
+                self._pending.pop(worker_id, None)
+                return
+            ingest = worker.pool.ingest
+            before = ingest.last_seq(worker_id)
+            replied = await self._replay(worker_id, from_seq)
+            # No await from here to the end of the feed: live batches cannot interleave.
+            worker = self.registry.get(worker_id)
+            if worker is None:
+                self._pending.pop(worker_id, None)
+                return
+            pending = self._pending.pop(worker_id, [])
+            for i, live in enumerate(pending):
+                result = ingest.apply(
+                    worker_id, live.seq, live.payload, dp_rank=live.dp_rank, epoch=live.epoch
+                )
+                if result.status in _RETRY:
+                    from_seq = result.expected_seq or 0
+                    rest = pending[i:] if result.status is SeqStatus.GAP else pending[i + 1 :]
+                    self._pending[worker_id] = rest
+                    break
+            else:
+                if ingest.in_sync(worker_id):
+                    self.counts["resynced"] += 1
+                    return
+                last = ingest.last_seq(worker_id)
+                from_seq = 0 if last is None else last + 1
+            if not replied or ingest.last_seq(worker_id) == before:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.max_backoff)
+
+    async def _replay(self, worker_id: str, from_seq: int) -> bool:
+        """Fetch and apply batches from ``from_seq`` (or a dump); False if no full answer."""
+        nc = self._nc
+        assert nc is not None
+        worker = self.registry.get(worker_id)
+        if worker is None:
+            return False
+        ingest = worker.pool.ingest
+        self.counts["replay_requests"] += 1
+        dump: list[DecodedBatch] = []
+        dump_seq: int | None = None
+        try:
+            inbox = nc.new_inbox()
+            sub = await nc.subscribe(inbox)
+            try:
+                subject = f"{self.prefix}.replay.{worker_id}"
+                await nc.publish(subject, ReplayRequest(from_seq).encode(), reply=inbox)
+                while True:
+                    msg = await sub.next_msg(timeout=self.replay_timeout)
+                    if msg.headers and msg.headers.get("Status") == "503":
+                        self.counts["replay_no_responders"] += 1
+                        return False
+                    m = ReplayMessage.decode(msg.data)
+                    if m.kind == "batch":
+                        self.counts["replayed_batches"] += 1
+                        ingest.apply(worker_id, m.seq, m.payload)
+                    elif m.kind == "dump":
+                        dump.append(decode(m.payload))
+                        dump_seq = m.seq
+                    else:
+                        if m.dump:
+                            seq = m.seq if dump_seq is None else dump_seq
+                            ingest.load_dump(worker_id, seq, dump, epoch=m.epoch)
+                            self.counts["dumps_loaded"] += 1
+                        return True
+            finally:
+                await sub.unsubscribe()
+        except NatsTimeout:
+            self.counts["replay_timeouts"] += 1
+        except (CodecError, ValueError, KeyError, TypeError) as exc:
+            self.counts["replay_malformed"] += 1
+            log.warning("replay for %s: bad message: %s", worker_id, exc)
+        except Exception as exc:  # connection lost mid-replay: retried by the loop
+            self.counts["replay_errors"] += 1
+            log.warning("replay for %s failed: %s", worker_id, exc)
+        return False

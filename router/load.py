@@ -1,0 +1,152 @@
+"""Per-worker load: what this router has in flight, plus what the engine reports.
+
+The router's own counters move at once (a burst of requests sees each other), while
+engine numbers arrive late (``kv.load.<worker>`` reports or ``/metrics`` scrapes) but
+include traffic from other routers; policies get both.
+
+In-flight prefill tokens are the uncached prompt tokens of requests still waiting for
+their first byte: that is the queue a new request would wait behind.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+
+@dataclass(slots=True)
+class EngineLoad:
+    running: int | None = None
+    waiting: int | None = None
+    kv_usage: float | None = None
+
+
+class WorkerLoad:
+    """Load counters of one worker; mutated only on the event loop."""
+
+    __slots__ = (
+        "decode_streams",
+        "engine",
+        "engine_seen",
+        "inflight_prefill_tokens",
+        "inflight_requests",
+    )
+
+    def __init__(self) -> None:
+        self.inflight_requests = 0
+        self.inflight_prefill_tokens = 0
+        self.decode_streams = 0
+        self.engine = EngineLoad()
+        self.engine_seen = float("-inf")  # monotonic time of the last engine report
+
+    def begin(self, prefill_tokens: int) -> Flight:
+        self.inflight_requests += 1
+        self.inflight_prefill_tokens += prefill_tokens
+        return Flight(self, prefill_tokens)
+
+    def report(self, engine: EngineLoad, now: float | None = None) -> None:
+        self.engine = engine
+        self.engine_seen = time.monotonic() if now is None else now
+
+    def engine_fresh(self, stale_after: float, now: float | None = None) -> EngineLoad | None:
+        """The engine's numbers if reported within ``stale_after`` seconds, else None."""
+        now = time.monotonic() if now is None else now
+        return self.engine if now - self.engine_seen <= stale_after else None
+
+    def snapshot(self) -> dict[str, Any]:
+        e = self.engine
+        return {
+            "inflight_requests": self.inflight_requests,
+            "inflight_prefill_tokens": self.inflight_prefill_tokens,
+            "decode_streams": self.decode_streams,
+            "engine_running": e.running,
+            "engine_waiting": e.waiting,
+            "kv_usage": e.kv_usage,
+        }
+
+
+class Flight:
+    """One request's share of a worker's load; each transition happens at most once."""
+
+    __slots__ = ("load", "prefill", "state")
+
+    def __init__(self, load: WorkerLoad, prefill: int) -> None:
+        self.load = load
+        self.prefill = prefill
+        self.state = 0  # 0 waiting for first byte, 1 decoding, 2 finished
+
+    def first_byte(self) -> None:
+        if self.state == 0:
+            self.load.inflight_prefill_tokens -= self.prefill
+            self.load.decode_streams += 1
+            self.state = 1
+
+    def finish(self) -> None:
+        if self.state == 0:
+            self.load.inflight_prefill_tokens -= self.prefill
+        elif self.state == 1:
+            self.load.decode_streams -= 1
+        else:
+            return
+        self.load.inflight_requests -= 1
+        self.state = 2
+
+
+def parse_load_report(data: bytes) -> EngineLoad:
+    """A ``kv.load.<worker>`` JSON report ``{running, waiting, kv_usage, ts}``."""
+    obj = orjson.loads(data)
+    if not isinstance(obj, dict):
+        raise ValueError("load report is not a JSON object")
+    return EngineLoad(
+        running=_num(obj.get("running"), int),
+        waiting=_num(obj.get("waiting"), int),
+        kv_usage=_num(obj.get("kv_usage"), float),
+    )
+
+
+def _num(value: Any, kind: type) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"load report field is not a number: {value!r}")
+    return kind(value)
+
+
+# Prometheus names, vLLM first then SGLang; the first present in a scrape wins.
+_RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
+_WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+
+
+def parse_engine_metrics(text: str) -> EngineLoad:
+    """Engine load from a Prometheus text scrape of a vLLM or SGLang ``/metrics``.
+
+    Counts are summed over series (one per DP engine); KV usage is the highest series,
+    since the fullest rank is the one that queues.
+    """
+    values: dict[str, list[float]] = {}
+    wanted = set(_RUNNING + _WAITING + _KV_USAGE)
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
+        if name_end < 0 or line[:name_end] not in wanted:
+            continue
+        fields = line.rsplit("}", 1)[-1].split() if "{" in line else line.split()[1:]
+        try:
+            values.setdefault(line[:name_end], []).append(float(fields[0]))
+        except (IndexError, ValueError):
+            continue
+
+    def first(names: tuple[str, ...]) -> list[float] | None:
+        return next((values[n] for n in names if n in values), None)
+
+    running, waiting, usage = first(_RUNNING), first(_WAITING), first(_KV_USAGE)
+    return EngineLoad(
+        running=None if running is None else int(sum(running)),
+        waiting=None if waiting is None else int(sum(waiting)),
+        kv_usage=None if usage is None else max(usage),
+    )

@@ -1,0 +1,264 @@
+"""The hot path: a raw ASGI handler that routes one OpenAI request and streams it through.
+
+It sits in front of FastAPI (``router.app``) so a completion pays for no framework
+routing, middleware or models: read the body, decide, send the bytes unchanged with
+the shared keep-alive ``httpx.AsyncClient``, and pass the engine's status, headers and
+body chunks back as they come. While waiting and streaming, a watcher task listens
+for the client going away and cancels the request, which closes the upstream
+connection so the engine stops working for nobody.
+
+Retries happen only when nothing reached an engine (connect refused or timed out, no
+pooled connection available); a request an engine may have started is never replayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from router.errors import ApiError, sse_error
+from router.load import Flight
+from router.metrics import Series
+from router.routing import Kind, Prepared, hit_blocks
+
+if TYPE_CHECKING:
+    from router.app import RouterState
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+# Hop-by-hop and recomputed headers: never forwarded either way.
+_REQ_DROP = frozenset(
+    (b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"te",
+     b"upgrade", b"proxy-connection", b"proxy-authorization", b"expect", b"trailer")
+)  # fmt: skip
+_RESP_DROP = frozenset(
+    (b"connection", b"keep-alive", b"transfer-encoding", b"date", b"server", b"trailer")
+)
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+_JSON = [(b"content-type", b"application/json")]
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body was complete."""
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The request body, or ``ApiError`` 413 as soon as it is known to exceed ``limit``."""
+    for key, value in scope["headers"]:
+        if key == b"content-length" and value.isdigit() and int(value) > limit:
+            raise ApiError(413, f"request body over {limit} bytes", "request_too_large")
+    chunks = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body over {limit} bytes", "request_too_large")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def send_error(send: Send, err: ApiError) -> None:
+    await send({"type": "http.response.start", "status": err.status, "headers": _JSON})
+    await send({"type": "http.response.body", "body": err.body()})
+
+
+class Exchange:
+    """One request's progress, shared with its disconnect watcher."""
+
+    __slots__ = ("done", "gone", "started", "t0", "task", "watcher")
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.t0 = time.perf_counter()
+        self.task = task
+        self.started = False  # response headers sent: errors can no longer be a status
+        self.done = False  # final body sent: a disconnect now is the normal end
+        self.gone = False
+        self.watcher: asyncio.Task[None] | None = None
+
+    def watch(self, receive: Receive) -> None:
+        self.watcher = asyncio.create_task(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        """Cancel the request when the client disconnects (uvicorn's receive says so)."""
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                if not self.done:
+                    self.gone = True
+                    self.task.cancel()
+                return
+
+
+class Proxy:
+    """ASGI app for one endpoint (``/v1/chat/completions`` or ``/v1/completions``)."""
+
+    def __init__(self, state: RouterState, kind: Kind, path: str) -> None:
+        self.state = state
+        self.kind = kind
+        self.path = path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        st = self.state
+        task = asyncio.current_task()
+        assert task is not None
+        ex = Exchange(task)
+        try:
+            raw = await read_body(scope, receive, st.cfg.max_body_bytes)
+            wanted: dict[str, str] = {}
+            for key, value in scope["headers"]:
+                if key in (b"x-session-id", b"x-request-id"):
+                    wanted[key.decode()] = value.decode("latin-1")
+            parsed = st.router.parse(self.kind, raw, wanted)
+            prep = await st.router.prepare(parsed, len(raw))
+            ex.watch(receive)
+            await self._forward(scope, send, raw, prep, ex)
+        except ClientGone:
+            return
+        except ApiError as err:
+            st.metrics.error("-", "-", err.code)
+            if not ex.started:
+                ex.done = True
+                await send_error(send, err)
+        except asyncio.CancelledError:
+            if not ex.gone:
+                raise
+            task.uncancel()
+            st.metrics.error("-", "-", "client_disconnect")
+        finally:
+            if ex.watcher is not None:
+                ex.watcher.cancel()
+
+    async def _forward(
+        self, scope: Scope, send: Send, raw: bytes, prep: Prepared, ex: Exchange
+    ) -> None:
+        st = self.state
+        req = prep.request
+        arm = prep.arm
+        headers = [(k, v) for k, v in scope["headers"] if k not in _REQ_DROP]
+        if not any(k == b"x-request-id" for k, _ in headers):
+            headers.append((b"x-request-id", req.request_id.encode()))
+        exclude: set[str] = set()
+        while True:
+            decision, views = st.router.decide(prep, exclude)
+            worker = st.registry.get(decision.worker_id)
+            if worker is None:  # removed between the views and now
+                exclude.add(decision.worker_id)
+                continue
+            hit = hit_blocks(views, worker.id) * req.block_size
+            flight = worker.load.begin(max(0, req.num_tokens - hit))
+            try:
+                upstream = st.client.build_request(
+                    "POST", worker.url + self.path, content=raw, headers=headers
+                )
+                resp = await st.client.send(upstream, stream=True)
+            except _NOT_SENT as exc:
+                flight.finish()
+                st.registry.request_failed(worker, f"connect: {type(exc).__name__}")
+                st.metrics.error(arm, worker.id, "connect")
+                exclude.add(worker.id)
+                if len(exclude) > st.cfg.connect_retries:
+                    raise ApiError(
+                        502, f"no engine reachable: {exc}", "upstream_unreachable"
+                    ) from exc
+                st.metrics.retries.labels(worker.id).inc()
+                continue
+            except httpx.TimeoutException as exc:
+                flight.finish()
+                st.registry.request_failed(worker, "timeout")
+                st.metrics.error(arm, worker.id, "timeout")
+                raise ApiError(
+                    504, "the engine did not answer in time", "upstream_timeout"
+                ) from exc
+            except httpx.HTTPError as exc:
+                flight.finish()
+                st.registry.request_failed(worker, type(exc).__name__)
+                st.metrics.error(arm, worker.id, "upstream")
+                raise ApiError(502, f"engine error: {exc}", "upstream_error") from exc
+            except BaseException:
+                flight.finish()
+                raise
+            break
+        try:
+            if decision.prefetch is not None and await st.hints.publish(
+                decision.prefetch, req, prep.pool
+            ):
+                st.metrics.prefetch_hints.labels(arm, decision.prefetch.target_worker).inc()
+            if st.cfg.predict_ttl > 0 and req.block_hashes:
+                prep.pool.index.predict(worker.id, req.block_hashes, st.cfg.predict_ttl)
+            series = st.metrics.series(arm, worker.id)
+            series.requests.inc()
+            series.prompt_tokens.inc(req.num_tokens)
+            series.routed_hit_tokens.inc(hit)
+            await self._stream(send, resp, worker.id, flight, series, ex, arm)
+        finally:
+            await resp.aclose()
+            flight.finish()
+            st.experiment.policy_for(arm).on_finish(req, worker.id)
+
+    async def _stream(
+        self,
+        send: Send,
+        resp: httpx.Response,
+        worker_id: str,
+        flight: Flight,
+        series: Series,
+        ex: Exchange,
+        arm: str,
+    ) -> None:
+        st = self.state
+        worker = st.registry.get(worker_id)
+        status = resp.status_code
+        if worker is not None:
+            if status >= 500:
+                st.registry.request_failed(worker, f"status {status}")
+            else:
+                st.registry.request_succeeded(worker)
+        if status >= 400:
+            st.metrics.error(arm, worker_id, f"engine_{status}")
+        out = [(k, v) for k, v in resp.headers.raw if k.lower() not in _RESP_DROP]
+        out.append((b"x-cache-router-worker", worker_id.encode()))
+        await send({"type": "http.response.start", "status": status, "headers": out})
+        ex.started = True
+        sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+        cached = None
+        tail = b""
+        try:
+            async for chunk in resp.aiter_raw():
+                if flight.state == 0:
+                    series.ttft.observe(time.perf_counter() - ex.t0)
+                    flight.first_byte()
+                window = tail + chunk  # '"cached_tokens": 12' may be cut between chunks
+                if b"cached_tokens" in window:
+                    found = _CACHED.findall(window)
+                    if found:
+                        cached = int(found[-1])
+                tail = chunk[-32:]
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except httpx.HTTPError as exc:
+            st.metrics.error(arm, worker_id, "upstream_broken")
+            if worker is not None:
+                st.registry.request_failed(worker, f"broken stream: {type(exc).__name__}")
+            if not sse:
+                raise  # abort the connection: the client must not take a cut body as whole
+            ex.done = True
+            await send(
+                {"type": "http.response.body", "body": sse_error(str(exc), "upstream_broken")}
+            )
+            return
+        ex.done = True
+        await send({"type": "http.response.body", "body": b""})
+        if cached is not None:
+            series.hit_tokens.inc(cached)

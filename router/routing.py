@@ -1,0 +1,223 @@
+"""The routing decision for one request: parse, tokenize, hash, match, ask the policy.
+
+Everything before the first byte goes to an engine lives here, shared by the proxy
+and ``POST /admin/explain`` (which decides without sending). Bodies are parsed with
+orjson and checked by hand: a per-request pydantic model would cost more than the
+whole decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from index.hashing import salt_extras
+from policies.base import NO_MATCH, Decision, NoWorkerError, RouteRequest, WorkerView
+from policies.experiments import Experiment
+from router.config import RouterConfig
+from router.errors import ApiError
+from router.pools import Pool
+from router.tokenize import TokenizerSet, num_tokens
+from router.workers import Worker, WorkerRegistry
+
+Kind = Literal["chat", "completion"]
+
+
+@dataclass(slots=True)
+class Parsed:
+    kind: Kind
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    session_key: str | None
+    request_id: str
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A parsed request with its tokens hashed: everything a decision needs."""
+
+    parsed: Parsed
+    pool: Pool
+    workers: list[Worker]
+    request: RouteRequest
+    arm: str
+
+
+def _bad(message: str, param: str | None = None, code: str = "invalid_request") -> ApiError:
+    return ApiError(400, message, code, param)
+
+
+class Router:
+    """Turns request bodies into decisions; holds nothing per request."""
+
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        registry: WorkerRegistry,
+        tokenizers: TokenizerSet,
+        experiment: Experiment,
+        executor: ThreadPoolExecutor | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.registry = registry
+        self.tokenizers = tokenizers
+        self.experiment = experiment
+        self.executor = executor
+        self._ids = itertools.count()
+        self._id_prefix = f"cr-{os.getpid():x}-{os.urandom(3).hex()}-"
+
+    # -- parse -------------------------------------------------------------------
+    def parse(self, kind: Kind, raw: bytes, headers: Mapping[str, str]) -> Parsed:
+        """Validate the fields routing needs; the body itself goes to the engine unchanged."""
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise _bad(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+        if not isinstance(body, dict):
+            raise _bad("request body must be a JSON object", code="invalid_json")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise _bad(
+                "missing required field: model (a non-empty string)", "model", "missing_field"
+            )
+        if kind == "chat":
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise _bad("messages must be a non-empty array", "messages", "missing_field")
+            for i, m in enumerate(messages):
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                    raise _bad(f"messages[{i}] must be an object with a string role", "messages")
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str | list) or (isinstance(prompt, list) and not prompt):
+                raise _bad(
+                    "prompt must be a string or a non-empty array", "prompt", "missing_field"
+                )
+            if isinstance(prompt, list) and not _valid_prompt_list(prompt):
+                raise _bad("prompt must be strings or arrays of token ids", "prompt")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise _bad("stream must be a boolean", "stream")
+        for key in ("max_tokens", "max_completion_tokens"):
+            value = body.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise _bad(f"{key} must be an integer", key)
+        session = headers.get("x-session-id") or body.get("user")
+        return Parsed(
+            kind=kind,
+            body=body,
+            model=model,
+            stream=stream,
+            session_key=session if isinstance(session, str) and session else None,
+            request_id=headers.get("x-request-id") or self._id_prefix + str(next(self._ids)),
+        )
+
+    # -- tokenize + hash ---------------------------------------------------------
+    async def prepare(self, parsed: Parsed, size_hint: int) -> Prepared:
+        """Resolve the model's pool and hash the prompt (on the thread pool when large)."""
+        workers = self.registry.for_model(parsed.model)
+        if not workers:
+            raise ApiError(
+                404, f"The model `{parsed.model}` does not exist.", "model_not_found", "model"
+            )
+        pool = workers[0].pool
+        if size_hint > self.cfg.offload_chars and self.executor is not None:
+            loop = asyncio.get_running_loop()
+            ids, hashes, text = await loop.run_in_executor(self.executor, self._hash, parsed, pool)
+        else:
+            ids, hashes, text = self._hash(parsed, pool)
+        body = parsed.body
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        request = RouteRequest(
+            request_id=parsed.request_id,
+            model=parsed.model,
+            num_tokens=num_tokens(ids),
+            block_hashes=hashes,
+            block_size=pool.block_size,
+            session_key=parsed.session_key,
+            max_tokens=max_tokens,
+            prompt_text=text,
+        )
+        arm = self.experiment.assign(parsed.session_key).name
+        return Prepared(parsed, pool, workers, request, arm)
+
+    def _hash(self, parsed: Parsed, pool: Pool) -> tuple[Any, list[int], str | None]:
+        body = parsed.body
+        tok = self.tokenizers.get(parsed.model)
+        if parsed.kind == "chat":
+            ids, text = tok.chat(body)
+        else:
+            ids, text = tok.completion(body["prompt"], bool(body.get("add_special_tokens", True)))
+        extras = salt_extras(body.get("cache_salt")) if body.get("cache_salt") else None
+        return ids, pool.hasher.hash_tokens(ids, block_extras=extras), text
+
+    # -- decide ------------------------------------------------------------------
+    def views(
+        self, prep: Prepared, exclude: frozenset[str] | set[str] = frozenset()
+    ) -> list[WorkerView]:
+        """The usable candidates as the policy sees them (index matches and load)."""
+        now = time.monotonic()
+        pool = prep.pool
+        ingest = pool.ingest
+        hashes = prep.request.block_hashes
+        matches = pool.index.match_tiers(hashes) if hashes else {}
+        stale = self.cfg.load_stale_after
+        views = []
+        for w in prep.workers:
+            if w.id in exclude or not w.usable(now):
+                continue
+            in_sync = ingest.in_sync(w.id)
+            load = w.load
+            engine = load.engine_fresh(stale, now)
+            views.append(
+                WorkerView(
+                    worker_id=w.id,
+                    match=matches.get(w.id, NO_MATCH) if in_sync else NO_MATCH,
+                    inflight_requests=load.inflight_requests,
+                    inflight_prefill_tokens=load.inflight_prefill_tokens,
+                    decode_streams=load.decode_streams,
+                    engine_running=engine.running if engine else None,
+                    engine_waiting=engine.waiting if engine else None,
+                    kv_usage=engine.kv_usage if engine else None,
+                    healthy=True,
+                    in_sync=in_sync,
+                )
+            )
+        return views
+
+    def decide(
+        self, prep: Prepared, exclude: frozenset[str] | set[str] = frozenset()
+    ) -> tuple[Decision, list[WorkerView]]:
+        """The policy's decision among usable workers; ``ApiError`` 503 when there is none."""
+        views = self.views(prep, exclude)
+        if not views:
+            raise ApiError(
+                503, f"no healthy worker for model {prep.parsed.model}", "no_healthy_worker"
+            )
+        try:
+            decision = self.experiment.policy_for(prep.arm).select(prep.request, views)
+        except NoWorkerError as exc:
+            raise ApiError(503, str(exc), "no_healthy_worker") from exc
+        return decision, views
+
+
+def hit_blocks(views: list[WorkerView], worker_id: str) -> int:
+    return next((v.match.total for v in views if v.worker_id == worker_id), 0)
+
+
+def _valid_prompt_list(prompt: list[Any]) -> bool:
+    first = prompt[0]
+    if isinstance(first, str):
+        return all(isinstance(p, str) for p in prompt)
+    if isinstance(first, int):
+        return all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    return all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt)

@@ -1,0 +1,79 @@
+"""``cache-router serve``: run the router under uvicorn (uvloop + httptools).
+
+Flags override ``CACHE_ROUTER_*`` env variables, which override the TOML file (see
+``router.config``). SIGTERM/SIGINT stop accepting connections and let in-flight
+requests, streams included, finish for up to ``drain_timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from router.config import ConfigError, RouterConfig, load_config
+
+# Flag name -> config field; these names are a contract other tools script against.
+_FLAGS = {
+    "host": str,
+    "port": int,
+    "nats_url": str,
+    "block_size": int,
+    "policy": str,
+    "tokenizer": str,
+    "admin_token": str,
+    "subject_prefix": str,
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML config file (see router/config.py)")
+    parser.add_argument("--host", help="listen address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="listen port (default 8000)")
+    parser.add_argument("--nats-url", help="NATS for KV events; omit to route on load alone")
+    parser.add_argument(
+        "--worker", action="append", default=[], metavar="ID=URL", help="an engine (repeatable)"
+    )
+    parser.add_argument("--block-size", type=int, help="engine KV block size in tokens (16)")
+    parser.add_argument("--policy", help="routing policy (default cache_aware)")
+    parser.add_argument("--tokenizer", help="tokenizer.json or its directory, for every model")
+    parser.add_argument("--admin-token", help="bearer token for /admin/* (off without it)")
+    parser.add_argument("--subject-prefix", help="NATS subject prefix (default kv)")
+    parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    overrides = {name: getattr(args, name) for name in _FLAGS}
+    return load_config(args.config, overrides=overrides, extra_workers=args.worker)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from router.app import build_app
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        cfg = config_from_args(args)
+        app = build_app(cfg)
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"cache-router serve: {exc}", file=sys.stderr)
+        return 2
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=cfg.host,
+            port=cfg.port,
+            loop="uvloop",
+            http="httptools",
+            lifespan="on",
+            access_log=False,
+            log_level=args.log_level.lower(),
+            timeout_graceful_shutdown=int(cfg.drain_timeout),
+            backlog=4096,
+        )
+    )
+    server.run()
+    return 0

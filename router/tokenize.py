@@ -1,0 +1,241 @@
+"""The tokenizer stage: a request body -> the token ids the engine will see.
+
+Cache-aware routing needs the router's block hashes to equal the ones it recomputes
+from the engine's ``BlockStored.token_ids``, so the prompt must become exactly the
+engine's tokens:
+
+- completions: ``prompt`` text is encoded with special tokens (vLLM's default for
+  ``/v1/completions``); a prompt given as token ids is used as is;
+- chat: ``messages`` are rendered with the model's chat template from
+  ``tokenizer_config.json`` (or ``chat_template.jinja``) in a sandboxed jinja2
+  environment set up like transformers' ``apply_chat_template`` (trim_blocks,
+  lstrip_blocks, loopcontrols, ``tojson``, ``raise_exception``, ``strftime_now``), then
+  encoded without special tokens (vLLM's chat default; the template adds them).
+
+Fallback without a tokenizer (``FallbackTokenizer``): the prompt's UTF-8 bytes, zero
+padded to a multiple of 4, read as little-endian u32 token ids, i.e. one "token" per
+4 bytes (close to real token counts). Identical text prefixes give identical token
+prefixes, so routing by prefix still works for anything that tokenizes the same way
+(the mock engine imports this class); against a real engine hashes will not match
+its events, which is why the router warns at start-up. Chat messages are rendered
+first with ``FALLBACK_TEMPLATE``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import orjson
+from jinja2 import Template, TemplateError, nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.parser import Parser
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFRustTokenizer
+
+from router.errors import ApiError
+
+log = logging.getLogger(__name__)
+
+TokenIds = list[int] | bytes  # bytes: packed little-endian u32 (the fallback's form)
+
+FALLBACK_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def num_tokens(tokens: TokenIds) -> int:
+    return len(tokens) // 4 if isinstance(tokens, bytes) else len(tokens)
+
+
+def text_of_content(content: Any) -> str:
+    """A message's content as text: strings as is, parts joined (non-text parts as JSON)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for part in content:
+            if isinstance(part, Mapping) and part.get("type") == "text":
+                out.append(str(part.get("text", "")))
+            else:
+                out.append(orjson.dumps(part, option=orjson.OPT_SORT_KEYS).decode())
+        return "".join(out)
+    return "" if content is None else str(content)
+
+
+class _GenerationTag(Extension):
+    """transformers' ``{% generation %}`` block: renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body).set_lineno(lineno)
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, sort_keys: bool = False
+) -> str:
+    # transformers' filter is json.dumps: orjson spaces differently, changing tokens
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, sort_keys=sort_keys)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+_ENV = _environment()
+
+
+class ChatTemplate:
+    """A compiled chat template plus the special tokens it may reference."""
+
+    def __init__(self, source: str, special: Mapping[str, str] | None = None) -> None:
+        self.template: Template = _ENV.from_string(source)
+        self.special = dict(special or {})
+
+    def render(self, body: Mapping[str, Any]) -> str:
+        messages = body["messages"]
+        kwargs = dict(body.get("chat_template_kwargs") or {})
+        kwargs.setdefault("add_generation_prompt", body.get("add_generation_prompt", True))
+        if body.get("continue_final_message"):
+            kwargs["add_generation_prompt"] = False
+        for key in ("tools", "documents"):
+            if body.get(key) is not None:
+                kwargs.setdefault(key, body[key])
+        try:
+            return self.template.render(messages=messages, **self.special, **kwargs)
+        except Exception as exc:  # a template may raise anything on odd input
+            raise ApiError(400, f"chat template failed: {exc}", "chat_template_error") from exc
+
+
+class Tokenizer:
+    """Turns request bodies into token ids; subclasses say how text becomes ids."""
+
+    name = "tokenizer"
+    chat_template: ChatTemplate
+
+    def encode(self, text: str, add_special_tokens: bool) -> TokenIds:
+        raise NotImplementedError
+
+    def chat(self, body: Mapping[str, Any]) -> tuple[TokenIds, str]:
+        """Token ids and rendered text of a chat body (``messages`` already validated)."""
+        text = self.chat_template.render(body)
+        return self.encode(text, bool(body.get("add_special_tokens", False))), text
+
+    def completion(
+        self, prompt: Any, add_special_tokens: bool = True
+    ) -> tuple[TokenIds, str | None]:
+        """Token ids of a completions ``prompt`` (text, ids, or a batch: its first item)."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.encode(prompt, add_special_tokens), prompt
+        return list(prompt), None
+
+
+class FallbackTokenizer(Tokenizer):
+    """Stable pseudo-tokens from UTF-8 bytes; see the module docstring."""
+
+    name = "fallback"
+
+    def __init__(self) -> None:
+        self.chat_template = ChatTemplate(FALLBACK_TEMPLATE)
+
+    def chat(self, body: Mapping[str, Any]) -> tuple[TokenIds, str]:
+        flat = [
+            {"role": m.get("role"), "content": text_of_content(m.get("content"))}
+            for m in body["messages"]
+        ]
+        return super().chat({**body, "messages": flat})
+
+    def encode(self, text: str, add_special_tokens: bool) -> bytes:
+        data = text.encode("utf-8", "surrogatepass")
+        pad = -len(data) % 4
+        return data + b"\0" * pad if pad else data
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizer.json`` with its ``tokenizer_config.json`` chat template."""
+
+    name = "hf"
+
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        folder = path if path.is_dir() else path.parent
+        file = path / "tokenizer.json" if path.is_dir() else path
+        self.path = str(file)
+        self._tok = HFRustTokenizer.from_file(str(file))
+        config: dict[str, Any] = {}
+        if (folder / "tokenizer_config.json").exists():
+            config = orjson.loads((folder / "tokenizer_config.json").read_bytes())
+        special = {
+            key: _token_text(config.get(key))
+            for key in ("bos_token", "eos_token", "unk_token", "pad_token")
+            if config.get(key) is not None
+        }
+        source = _template_source(config.get("chat_template"))
+        if source is None and (folder / "chat_template.jinja").exists():
+            source = (folder / "chat_template.jinja").read_text()
+        self.has_template = source is not None
+        self.chat_template = ChatTemplate(source or FALLBACK_TEMPLATE, special)
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+
+def _token_text(value: Any) -> str:
+    """tokenizer_config special tokens are strings or AddedToken dicts."""
+    return value.get("content", "") if isinstance(value, Mapping) else str(value)
+
+
+def _template_source(value: Any) -> str | None:
+    """``chat_template`` is a string or a list of named templates ("default" wins)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
+        return named.get("default") or next(iter(named.values()), None)
+    return None
+
+
+class TokenizerSet:
+    """One tokenizer per model, loaded once; the fallback where none is configured."""
+
+    def __init__(self, path_for: Callable[[str], str | None]) -> None:
+        self._path_for = path_for
+        self._by_path: dict[str, Tokenizer] = {}
+        self._by_model: dict[str, Tokenizer] = {}
+        self.fallback = FallbackTokenizer()
+
+    def get(self, model: str) -> Tokenizer:
+        tok = self._by_model.get(model)
+        if tok is not None:
+            return tok
+        path = self._path_for(model)
+        if path is None:
+            tok = self.fallback
+        else:
+            tok = self._by_path.get(path)
+            if tok is None:
+                tok = self._by_path[path] = HFTokenizer(path)
+                if not tok.has_template:
+                    log.warning("tokenizer %s has no chat template; using the fallback one", path)
+        self._by_model[model] = tok
+        return tok

@@ -1,0 +1,217 @@
+"""The worker registry: who serves what, who is healthy, who is draining.
+
+Health has two signals. The active check polls ``GET /health`` and flips a worker
+down after ``unhealthy_after`` failures in a row and up after ``healthy_after``
+successes. The passive circuit breaker counts failed requests (connect errors, 5xx):
+after ``breaker_failures`` in a row the worker gets no traffic for ``breaker_cooldown``
+seconds, then one trial request decides. A worker going down or leaving loses its
+blocks from the index: its engine may come back empty, and resyncs through a replay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+
+from router.config import RouterConfig, WorkerSpec
+from router.load import WorkerLoad, parse_engine_metrics
+from router.pools import Pool
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    """One engine endpoint as the router knows it."""
+
+    __slots__ = (
+        "breaker_until",
+        "draining",
+        "fail_streak",
+        "healthy",
+        "id",
+        "last_error",
+        "load",
+        "models",
+        "ok_streak",
+        "pool",
+        "request_failures",
+        "url",
+    )
+
+    def __init__(self, spec: WorkerSpec, pool: Pool) -> None:
+        self.id = spec.id
+        self.url = spec.url
+        self.models: set[str] = {spec.model} if spec.model else set()
+        self.pool = pool
+        self.load = WorkerLoad()
+        self.healthy = True  # until a check says otherwise; failed sends trip the breaker
+        self.draining = False
+        self.fail_streak = 0
+        self.ok_streak = 0
+        self.request_failures = 0
+        self.breaker_until = 0.0
+        self.last_error: str | None = None
+
+    def usable(self, now: float) -> bool:
+        return self.healthy and not self.draining and now >= self.breaker_until
+
+    def serves(self, model: str) -> bool:
+        """Whether ``model`` may go here (a worker whose models are not known yet takes any)."""
+        return not self.models or model in self.models
+
+    def describe(self, now: float) -> dict[str, object]:
+        return {
+            "id": self.id,
+            "url": self.url,
+            "models": sorted(self.models),
+            "pool": self.pool.name,
+            "block_size": self.pool.block_size,
+            "healthy": self.healthy,
+            "draining": self.draining,
+            "breaker_open": now < self.breaker_until,
+            "in_sync": self.pool.ingest.in_sync(self.id),
+            "last_error": self.last_error,
+            "load": self.load.snapshot(),
+        }
+
+
+class WorkerRegistry:
+    """All workers, their pools, and the loop that keeps their health and load fresh."""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.pools: dict[str, Pool] = {}
+        self._workers: dict[str, Worker] = {}
+        self.on_change: list[Callable[[], None]] = []  # e.g. refresh metrics labels
+
+    # -- membership --------------------------------------------------------------
+    def pool(self, name: str, block_size: int) -> Pool:
+        pool = self.pools.get(name)
+        if pool is None:
+            pool = self.pools[name] = Pool.create(name, block_size, self.cfg.max_index_blocks)
+        elif pool.block_size != block_size:
+            raise ValueError(f"pool {name} has block size {pool.block_size}, not {block_size}")
+        return pool
+
+    def add(self, spec: WorkerSpec) -> Worker:
+        if spec.id in self._workers:
+            raise ValueError(f"worker {spec.id} exists")
+        pool = self.pool(spec.pool, spec.block_size or self.cfg.block_size)
+        if spec.model is not None:
+            other = self.pool_of_model(spec.model)
+            if other is not None and other is not pool:
+                raise ValueError(f"model {spec.model} is served by pool {other.name}")
+        worker = self._workers[spec.id] = Worker(spec, pool)
+        pool.index.add_worker(spec.id)
+        self._changed()
+        return worker
+
+    def remove(self, worker_id: str) -> Worker:
+        """Forget the worker and its blocks; requests already on it run to the end."""
+        worker = self._workers.pop(worker_id)
+        worker.pool.ingest.remove_worker(worker_id)
+        self._changed()
+        return worker
+
+    def drain(self, worker_id: str) -> Worker:
+        worker = self._workers[worker_id]
+        worker.draining = True
+        return worker
+
+    def get(self, worker_id: str) -> Worker | None:
+        return self._workers.get(worker_id)
+
+    def __iter__(self) -> Iterator[Worker]:
+        return iter(list(self._workers.values()))
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def models(self) -> set[str]:
+        return {m for w in self._workers.values() for m in w.models}
+
+    def pool_of_model(self, model: str) -> Pool | None:
+        return next((w.pool for w in self._workers.values() if model in w.models), None)
+
+    def for_model(self, model: str) -> list[Worker]:
+        """Workers that serve ``model``, in any state ([] means the model is unknown)."""
+        known = [w for w in self._workers.values() if model in w.models]
+        return known or [w for w in self._workers.values() if not w.models]
+
+    def _changed(self) -> None:
+        for fn in self.on_change:
+            fn()
+
+    # -- passive health ----------------------------------------------------------
+    def request_failed(self, worker: Worker, error: str) -> None:
+        worker.request_failures += 1
+        worker.last_error = error
+        if worker.request_failures >= self.cfg.breaker_failures:
+            worker.breaker_until = time.monotonic() + self.cfg.breaker_cooldown
+            log.warning("worker %s: breaker open after %s (%s)", worker.id, error, worker.url)
+
+    def request_succeeded(self, worker: Worker) -> None:
+        if worker.request_failures:
+            worker.request_failures = 0
+            worker.breaker_until = 0.0
+
+    # -- active health and load --------------------------------------------------
+    async def monitor(self, client: httpx.AsyncClient) -> None:
+        """Check every worker each ``health_interval`` seconds, forever."""
+        while True:
+            await self.check_all(client)
+            await asyncio.sleep(self.cfg.health_interval)
+
+    async def check_all(self, client: httpx.AsyncClient) -> None:
+        await asyncio.gather(*(self.check(client, w) for w in self))
+
+    async def check(self, client: httpx.AsyncClient, worker: Worker) -> None:
+        timeout = self.cfg.health_timeout
+        try:
+            resp = await client.get(worker.url + "/health", timeout=timeout)
+            ok = resp.status_code < 300
+            error = None if ok else f"health status {resp.status_code}"
+        except httpx.HTTPError as exc:
+            ok, error = False, f"health: {type(exc).__name__}"
+        if ok:
+            await self._healthy(client, worker)
+        else:
+            self._unhealthy(worker, error or "")
+
+    async def _healthy(self, client: httpx.AsyncClient, worker: Worker) -> None:
+        worker.fail_streak = 0
+        worker.ok_streak += 1
+        if not worker.healthy and worker.ok_streak >= self.cfg.healthy_after:
+            worker.healthy = True
+            worker.request_failures = 0
+            worker.breaker_until = 0.0
+            log.info("worker %s is healthy again", worker.id)
+        timeout = self.cfg.health_timeout
+        try:
+            if not worker.models:
+                resp = await client.get(worker.url + "/v1/models", timeout=timeout)
+                ids = {m["id"] for m in resp.json().get("data", []) if isinstance(m, dict)}
+                if ids and worker.id in self._workers:
+                    worker.models = {str(i) for i in ids}
+                    self._changed()
+            if worker.load.engine_fresh(self.cfg.load_stale_after) is None:
+                resp = await client.get(worker.url + "/metrics", timeout=timeout)
+                if resp.status_code == 200:
+                    worker.load.report(parse_engine_metrics(resp.text))
+        except (httpx.HTTPError, ValueError, AttributeError, KeyError) as exc:
+            log.debug("worker %s: discovery/scrape failed: %s", worker.id, exc)
+
+    def _unhealthy(self, worker: Worker, error: str) -> None:
+        worker.ok_streak = 0
+        worker.fail_streak += 1
+        worker.last_error = error
+        if worker.healthy and worker.fail_streak >= self.cfg.unhealthy_after:
+            worker.healthy = False
+            # Its engine may restart empty: forget its blocks; events resync it on return.
+            worker.pool.ingest.remove_worker(worker.id)
+            worker.pool.index.add_worker(worker.id)
+            log.warning("worker %s is down (%s)", worker.id, error)
