@@ -14,6 +14,7 @@ import asyncio
 import time
 from array import array
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats
@@ -33,6 +34,20 @@ from router.natsd import free_port
 from router.tokenize import FallbackTokenizer, Tokenizer
 
 ENGINE_SEED = 0x5EED  # engine hashes are not the router's: different function and seed
+
+
+async def until(check: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> Any:
+    """Poll ``check`` until it returns something truthy (bounded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if isinstance(value, Awaitable):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
 
 
 class Served:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -17,27 +16,13 @@ import nats
 import openai
 import orjson
 import pytest
-from router_double import EngineDouble, Served
+from router_double import EngineDouble, Served, until
 
 from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
 
 TOKEN = "s3cret"
 SYSTEM = "You are a careful assistant. " * 8  # shared by every conversation
-
-
-async def until(check: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> Any:
-    """Poll ``check`` until it returns something truthy (bounded)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if isinstance(value, Awaitable):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 class Stack:

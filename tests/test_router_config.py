@@ -1,0 +1,136 @@
+"""Router configuration: TOML < env < flags, workers, arms, and clear errors."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from router import serve
+from router.config import ConfigError, load_config
+
+TOML = """
+port = 9000
+nats_url = "nats://127.0.0.1:4222"
+policy = "round_robin"
+block_size = 32
+admin_token = "from-file"
+
+[[workers]]
+id = "a"
+url = "http://127.0.0.1:9001/"
+model = "llama"
+pool = "p1"
+
+[[workers]]
+id = "b"
+url = "http://127.0.0.1:9002"
+model = "llama"
+pool = "p1"
+block_size = 32
+
+[models.llama]
+tokenizer = "/models/llama"
+
+[[arms]]
+name = "cache"
+policy = "cache_aware"
+weight = 3
+params = { tie_ms = 0.5 }
+
+[[arms]]
+name = "rr"
+policy = "round_robin"
+"""
+
+
+def test_layers_defaults_toml_env_flags(tmp_path):
+    path = tmp_path / "router.toml"
+    path.write_text(TOML)
+    env = {"CACHE_ROUTER_PORT": "9100", "CACHE_ROUTER_ADMIN_TOKEN": "from-env"}
+    cfg = load_config(path, env=env, overrides={"port": 9200, "policy": None})
+    assert cfg.port == 9200  # flag beats env beats file
+    assert cfg.admin_token == "from-env"
+    assert cfg.policy == "round_robin"  # a flag left out does not override
+    assert cfg.block_size == 32 and cfg.host == "127.0.0.1"  # file, then default
+    assert [(w.id, w.url, w.pool) for w in cfg.workers] == [
+        ("a", "http://127.0.0.1:9001", "p1"),
+        ("b", "http://127.0.0.1:9002", "p1"),
+    ]
+    assert cfg.tokenizer_for("llama") == "/models/llama" and cfg.tokenizer_for("other") is None
+    assert [(a.name, a.policy, a.weight, a.params) for a in cfg.arms] == [
+        ("cache", "cache_aware", 3.0, {"tie_ms": 0.5}),
+        ("rr", "round_robin", 1.0, {}),
+    ]
+
+
+def test_cli_flags_keep_their_names(tmp_path):
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--host", "127.0.0.2", "--port", "8123", "--nats-url", "nats://127.0.0.1:1",
+            "--worker", "w0=http://127.0.0.1:1", "--worker", "w1=http://127.0.0.1:2",
+            "--block-size", "64", "--policy", "least_load", "--tokenizer", "/t",
+            "--admin-token", "tok", "--subject-prefix", "kv2",
+        ]
+    )  # fmt: skip
+    cfg = serve.config_from_args(args)
+    assert (cfg.host, cfg.port, cfg.nats_url, cfg.block_size) == (
+        "127.0.0.2",
+        8123,
+        "nats://127.0.0.1:1",
+        64,
+    )
+    assert (cfg.policy, cfg.tokenizer, cfg.admin_token, cfg.subject_prefix) == (
+        "least_load",
+        "/t",
+        "tok",
+        "kv2",
+    )
+    assert [(w.id, w.url, w.model) for w in cfg.workers] == [
+        ("w0", "http://127.0.0.1:1", None),
+        ("w1", "http://127.0.0.1:2", None),
+    ]
+
+
+def test_env_workers_and_no_file():
+    cfg = load_config(None, env={"CACHE_ROUTER_WORKERS": "x=http://127.0.0.1:5,y=http://h:6"})
+    assert [w.id for w in cfg.workers] == ["x", "y"]
+    assert cfg.nats_url is None and cfg.policy == "cache_aware"
+
+
+@pytest.mark.parametrize(
+    ("toml", "env", "message"),
+    [
+        ("bogus = 1", {}, "unknown setting 'bogus'"),
+        ("port = 'x'", {}, "port"),
+        ("", {"CACHE_ROUTER_BLOCK_SIZE": "0"}, "block_size must be positive"),
+        ("[[workers]]\nid = 'a'", {}, "needs id and url"),
+        ("[[workers]]\nid = 'a'\nurl = 'ftp://x'", {}, "http://"),
+        (
+            "[[workers]]\nid='a'\nurl='http://x'\nblock_size=16\n"
+            "[[workers]]\nid='b'\nurl='http://y'\nblock_size=32",
+            {},
+            "mixes block sizes",
+        ),
+        (
+            "[[workers]]\nid='a'\nurl='http://x'\nmodel='m'\npool='p'\n"
+            "[[workers]]\nid='b'\nurl='http://y'\nmodel='m'\npool='q'",
+            {},
+            "served by pools",
+        ),
+        ("[[arms]]\nname='a'", {}, "needs name and policy"),
+        ("not toml [", {}, "router.toml"),
+    ],
+)
+def test_bad_config_says_what_is_wrong(tmp_path, toml, env, message):
+    path = tmp_path / "router.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path, env=env)
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "nope.toml", env={})
