@@ -6,8 +6,9 @@ Shared by the trace-replay simulator and the mock engine, so both behave the sam
   (reference) the blocks they use; only unreferenced cached blocks can be evicted, in
   LRU order. A request's uncached pages are private until ``commit`` makes them cached.
 - Host (L2) tier, optional: ``host_blocks`` pages with their own LRU. A block evicted from
-  GPU is demoted there; a host hit is copied back to GPU on ``allocate``; ``prefetch``
-  lands blocks there (or in GPU when there is no host tier).
+  GPU is demoted there, unless its parent is cached nowhere (it could never be hit). A
+  host hit is copied back to GPU on ``allocate``; ``prefetch`` lands blocks there (or in
+  GPU when there is no host tier).
 - Block hashes are the engine's own chain (keyed blake2b over the parent hash and the
   block's u32 token bytes), like vLLM's sha256 chain: opaque to the router, which rehashes
   ``token_ids`` from the events. Engines built with the same ``seed`` agree on hashes, so a
@@ -336,14 +337,22 @@ class PrefixCache:
         for _ in range(count):
             h, _none = lru.popitem(last=False)
             block = gpu.pop(h)
-            if self.host_blocks and h not in self._host:
-                self._place_host(h, block.parent, block.tokens)
+            parent = block.parent
+            # An orphan (parent cached nowhere) can never be part of a prefix hit.
+            if (
+                self.host_blocks
+                and h not in self._host
+                and (parent is None or parent in gpu or parent in self._host)
+            ):
+                self._place_host(h, parent, block.tokens)
             removed.append(h)
         self._events.append(BlockRemoved(block_hashes=removed, medium=GPU))
 
     def _place_host(self, h: int, parent: int | None, tokens: Sequence[int] | None) -> bool:
         """Put a block in host memory, evicting the oldest host block when full."""
         host = self._host
+        if parent in host:
+            host.move_to_end(parent)  # keep the chain whole: evict someone else
         if len(host) >= self.host_blocks:
             old, _block = host.popitem(last=False)
             self._events.append(BlockRemoved(block_hashes=[old], medium=CPU))
@@ -360,12 +369,16 @@ class PrefixCache:
         return True
 
     def _place_gpu(self, h: int, parent: int | None, tokens: Sequence[int]) -> bool:
+        """Put an unreferenced block in GPU memory; False when only its parent could go."""
+        lru = self._lru
+        if parent in lru:
+            lru.move_to_end(parent)
         if self.gpu_used >= self.gpu_blocks:
-            if not self._lru:
+            if not lru or next(iter(lru)) == parent:
                 return False
             self._evict_gpu(1)
         self._gpu[h] = _Block(parent, None)
-        self._lru[h] = None
+        lru[h] = None
         self._events.append(
             BlockStored(
                 block_hashes=[h],

@@ -25,6 +25,7 @@ class RefCache:
         self.host: list[int] = []  # oldest first
         self.private = 0
         self.reqs: dict[str, dict] = {}
+        self.parent: dict[int, int | None] = {}  # chained hashes: a block's parent is fixed
 
     def used(self) -> int:
         return len(self.gpu) + self.private
@@ -33,10 +34,19 @@ class RefCache:
         for _ in range(n):
             h = self.lru.pop(0)
             del self.gpu[h]
-            if self.host_cap and h not in self.host:
+            p = self.parent[h]
+            if (
+                self.host_cap
+                and h not in self.host
+                and (p is None or p in self.gpu or p in self.host)
+            ):
                 self.put_host(h)
 
     def put_host(self, h: int) -> None:
+        p = self.parent[h]
+        if p in self.host:
+            self.host.remove(p)
+            self.host.append(p)
         if len(self.host) >= self.host_cap:
             self.host.pop(0)
         self.host.append(h)
@@ -45,6 +55,10 @@ class RefCache:
         if self.gpu[h] == 0:
             self.lru.remove(h)
         self.gpu[h] += 1
+
+    def learn(self, hashes: list[int]) -> None:
+        for i, h in enumerate(hashes):
+            self.parent[h] = hashes[i - 1] if i else None
 
     def allocate(self, rid: str, hashes: list[int], n_tokens: int, reserve: int):
         total = -(-(n_tokens + reserve) // BS)
@@ -101,8 +115,12 @@ class RefCache:
             if self.host_cap:
                 self.put_host(h)
             else:
+                p = self.parent[h]
+                if p in self.lru:
+                    self.lru.remove(p)
+                    self.lru.append(p)
                 if self.used() >= self.cap:
-                    if not self.lru:
+                    if not self.lru or self.lru[0] == p:
                         break
                     self.evict(1)
                 self.gpu[h] = 0
@@ -126,6 +144,9 @@ class EventState:
         for e in events:
             if isinstance(e, BlockStored):
                 assert len(e.token_ids) == len(e.block_hashes) * e.block_size
+                # A consumer can chain every stored block to one it already knows.
+                known = self.tiers["GPU"] | self.tiers["CPU"]
+                assert e.parent_block_hash is None or e.parent_block_hash in known
                 self.tiers[e.medium].update(e.block_hashes)
             elif isinstance(e, BlockRemoved):
                 assert set(e.block_hashes) <= self.tiers[e.medium]
@@ -155,6 +176,7 @@ def test_cache_matches_reference_model(ops, gpu, host) -> None:
     for n, (op, fam, length, extra) in enumerate(ops):
         tokens = prompt(fam, length)
         hashes = cache.hash_blocks(tokens)
+        ref.learn(hashes)
         if op == "alloc":
             rid = f"r{n}"
             try:
