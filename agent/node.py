@@ -65,6 +65,7 @@ class NodeAgent:
         self._tasks: list[asyncio.Task[None]] = []
         self._http: httpx.AsyncClient | None = None
         self._suspect_restart = False
+        self._stopping = False
         p = cfg.subject_prefix
         self.events_subject = f"{p}.events.{cfg.worker_id}"
         self.replay_subject = f"{p}.replay.{cfg.worker_id}"
@@ -74,7 +75,7 @@ class NodeAgent:
 
     # -- lifecycle ----------------------------------------------------------------
     async def start(self) -> NodeAgent:
-        """Connect to NATS (retrying with backoff) and the engine, then run."""
+        """Connect to NATS (waiting for it to come up) and the engine, then run."""
         self._http = httpx.AsyncClient(timeout=5.0)
         await self.prefetch.start()
         self.nc = await self._connect_nats()
@@ -96,6 +97,7 @@ class NodeAgent:
         return self
 
     async def stop(self) -> None:
+        self._stopping = True
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -133,30 +135,25 @@ class NodeAgent:
         self._tasks.append(asyncio.create_task(coro, name=name))  # type: ignore[arg-type]
 
     async def _connect_nats(self) -> NATS:
-        delay = 0.1
-        while True:
-            try:
-                return await nats.connect(
-                    self.cfg.nats_url,
-                    name=f"cache-router-agent-{self.cfg.worker_id}",
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=1,
-                    error_cb=self._on_nats_error,
-                    disconnected_cb=self._on_nats_disconnect,
-                )
-            except Exception as exc:  # nats-py raises several types when no server answers
-                self.counters["nats_connect_failures"] += 1
-                log.warning(
-                    "NATS %s unreachable (%s); retry in %.1fs", self.cfg.nats_url, exc, delay
-                )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        # nats-py keeps retrying the first connection too (every ``reconnect_time_wait``
+        # seconds, each failure reported to ``error_cb``), and reconnects and
+        # re-subscribes after a lost connection; a bad URL still fails at once.
+        return await nats.connect(
+            self.cfg.nats_url,
+            name=f"cache-router-agent-{self.cfg.worker_id}",
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=1,
+            error_cb=self._on_nats_error,
+            disconnected_cb=self._on_nats_disconnect,
+        )
 
     async def _on_nats_error(self, exc: Exception) -> None:
         self.counters["nats_errors"] += 1
         log.warning("NATS error: %s", exc)
 
     async def _on_nats_disconnect(self) -> None:
+        if self._stopping:
+            return
         self.counters["nats_disconnects"] += 1
         log.warning("NATS disconnected; reconnecting")
 
@@ -192,6 +189,7 @@ class NodeAgent:
         if self._suspect_restart and core.last_seq is not None and seq > core.last_seq:
             self._suspect_restart = False
             if await self._engine_restarted():
+                self.counters["restarts_found_by_replay"] += 1
                 core.restart()
         self._suspect_restart = False
         verdict = core.classify(seq, payload)

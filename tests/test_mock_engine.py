@@ -234,7 +234,7 @@ async def test_metrics_parse_with_vllm_names_and_count_hits(engine: MockEngine) 
 
 
 async def test_requests_that_do_not_fit_wait() -> None:
-    slow = Timing(speed=20.0)
+    slow = Timing(speed=1.0)  # ~0.2 s per request: the others visibly queue
     async with (
         MockEngine(engine_config(max_num_seqs=1, timing=slow)) as engine,
         httpx.AsyncClient(base_url=engine.url, timeout=30) as http,
