@@ -124,18 +124,37 @@ class EngineMirror:
     def dump(
         self, *, dp_rank: int | None = None, max_tokens: int = 16384, ts: float | None = None
     ) -> list[bytes]:
-        """msgpack ``EventBatch`` chunks re-creating the cache, each about ``max_tokens``."""
+        """msgpack ``EventBatch`` chunks re-creating the cache, each about ``max_tokens``.
+
+        A run of blocks that continue each other in one tier becomes one multi-block
+        ``BlockStored``, as the engine itself reports a prompt's new blocks. Events are
+        map-encoded: only that form carries every field (SGLang's ``cache_salt``).
+        """
         ts = time.time() if ts is None else ts
         chunks: list[bytes] = []
         events: list[BlockStored] = []
         tokens = 0
+        last: BlockStored | None = None
         for key in self._ordered():
             b = self._blocks[key]
-            events.append(
-                BlockStored(
+            if (
+                last is not None
+                and b.parent == last.block_hashes[-1]
+                and (key[1], key[2], b.block_size, b.lora_id, b.lora_name)
+                == (last.medium, last.group_idx, last.block_size, last.lora_id, last.lora_name)
+                and b.cache_salt is None
+            ):
+                last.block_hashes.append(key[0])
+                last.token_ids.extend(b.token_ids)
+                if last.extra_keys is not None or b.extra_keys is not None:
+                    if last.extra_keys is None:
+                        last.extra_keys = [None] * (len(last.block_hashes) - 1)
+                    last.extra_keys.append(b.extra_keys)
+            else:
+                last = BlockStored(
                     block_hashes=[key[0]],
                     parent_block_hash=b.parent,
-                    token_ids=b.token_ids,
+                    token_ids=list(b.token_ids),
                     block_size=b.block_size,
                     lora_id=b.lora_id,
                     medium=key[1],
@@ -144,12 +163,11 @@ class EngineMirror:
                     group_idx=key[2],
                     cache_salt=b.cache_salt,
                 )
-            )
+                events.append(last)
             tokens += len(b.token_ids)
             if tokens >= max_tokens:
-                chunks.append(encode(EventBatch(ts, list(events), dp_rank)))
-                events.clear()
-                tokens = 0
+                chunks.append(encode(EventBatch(ts, events, dp_rank), events_as_map=True))
+                events, tokens, last = [], 0, None
         if events:
-            chunks.append(encode(EventBatch(ts, events, dp_rank)))
+            chunks.append(encode(EventBatch(ts, events, dp_rank), events_as_map=True))
         return chunks

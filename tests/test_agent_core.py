@@ -34,8 +34,8 @@ from sim.cache import PrefixCache
 BS = 4
 
 
-def batch(*events: object, ts: float = 1.0) -> bytes:
-    return encode(EventBatch(ts, list(events), 0))  # type: ignore[arg-type]
+def batch(*events: object, ts: float = 1.0, as_map: bool = False) -> bytes:
+    return encode(EventBatch(ts, list(events), 0), events_as_map=as_map)  # type: ignore[arg-type]
 
 
 def stored(hashes: list[int], parent: int | None, first_token: int = 1) -> BlockStored:
@@ -174,11 +174,32 @@ def test_mirror_tiers_orphans_clear_and_chunks() -> None:
     assert [e.block_hashes for e in events] == [[1]]
     m.apply(decode(batch(stored([7, 8, 9], None, first_token=40))))
     chunks = m.dump(max_tokens=2 * BS)
-    assert len(chunks) == 2
-    seen = [e.block_hashes[0] for c in chunks for e in decode(c).events]
-    assert seen.index(7) < seen.index(8) < seen.index(9)
+    # Parents first; a chain becomes one multi-block event within a chunk.
+    assert [[e.block_hashes for e in decode(c).events] for c in chunks] == [[[1], [7]], [[8, 9]]]
+    assert decode(chunks[1]).events[0].token_ids == list(range(44, 52))
     m.apply(decode(batch(AllBlocksCleared())))
     assert len(m) == 0 and m.dump() == []
+
+
+def test_dump_keeps_extra_keys_salts_and_loras() -> None:
+    hasher = BlockHasher(BS)
+    events = [
+        BlockStored([1, 2, 3], None, list(range(12)), BS, medium="GPU",
+                    extra_keys=[None, ["img-hash"], None]),
+        BlockStored([4], 3, list(range(12, 16)), BS, medium="GPU"),
+        BlockStored([5, 6], None, list(range(8)), BS, medium="GPU", cache_salt="s"),
+        BlockStored([7], None, list(range(4)), BS, medium="GPU", lora_name="ad"),
+    ]  # fmt: skip
+    payloads = [batch(e, as_map=True) for e in events]  # maps: SGLang's cache_salt
+    core = AgentCore(1)
+    live = EventIngest(PrefixIndex(), hasher)
+    for seq, p in enumerate(payloads):
+        core.accept(seq, p)
+        live.apply("w", seq, p)
+    dumped = EventIngest(PrefixIndex(), hasher)
+    apply_replay(dumped, "w", core.replay(0))
+    assert dumped.engine_blocks("w") == live.engine_blocks("w")
+    assert len(set(live.engine_blocks("w").values())) == 7  # salt and LoRA changed hashes
 
 
 # -- against the engine cache model -----------------------------------------------------
