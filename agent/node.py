@@ -14,7 +14,9 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import nats
@@ -131,8 +133,8 @@ class NodeAgent:
         out.update({f"prefetch_{k}": v for k, v in self.prefetch.counters.items()})
         return out
 
-    def _spawn(self, coro: object, name: str) -> None:
-        self._tasks.append(asyncio.create_task(coro, name=name))  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        self._tasks.append(asyncio.create_task(coro, name=name))
 
     async def _connect_nats(self) -> NATS:
         # nats-py keeps retrying the first connection too (every ``reconnect_time_wait``
@@ -292,7 +294,7 @@ class NodeAgent:
         if not isinstance(source, str) or not isinstance(hashes, list) or self.nc is None:
             return False
         if source == self.cfg.worker_id:
-            tokens = self.core.mirror.tokens_of(hashes)
+            tokens = self.core.mirror.tokens_of([norm_hash(h) for h in hashes])
         else:
             subject = f"{self.cfg.subject_prefix}.blocks.{source}"
             reply = await self.nc.request(subject, orjson.dumps({"block_hashes": hashes}), 1.0)

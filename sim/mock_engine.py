@@ -78,6 +78,17 @@ class MockEngineConfig:
     timing: Timing | None = None
 
 
+_HELP = {
+    "vllm:num_requests_running": "Number of requests in model execution batches.",
+    "vllm:num_requests_waiting": "Number of requests waiting to be processed.",
+    "vllm:kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
+    "vllm:prefix_cache_queries": "Prefix cache queries, in terms of number of queried tokens.",
+    "vllm:prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens.",
+    "vllm:prompt_tokens": "Number of prefill tokens processed.",
+    "vllm:generation_tokens": "Number of generation tokens processed.",
+}
+
+
 class _Metrics:
     """Collects the engine's gauges and counters at scrape time."""
 
@@ -110,11 +121,11 @@ class _Metrics:
                 "vllm:generation_tokens": s.generation_tokens,
             }
         for name, value in gauges.items():
-            g = GaugeMetricFamily(name, name, labels=list(labels))
+            g = GaugeMetricFamily(name, _HELP.get(name, name), labels=list(labels))
             g.add_metric(list(labels.values()), value)
             yield g
         for name, value in counters.items():
-            c = CounterMetricFamily(name, name, labels=list(labels))
+            c = CounterMetricFamily(name, _HELP.get(name, name), labels=list(labels))
             c.add_metric(list(labels.values()), value)
             yield c
 
