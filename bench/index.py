@@ -352,54 +352,53 @@ def time_ingest(
     ingest_ours(batches[:warm])
     if events is not None:
         ingest_dynamo(events[:warm])
-    runs = IngestRuns([], [], None, None, 0)  # type: ignore[arg-type]
-
-    def dynamo() -> None:
-        runs.tree = None
-        gc.collect()
-        rss = rss_bytes()
-        t, runs.tree = ingest_dynamo(events)  # type: ignore[arg-type]
-        runs.dynamo_rss = rss_bytes() - rss
-        runs.dynamo.append(t)
-
+    ours: list[float] = []
+    dynamo: list[float] = []
+    ingest, tree, dynamo_rss = None, None, 0
     for rep in range(reps):
-        if events is not None and rep % 2:
-            dynamo()
-        runs.ingest = None  # type: ignore[assignment]
-        gc.collect()
-        t, runs.ingest = ingest_ours(batches)
-        runs.ours.append(t)
-        if events is not None and not rep % 2:
-            dynamo()
-    ingest = runs.ingest
-    if ingest.errors or ingest.batches_applied != len(batches) or ingest.gaps:
-        raise SystemExit(f"ingest did not apply cleanly: {dict(ingest.errors)}")
-    return runs
+        for side in ("dynamo", "ours") if rep % 2 else ("ours", "dynamo"):
+            if side == "ours":
+                ingest = None  # free the previous run's index before timing the next
+                gc.collect()
+                t, ingest = ingest_ours(batches)
+                ours.append(t)
+            elif events is not None:
+                tree = None
+                gc.collect()
+                rss = rss_bytes()
+                t, tree = ingest_dynamo(events)
+                dynamo_rss = rss_bytes() - rss
+                dynamo.append(t)
+    if ingest is None or ingest.errors or ingest.batches_applied != len(batches) or ingest.gaps:
+        raise SystemExit(f"ingest did not apply cleanly: {ingest and dict(ingest.errors)}")
+    return IngestRuns(ours, dynamo, ingest, tree, dynamo_rss)
 
 
 def time_matches(
     calls: dict[str, Callable[[int], object]], kinds: list[str], reps: int
 ) -> dict[str, dict[str, float]]:
-    """p50/p99 latency per call over all queries, calls interleaved per query.
+    """p50/p99 latency per call over all queries, and p50 of the full 512-block hits.
 
-    One warm-up pass over a tenth of the queries, then ``reps`` passes; the median of the
-    passes' percentiles is reported. ``full_hit_p50_us`` covers the full 512-block hits.
+    One pass over all queries per call, the calls' order rotated each repetition: a call
+    never runs on CPU caches its predecessor warmed with the same query. One warm-up
+    pass over a tenth of the queries first; the median of the passes is reported.
     """
     n = len(kinds)
-    for i in range(max(1, n // 10)):
-        for call in calls.values():
-            call(i)
+    names = list(calls)
+    for name in names:
+        for i in range(max(1, n // 10)):
+            calls[name](i)
     full = [i for i, k in enumerate(kinds) if k == "full_hit"]
-    passes: dict[str, list[dict[str, float]]] = {name: [] for name in calls}
+    passes: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     clock = time.perf_counter_ns
-    for _ in range(reps):
-        samples: dict[str, list[int]] = {name: [0] * n for name in calls}
-        for i in range(n):
-            for name, call in calls.items():
+    for rep in range(reps):
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            call = calls[name]
+            ns = [0] * n
+            for i in range(n):
                 t0 = clock()
                 call(i)
-                samples[name][i] = clock() - t0
-        for name, ns in samples.items():
+                ns[i] = clock() - t0
             ordered = sorted(ns)
             stats = {
                 "p50_us": percentile(ordered, 50) / 1e3,
