@@ -171,24 +171,25 @@ class EventIngest:
         w.seen[rank] = max(seq, w.seen.get(rank, seq))
         status = SeqStatus.OK
         if epoch is not None and w.epoch is not None and epoch != w.epoch:
+            # A new life of the engine (or of its agent): nothing known still holds.
+            self._restart(worker_id, w, rank, seq)
+            w.epoch = epoch
+            if seq != 0:  # its start is not in hand: ask for it (the agent dumps)
+                return self._gap(w, 0)
             status = SeqStatus.RESTART
-            w.seen[rank] = seq
         elif last is None:
             if seq != 0:  # joined mid-stream: everything before this batch is unknown
                 return self._gap(w, 0)
         elif seq == 0 and last > 0 and epoch is None:
             # Without an epoch from the transport, seq 0 again is the only restart sign;
             # with one, a late seq 0 is just a duplicate.
+            self._restart(worker_id, w, rank, seq)
             status = SeqStatus.RESTART
-            w.seen[rank] = seq
         elif seq <= last:
             self.duplicates += 1
             return IngestResult(SeqStatus.DUPLICATE, expected_seq=last + 1)
         elif seq != last + 1:
             return self._gap(w, last + 1)
-        if status is SeqStatus.RESTART:
-            self.restarts += 1
-            self._reset(worker_id, w)
         if epoch is not None:
             w.epoch = epoch
         w.last_seq[rank] = seq
@@ -226,6 +227,11 @@ class EventIngest:
         self.gaps += 1
         w.in_sync = False
         return IngestResult(SeqStatus.GAP, expected_seq=expected)
+
+    def _restart(self, worker_id: str, w: _Worker, rank: int | None, seq: int) -> None:
+        self.restarts += 1
+        self._reset(worker_id, w)
+        w.seen[rank] = seq
 
     def _reset(self, worker_id: str, w: _Worker) -> None:
         w.blocks.clear()

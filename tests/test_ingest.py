@@ -312,3 +312,18 @@ def test_with_epochs_a_late_seq_zero_is_a_duplicate_not_a_restart() -> None:
     ingest.apply("w", 1, eng.log[1], epoch="e1")
     assert ingest.apply("w", 0, eng.log[0], epoch="e1").status is SeqStatus.DUPLICATE
     assert index.match(hasher.hash_tokens([5] * 8)) == {"w": 2}
+
+
+def test_new_epoch_mid_stream_clears_and_asks_for_history() -> None:
+    hasher, index = BlockHasher(B), PrefixIndex()
+    ingest = EventIngest(index, hasher)
+    eng = Engine()
+    for i in range(3):
+        eng.store([i] * 8)
+    ingest.apply("w", 0, eng.log[0], epoch="a")
+    result = ingest.apply("w", 2, eng.log[2], epoch="b")  # e.g. the agent restarted
+    assert result.status is SeqStatus.GAP and result.expected_seq == 0
+    assert index.match(hasher.hash_tokens([0] * 8)) == {} and not ingest.in_sync("w")
+    for seq in range(3):  # the replay from 0, in the new epoch
+        assert ingest.apply("w", seq, eng.log[seq], epoch="b").status is SeqStatus.OK
+    assert ingest.in_sync("w") and ingest.restarts == 1
