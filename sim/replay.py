@@ -128,17 +128,21 @@ def _bar(counts: Any, total: int, started: float) -> None:
     sys.stderr.flush()
 
 
-def _run_all(policies: list[str], config: SimConfig, jobs: int) -> list[PolicyReport]:
-    global _PROGRESS
-    assert _TRACE is not None
+def replay_trace(
+    trace: Trace, policies: list[str], config: SimConfig, *, jobs: int | None = None
+) -> list[PolicyReport]:
+    """Run each policy over ``trace``, in parallel processes; reports in ``policies`` order."""
+    global _TRACE, _PROGRESS
+    jobs = min(len(policies), jobs or os.cpu_count() or 1)
     show = sys.stderr.isatty()
-    _PROGRESS = mp.get_context("fork").Array("q", len(policies), lock=False) if show else None
-    total = len(_TRACE.requests) * len(policies)
+    ctx = mp.get_context("fork")
+    _TRACE = trace
+    _PROGRESS = ctx.Array("q", len(policies), lock=False) if show else None
+    total = len(trace.requests) * len(policies)
     started = time.monotonic()
     try:
         if jobs <= 1:
             return [_simulate(k, p, config) for k, p in enumerate(policies)]
-        ctx = mp.get_context("fork")
         with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
             futures = [pool.submit(_simulate, k, p, config) for k, p in enumerate(policies)]
             pending = set(futures)
@@ -151,7 +155,7 @@ def _run_all(policies: list[str], config: SimConfig, jobs: int) -> list[PolicyRe
         if show:
             _bar(_PROGRESS, total, started)
             sys.stderr.write("\n")
-        _PROGRESS = None
+        _TRACE = _PROGRESS = None
 
 
 def _table(result: dict[str, Any]) -> str:
@@ -160,7 +164,8 @@ def _table(result: dict[str, Any]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(_TABLE))]
     lines = [
         f"trace {result['trace']}: {result['requests']} requests, {result['workers']} workers, "
-        f"ideal hit rate {result['ideal_hit_rate']:.3f}"
+        f"ideal hit rate {result['ideal_hit_rate']:.3f} (infinite cache), "
+        f"{result['pooled_lru_hit_rate']:.3f} (one LRU of the pool's capacity)"
     ]
     lines += ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
     return "\n".join(lines)
@@ -195,7 +200,6 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    global _TRACE
     policies = _check(args)
     if isinstance(policies, str):
         return _fail(policies)
@@ -220,12 +224,7 @@ def run(args: argparse.Namespace) -> int:
         engine_seed=args.seed,
         seed=args.seed,
     )
-    jobs = args.jobs or min(len(policies), os.cpu_count() or 1)
-    _TRACE = trace
-    try:
-        results = _run_all(policies, config, jobs)
-    finally:
-        _TRACE = None
+    results = replay_trace(trace, policies, config, jobs=args.jobs)
     result = {
         "trace": str(args.trace),
         "workers": args.workers,
@@ -236,6 +235,9 @@ def run(args: argparse.Namespace) -> int:
         "speedup": args.speedup,
         "seed": args.seed,
         "ideal_hit_rate": trace.ideal_hit_rate(),
+        "pooled_lru_hit_rate": trace.pooled_lru_hit_rate(
+            args.workers * (args.l1_blocks + args.l2_blocks)
+        ),
         "results": results,
     }
     if args.json:

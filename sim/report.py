@@ -60,6 +60,9 @@ def summarize(sim: Simulation, wall_s: float) -> PolicyReport:
         "hit_rate": (gpu + host) / tokens_in,
         "hit_rate_gpu": gpu / tokens_in,
         "hit_rate_host": host / tokens_in,
+        # Had every request gone to its best-matching worker (as the index saw it):
+        # ideal - this = lost to eviction and event lag; this - hit_rate = lost by routing.
+        "hit_rate_best_worker": sum(r.best_hit_blocks for r in served) * bs / tokens_in,
         "ttft_mean_ms": float(ttft.mean()),
         "ttft_p50_ms": float(p50),
         "ttft_p90_ms": float(p90),

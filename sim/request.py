@@ -13,6 +13,7 @@ class SimRequest:
     __slots__ = (
         "admit_ms",
         "arrival_ms",
+        "best_hit_blocks",
         "computed",
         "decode_from",
         "engine_hashes",
@@ -50,6 +51,7 @@ class SimRequest:
         self.route = route
         self.worker = -1
         self.est_prefill = 0  # the router's estimate of uncached tokens, for its load count
+        self.best_hit_blocks = 0  # the longest match on any worker when it was routed
         self.admit_ms = -1.0  # prefill started (pages allocated)
         self.first_token_ms = -1.0
         self.finish_ms = -1.0

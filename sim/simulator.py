@@ -180,6 +180,9 @@ class Simulation:
         w = self.slot[decision.worker_id]
         req.worker = w
         req.est_prefill = uncached_tokens(tr.input_len, views[w].match.total, self.block_size)
+        req.best_hit_blocks = min(
+            max(v.match.total for v in views), max(0, (tr.input_len - 1) // self.block_size)
+        )
         self.inflight[w] += 1
         self.inflight_prefill[w] += req.est_prefill
         self.routed[w] += 1

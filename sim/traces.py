@@ -23,6 +23,7 @@ hashes), so each policy run only regenerates tokens when a request arrives.
 from __future__ import annotations
 
 from array import array
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,19 +79,42 @@ class Trace:
         The ceiling for any policy: a block hits if any earlier request produced it.
         The engine always computes the last prompt token, so hits stop one short.
         """
-        bs = self.block_size
         seen: set[int] = set()
         hit = total = 0
         for req in self.requests:
-            hashes = req.router_hashes
-            cap = min(len(hashes), max(0, (req.input_len - 1) // bs))
-            n = 0
-            while n < cap and hashes[n] in seen:
-                n += 1
-            hit += n * bs
+            hit += _leading_hits(req, self.block_size, seen) * self.block_size
             total += req.input_len
-            seen.update(hashes)
+            seen.update(req.router_hashes)
         return hit / total if total else 0.0
+
+    def pooled_lru_hit_rate(self, capacity_blocks: int) -> float:
+        """Hit rate of one LRU cache of ``capacity_blocks`` shared by every worker.
+
+        The reference for finite memory: what the pool's total capacity keeps under LRU
+        if routing could make it act as one cache (no duplicates, no imbalance).
+        """
+        lru: OrderedDict[int, None] = OrderedDict()
+        hit = total = 0
+        for req in self.requests:
+            hit += _leading_hits(req, self.block_size, lru) * self.block_size
+            total += req.input_len
+            for h in req.router_hashes:
+                if h in lru:
+                    lru.move_to_end(h)
+                else:
+                    lru[h] = None
+                    if len(lru) > capacity_blocks:
+                        lru.popitem(last=False)
+        return hit / total if total else 0.0
+
+
+def _leading_hits(req: TraceRequest, block_size: int, held: set[int] | OrderedDict) -> int:
+    hashes = req.router_hashes
+    cap = min(len(hashes), max(0, (req.input_len - 1) // block_size))
+    n = 0
+    while n < cap and hashes[n] in held:
+        n += 1
+    return n
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:

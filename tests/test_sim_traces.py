@@ -63,6 +63,16 @@ def test_ideal_hit_rate_counts_prior_blocks_and_keeps_the_last_token(tmp_path: P
     assert trace.ideal_hit_rate() == pytest.approx((B - 64) / (2 * B))
 
 
+def test_pooled_lru_hit_rate_is_bounded_by_the_ideal(tmp_path: Path) -> None:
+    rows = [(i, 2 * B + 7, 1, [i % 5, 100 + i % 5, 200 + i]) for i in range(40)]
+    trace = load_trace(write_mooncake(tmp_path / "t.jsonl", rows), block_size=64)
+    ideal = trace.ideal_hit_rate()
+    assert trace.pooled_lru_hit_rate(10**6) == pytest.approx(ideal)
+    # Five prompt families of 16 blocks in a cycle: LRU keeps them all or thrashes.
+    assert trace.pooled_lru_hit_rate(80) == pytest.approx(ideal)
+    assert trace.pooled_lru_hit_rate(79) == 0.0
+
+
 def test_plain_jsonl_tokens_text_and_speedup(tmp_path: Path) -> None:
     path = tmp_path / "p.jsonl"
     lines = [
