@@ -227,16 +227,18 @@ class PrefixCache:
         if upto <= req.committed:
             return 0
         gpu, hashes = self._gpu, req.hashes
-        keep_tokens = self.host_blocks > 0
+        tokens = req.tokens if self.host_blocks else None
         bs = self.block_size
         stored: list[int] = []
-        first = req.committed
-        for i in range(req.committed, upto):
+        first = start = req.committed
+        parent = hashes[start - 1] if start else None
+        for i in range(start, upto):
             h = hashes[i]
             block = gpu.get(h)
             if block is None:
-                tokens = req.tokens[i * bs : (i + 1) * bs] if keep_tokens else None
-                block = gpu[h] = _Block(hashes[i - 1] if i else None, tokens)
+                block = gpu[h] = _Block(
+                    parent, None if tokens is None else tokens[i * bs : (i + 1) * bs]
+                )
                 block.ref = 1
                 if not stored:
                     first = i
@@ -246,11 +248,12 @@ class PrefixCache:
                 self._flush_stored(req, first, stored)
                 stored = []
                 self._pin(h, block)
-            req.pinned.append(h)
-            req.private -= 1
-            self._private -= 1
+            parent = h
         self._flush_stored(req, first, stored)
-        new = upto - req.committed
+        req.pinned.extend(hashes[start:upto])
+        new = upto - start
+        req.private -= new
+        self._private -= new
         req.committed = upto
         return new
 
