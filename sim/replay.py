@@ -234,6 +234,9 @@ def run(args: argparse.Namespace) -> int:
         "l2_blocks": args.l2_blocks,
         "speedup": args.speedup,
         "seed": args.seed,
+        "event_lag_ms": args.event_lag_ms,
+        "load_interval_ms": args.load_interval_ms,
+        "predict_ttl_ms": args.predict_ttl_ms,
         "ideal_hit_rate": trace.ideal_hit_rate(),
         "pooled_lru_hit_rate": trace.pooled_lru_hit_rate(
             args.workers * (args.l1_blocks + args.l2_blocks)
