@@ -33,7 +33,7 @@ from typing import Any
 from index.prefix_index import TierMatch
 
 from .base import NO_MATCH, Decision, Policy, PrefetchHint, RouteRequest, WorkerView
-from .cost_model import EngineCosts, estimate_ttft_prefetched, prefetch_fits
+from .cost_model import EngineCosts, admit_wait_ms, estimate_ttft_prefetched, prefetch_fits
 from .selection import argmin_random, healthy
 
 
@@ -128,12 +128,12 @@ class CacheAware(Policy):
             if local > src_local or (local == src_local and src_id and queue < src_queue):
                 src_id, src_local, src_queue = w.worker_id, local, queue
 
-        options: dict[int, tuple[str | None, int, str]] | None = None
+        options: dict[int, tuple[str | None, int, str, float]] | None = None
         if self.prefetch and (src_local or maybe_prefetch):
             # a worker whose queue alone exceeds the best estimate cannot win with a prefetch
             bound = min(ttfts) + self.tie_ms
             for i, w in enumerate(cands):
-                if queues[i] <= 0 or queues[i] > bound:
+                if queues[i] <= 0 or queues[i] > bound:  # admission comes no later than that
                     continue
                 score = scores[w.worker_id]
                 option = self._prefetch_option(request, w, matches[i], score, src_id, src_local)
@@ -149,8 +149,8 @@ class CacheAware(Policy):
         option = options.get(i) if options else None
         if option is None:
             return Decision(chosen, scores=scores, reason=f"min ttft {ttfts[i]:.1f} ms")
-        source, blocks, tier = option
-        hint = PrefetchHint(source, chosen, blocks, tier, deadline_ms=queues[i])
+        source, blocks, tier, admit = option
+        hint = PrefetchHint(source, chosen, blocks, tier, deadline_ms=admit)
         ttft = scores[chosen]["ttft_ms"]
         return Decision(chosen, hint, scores, f"min ttft {ttft:.1f} ms with {tier} prefetch")
 
@@ -162,8 +162,8 @@ class CacheAware(Policy):
         score: dict[str, float],
         src_id: str | None,
         src_local: int,
-    ) -> tuple[str | None, int, str] | None:
-        """(source, blocks, tier) if pulling blocks into ``w`` during its queue wait helps.
+    ) -> tuple[str | None, int, str, float] | None:
+        """(source, blocks, tier, deadline) if pulling blocks into ``w`` while it waits helps.
 
         Updates ``score`` in place to the with-prefetch estimate when that is lower.
         """
@@ -179,7 +179,8 @@ class CacheAware(Policy):
             source = src_id if src_local else None
         else:
             return None
-        if not prefetch_fits(costs, moved * bs, score["queue_ms"], tier):
+        admit = admit_wait_ms(costs, w, request.num_tokens)
+        if not prefetch_fits(costs, moved * bs, admit, tier):
             return None
         queue, prefill, load = estimate_ttft_prefetched(
             costs, w, m, request.num_tokens, bs, hit, moved
@@ -189,4 +190,4 @@ class CacheAware(Policy):
             return None
         score.update(ttft_ms=ttft, prefill_ms=prefill, load_ms=load, hit_blocks=hit)
         score["prefetch_blocks"] = moved
-        return source, hit, tier
+        return source, hit, tier, admit

@@ -168,6 +168,19 @@ def queue_wait_ms(costs: EngineCosts, view: WorkerView, fallback_tokens: float) 
     return tokens * costs.prefill_ms_per_token + steps_ms(costs, tokens, decode_seqs(view))
 
 
+def admit_wait_ms(costs: EngineCosts, view: WorkerView, fallback_tokens: float) -> float:
+    """Expected wait before the engine admits a new request (looks up its prefix).
+
+    A chunked-prefill engine admits a waiting request as soon as a step has budget left
+    after the prompts ahead of it, i.e. once fewer than ``max_batch_tokens`` of them
+    remain; a prefetch must land by then to count. Zero when it fits the next step.
+    """
+    tokens = queue_tokens(view, fallback_tokens) - costs.max_batch_tokens
+    if tokens <= 0:
+        return 0.0
+    return tokens * costs.prefill_ms_per_token + steps_ms(costs, tokens, decode_seqs(view))
+
+
 def uncached_tokens(num_tokens: int, hit_blocks: int, block_size: int) -> int:
     """Prompt tokens left to compute; an engine always computes at least the last one."""
     left = num_tokens - hit_blocks * block_size
@@ -191,15 +204,15 @@ def load_time_ms(costs: EngineCosts, match: TierMatch, block_size: int) -> float
     )
 
 
-def prefetch_fits(costs: EngineCosts, tokens: float, queue_ms: float, tier: str = "cpu") -> bool:
-    """Whether ``tokens`` of KV can reach the target before its prefill starts.
+def prefetch_fits(costs: EngineCosts, tokens: float, admit_ms: float, tier: str = "cpu") -> bool:
+    """Whether ``tokens`` of KV can reach the target before it admits the request.
 
     "cpu" pulls from a peer's host memory over the network; "shared" from the pool.
     """
-    if tokens <= 0 or queue_ms <= 0:
+    if tokens <= 0 or admit_ms <= 0:
         return False
     transfer = costs.prefetch_ms(tokens) if tier == "cpu" else costs.load_ms(tier, tokens)
-    return transfer <= queue_ms
+    return transfer <= admit_ms
 
 
 def estimate_ttft(

@@ -19,15 +19,15 @@ radix tree (a path is the run of present hashes from block 0), the match length 
 ``matched_blocks * block_size`` tokens out of ``num_tokens``, and ``max_tree_size``
 counts blocks per tenant (SGLang's 2**26 characters ~ 2**24 tokens ~ 2**20 blocks of 16).
 Per-tenant LRU eviction is leaf-first, as SGLang's, because a parent is always touched
-after its children; it runs inline when a tenant outgrows its bound instead of on a
-60-second timer. Where SGLang's choice is arbitrary (DashMap iteration order) this picks
+after its children; it runs inline when a tenant outgrows its bound by 10 % instead of
+on a 60-second timer. Where SGLang's choice is arbitrary (DashMap iteration order) this picks
 the most recently used owner of the deepest node and breaks size ties at random.
 """
 
 from __future__ import annotations
 
+import heapq
 import random
-from collections import OrderedDict
 from collections.abc import Sequence
 
 from .base import Decision, Policy, RouteRequest, WorkerView
@@ -35,59 +35,83 @@ from .selection import healthy
 
 
 class _Tree:
-    """One model's approximate tree: per block hash its tenants, per tenant an LRU."""
+    """One model's approximate tree: per block hash, its tenants and their last access.
 
-    __slots__ = ("lru", "nodes", "tick")
+    Each touched block gets a fresh tick, parents after children, so "oldest tick first"
+    is SGLang's leaf-first LRU without keeping a per-tenant list in order on every insert.
+    """
+
+    __slots__ = ("counts", "nodes", "tick")
 
     def __init__(self) -> None:
         self.nodes: dict[int, dict[str, int]] = {}  # block hash -> {tenant: last access}
-        self.lru: dict[str, OrderedDict[int, None]] = {}  # tenant -> its blocks, oldest first
+        self.counts: dict[str, int] = {}  # tenant -> blocks it holds in the tree
         self.tick = 0
 
     def add_tenant(self, tenant: str) -> None:
-        if tenant not in self.lru:
-            self.lru[tenant] = OrderedDict()
+        if tenant not in self.counts:
+            self.counts[tenant] = 0
 
     def remove_tenant(self, tenant: str) -> None:
+        self.counts.pop(tenant, None)
         nodes = self.nodes
-        for h in self.lru.pop(tenant, ()):
+        for h in [h for h, owners in nodes.items() if tenant in owners]:
             owners = nodes[h]
             del owners[tenant]
             if not owners:
                 del nodes[h]
 
-    def touch(self, hashes: Sequence[int], tenant: str, max_size: int) -> None:
-        """Insert ``hashes`` for ``tenant`` (children first, so parents stay fresher)."""
-        self.tick += 1
+    def touch(self, hashes: Sequence[int], tenant: str) -> None:
+        """Insert ``hashes`` for ``tenant`` or refresh them (children first)."""
         tick = self.tick
         nodes = self.nodes
-        lru = self.lru.get(tenant)
-        if lru is None:
-            lru = self.lru[tenant] = OrderedDict()
+        added = 0
         for h in reversed(hashes):
+            tick += 1
             owners = nodes.get(h)
             if owners is None:
-                owners = nodes[h] = {}
-            owners[tenant] = tick
-            if h in lru:
-                lru.move_to_end(h)
+                nodes[h] = {tenant: tick}
+                added += 1
             else:
-                lru[h] = None
-        while len(lru) > max_size:
-            h, _ = lru.popitem(last=False)
-            owners = nodes[h]
-            del owners[tenant]
-            if not owners:
-                del nodes[h]
+                if tenant not in owners:
+                    added += 1
+                owners[tenant] = tick
+        self.tick = tick
+        self.counts[tenant] = self.counts.get(tenant, 0) + added
 
     def refresh(self, hashes: Sequence[int], tenant: str) -> None:
         """Mark a matched path as just used by ``tenant`` (SGLang's prefix_match does)."""
-        lru = self.lru.get(tenant)
-        if lru is None:
-            return
+        tick = self.tick
+        nodes = self.nodes
         for h in reversed(hashes):
-            if h in lru:
-                lru.move_to_end(h)
+            owners = nodes.get(h)
+            if owners is not None and tenant in owners:
+                tick += 1
+                owners[tenant] = tick
+        self.tick = tick
+
+    def evict(self, max_size: int) -> None:
+        """Drop every oversized tenant's least recently used blocks down to ``max_size``.
+
+        One sweep serves all tenants, as SGLang's periodic eviction does: they grow at
+        similar rates, so this runs about once per ``max_size / 10`` inserts in total.
+        """
+        over = {t: n - max_size for t, n in self.counts.items() if n > max_size}
+        if not over:
+            return
+        held: dict[str, list[tuple[int, int]]] = {t: [] for t in over}
+        nodes = self.nodes
+        for h, owners in nodes.items():
+            for t, tick in owners.items():
+                if t in held:
+                    held[t].append((tick, h))
+        for tenant, excess in over.items():
+            for _, h in heapq.nsmallest(excess, held[tenant]):
+                owners = nodes[h]
+                del owners[tenant]
+                if not owners:
+                    del nodes[h]
+            self.counts[tenant] -= excess
 
     def prefix_match(self, hashes: Sequence[int]) -> tuple[int, str | None]:
         """Matched leading blocks and the most recent owner of the deepest one."""
@@ -105,10 +129,11 @@ class _Tree:
         return depth, max(owners, key=owners.__getitem__)
 
     def smallest_tenant(self, rng: random.Random) -> str | None:
-        if not self.lru:
+        counts = self.counts
+        if not counts:
             return None
-        lo = min(len(v) for v in self.lru.values())
-        ties = [t for t, v in self.lru.items() if len(v) == lo]
+        lo = min(counts.values())
+        ties = [t for t, n in counts.items() if n == lo]
         return ties[0] if len(ties) == 1 else ties[rng.randrange(len(ties))]
 
 
@@ -145,9 +170,9 @@ class SGLangCacheAware(Policy):
         tree = self._trees.get(model)
         if tree is None:
             tree = self._trees[model] = _Tree()
-        lru = tree.lru
+        counts = tree.counts
         for w in workers:
-            if w.worker_id not in lru:
+            if w.worker_id not in counts:
                 tree.add_tenant(w.worker_id)
         return tree
 
@@ -159,7 +184,7 @@ class SGLangCacheAware(Policy):
         hi, lo = max(loads), min(loads)
         if hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold:
             pick = min(cands, key=lambda w: w.inflight_requests)  # first minimum, as SGLang
-            tree.touch(hashes, pick.worker_id, self.max_tree_size)
+            self._insert(tree, hashes, pick.worker_id)
             return Decision(pick.worker_id, scores=self._scores(tree, workers), reason="imbalanced")
 
         depth, owner = tree.prefix_match(hashes)
@@ -172,16 +197,23 @@ class SGLangCacheAware(Policy):
             chosen, reason = tree.smallest_tenant(self.rng), f"cache miss {rate:.2f}"
         view = next((w for w in workers if w.worker_id == chosen), None)
         if view is not None and view.healthy:
-            tree.touch(hashes, view.worker_id, self.max_tree_size)
+            self._insert(tree, hashes, view.worker_id)
             return Decision(view.worker_id, scores=self._scores(tree, workers), reason=reason)
         if view is None and chosen is not None:
             tree.remove_tenant(chosen)
         return Decision(cands[0].worker_id, reason=f"{reason}; {chosen} unavailable: first healthy")
 
+    def _insert(self, tree: _Tree, hashes: Sequence[int], tenant: str) -> None:
+        tree.touch(hashes, tenant)
+        # SGLang trims every 60 s and lets trees overshoot meanwhile; trimming on a 10 %
+        # overshoot keeps that shape and costs one sweep per max_tree_size / 10 inserts
+        if tree.counts[tenant] > self.max_tree_size + self.max_tree_size // 10:
+            tree.evict(self.max_tree_size)
+
     @staticmethod
     def _scores(tree: _Tree, workers: Sequence[WorkerView]) -> dict[str, dict[str, float]]:
-        lru = tree.lru
+        counts = tree.counts
         return {
-            w.worker_id: {"load": w.inflight_requests, "tree_blocks": len(lru[w.worker_id])}
+            w.worker_id: {"load": w.inflight_requests, "tree_blocks": counts[w.worker_id]}
             for w in workers
         }

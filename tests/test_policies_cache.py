@@ -12,7 +12,12 @@ from hypothesis import strategies as st
 
 from index.prefix_index import TierMatch
 from policies import EngineCosts, RouteRequest, WorkerView, make_policy
-from policies.cost_model import estimate_ttft, estimate_ttft_prefetched, uncached_tokens
+from policies.cost_model import (
+    admit_wait_ms,
+    estimate_ttft,
+    estimate_ttft_prefetched,
+    uncached_tokens,
+)
 
 BS = 16
 SCORE_KEYS = ("ttft_ms", "queue_ms", "prefill_ms", "load_ms", "hit_blocks", "prefetch_blocks")
@@ -231,7 +236,8 @@ def test_cache_aware_prefers_gpu_over_disk_hits_of_equal_depth() -> None:
 def test_cache_aware_spreads_at_high_load_with_a_prefetch_hint() -> None:
     hashes = chain(32, 10)
     policy = make_policy("cache_aware", random.Random(0))
-    ws = views(4, inflight_requests=2, inflight_prefill_tokens=4000)
+    # every target has more than one step's budget queued: admission is a while away
+    ws = views(4, inflight_requests=3, inflight_prefill_tokens=12_000)
     ws[1].match = tm(gpu=10)
     ws[1].inflight_requests, ws[1].inflight_prefill_tokens = 25, 50_000
     d = policy.select(req(hashes), ws)
@@ -244,30 +250,41 @@ def test_cache_aware_spreads_at_high_load_with_a_prefetch_hint() -> None:
         10,
         "cpu",
     )
+    target = next(w for w in ws if w.worker_id == d.worker_id)
+    admit = admit_wait_ms(EngineCosts(), target, len(hashes) * BS)
+    assert hint.deadline_ms == pytest.approx(admit)
+    assert 0 < EngineCosts().prefetch_ms(10 * BS) <= admit < d.scores[d.worker_id]["queue_ms"]
     score = d.scores[d.worker_id]
-    assert hint.deadline_ms == score["queue_ms"] > 0
     assert score["hit_blocks"] == 10 and score["prefetch_blocks"] == 10
-    # the estimate with the prefetch beats staying put, and staying put beats cold prefill
     assert score["ttft_ms"] < d.scores["w1"]["ttft_ms"]
 
 
-def test_cache_aware_no_hint_when_the_transfer_cannot_land_in_time() -> None:
+@pytest.mark.parametrize("queued", [0, 4000])
+def test_cache_aware_no_hint_when_the_transfer_cannot_land_in_time(queued: int) -> None:
     hashes = chain(33, 10)
-    ws = views(4)  # idle targets: prefill starts at once, nothing can arrive first
+    # idle, or less than one step's budget queued: the target admits the request in its
+    # next step, before any transfer could land
+    ws = views(4, inflight_requests=1 if queued else 0, inflight_prefill_tokens=queued)
     ws[1].match = tm(gpu=10)
     ws[1].inflight_requests, ws[1].inflight_prefill_tokens = 25, 50_000
     d = make_policy("cache_aware", random.Random(0)).select(req(hashes), ws)
     assert d.worker_id != "w1" and d.prefetch is None
-    no_pf = make_policy("cache_aware", random.Random(0), prefetch=False)
-    busy = views(4, inflight_requests=2, inflight_prefill_tokens=4000)
-    busy[1] = ws[1]
-    assert no_pf.select(req(hashes), busy).prefetch is None
+    assert d.scores[d.worker_id]["hit_blocks"] == 0
+
+
+def test_cache_aware_prefetch_can_be_switched_off() -> None:
+    hashes = chain(39, 10)
+    ws = views(4, inflight_requests=3, inflight_prefill_tokens=12_000)
+    ws[1].match = tm(gpu=10)
+    ws[1].inflight_requests, ws[1].inflight_prefill_tokens = 25, 50_000
+    d = make_policy("cache_aware", random.Random(0), prefetch=False).select(req(hashes), ws)
+    assert d.worker_id != "w1" and d.prefetch is None
 
 
 def test_cache_aware_hints_the_shared_pool() -> None:
     hashes = chain(34, 10)
     # every worker reaches 6 blocks in the shared pool and holds nothing locally
-    ws = views(3, match=tm(shared=6), inflight_requests=1, inflight_prefill_tokens=3000)
+    ws = views(3, match=tm(shared=6), inflight_requests=3, inflight_prefill_tokens=12_000)
     d = make_policy("cache_aware", random.Random(0)).select(req(hashes), ws)
     assert d.prefetch is not None
     assert (d.prefetch.tier, d.prefetch.source_worker, d.prefetch.blocks) == ("shared", None, 6)
