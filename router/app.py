@@ -34,6 +34,7 @@ from router.metrics import RouterMetrics, StateCollector
 from router.proxy import Proxy, Receive, Scope, Send
 from router.routing import Router
 from router.tokenize import TokenizerSet
+from router.upstream import Upstream
 from router.workers import WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,8 @@ class RouterState:
         self.hints = HintPublisher(self.bus, cfg.subject_prefix)
         self.metrics = RouterMetrics()
         self.metrics.add_collector(StateCollector(self.registry, lambda: dict(self.events.counts)))
-        self.client: httpx.AsyncClient = _client(cfg)
+        self.client: httpx.AsyncClient = _client(cfg)  # cold paths: health, scrapes
+        self.upstream = Upstream()  # the hot path's engine connections
         self._tasks: list[asyncio.Task[Any]] = []
 
     async def start(self) -> None:
@@ -99,15 +101,12 @@ class RouterState:
         if self.bus is not None:
             await self.bus.close()
         await self.client.aclose()
+        self.upstream.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
 def _client(cfg: RouterConfig) -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(cfg.request_timeout, connect=2.0, pool=5.0),
-        limits=httpx.Limits(max_connections=2048, max_keepalive_connections=512),
-        follow_redirects=False,
-    )
+    return httpx.AsyncClient(timeout=httpx.Timeout(cfg.health_timeout), follow_redirects=False)
 
 
 def _fastapi(state: RouterState) -> FastAPI:

@@ -2,7 +2,7 @@
 
 It sits in front of FastAPI (``router.app``) so a completion pays for no framework
 routing, middleware or models: read the body, decide, send the bytes unchanged with
-the shared keep-alive ``httpx.AsyncClient``, and pass the engine's status, headers and
+keep-alive engine connections (``router.upstream``), and pass the engine's status, headers and
 body chunks back as they come. While waiting and streaming, a watcher task listens
 for the client going away and cancels the request, which closes the upstream
 connection so the engine stops working for nobody.
@@ -19,12 +19,11 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
-import httpx
-
 from router.errors import ApiError, sse_error
 from router.load import Flight
 from router.metrics import Series
 from router.routing import Kind, Prepared, hit_blocks
+from router.upstream import ConnectFailed, Response, UpstreamError, UpstreamTimeout
 
 if TYPE_CHECKING:
     from router.app import RouterState
@@ -41,7 +40,6 @@ _REQ_DROP = frozenset(
 _RESP_DROP = frozenset(
     (b"connection", b"keep-alive", b"transfer-encoding", b"date", b"server", b"trailer")
 )
-_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _JSON = [(b"content-type", b"application/json")]
 
@@ -75,10 +73,17 @@ async def send_error(send: Send, err: ApiError) -> None:
     await send({"type": "http.response.body", "body": err.body()})
 
 
+# A request still running after this long gets a task watching for the client leaving.
+# Watching costs a task and a wake-up per request (a third of the router's CPU in
+# bench/proxy.py); fast requests finish before, slow ones (every real generation) are
+# watched, and a client that left meanwhile is noticed at once when watching starts.
+WATCH_AFTER = 0.05
+
+
 class Exchange:
     """One request's progress, shared with its disconnect watcher."""
 
-    __slots__ = ("done", "gone", "started", "t0", "task", "watcher")
+    __slots__ = ("done", "gone", "started", "t0", "task", "timer", "watcher")
 
     def __init__(self, task: asyncio.Task[Any]) -> None:
         self.t0 = time.perf_counter()
@@ -86,10 +91,16 @@ class Exchange:
         self.started = False  # response headers sent: errors can no longer be a status
         self.done = False  # final body sent: a disconnect now is the normal end
         self.gone = False
+        self.timer: asyncio.TimerHandle | None = None
         self.watcher: asyncio.Task[None] | None = None
 
     def watch(self, receive: Receive) -> None:
-        self.watcher = asyncio.create_task(self._watch(receive))
+        loop = asyncio.get_running_loop()
+        self.timer = loop.call_later(WATCH_AFTER, self._start, receive)
+
+    def _start(self, receive: Receive) -> None:
+        if not self.done:
+            self.watcher = asyncio.create_task(self._watch(receive))
 
     async def _watch(self, receive: Receive) -> None:
         """Cancel the request when the client disconnects (uvicorn's receive says so)."""
@@ -100,6 +111,13 @@ class Exchange:
                     self.gone = True
                     self.task.cancel()
                 return
+
+    def stop(self) -> None:
+        self.done = True
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.watcher is not None:
+            self.watcher.cancel()
 
 
 class Proxy:
@@ -138,8 +156,7 @@ class Proxy:
             task.uncancel()
             st.metrics.error("-", "-", "client_disconnect")
         finally:
-            if ex.watcher is not None:
-                ex.watcher.cancel()
+            ex.stop()
 
     async def _forward(
         self, scope: Scope, send: Send, raw: bytes, prep: Prepared, ex: Exchange
@@ -160,33 +177,28 @@ class Proxy:
             hit = hit_blocks(views, worker.id) * req.block_size
             flight = worker.load.begin(max(0, req.num_tokens - hit))
             try:
-                upstream = st.client.build_request(
-                    "POST", worker.url + self.path, content=raw, headers=headers
+                resp = await st.upstream.send(
+                    worker.url, self.path, headers, raw, st.cfg.request_timeout
                 )
-                resp = await st.client.send(upstream, stream=True)
-            except _NOT_SENT as exc:
+            except ConnectFailed as exc:
                 flight.finish()
-                st.registry.request_failed(worker, f"connect: {type(exc).__name__}")
+                st.registry.request_failed(worker, "connect failed")
                 st.metrics.error(arm, worker.id, "connect")
                 exclude.add(worker.id)
                 if len(exclude) > st.cfg.connect_retries:
-                    raise ApiError(
-                        502, f"no engine reachable: {exc}", "upstream_unreachable"
-                    ) from exc
+                    raise ApiError(502, str(exc), "upstream_unreachable") from exc
                 st.metrics.retries.labels(worker.id).inc()
                 continue
-            except httpx.TimeoutException as exc:
+            except UpstreamTimeout as exc:
                 flight.finish()
                 st.registry.request_failed(worker, "timeout")
                 st.metrics.error(arm, worker.id, "timeout")
-                raise ApiError(
-                    504, "the engine did not answer in time", "upstream_timeout"
-                ) from exc
-            except httpx.HTTPError as exc:
+                raise ApiError(504, str(exc), "upstream_timeout") from exc
+            except UpstreamError as exc:
                 flight.finish()
-                st.registry.request_failed(worker, type(exc).__name__)
+                st.registry.request_failed(worker, "upstream error")
                 st.metrics.error(arm, worker.id, "upstream")
-                raise ApiError(502, f"engine error: {exc}", "upstream_error") from exc
+                raise ApiError(502, str(exc), "upstream_error") from exc
             except BaseException:
                 flight.finish()
                 raise
@@ -204,14 +216,14 @@ class Proxy:
             series.routed_hit_tokens.inc(hit)
             await self._stream(send, resp, worker.id, flight, series, ex, arm)
         finally:
-            await resp.aclose()
+            resp.close()
             flight.finish()
             st.experiment.policy_for(arm).on_finish(req, worker.id)
 
     async def _stream(
         self,
         send: Send,
-        resp: httpx.Response,
+        resp: Response,
         worker_id: str,
         flight: Flight,
         series: Series,
@@ -220,7 +232,7 @@ class Proxy:
     ) -> None:
         st = self.state
         worker = st.registry.get(worker_id)
-        status = resp.status_code
+        status = resp.status
         if worker is not None:
             if status >= 500:
                 st.registry.request_failed(worker, f"status {status}")
@@ -228,15 +240,15 @@ class Proxy:
                 st.registry.request_succeeded(worker)
         if status >= 400:
             st.metrics.error(arm, worker_id, f"engine_{status}")
-        out = [(k, v) for k, v in resp.headers.raw if k.lower() not in _RESP_DROP]
+        out = [(k, v) for k, v in resp.headers if k.lower() not in _RESP_DROP]
         out.append((b"x-cache-router-worker", worker_id.encode()))
         await send({"type": "http.response.start", "status": status, "headers": out})
         ex.started = True
-        sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+        sse = (resp.header(b"content-type") or b"").startswith(b"text/event-stream")
         cached = None
         tail = b""
         try:
-            async for chunk in resp.aiter_raw():
+            async for chunk in resp.chunks(st.cfg.request_timeout):
                 if flight.state == 0:
                     series.ttft.observe(time.perf_counter() - ex.t0)
                     flight.first_byte()
@@ -246,11 +258,13 @@ class Proxy:
                     if found:
                         cached = int(found[-1])
                 tail = chunk[-32:]
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except httpx.HTTPError as exc:
+                if resp.drained:  # the last chunk: end the response with it
+                    ex.done = True
+                await send({"type": "http.response.body", "body": chunk, "more_body": not ex.done})
+        except UpstreamError as exc:
             st.metrics.error(arm, worker_id, "upstream_broken")
             if worker is not None:
-                st.registry.request_failed(worker, f"broken stream: {type(exc).__name__}")
+                st.registry.request_failed(worker, "broken stream")
             if not sse:
                 raise  # abort the connection: the client must not take a cut body as whole
             ex.done = True
@@ -258,7 +272,8 @@ class Proxy:
                 {"type": "http.response.body", "body": sse_error(str(exc), "upstream_broken")}
             )
             return
-        ex.done = True
-        await send({"type": "http.response.body", "body": b""})
+        if not ex.done:
+            ex.done = True
+            await send({"type": "http.response.body", "body": b""})
         if cached is not None:
             series.hit_tokens.inc(cached)

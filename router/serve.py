@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
             http="httptools",
             lifespan="on",
             access_log=False,
+            proxy_headers=False,  # X-Forwarded-* rewriting costs every request; unused here
             log_level=args.log_level.lower(),
             timeout_graceful_shutdown=int(cfg.drain_timeout),
             backlog=4096,

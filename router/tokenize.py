@@ -18,7 +18,9 @@ padded to a multiple of 4, read as little-endian u32 token ids, i.e. one "token"
 prefixes, so routing by prefix still works for anything that tokenizes the same way
 (the mock engine imports this class); against a real engine hashes will not match
 its events, which is why the router warns at start-up. Chat messages are rendered
-first with ``FALLBACK_TEMPLATE``.
+first by ``FallbackChat``: ``<|role|>\ncontent\n`` per message, then
+``<|assistant|>\n`` when a generation prompt is wanted (also used for a HF tokenizer
+that has no chat template).
 """
 
 from __future__ import annotations
@@ -42,11 +44,6 @@ from router.errors import ApiError
 log = logging.getLogger(__name__)
 
 TokenIds = list[int] | bytes  # bytes: packed little-endian u32 (the fallback's form)
-
-FALLBACK_TEMPLATE = (
-    "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
 
 
 def num_tokens(tokens: TokenIds) -> int:
@@ -103,6 +100,12 @@ def _environment() -> ImmutableSandboxedEnvironment:
 _ENV = _environment()
 
 
+def _generation_prompt(body: Mapping[str, Any], kwargs: Mapping[str, Any]) -> bool:
+    if body.get("continue_final_message"):
+        return False
+    return bool(kwargs.get("add_generation_prompt", body.get("add_generation_prompt", True)))
+
+
 class ChatTemplate:
     """A compiled chat template plus the special tokens it may reference."""
 
@@ -111,25 +114,35 @@ class ChatTemplate:
         self.special = dict(special or {})
 
     def render(self, body: Mapping[str, Any]) -> str:
-        messages = body["messages"]
         kwargs = dict(body.get("chat_template_kwargs") or {})
-        kwargs.setdefault("add_generation_prompt", body.get("add_generation_prompt", True))
-        if body.get("continue_final_message"):
-            kwargs["add_generation_prompt"] = False
+        kwargs["add_generation_prompt"] = _generation_prompt(body, kwargs)
         for key in ("tools", "documents"):
             if body.get(key) is not None:
                 kwargs.setdefault(key, body[key])
         try:
-            return self.template.render(messages=messages, **self.special, **kwargs)
+            return self.template.render(messages=body["messages"], **self.special, **kwargs)
         except Exception as exc:  # a template may raise anything on odd input
             raise ApiError(400, f"chat template failed: {exc}", "chat_template_error") from exc
+
+
+class FallbackChat:
+    """The fallback rendering (see the module docstring), in plain Python: it runs per
+    request on the hot path, where a jinja2 render would cost more than all routing."""
+
+    def render(self, body: Mapping[str, Any]) -> str:
+        parts = [
+            f"<|{m.get('role')}|>\n{text_of_content(m.get('content'))}\n" for m in body["messages"]
+        ]
+        if _generation_prompt(body, body.get("chat_template_kwargs") or {}):
+            parts.append("<|assistant|>\n")
+        return "".join(parts)
 
 
 class Tokenizer:
     """Turns request bodies into token ids; subclasses say how text becomes ids."""
 
     name = "tokenizer"
-    chat_template: ChatTemplate
+    chat_template: ChatTemplate | FallbackChat
 
     def encode(self, text: str, add_special_tokens: bool) -> TokenIds:
         raise NotImplementedError
@@ -156,14 +169,7 @@ class FallbackTokenizer(Tokenizer):
     name = "fallback"
 
     def __init__(self) -> None:
-        self.chat_template = ChatTemplate(FALLBACK_TEMPLATE)
-
-    def chat(self, body: Mapping[str, Any]) -> tuple[TokenIds, str]:
-        flat = [
-            {"role": m.get("role"), "content": text_of_content(m.get("content"))}
-            for m in body["messages"]
-        ]
-        return super().chat({**body, "messages": flat})
+        self.chat_template = FallbackChat()
 
     def encode(self, text: str, add_special_tokens: bool) -> bytes:
         data = text.encode("utf-8", "surrogatepass")
@@ -194,7 +200,7 @@ class HFTokenizer(Tokenizer):
         if source is None and (folder / "chat_template.jinja").exists():
             source = (folder / "chat_template.jinja").read_text()
         self.has_template = source is not None
-        self.chat_template = ChatTemplate(source or FALLBACK_TEMPLATE, special)
+        self.chat_template = ChatTemplate(source, special) if source else FallbackChat()
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
