@@ -166,24 +166,40 @@ class PrefixIndex:
         pos = _TIER_POS[tier]
         slot = self._slot(worker_id)
         bit = 1 << slot
+        base = slot << _SLOT_SHIFT
         entries = self._entries
+        kids = self._kids
+        spec = self._spec
         tick = self._tick
         added = 0
-        spec = self._spec
+        orphans = 0
+        # Only the first block's parent can be missing: each later one's parent is the
+        # block stored just before it.
+        parent_held = parent is None or self._held_by(parent, bit)
         for h in hashes:
             e = entries.get(h)
             if e is None:
                 e = entries[h] = [0, 0, 0, 0, 0, tick, parent]
-            if not e[pos] & bit:
-                held = (e[_GPU] | e[_CPU] | e[_DISK] | e[_SHARED]) & bit
-                e[pos] |= bit
-                added += 1
-                e[_ANY] = -1 if e[_SHARED] else e[_GPU] | e[_CPU] | e[_DISK]
-                if not held:
-                    self._hold(h, e, slot, bit)
-                    if spec and spec.get(h, 0) & bit:
-                        self.spec_confirmed += 1
-            parent = h
+            elif e[pos] & bit:
+                parent, parent_held = h, True
+                continue
+            held = (e[_GPU] | e[_CPU] | e[_DISK] | e[_SHARED]) & bit
+            e[pos] |= bit
+            added += 1
+            e[_ANY] = -1 if e[_SHARED] else e[_GPU] | e[_CPU] | e[_DISK]
+            if not held:
+                # Its held children stop being orphans; it may be one itself.
+                orphans -= kids.get(base | h, 0)
+                p = e[_PARENT]
+                if p is not None:
+                    kids[base | p] = kids.get(base | p, 0) + 1
+                    if not (parent_held if p == parent else self._held_by(p, bit)):
+                        orphans += 1
+                if spec and spec.get(h, 0) & bit:
+                    self.spec_confirmed += 1
+            parent, parent_held = h, True
+        if orphans:
+            self._set_orphans(slot, self._orphans[slot] + orphans)
         self._counts[slot][pos - 1] += added
         if self.max_blocks is not None and len(entries) > self.max_blocks:
             self._evict(int(self.max_blocks * 0.9))
@@ -223,21 +239,9 @@ class PrefixIndex:
         e = self._entries.get(key) if key is not None else None
         return e is not None and bool((e[_GPU] | e[_CPU] | e[_DISK] | e[_SHARED]) & bit)
 
-    def _hold(self, key: int, e: list[int], slot: int, bit: int) -> None:
-        """``slot`` now holds ``key`` (in some tier): update kid counts and orphans."""
-        kids = self._kids
-        base = slot << _SLOT_SHIFT
-        delta = -kids.get(base | key, 0)  # its held children are no longer orphans
-        p = e[_PARENT]
-        if p is not None:
-            kids[base | p] = kids.get(base | p, 0) + 1
-            if not self._held_by(p, bit):
-                delta += 1
-        if delta:
-            self._set_orphans(slot, self._orphans[slot] + delta)
-
     def _unhold(self, key: int, e: list[int], slot: int) -> None:
-        """``slot`` no longer holds ``key`` in any tier: the reverse of ``_hold``."""
+        """``slot`` no longer holds ``key`` in any tier: its held children become
+        orphans, and it stops being one (the reverse of what ``store`` does)."""
         kids = self._kids
         base = slot << _SLOT_SHIFT
         delta = kids.get(base | key, 0)  # its held children become orphans
@@ -385,19 +389,36 @@ class PrefixIndex:
     def _bisect(
         self, hashes: Sequence[int], active: int, spec: dict[int, int] | None, out: dict[int, int]
     ) -> None:
-        """Leading runs for hole-free slots: bisect each slot's last held block.
+        """Leading runs for hole-free slots: gallop forward, then bisect.
 
-        For these slots the holders of block i shrink as i grows, so an interval whose
-        ends have the same holders needs no probe inside it.
+        For these slots the holders of block i shrink as i grows. Probing blocks 0, 1,
+        3, 7, ... finds a cold prompt in one probe and a depth d in O(log d); an
+        interval whose ends have the same holders needs no probe inside it.
         """
         entries = self._entries
         tick = self._tick
-        # (lo, hi, holders of block lo, holders of block hi); -1 and n are sentinels.
-        stack = [(-1, len(hashes), active, 0)]
-        while stack:
-            lo, hi, at_lo, at_hi = stack.pop()
-            if at_lo == at_hi:
-                continue
+        n = len(hashes)
+        pending: list[tuple[int, int, int, int]] = []  # (lo, hi, holders at lo, at hi)
+        lo, at_lo, pos, step = -1, active, 0, 1
+        while at_lo:
+            if pos >= n:
+                pending.append((lo, n, at_lo, 0))
+                break
+            h = hashes[pos]
+            e = entries.get(h)
+            if e is None:
+                m = 0
+            else:
+                m = e[_ANY]
+                e[_TICK] = tick
+            if spec is not None:
+                m |= spec.get(h, 0)
+            m &= at_lo
+            if m != at_lo:
+                pending.append((lo, pos, at_lo, m))
+            lo, at_lo, pos, step = pos, m, pos + step, step * 2
+        while pending:
+            lo, hi, at_lo, at_hi = pending.pop()
             if hi - lo == 1:
                 if hi:
                     _record(at_lo & ~at_hi, hi, out)
@@ -413,8 +434,10 @@ class PrefixIndex:
             if spec is not None:
                 m |= spec.get(h, 0)
             m &= at_lo
-            stack.append((mid, hi, m, at_hi & m))
-            stack.append((lo, mid, at_lo, m))
+            if m != at_hi:
+                pending.append((mid, hi, m, at_hi))
+            if m != at_lo:
+                pending.append((lo, mid, at_lo, m))
 
     def _walk_tiers(
         self, hashes: Sequence[int], active: int, limit: int, spec: dict[int, int] | None
@@ -429,21 +452,32 @@ class PrefixIndex:
         for h in hashes[:limit]:
             e = entries.get(h)
             s = spec.get(h, 0) if spec is not None else 0
+            if e is None and not s:
+                break
             if e is None:
                 m_gpu = m_cpu = m_disk = s
             else:
                 m_gpu = e[_GPU] | s
                 m_cpu = m_gpu | e[_CPU]
                 m_disk = m_cpu | e[_DISK]
-            a_gpu = _narrow(a_gpu, m_gpu, depth, d_gpu)
-            a_cpu = _narrow(a_cpu, m_cpu, depth, d_cpu)
-            a_disk = _narrow(a_disk, m_disk, depth, d_disk)
-            if not a_disk:
-                break
+            if a_disk & m_disk != a_disk:
+                if depth:
+                    _record(a_disk & ~m_disk, depth, d_disk)
+                a_disk &= m_disk
+                if not a_disk:
+                    break
+            if a_cpu & m_cpu != a_cpu:
+                if depth:
+                    _record(a_cpu & ~m_cpu, depth, d_cpu)
+                a_cpu &= m_cpu
+            if a_gpu & m_gpu != a_gpu:
+                if depth:
+                    _record(a_gpu & ~m_gpu, depth, d_gpu)
+                a_gpu &= m_gpu
             depth += 1
-        _record(a_gpu, depth, d_gpu)
-        _record(a_cpu, depth, d_cpu)
-        _record(a_disk, depth, d_disk)
+        for a, d in ((a_gpu, d_gpu), (a_cpu, d_cpu), (a_disk, d_disk)):
+            if depth:
+                _record(a, depth, d)
         return {
             slot: (d_gpu.get(slot, 0), d_cpu.get(slot, 0), d_disk.get(slot, 0))
             for slot in _slots(active)
@@ -510,11 +544,3 @@ def _record(mask: int, depth: int, out: dict[int, int]) -> None:
         low = mask & -mask
         out[low.bit_length() - 1] = depth
         mask ^= low
-
-
-def _narrow(active: int, mask: int, depth: int, record: dict[int, int]) -> int:
-    """AND ``mask`` into ``active``; slots that drop out stop at ``depth`` blocks."""
-    nxt = active & mask
-    if nxt != active and depth:
-        _record(active ^ nxt, depth, record)
-    return nxt
