@@ -20,7 +20,15 @@ from policies.cost_model import (
 )
 
 BS = 16
-SCORE_KEYS = ("ttft_ms", "queue_ms", "prefill_ms", "load_ms", "hit_blocks", "prefetch_blocks")
+SCORE_KEYS = (
+    "ttft_ms",
+    "queue_ms",
+    "prefill_ms",
+    "load_ms",
+    "hit_blocks",
+    "prefetch_blocks",
+    "recompute_ms",
+)
 
 
 def chain(tag: int, blocks: int, prefix: list[int] | None = None) -> list[int]:
@@ -363,17 +371,29 @@ def test_cache_aware_scores_explain_the_choice() -> None:
     ws[0].match = tm(gpu=2, cpu=1, disk=1)
     d = make_policy("cache_aware").select(req(chain(37, 10)), ws)
     for s in d.scores.values():
-        assert set(s) == {
-            "ttft_ms",
-            "queue_ms",
-            "prefill_ms",
-            "load_ms",
-            "hit_blocks",
-            "prefetch_blocks",
-        }
+        assert set(s) == set(SCORE_KEYS)
         assert s["ttft_ms"] == pytest.approx(s["queue_ms"] + s["prefill_ms"] + s["load_ms"])
     assert d.scores["w0"]["hit_blocks"] == 4 and d.worker_id == "w0"
-    assert d.reason.startswith("min ttft")
+    # w1 would recompute the 4 blocks w0 holds: the pool's cost of that shows up too
+    assert d.scores["w0"]["recompute_ms"] == 0
+    assert d.scores["w1"]["recompute_ms"] == pytest.approx(
+        4 * BS * EngineCosts().prefill_ms_per_token
+    )
+    assert d.reason.startswith("min cost: ttft")
+
+
+def test_cache_aware_recompute_weight_keeps_a_prefix_on_its_holder_longer() -> None:
+    hashes = chain(41, 10)
+    ws = views(2)
+    ws[0].match = tm(gpu=8)  # saves 128 tokens of prefill (~6.4 ms)
+    # 100 tokens queued + one step: ~11 ms, between the saving and twice the saving
+    ws[0].inflight_requests, ws[0].inflight_prefill_tokens = 1, 100
+    pure = make_policy("cache_aware", random.Random(0), recompute_weight=0)
+    pooled = make_policy("cache_aware", random.Random(0))
+    assert pure.select(req(hashes), ws).worker_id == "w1"  # the queue outweighs the hit
+    assert pooled.select(req(hashes), ws).worker_id == "w0"  # not once the pool's bill counts
+    ws[0].inflight_prefill_tokens = 2000  # a long queue still sends the request away
+    assert pooled.select(req(hashes), ws).worker_id == "w1"
 
 
 def test_cache_aware_charges_the_engines_queue_beyond_its_own() -> None:
@@ -433,8 +453,12 @@ def test_policy_scores_equal_the_reference_cost_model(
         else:
             q, p, ld = estimate_ttft(costs, w, m, r.num_tokens, BS)
         assert (s["queue_ms"], s["prefill_ms"], s["load_ms"]) == pytest.approx((q, p, ld))
-    best = min(s["ttft_ms"] for s in d.scores.values())
-    assert d.scores[d.worker_id]["ttft_ms"] <= best + 0.25
+    best_hit = max(s["hit_blocks"] for s in d.scores.values())
+    for s in d.scores.values():
+        missing = max(best_hit - s["hit_blocks"], 0)
+        assert s["recompute_ms"] == pytest.approx(missing * BS * costs.prefill_ms_per_token)
+    cost = {w: s["ttft_ms"] + s["recompute_ms"] for w, s in d.scores.items()}
+    assert cost[d.worker_id] <= min(cost.values()) + 2 * 0.25  # tie band + prefetch margin
 
 
 def test_engine_costs_physics() -> None:
