@@ -94,7 +94,7 @@ class CacheAware(Policy):
         nblocks = len(request.block_hashes)
         matches: list[TierMatch] = []
         queues: list[float] = []
-        ttfts: list[float] = []
+        ranked: list[float] = []
         best_hit = 0
         scores: dict[str, dict[str, float]] = {}
         src_id: str | None = None
@@ -137,7 +137,7 @@ class CacheAware(Policy):
             ttft = queue + prefill + load
             matches.append(m)
             queues.append(queue)
-            ttfts.append(ttft)
+            ranked.append(ttft)
             scores[w.worker_id] = {
                 "ttft_ms": ttft,
                 "queue_ms": queue,
@@ -154,19 +154,19 @@ class CacheAware(Policy):
             if local > src_local or (local == src_local and src_id and queue < src_queue):
                 src_id, src_local, src_queue = w.worker_id, local, queue
 
-        # ttfts becomes the cost each worker is ranked by
+        # workers are ranked by TTFT plus the pool's cost of recomputing what a peer holds
         per_block = self.recompute_weight * bs * ppt
         if best_hit and per_block:
             for i, m in enumerate(matches):
                 if m.total < best_hit:
                     extra = (best_hit - m.total) * per_block
-                    ttfts[i] += extra
+                    ranked[i] += extra
                     scores[cands[i].worker_id]["recompute_ms"] = extra
 
         options: dict[int, tuple[str | None, int, str, float]] | None = None
         if self.prefetch and (src_local or maybe_prefetch):
             # a worker whose queue alone exceeds the best cost cannot win with a prefetch
-            bound = min(ttfts) + self.tie_ms
+            bound = min(ranked) + self.tie_ms
             for i, w in enumerate(cands):
                 if queues[i] <= 0 or queues[i] > bound:  # admission comes no later than that
                     continue
@@ -179,9 +179,9 @@ class CacheAware(Policy):
                         options = {}
                     options[i] = option
                     # it relies on a hint landing: on a near-tie the worker that needs none wins
-                    ttfts[i] = score["ttft_ms"] + score["recompute_ms"] + self.tie_ms
+                    ranked[i] = score["ttft_ms"] + score["recompute_ms"] + self.tie_ms
 
-        i = argmin_random(ttfts, self.rng, self.tie_ms)
+        i = argmin_random(ranked, self.rng, self.tie_ms)
         chosen = cands[i].worker_id
         reason = f"min cost: ttft {scores[chosen]['ttft_ms']:.1f} ms"
         option = options.get(i) if options else None

@@ -48,13 +48,23 @@ class SessionAffinity(Policy):
         self._fallback = LeastLoad(self.rng)
 
     def _sync_ring(self, workers: Sequence[WorkerView]) -> None:
-        """Rebuild the ring when the set of known workers (healthy or not) changes."""
+        """Add newcomers to the ring; keep absent workers' points (skipped at lookup).
+
+        The router leaves unusable workers out of the list, and retries exclude the
+        failed one, so the list flaps; rebuilding only on a new id keeps lookups cheap.
+        Points of long-gone workers are dropped once they outnumber the present ones.
+        """
         members = self._members
-        if len(workers) == len(members) and all(w.worker_id in members for w in workers):
+        fresh = [w.worker_id for w in workers if w.worker_id not in members]
+        if not fresh and len(members) <= 2 * len(workers):
             return
-        self._members = frozenset(w.worker_id for w in workers)
+        if len(members) + len(fresh) > 2 * len(workers):
+            members = frozenset(w.worker_id for w in workers)
+        else:
+            members = members.union(fresh)
+        self._members = members
         ring = sorted(
-            (_hash(f"{wid}#{i}".encode()), wid) for wid in self._members for i in range(self.vnodes)
+            (_hash(f"{wid}#{i}".encode()), wid) for wid in members for i in range(self.vnodes)
         )
         self._points = [p for p, _ in ring]
         self._owners = [wid for _, wid in ring]

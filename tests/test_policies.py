@@ -209,6 +209,14 @@ def test_session_affinity_moves_only_the_lost_workers_sessions() -> None:
     assert {s: policy.select(req(0, s), views).worker_id for s in sessions} == before
 
 
+def test_session_affinity_ring_forgets_long_gone_workers() -> None:
+    policy = make_policy("session_affinity", vnodes=4)
+    for gen in range(10):  # the whole pool is replaced ten times over
+        ws = [WorkerView(f"g{gen}-{i}") for i in range(3)]
+        assert policy.select(req(0, "s"), ws).worker_id.startswith(f"g{gen}-")
+    assert len(policy._points) <= 2 * 3 * 4
+
+
 def test_session_affinity_stable_across_instances_and_list_order() -> None:
     views = idle(6)
     a = make_policy("session_affinity", random.Random(1))
