@@ -102,6 +102,11 @@ class EventIngest:
         w = self._workers.get(worker_id)
         return None if w is None else w.last_seq.get(dp_rank)
 
+    def last_seqs(self, worker_id: str) -> dict[int | None, int]:
+        """Last applied seq per dp rank (the rank may come from the batch, not the caller)."""
+        w = self._workers.get(worker_id)
+        return {} if w is None else dict(w.last_seq)
+
     def engine_blocks(self, worker_id: str) -> dict[int, int]:
         """Engine hash -> router hash for every block the worker is known to hold."""
         w = self._workers.get(worker_id)

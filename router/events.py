@@ -20,7 +20,7 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 
 from index.codec import CodecError, DecodedBatch, decode
-from index.ingest import SeqStatus
+from index.ingest import EventIngest, SeqStatus
 from index.replay import ReplayMessage, ReplayRequest
 from router.load import parse_load_report
 from router.workers import WorkerRegistry
@@ -28,6 +28,11 @@ from router.workers import WorkerRegistry
 log = logging.getLogger(__name__)
 
 _RETRY = (SeqStatus.GAP, SeqStatus.MALFORMED)
+
+
+def last_seq(ingest: EventIngest, worker_id: str) -> int | None:
+    """A worker's last applied seq over its dp ranks (the agent replays one seq space)."""
+    return max(ingest.last_seqs(worker_id).values(), default=None)
 
 
 class Live(NamedTuple):
@@ -81,7 +86,7 @@ class EventSync:
         """
         worker = self.registry.get(worker_id)
         if worker is not None:
-            last = worker.pool.ingest.last_seq(worker_id)
+            last = last_seq(worker.pool.ingest, worker_id)
             self._start_resync(worker_id, 0 if last is None else last + 1)
 
     async def close(self) -> None:
@@ -158,7 +163,7 @@ class EventSync:
                 self._pending.pop(worker_id, None)
                 return
             ingest = worker.pool.ingest
-            before = ingest.last_seq(worker_id)
+            before = last_seq(ingest, worker_id)
             replied = await self._replay(worker_id, from_seq)
             # No await from here to the end of the feed: live batches cannot interleave.
             worker = self.registry.get(worker_id)
@@ -179,9 +184,9 @@ class EventSync:
                 if ingest.in_sync(worker_id):
                     self.counts["resynced"] += 1
                     return
-                last = ingest.last_seq(worker_id)
+                last = last_seq(ingest, worker_id)
                 from_seq = 0 if last is None else last + 1
-            if not replied or ingest.last_seq(worker_id) == before:
+            if not replied or last_seq(ingest, worker_id) == before:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.max_backoff)
 

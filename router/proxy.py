@@ -14,6 +14,7 @@ pooled connection available); a request an engine may have started is never repl
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -27,6 +28,8 @@ from router.upstream import ConnectFailed, Response, UpstreamError, UpstreamTime
 
 if TYPE_CHECKING:
     from router.app import RouterState
+
+log = logging.getLogger(__name__)
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -155,6 +158,13 @@ class Proxy:
                 raise
             task.uncancel()
             st.metrics.error("-", "-", "client_disconnect")
+        except Exception:  # a bug must still answer in the OpenAI shape, and be seen
+            log.exception("request failed inside the router")
+            st.metrics.error("-", "-", "internal")
+            if ex.started:
+                raise
+            ex.done = True
+            await send_error(send, ApiError(500, "internal router error", "internal_error"))
         finally:
             ex.stop()
 

@@ -249,10 +249,10 @@ async def test_saturated_holder_loses_the_request_and_a_prefetch_hint_is_sent(ma
     await nc.subscribe("kv.prefetch.>", cb=on_hint)
     # saturate the holder (a deep queue); the other has a short one a prefetch can hide in
     await engine.report_load(running=64, waiting=400, kv_usage=0.99)
-    await stack.engine(other).report_load(running=1, waiting=2, kv_usage=0.2)
+    await stack.engine(other).report_load(running=4, waiting=40, kv_usage=0.5)
     registry = stack.state.registry
     await until(lambda: registry.get(holder).load.engine.waiting == 400, what="holder load")
-    await until(lambda: registry.get(other).load.engine.waiting == 2, what="other load")
+    await until(lambda: registry.get(other).load.engine.waiting == 40, what="other load")
     second = await client.completions.with_raw_response.create(model="m", prompt=prompt + " more")
     assert second.headers["x-cache-router-worker"] == other
     await until(lambda: hints, what="prefetch hint")

@@ -1,0 +1,163 @@
+"""The router in front of the real stack: mock engines (ZMQ KV events) -> node agents -> NATS.
+
+Nothing here is a double: the engines run the shared cache model and publish like vLLM,
+the agents republish on NATS, the router consumes it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import nats
+import openai
+import pytest
+from router_double import Served, until
+
+from agent.node import AgentConfig, NodeAgent
+from index.codec import BlockRemoved, decode
+from router.app import RouterApp
+from router.config import RouterConfig, WorkerSpec
+from router.events import last_seq
+from sim.mock_engine import MockEngine, MockEngineConfig
+from sim.mock_scheduler import Timing
+
+BS = 16
+MODEL = "mock-model"
+AUTH = {"authorization": "Bearer t"}
+SYSTEM = "You are the assistant of a cache-aware router test; answer in a few words. " * 3
+
+
+class Stack:
+    def __init__(self, engines: list[MockEngine], agents: list[NodeAgent], app: RouterApp):
+        self.engines = engines
+        self.agents = agents
+        self.app = app
+        self.served: Served | None = None
+
+    def engine(self, worker_id: str) -> MockEngine:
+        return next(e for e in self.engines if e.cfg.worker_id == worker_id)
+
+    def synced(self) -> bool:
+        """The router applied every batch each agent has published."""
+        ingest = self.app.state.registry.pools["default"].ingest
+        return all(
+            last_seq(ingest, a.cfg.worker_id) == a.core.last_seq
+            for a in self.agents
+            if a.core.last_seq is not None and a.core.last_seq >= 0
+        )
+
+
+@pytest.fixture
+async def stack(nats_url: str) -> AsyncIterator[Stack]:
+    engines, agents = [], []
+    for i in range(3):
+        cfg = MockEngineConfig(
+            worker_id=f"m{i}",
+            model=MODEL,
+            block_size=BS,
+            gpu_blocks=32,
+            zmq_endpoint="tcp://127.0.0.1:*",
+            replay_endpoint="tcp://127.0.0.1:*",
+            timing=Timing(speed=200.0),
+        )
+        engine = await MockEngine(cfg).start()
+        engines.append(engine)
+        agent_cfg = AgentConfig(
+            worker_id=cfg.worker_id,
+            zmq_endpoint=engine.zmq_endpoint or "",
+            replay_endpoint=engine.replay_endpoint,
+            engine_url=engine.url,
+            nats_url=nats_url,
+            load_interval=0.1,
+            replay_timeout=0.5,
+        )
+        agents.append(await NodeAgent(agent_cfg).start())
+    router_cfg = RouterConfig(
+        nats_url=nats_url,
+        block_size=BS,
+        admin_token="t",
+        health_interval=0.2,
+        workers=[WorkerSpec(e.cfg.worker_id, e.url, model=MODEL) for e in engines],
+    )
+    s = Stack(engines, agents, RouterApp(router_cfg))
+    s.served = await Served(s.app).start()
+    await until(lambda: s.app.state.bus.connected, what="router on NATS")
+    yield s
+    await s.served.stop()
+    for a in agents:
+        await a.stop()
+    for e in engines:
+        await e.stop()
+
+
+async def test_conversation_stays_on_its_engine_and_hits_grow(stack: Stack) -> None:
+    assert stack.served is not None
+    client = openai.AsyncOpenAI(base_url=stack.served.url + "/v1", api_key="x", max_retries=0)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+    workers, cached = [], []
+    try:
+        for turn in range(4):
+            messages.append({"role": "user", "content": f"turn {turn}: what changed since?"})
+            raw = await client.chat.completions.with_raw_response.create(
+                model=MODEL,
+                messages=messages,
+                max_tokens=8,
+                stream=True,
+                stream_options={"include_usage": True},
+                user="session-42",
+            )
+            workers.append(raw.headers["x-cache-router-worker"])
+            stream = raw.parse()
+            text, usage = "", None
+            async for chunk in stream:
+                if chunk.choices:
+                    text += chunk.choices[0].delta.content or ""
+                if chunk.usage is not None:
+                    usage = chunk.usage
+            assert text and usage is not None
+            cached.append(usage.prompt_tokens_details.cached_tokens if turn else 0)
+            messages.append({"role": "assistant", "content": text})
+            await until(stack.synced, what="events through the agents")
+    finally:
+        await client.close()
+    assert len(set(workers)) == 1, workers
+    assert all(b > a for a, b in itertools.pairwise(cached)), cached
+
+
+async def test_router_predicts_exactly_what_the_engines_report(stack: Stack, nats_url) -> None:
+    """With evictions going on (32-block engines), the index's match for the chosen worker
+    equals the cached tokens the engine then reports: stores and removals both arrive."""
+    assert stack.served is not None
+    removed = []
+
+    async def on_batch(msg: Any) -> None:
+        removed.extend(e for e in decode(msg.data).events if isinstance(e, BlockRemoved))
+
+    nc = await nats.connect(nats_url)
+    await nc.subscribe("kv.events.>", cb=on_batch)
+    async with httpx.AsyncClient(base_url=stack.served.url, timeout=30) as http:
+        # 5 topics sharing a system prompt, each prompt with its own tail: about 4x what
+        # the three 32-block engines can hold, so they evict while the test runs
+        prompts = [f"{SYSTEM} topic {i % 5}: " + f"note {i} " * (30 + 2 * i) for i in range(18)]
+        checked = 0
+        for i, prompt in enumerate(prompts):
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 4}
+            await until(stack.synced, what="events through the agents")
+            r = await http.post("/admin/explain", json=body, headers=AUTH)
+            matches = {w["worker_id"]: w["match"]["total"] for w in r.json()["workers"]}
+            n = r.json()["num_tokens"]
+            r = await http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            worker = r.headers["x-cache-router-worker"]
+            got = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            predicted = min(matches[worker], (n - 1) // BS) * BS
+            assert got == predicted, (i, worker, got, predicted)
+            checked += predicted > 0
+    await nc.close()
+    assert checked >= 5 and removed  # hits were predicted, and evictions did happen
+    pool = stack.app.state.registry.pools["default"]
+    for e in stack.engines:
+        assert pool.index.stats().workers[e.cfg.worker_id]["gpu"] == len(e.cache.gpu_hashes())
