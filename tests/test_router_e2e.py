@@ -19,7 +19,7 @@ import pytest
 from router_double import EngineDouble, Served, until
 
 from router.app import RouterApp
-from router.config import RouterConfig, WorkerSpec
+from router.config import ArmSpec, RouterConfig, WorkerSpec
 
 TOKEN = "s3cret"
 SYSTEM = "You are a careful assistant. " * 8  # shared by every conversation
@@ -421,3 +421,45 @@ async def test_explain_scores_every_worker_without_sending(make_stack):
         r = await http.get("/admin/experiments", headers=auth)
         assert [a["name"] for a in r.json()["arms"]] == ["cache_aware"]
     assert served_by(stack) == {"w0": 0, "w1": 0, "w2": 0}
+
+
+async def test_ab_arms_are_sticky_per_session_and_labelled(make_stack):
+    arms = [ArmSpec("rr", "round_robin", 1.0), ArmSpec("ll", "least_load", 1.0)]
+    stack = await make_stack(2, arms=arms, experiment="exp1")
+    experiment = stack.state.experiment
+    sessions = [f"user-{i}" for i in range(12)]
+    expected = {s: experiment.assign(s).name for s in sessions}
+    assert set(expected.values()) == {"rr", "ll"}  # both arms get sessions
+    async with stack.http() as http:
+        for s in sessions:
+            for _ in range(2):
+                body = {"model": "m", "prompt": "hi", "user": s}
+                assert (await http.post("/v1/completions", json=body)).status_code == 200
+        text = (await http.get("/metrics")).text
+        r = await http.get("/admin/experiments", headers={"authorization": f"Bearer {TOKEN}"})
+    live = {a["name"]: a["metrics"]["requests"] for a in r.json()["arms"]}
+    per_arm = {arm: 2 * sum(1 for v in expected.values() if v == arm) for arm in ("rr", "ll")}
+    assert live == per_arm
+    assert 'cache_router_requests_total{arm="rr",worker="w0"}' in text
+    assert "cache_router_ttft_seconds_bucket{arm=" in text
+
+
+async def test_breaker_opens_on_failing_worker_and_scrapes_fill_engine_load(make_stack):
+    # round robin: w0 gets every other request until its breaker opens
+    stack = await make_stack(2, policy="round_robin", breaker_failures=2, breaker_cooldown=60.0)
+    bad = stack.engines[0]
+    bad.fail_with = (500, {"error": {"message": "boom"}})
+    async with stack.http() as http:
+        statuses = []
+        for i in range(12):
+            r = await http.post("/v1/completions", json={"model": "m", "prompt": f"p{i}"})
+            statuses.append((r.status_code, r.headers["x-cache-router-worker"]))
+    # the engine's 500s pass through until two in a row open w0's breaker
+    assert statuses.count((500, "w0")) == 2
+    opened = [i for i, s in enumerate(statuses) if s[0] == 500][-1]
+    after = statuses[opened + 1 :]
+    assert len(after) >= 3 and all(s == (200, "w1") for s in after), statuses
+    # without NATS, engine load comes from scraping /metrics (vLLM names)
+    load = stack.state.registry.get("w1").load
+    await until(lambda: load.engine.kv_usage is not None, what="scraped load")
+    assert load.engine.running == 0 and load.engine.waiting == 0
