@@ -164,6 +164,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int)
     ap.add_argument("--quick", action="store_true", help=f"first {QUICK_LIMIT} requests")
     ap.add_argument("--markdown", type=Path, help="also write the tables here")
+    ap.add_argument("--no-dynamo", action="store_true", help="skip Dynamo's mocker")
     args = ap.parse_args()
     traces = args.trace or [
         DATA / "conversation_trace.jsonl",
@@ -192,7 +193,9 @@ def main() -> None:
             "load_s": load_s,
             "ours_wall_s": time.perf_counter() - started,
             "ours": ours,
-            "dynamo": dynamo_rows(path, args.workers, args.speedup, config.event_lag_ms, limit),
+            "dynamo": None
+            if args.no_dynamo
+            else dynamo_rows(path, args.workers, args.speedup, config.event_lag_ms, limit),
         }
         entry["ratios"] = ratios(entry)
         out["traces"].append(entry)

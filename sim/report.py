@@ -20,24 +20,21 @@ def _ratio(values: list[float]) -> float:
 def cache_loss(sim: Simulation) -> float:
     """DESIGN.md: 1 - (prefill throughput on missed tokens, cache on) / (cache off).
 
-    With the cache on, missed tokens attend to the cached context and host hits must be
-    loaded, so each missed token costs more than an average token of a cold prefill.
+    Cache off, each request's missed tokens are charged their share of its cold prefill
+    (``missed / prompt`` of it), so the mix of short and long prompts cannot pass for a
+    loss or a gain. Cache on, they cost what the engine paid: they attend to the cached
+    context (later positions cost more) and host hits must be loaded first.
     """
     costs, bs = sim.costs, sim.block_size
-    missed = total = 0
     t_on = t_off = 0.0
     for r in sim.requests:
         if r.first_token_ms < 0:
             continue
         hit = (r.hit_gpu_blocks + r.hit_host_blocks) * bs
         left = r.input_len - hit
-        missed += left
-        total += r.input_len
         t_on += costs.prefill_ms(left, hit) + costs.load_ms("cpu", r.hit_host_blocks * bs)
-        t_off += costs.prefill_ms(r.input_len)
-    if not missed or not t_on:
-        return 0.0
-    return 1.0 - (missed / t_on) / (total / t_off)
+        t_off += costs.prefill_ms(r.input_len) * left / r.input_len
+    return 1.0 - t_off / t_on if t_on else 0.0
 
 
 def summarize(sim: Simulation, wall_s: float) -> PolicyReport:

@@ -126,3 +126,21 @@ def test_same_seed_same_result(busy_trace: Trace) -> None:
     b = Simulation(busy_trace, "power_of_two", config).run()
     keys = ("hit_rate", "ttft_mean_ms", "ttft_p99_ms", "prefill_load_max_over_mean")
     assert [a[k] for k in keys] == [b[k] for k in keys]
+
+
+def test_cache_loss_is_zero_without_hits_and_positive_with_them(tmp_path: Path) -> None:
+    cold = load_trace(
+        write_sessions(tmp_path / "cold.jsonl", sessions=10, turns=1, gap_ms=5.0, system_tokens=0),
+        block_size=BS,
+    )
+    report = Simulation(cold, "round_robin", SimConfig(workers=2)).run()
+    assert report["hit_rate"] == 0.0
+    assert report["cache_loss"] == pytest.approx(0.0, abs=1e-12)
+    warm = load_trace(
+        write_sessions(tmp_path / "warm.jsonl", sessions=4, turns=4, gap_ms=50.0),
+        block_size=BS,
+    )
+    report = Simulation(warm, "cache_aware", SimConfig(workers=2, l1_blocks=24, l2_blocks=64)).run()
+    assert report["hit_rate"] > 0 and report["hit_rate_host"] > 0
+    # Missed tokens sit after the cached context (dearer attention), host hits are loaded.
+    assert 0.0 < report["cache_loss"] < 0.5
