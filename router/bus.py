@@ -31,7 +31,6 @@ class Bus:
         self._on_connect: list[Hook] = []  # run once, after the first connection
         self._on_reconnect: list[Hook] = []  # run after every reconnection
         self._task: asyncio.Task[None] | None = None
-        self.ready = asyncio.Event()
 
     @property
     def connected(self) -> bool:
@@ -70,7 +69,6 @@ class Bus:
             log.info("connected to NATS %s", self.url)
             for hook in self._on_connect:
                 await hook(nc)
-            self.ready.set()
             return
 
     async def _reconnected(self) -> None:

@@ -7,8 +7,9 @@ body chunks back as they come. While waiting and streaming, a watcher task liste
 for the client going away and cancels the request, which closes the upstream
 connection so the engine stops working for nobody.
 
-Retries happen only when nothing reached an engine (connect refused or timed out, no
-pooled connection available); a request an engine may have started is never replayed.
+Retries happen only when nothing reached an engine (connect refused or timed out), on
+the next-best worker, at most ``connect_retries`` times; a request an engine may have
+started is never replayed.
 """
 
 from __future__ import annotations

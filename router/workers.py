@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import httpx
 
@@ -86,7 +86,6 @@ class WorkerRegistry:
         self.cfg = cfg
         self.pools: dict[str, Pool] = {}
         self._workers: dict[str, Worker] = {}
-        self.on_change: list[Callable[[], None]] = []  # e.g. refresh metrics labels
 
     # -- membership --------------------------------------------------------------
     def pool(self, name: str, block_size: int) -> Pool:
@@ -107,14 +106,12 @@ class WorkerRegistry:
                 raise ValueError(f"model {spec.model} is served by pool {other.name}")
         worker = self._workers[spec.id] = Worker(spec, pool)
         pool.index.add_worker(spec.id)
-        self._changed()
         return worker
 
     def remove(self, worker_id: str) -> Worker:
         """Forget the worker and its blocks; requests already on it run to the end."""
         worker = self._workers.pop(worker_id)
         worker.pool.ingest.remove_worker(worker_id)
-        self._changed()
         return worker
 
     def drain(self, worker_id: str) -> Worker:
@@ -141,10 +138,6 @@ class WorkerRegistry:
         """Workers that serve ``model``, in any state ([] means the model is unknown)."""
         known = [w for w in self._workers.values() if model in w.models]
         return known or [w for w in self._workers.values() if not w.models]
-
-    def _changed(self) -> None:
-        for fn in self.on_change:
-            fn()
 
     # -- passive health ----------------------------------------------------------
     def request_failed(self, worker: Worker, error: str) -> None:
@@ -197,7 +190,6 @@ class WorkerRegistry:
                 ids = {m["id"] for m in resp.json().get("data", []) if isinstance(m, dict)}
                 if ids and worker.id in self._workers:
                     worker.models = {str(i) for i in ids}
-                    self._changed()
             if worker.load.engine_fresh(self.cfg.load_stale_after) is None:
                 resp = await client.get(worker.url + "/metrics", timeout=timeout)
                 if resp.status_code == 200:
