@@ -50,11 +50,11 @@ class EngineCosts:
         for f in dataclasses.fields(self):
             if f.init and not getattr(self, f.name) > 0:
                 raise ValueError(f"EngineCosts.{f.name} must be > 0, got {getattr(self, f.name)}")
-        ms_per_gb = self.kv_bytes_per_token / _GB * 1000.0
-        object.__setattr__(self, "cpu_ms_per_token", ms_per_gb / self.cpu_load_gbps)
-        object.__setattr__(self, "disk_ms_per_token", ms_per_gb / self.disk_load_gbps)
-        object.__setattr__(self, "shared_ms_per_token", ms_per_gb / self.shared_load_gbps)
-        object.__setattr__(self, "prefetch_ms_per_token", ms_per_gb / self.prefetch_gbps)
+        ms_at_1gbps = self.kv_bytes_per_token / _GB * 1000.0  # one token at 1 GB/s
+        object.__setattr__(self, "cpu_ms_per_token", ms_at_1gbps / self.cpu_load_gbps)
+        object.__setattr__(self, "disk_ms_per_token", ms_at_1gbps / self.disk_load_gbps)
+        object.__setattr__(self, "shared_ms_per_token", ms_at_1gbps / self.shared_load_gbps)
+        object.__setattr__(self, "prefetch_ms_per_token", ms_at_1gbps / self.prefetch_gbps)
 
     @classmethod
     def from_config(cls, value: EngineCosts | Mapping[str, Any] | None) -> EngineCosts:
