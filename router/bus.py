@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 import nats
 from nats.aio.client import Client
@@ -21,8 +22,16 @@ Hook = Callable[[Client], Awaitable[None]]
 
 
 class Bus:
-    def __init__(self, url: str, *, name: str = "cache-router", max_backoff: float = 5.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        name: str = "cache-router",
+        max_backoff: float = 5.0,
+        options: Mapping[str, Any] | None = None,  # credentials and TLS for nats.connect
+    ) -> None:
         self.url = url
+        self.options = dict(options or {})
         self.name = name
         self.max_backoff = max_backoff
         self.nc: Client | None = None
@@ -59,6 +68,7 @@ class Bus:
                     reconnected_cb=self._reconnected,
                     disconnected_cb=self._disconnected,
                     error_cb=self._error,
+                    **self.options,
                 )
             except Exception as exc:  # nats-py raises several types when no server answers
                 log.warning("NATS %s unreachable (%s); retrying in %.2fs", self.url, exc, delay)

@@ -41,6 +41,10 @@ from typing import Any
 
 ENV_PREFIX = "CACHE_ROUTER_"
 DEFAULT_POOL = "default"
+# Policies that need neither prompt tokens nor the prefix index: what a gateway can run.
+GATEWAY_POLICIES = frozenset(
+    ("session_affinity", "round_robin", "random", "least_load", "power_of_two")
+)
 
 
 class ConfigError(ValueError):
@@ -95,6 +99,21 @@ class RouterConfig:
     drain_timeout: float = 30.0  # graceful shutdown: seconds in-flight requests may take
     max_index_blocks: int | None = None
     experiment: str = "default"
+    # -- the edge: gateway mode, limits, credentials --
+    gateway: bool = False  # workers are cluster routers: no tokenizer, no index, no NATS
+    api_keys: list[str] = field(default_factory=list)  # empty: the public API is open
+    metrics_token: str | None = None  # None: /metrics is open (scrapers inside the network)
+    max_n: int = 128  # largest "n" (choices per request) passed on to an engine
+    max_header_count: int = 100
+    max_header_bytes: int = 32 * 1024  # all request header names and values together
+    body_timeout: float = 30.0  # seconds a client may take to send its request body
+    nats_user: str | None = None
+    nats_password: str | None = None
+    nats_token: str | None = None
+    nats_credentials: str | None = None  # a .creds file (JWT + nkey seed; needs nkeys)
+    nats_tls_ca: str | None = None  # CA bundle; a tls:// url or any nats_tls_* turns TLS on
+    nats_tls_cert: str | None = None  # client certificate (mutual TLS), with nats_tls_key
+    nats_tls_key: str | None = None
     workers: list[WorkerSpec] = field(default_factory=list)
     models: dict[str, ModelSpec] = field(default_factory=dict)
     arms: list[ArmSpec] = field(default_factory=list)
@@ -107,7 +126,7 @@ class RouterConfig:
 _SCALARS = {
     f.name: f
     for f in dataclasses.fields(RouterConfig)
-    if f.name not in ("workers", "models", "arms", "policy_params")
+    if f.name not in ("workers", "models", "arms", "policy_params", "api_keys")
 }
 
 
@@ -127,6 +146,8 @@ def _coerce(name: str, value: Any) -> Any:
             raise ConfigError(f"{name} cannot be empty")
         return None
     try:
+        if kind.startswith("bool"):
+            return _bool(value)
         if kind.startswith("int"):
             if isinstance(value, bool):
                 raise ValueError("bool")
@@ -136,6 +157,17 @@ def _coerce(name: str, value: Any) -> Any:
         return str(value)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{name}: {value!r} is not a valid {kind}") from exc
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(value)
 
 
 def worker_spec(raw: Any, where: str) -> WorkerSpec:
@@ -176,6 +208,10 @@ def _apply_toml(cfg: RouterConfig, data: Mapping[str, Any], where: str) -> None:
             }
         elif key == "arms":
             cfg.arms = [_arm_spec(a, f"{where} arms[{i}]") for i, a in enumerate(value)]
+        elif key == "api_keys":
+            if not isinstance(value, list) or not all(isinstance(k, str) and k for k in value):
+                raise ConfigError(f"{where}: api_keys must be a list of non-empty strings")
+            cfg.api_keys = list(value)
         else:
             raise ConfigError(f"{where}: unknown setting {key!r}")
 
@@ -218,6 +254,8 @@ def load_config(
         if key in env:
             setattr(cfg, name, _coerce(name, env[key]))
     workers = [w for w in env.get(ENV_PREFIX + "WORKERS", "").split(",") if w.strip()]
+    keys = [k.strip() for k in env.get(ENV_PREFIX + "API_KEYS", "").split(",") if k.strip()]
+    cfg.api_keys = keys or cfg.api_keys
     for name, value in (overrides or {}).items():
         if value is not None:
             setattr(cfg, name, _coerce(name, value))
@@ -249,6 +287,27 @@ def validate(cfg: RouterConfig) -> None:
         size = w.block_size or cfg.block_size
         if block_of.setdefault(w.pool, size) != size:
             raise ConfigError(f"pool {w.pool} mixes block sizes {block_of[w.pool]} and {size}")
+    for name in ("max_n", "max_header_count", "max_header_bytes"):
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"{name} must be positive")
+    if cfg.body_timeout <= 0:
+        raise ConfigError("body_timeout must be positive")
+    if cfg.gateway:
+        policies = {cfg.policy, *(a.policy for a in cfg.arms)} if cfg.arms else {cfg.policy}
+        index_bound = sorted(policies - GATEWAY_POLICIES)
+        if index_bound:
+            raise ConfigError(
+                f"gateway mode does not tokenize or index prompts; policy {index_bound} needs "
+                f"them: use one of {', '.join(sorted(GATEWAY_POLICIES))}"
+            )
+        if cfg.nats_url:
+            raise ConfigError("gateway mode takes no nats_url: it routes on sessions and load")
+    for name in ("nats_credentials", "nats_tls_ca", "nats_tls_cert", "nats_tls_key"):
+        path = getattr(cfg, name)
+        if path is not None and not Path(path).is_file():
+            raise ConfigError(f"{name}: no such file {path}")
+    if (cfg.nats_tls_cert is None) != (cfg.nats_tls_key is None):
+        raise ConfigError("nats_tls_cert and nats_tls_key go together")
     names = [a.name for a in cfg.arms]
     if len(names) != len(set(names)):
         raise ConfigError("experiment arm names must be unique")

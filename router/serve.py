@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from router.config import ConfigError, RouterConfig, load_config
@@ -23,6 +24,8 @@ _FLAGS = {
     "tokenizer": str,
     "admin_token": str,
     "subject_prefix": str,
+    "gateway": bool,
+    "metrics_token": str,
 }
 
 
@@ -39,11 +42,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", help="tokenizer.json or its directory, for every model")
     parser.add_argument("--admin-token", help="bearer token for /admin/* (off without it)")
     parser.add_argument("--subject-prefix", help="NATS subject prefix (default kv)")
+    parser.add_argument(
+        "--gateway",
+        action="store_true",
+        default=None,
+        help="region gateway: workers are cluster routers, policy session_affinity by default",
+    )
+    parser.add_argument("--metrics-token", help="bearer token for /metrics (open without it)")
     parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     overrides = {name: getattr(args, name) for name in _FLAGS}
+    if args.gateway and args.policy is None and args.config is None:
+        # the gateway's natural policy, unless a file or the environment names one
+        overrides["policy"] = os.environ.get("CACHE_ROUTER_POLICY", "session_affinity")
     return load_config(args.config, overrides=overrides, extra_workers=args.worker)
 
 
