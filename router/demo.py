@@ -1,0 +1,236 @@
+"""``cache-router demo``: the whole stack on one machine, in about a minute.
+
+It starts an embedded ``nats-server``, mock engines with their node agents and the
+router, each as the same ``cache-router`` subcommand ``docker-compose.yml`` runs, then
+drives a multi-turn, multi-session chat workload through the router with the OpenAI
+client once per policy (fresh engines each time, so every policy starts cold) and
+prints hit rate and TTFT side by side. ``--serve`` keeps one stack up instead and
+prints where its parts listen, one JSON object per line. Nothing is left running
+when it ends or is interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+import orjson
+
+from router.natsd import EmbeddedNats, free_port
+
+MODEL = "mock-model"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engines", type=int, default=4, help="mock engines (4)")
+    parser.add_argument("--policies", default="round_robin,cache_aware", help="compared in order")
+    parser.add_argument("--sessions", type=int, default=24, help="chat sessions per run (24)")
+    parser.add_argument("--turns", type=int, default=5, help="turns per session (5)")
+    parser.add_argument("--concurrency", type=int, default=16, help="sessions at once (16)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--gpu-blocks", type=int, default=1024, help="KV blocks per engine")
+    parser.add_argument("--speed", type=float, default=1.0, help="engine latency divisor")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object, no table")
+    parser.add_argument(
+        "--serve", action="store_true", help="keep one stack (cache_aware) up until interrupted"
+    )
+    parser.add_argument("--port", type=int, default=0, help="router port with --serve (free)")
+
+
+@dataclass
+class Stack:
+    """Child processes of one run: engines, agents, router (NATS is shared)."""
+
+    router_url: str
+    engines: dict[str, str]
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+
+def _spawn(args: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "router.cli", *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + 10
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+async def _wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=1.0) as client:
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in procs):
+                raise RuntimeError("a demo process exited during start-up")
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(url + "/health")).status_code == 200:
+                    return
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"{url} did not become healthy in {timeout:.0f} s")
+
+
+@contextlib.asynccontextmanager
+async def stack(
+    nats_url: str, policy: str, args: argparse.Namespace, port: int = 0
+) -> AsyncIterator[Stack]:
+    """Engines + agents + router as subprocesses; all stopped on the way out."""
+    procs: list[subprocess.Popen[bytes]] = []
+    engines: dict[str, str] = {}
+    try:
+        for i in range(args.engines):
+            wid = f"engine-{i}"
+            http_port, pub, rep = free_port(), free_port(), free_port()
+            engines[wid] = f"http://127.0.0.1:{http_port}"
+            procs.append(
+                _spawn(
+                    [
+                        "mock-engine",
+                        f"--port={http_port}",
+                        f"--worker-id={wid}",
+                        f"--model={MODEL}",
+                        f"--block-size={args.block_size}",
+                        f"--gpu-blocks={args.gpu_blocks}",
+                        f"--speed={args.speed}",
+                        f"--seed={args.seed}",
+                        f"--zmq-endpoint=tcp://127.0.0.1:{pub}",
+                        f"--replay-endpoint=tcp://127.0.0.1:{rep}",
+                    ]
+                )
+            )
+            procs.append(
+                _spawn(
+                    [
+                        "agent",
+                        f"--worker-id={wid}",
+                        f"--engine-url={engines[wid]}",
+                        f"--zmq-endpoint=tcp://127.0.0.1:{pub}",
+                        f"--replay-endpoint=tcp://127.0.0.1:{rep}",
+                        f"--nats-url={nats_url}",
+                        "--load-interval=0.2",
+                    ]
+                )
+            )
+        router_port = port or free_port()
+        procs.append(
+            _spawn(
+                [
+                    "serve",
+                    "--host=127.0.0.1",
+                    f"--port={router_port}",
+                    f"--nats-url={nats_url}",
+                    f"--policy={policy}",
+                    f"--block-size={args.block_size}",
+                    "--log-level=warning",
+                    *(f"--worker={wid}={url}" for wid, url in engines.items()),
+                ]
+            )
+        )
+        router_url = f"http://127.0.0.1:{router_port}"
+        for url in [*engines.values(), router_url]:
+            await _wait_healthy(url, procs, timeout=60)
+        yield Stack(router_url, engines, procs)
+    finally:
+        _stop(procs)
+
+
+async def _compare(nats_url: str, args: argparse.Namespace) -> dict[str, object]:
+    from sim.workload import run_workload
+
+    results = []
+    for policy in args.policies.split(","):
+        async with stack(nats_url, policy, args) as s:
+            report = await run_workload(
+                s.router_url + "/v1",
+                MODEL,
+                sessions=args.sessions,
+                turns=args.turns,
+                concurrency=args.concurrency,
+                seed=args.seed,
+            )
+        results.append({"policy": policy, **report.summary()})
+    return {
+        "engines": args.engines,
+        "sessions": args.sessions,
+        "turns": args.turns,
+        "results": results,
+    }
+
+
+def _table(out: dict[str, object]) -> str:
+    rows = [("policy", "requests", "errors", "hit rate", "TTFT p50 ms", "TTFT p90 ms")]
+    for r in out["results"]:  # type: ignore[attr-defined]
+        rows.append(
+            (
+                r["policy"],
+                str(r["requests"]),
+                str(r["errors"]),
+                f"{r['hit_rate']:.1%}",
+                f"{r['ttft_p50_ms']:.1f}",
+                f"{r['ttft_p90_ms']:.1f}",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows
+    )
+
+
+def _emit(obj: dict[str, object]) -> None:
+    sys.stdout.write(orjson.dumps(obj).decode() + "\n")
+    sys.stdout.flush()
+
+
+async def _serve(nats_url: str, args: argparse.Namespace) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with stack(nats_url, "cache_aware", args, port=args.port) as s:
+        _emit({"router": s.router_url})
+        for wid, url in s.engines.items():
+            _emit({"engine": wid, "url": url})
+        _emit({"ready": True})
+        await stop.wait()
+
+
+def run(args: argparse.Namespace) -> int:
+    with EmbeddedNats() as nats:
+        try:
+            if args.serve:
+                asyncio.run(_serve(nats.url, args))
+                return 0
+            if not args.json:
+                print(
+                    f"cache-router demo: NATS {nats.url}, {args.engines} mock engines, "
+                    f"{args.sessions} sessions x {args.turns} turns per policy",
+                    file=sys.stderr,
+                )
+            out = asyncio.run(_compare(nats.url, args))
+        except KeyboardInterrupt:
+            return 130
+        except RuntimeError as exc:
+            print(f"cache-router demo: {exc}", file=sys.stderr)
+            return 1
+    print(orjson.dumps(out).decode() if args.json else _table(out))
+    return 0

@@ -1,0 +1,74 @@
+"""The one-command demo, end to end: real nats-server, mock engines, agents, router."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import openai
+import psutil
+
+
+def test_demo_compares_policies_and_cache_aware_wins_on_hit_rate() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "router.cli",
+            "demo",
+            "--json",
+            "--engines",
+            "2",
+            "--sessions",
+            "8",
+            "--turns",
+            "3",
+            "--speed",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
+    report = json.loads(out.stdout)
+    by_policy = {r["policy"]: r for r in report["results"]}
+    assert set(by_policy) == {"round_robin", "cache_aware"}
+    for r in by_policy.values():
+        assert r["requests"] == 8 * 3 and r["errors"] == 0
+        assert r["ttft_p50_ms"] > 0
+    assert by_policy["cache_aware"]["hit_rate"] > by_policy["round_robin"]["hit_rate"]
+
+
+def test_demo_serve_prints_its_parts_and_leaves_nothing_running() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "router.cli", "demo", "--serve", "--engines", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        lines = [json.loads(proc.stdout.readline()) for _ in range(4)]
+        assert "router" in lines[0]
+        assert [line["engine"] for line in lines[1:3]] == ["engine-0", "engine-1"]
+        assert lines[3] == {"ready": True}
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 5  # nats-server, 2 engines, 2 agents, router
+        client = openai.OpenAI(base_url=lines[0]["router"] + "/v1", api_key="x", max_retries=0)
+        reply = client.chat.completions.create(
+            model="mock-model", messages=[{"role": "user", "content": "hello"}], max_tokens=4
+        )
+        assert reply.choices[0].message.content
+        for engine in lines[1:3]:
+            assert httpx.get(engine["url"] + "/health").status_code == 200
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        assert not [c for c in children if c.is_running() and c.status() != "zombie"]
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
