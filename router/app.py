@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
+import ssl
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +21,7 @@ import httpx
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
@@ -27,11 +30,14 @@ from policies.experiments import Arm, Experiment
 from router.admin import admin_router
 from router.bus import Bus
 from router.config import RouterConfig
+from router.edge import Edge
 from router.errors import ApiError, error_body
 from router.events import EventSync
+from router.gateway import GatewayRouter
 from router.hints import HintPublisher
 from router.metrics import RouterMetrics, StateCollector
-from router.proxy import Proxy, Receive, Scope, Send
+from router.openapi import completion_paths
+from router.proxy import Proxy, Receive, Scope, Send, send_error
 from router.routing import Router
 from router.tokenize import TokenizerSet
 from router.upstream import Upstream
@@ -48,19 +54,42 @@ def make_experiment(cfg: RouterConfig) -> Experiment:
     return Experiment(arms, salt=cfg.experiment)
 
 
+def nats_options(cfg: RouterConfig) -> dict[str, Any]:
+    """Credentials and TLS for ``nats.connect`` (nothing set: a plain connection)."""
+    opts: dict[str, Any] = {}
+    if cfg.nats_user is not None:
+        opts["user"] = cfg.nats_user
+        opts["password"] = cfg.nats_password or ""
+    if cfg.nats_token is not None:
+        opts["token"] = cfg.nats_token
+    if cfg.nats_credentials is not None:
+        opts["user_credentials"] = cfg.nats_credentials
+    tls = cfg.nats_tls_ca or cfg.nats_tls_cert
+    if tls or (cfg.nats_url or "").startswith("tls://"):
+        ctx = ssl.create_default_context(cafile=cfg.nats_tls_ca)
+        if cfg.nats_tls_cert is not None:
+            ctx.load_cert_chain(cfg.nats_tls_cert, cfg.nats_tls_key)
+        opts["tls"] = ctx
+    return opts
+
+
 class RouterState:
     """Everything one router process holds; created at build time, started in the lifespan."""
 
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
+        self.edge = Edge(cfg)
         self.registry = WorkerRegistry(cfg)
         for spec in cfg.workers:
             self.registry.add(spec)
         self.tokenizers = TokenizerSet(cfg.tokenizer_for)
         self.experiment = make_experiment(cfg)
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
-        self.router = Router(cfg, self.registry, self.tokenizers, self.experiment, self.executor)
-        self.bus = Bus(cfg.nats_url) if cfg.nats_url else None
+        router_class = GatewayRouter if cfg.gateway else Router
+        self.router = router_class(
+            cfg, self.registry, self.tokenizers, self.experiment, self.executor
+        )
+        self.bus = Bus(cfg.nats_url, options=nats_options(cfg)) if cfg.nats_url else None
         self.events = EventSync(self.registry, cfg.subject_prefix)
         self.hints = HintPublisher(self.bus, cfg.subject_prefix)
         self.metrics = RouterMetrics()
@@ -70,10 +99,16 @@ class RouterState:
         self._tasks: list[asyncio.Task[Any]] = []
 
     async def start(self) -> None:
-        self.warn_fallbacks()
-        if self.bus is None:
-            log.warning("no NATS url: KV events are off, routing on load alone")
+        if self.cfg.gateway:
+            log.info("gateway mode: %d clusters, policy %s", len(self.registry), self.cfg.policy)
         else:
+            self.warn_fallbacks()
+        if self.bus is None:
+            if not self.cfg.gateway:
+                log.warning("no NATS url: KV events are off, routing on load alone")
+        else:
+            # a worker back from the dead resyncs from its agent (its engine restarted)
+            self.registry.on_up.append(lambda w: self.events.resync(w.id))
             self.bus.on_connect(self.events.attach)
             self.bus.on_connect(self.events.resync_all)
             self.bus.on_reconnect(self.events.resync_all)
@@ -97,6 +132,7 @@ class RouterState:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.registry.close()
         await self.events.close()
         if self.bus is not None:
             await self.bus.close()
@@ -133,13 +169,23 @@ def _fastapi(state: RouterState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        """200 while some worker is usable; 503 otherwise, so a gateway moves away."""
         now = time.monotonic()
         usable = sum(1 for w in state.registry if w.usable(now))
-        body = {"status": "ok", "workers": len(state.registry), "usable_workers": usable}
-        return Response(orjson.dumps(body), media_type="application/json")
+        status = "ok" if usable else "no usable worker"
+        body = {"status": status, "workers": len(state.registry), "usable_workers": usable}
+        code = 200 if usable else 503
+        return Response(orjson.dumps(body), code, media_type="application/json")
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        token = state.cfg.metrics_token
+        if token is not None:
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                given.encode(), token.encode()
+            ):
+                raise ApiError(401, "metrics: missing or wrong bearer token", "unauthorized")
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.exception_handler(ApiError)
@@ -156,6 +202,15 @@ def _fastapi(state: RouterState) -> FastAPI:
         return Response(error_body(400, str(exc.errors()), "invalid_request"), 400)
 
     app.include_router(admin_router(state))
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schema["paths"] = {**completion_paths(state.cfg), **schema.get("paths", {})}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
 
 
@@ -164,6 +219,7 @@ class RouterApp:
 
     def __init__(self, cfg: RouterConfig) -> None:
         self.state = RouterState(cfg)
+        self.edge = self.state.edge
         self.api = _fastapi(self.state)
         self.hot = {
             "/v1/chat/completions": Proxy(self.state, "chat", "/v1/chat/completions"),
@@ -171,11 +227,17 @@ class RouterApp:
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            handler = self.hot.get(scope["path"])
-            if handler is not None:
-                await handler(scope, receive, send)
+        if scope["type"] == "http":
+            refused = self.edge.check(scope)
+            if refused is not None:
+                self.state.metrics.error("-", "-", refused.code)
+                await send_error(send, refused, close=True)
                 return
+            if scope["method"] == "POST":
+                handler = self.hot.get(scope["path"])
+                if handler is not None:
+                    await handler(scope, receive, send)
+                    return
         await self.api(scope, receive, send)
 
 

@@ -52,28 +52,49 @@ class ClientGone(Exception):
     """The client disconnected before its request body was complete."""
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    """The request body, or ``ApiError`` 413 as soon as it is known to exceed ``limit``."""
+async def read_body(scope: Scope, receive: Receive, limit: int, timeout: float) -> bytes:
+    """The request body; ``ApiError`` 413 once it is known to exceed ``limit`` bytes, 408
+    when it takes over ``timeout`` seconds (a slow client holds a connection, not a worker).
+    """
     for key, value in scope["headers"]:
         if key == b"content-length" and value.isdigit() and int(value) > limit:
             raise ApiError(413, f"request body over {limit} bytes", "request_too_large")
-    chunks = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body over {limit} bytes", "request_too_large")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    message = await receive()  # usually the whole body, already buffered: no timer needed
+    if message["type"] == "http.disconnect":
+        raise ClientGone
+    chunk = message.get("body", b"")
+    if len(chunk) > limit:
+        raise ApiError(413, f"request body over {limit} bytes", "request_too_large")
+    if not message.get("more_body", False):
+        return chunk
+    chunks = [chunk]
+    size = len(chunk)
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientGone
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"request body over {limit} bytes", "request_too_large")
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    return b"".join(chunks)
+    except TimeoutError:
+        raise ApiError(
+            408, f"request body not received within {timeout:g} s", "request_timeout"
+        ) from None
 
 
-async def send_error(send: Send, err: ApiError) -> None:
-    await send({"type": "http.response.start", "status": err.status, "headers": _JSON})
+_CLOSE = [*_JSON, (b"connection", b"close")]
+
+
+async def send_error(send: Send, err: ApiError, close: bool = False) -> None:
+    """The error response; ``close`` ends the connection (its request may be unread)."""
+    headers = _CLOSE if close else _JSON
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
     await send({"type": "http.response.body", "body": err.body()})
 
 
@@ -131,6 +152,9 @@ class Proxy:
         self.state = state
         self.kind = kind
         self.path = path
+        # a gateway's workers are clusters; their routers name the engine themselves
+        name = b"x-cache-router-cluster" if state.cfg.gateway else b"x-cache-router-worker"
+        self.worker_header = name
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         st = self.state
@@ -138,12 +162,13 @@ class Proxy:
         assert task is not None
         ex = Exchange(task)
         try:
-            raw = await read_body(scope, receive, st.cfg.max_body_bytes)
+            raw = await read_body(scope, receive, st.cfg.max_body_bytes, st.cfg.body_timeout)
             wanted: dict[str, str] = {}
             for key, value in scope["headers"]:
                 if key in (b"x-session-id", b"x-request-id"):
                     wanted[key.decode()] = value.decode("latin-1")
             parsed = st.router.parse(self.kind, raw, wanted)
+            st.edge.check_sampling(parsed.body)
             prep = await st.router.prepare(parsed, len(raw))
             ex.watch(receive)
             await self._forward(scope, send, raw, prep, ex)
@@ -153,7 +178,8 @@ class Proxy:
             st.metrics.error("-", "-", err.code)
             if not ex.started:
                 ex.done = True
-                await send_error(send, err)
+                # the body of a refused upload may still be arriving: do not wait for it
+                await send_error(send, err, close=err.status in (408, 413))
         except asyncio.CancelledError:
             if not ex.gone:
                 raise
@@ -194,6 +220,7 @@ class Proxy:
             except ConnectFailed as exc:
                 flight.finish()
                 st.registry.request_failed(worker, "connect failed")
+                st.registry.suspect(worker)
                 st.metrics.error(arm, worker.id, "connect")
                 exclude.add(worker.id)
                 if len(exclude) > st.cfg.connect_retries:
@@ -203,6 +230,7 @@ class Proxy:
             except UpstreamTimeout as exc:
                 flight.finish()
                 st.registry.request_failed(worker, "timeout")
+                st.registry.suspect(worker)
                 st.metrics.error(arm, worker.id, "timeout")
                 raise ApiError(504, str(exc), "upstream_timeout") from exc
             except UpstreamError as exc:
@@ -213,6 +241,17 @@ class Proxy:
             except BaseException:
                 flight.finish()
                 raise
+            if resp.status == 503 and st.cfg.gateway:
+                # The cluster has no usable engine: nothing ran, so another cluster may.
+                resp.close()
+                flight.finish()
+                st.registry.request_failed(worker, "cluster unavailable")
+                st.metrics.error(arm, worker.id, "cluster_unavailable")
+                exclude.add(worker.id)
+                if len(exclude) > st.cfg.connect_retries:
+                    raise ApiError(503, "no cluster could take the request", "no_healthy_worker")
+                st.metrics.retries.labels(worker.id).inc()
+                continue
             break
         try:
             if decision.prefetch is not None and await st.hints.publish(
@@ -252,7 +291,7 @@ class Proxy:
         if status >= 400:
             st.metrics.error(arm, worker_id, f"engine_{status}")
         out = [(k, v) for k, v in resp.headers if k.lower() not in _RESP_DROP]
-        out.append((b"x-cache-router-worker", worker_id.encode()))
+        out.append((self.worker_header, worker_id.encode()))
         await send({"type": "http.response.start", "status": status, "headers": out})
         ex.started = True
         sse = (resp.header(b"content-type") or b"").startswith(b"text/event-stream")
@@ -276,6 +315,7 @@ class Proxy:
             st.metrics.error(arm, worker_id, "upstream_broken")
             if worker is not None:
                 st.registry.request_failed(worker, "broken stream")
+                st.registry.suspect(worker)
             if not sse:
                 raise  # abort the connection: the client must not take a cut body as whole
             ex.done = True

@@ -4,8 +4,14 @@ Health has two signals. The active check polls ``GET /health`` and flips a worke
 down after ``unhealthy_after`` failures in a row and up after ``healthy_after``
 successes. The passive circuit breaker counts failed requests (connect errors, 5xx):
 after ``breaker_failures`` in a row the worker gets no traffic for ``breaker_cooldown``
-seconds, then one trial request decides. A worker going down or leaving loses its
-blocks from the index: its engine may come back empty, and resyncs through a replay.
+seconds, then one trial request decides. A request that fails on a worker (connect
+refused, a stream broken off) makes the registry check that worker at once instead of
+at the next round, so a dead engine is down within ``unhealthy_after`` quick checks.
+
+A worker going down or leaving loses its blocks from the index: a dead engine's cache
+died with it, and a restarted one starts empty, so stale entries would only send
+prefix traffic to a cold engine. When it is back, ``on_up`` hooks run (the router
+asks its agent for a replay), so the index holds what the new engine holds.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx
 
@@ -22,6 +29,8 @@ from router.load import WorkerLoad, parse_engine_metrics
 from router.pools import Pool
 
 log = logging.getLogger(__name__)
+
+PROBE_GAP = 0.1  # seconds between the quick checks of a suspect worker
 
 
 class Worker:
@@ -85,7 +94,10 @@ class WorkerRegistry:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
         self.pools: dict[str, Pool] = {}
+        self.on_up: list[Callable[[Worker], None]] = []  # run when a worker is healthy again
         self._workers: dict[str, Worker] = {}
+        self._client: httpx.AsyncClient | None = None
+        self._probes: dict[str, asyncio.Task[Any]] = {}
 
     # -- membership --------------------------------------------------------------
     def pool(self, name: str, block_size: int) -> Pool:
@@ -152,9 +164,31 @@ class WorkerRegistry:
             worker.request_failures = 0
             worker.breaker_until = 0.0
 
+    def suspect(self, worker: Worker) -> None:
+        """A request just failed on ``worker``: check it now (at most one probe at a time)."""
+        if self._client is None or not worker.healthy or worker.id in self._probes:
+            return
+        task = asyncio.create_task(self._probe(self._client, worker), name=f"probe-{worker.id}")
+        self._probes[worker.id] = task
+        task.add_done_callback(lambda _t: self._probes.pop(worker.id, None))
+
+    async def _probe(self, client: httpx.AsyncClient, worker: Worker) -> None:
+        for _ in range(self.cfg.unhealthy_after):
+            await self.check(client, worker)
+            if worker.fail_streak == 0 or not worker.healthy:
+                return
+            await asyncio.sleep(PROBE_GAP)
+
+    async def close(self) -> None:
+        probes = list(self._probes.values())
+        for task in probes:
+            task.cancel()
+        await asyncio.gather(*probes, return_exceptions=True)
+
     # -- active health and load --------------------------------------------------
     async def monitor(self, client: httpx.AsyncClient) -> None:
         """Check every worker each ``health_interval`` seconds, forever."""
+        self._client = client
         while True:
             await self.check_all(client)
             await asyncio.sleep(self.cfg.health_interval)
@@ -183,6 +217,8 @@ class WorkerRegistry:
             worker.request_failures = 0
             worker.breaker_until = 0.0
             log.info("worker %s is healthy again", worker.id)
+            for hook in self.on_up:
+                hook(worker)
         timeout = self.cfg.health_timeout
         try:
             if not worker.models:

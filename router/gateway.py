@@ -1,0 +1,42 @@
+"""Gateway mode: the same router with cluster routers as its workers.
+
+A region gateway sends each session to one cluster (``session_affinity``: bounded-load
+consistent hashing on the session key) and lets the cluster's own router pick the
+engine. It needs no tokenizer, index or NATS: the policies it may run
+(``config.GATEWAY_POLICIES``) read only sessions and in-flight counts, so ``prepare``
+skips tokenizing and hashing and the request costs one dict lookup more than a parse.
+Cluster health is the cluster router's ``/health`` (503 when it has no usable engine).
+"""
+
+from __future__ import annotations
+
+from policies.base import RouteRequest
+from router.errors import ApiError
+from router.routing import Parsed, Prepared, Router
+
+# Rough bytes per prompt token: the in-flight size a load-only policy may weigh.
+_BYTES_PER_TOKEN = 4
+
+
+class GatewayRouter(Router):
+    """A ``Router`` whose requests carry no tokens or block hashes."""
+
+    async def prepare(self, parsed: Parsed, size_hint: int) -> Prepared:
+        workers = self.registry.for_model(parsed.model)
+        if not workers:
+            raise ApiError(
+                404, f"The model `{parsed.model}` does not exist.", "model_not_found", "model"
+            )
+        pool = workers[0].pool
+        body = parsed.body
+        request = RouteRequest(
+            request_id=parsed.request_id,
+            model=parsed.model,
+            num_tokens=size_hint // _BYTES_PER_TOKEN,
+            block_hashes=[],
+            block_size=pool.block_size,
+            session_key=parsed.session_key,
+            max_tokens=body.get("max_completion_tokens") or body.get("max_tokens"),
+        )
+        arm = self.experiment.assign(parsed.session_key).name
+        return Prepared(parsed, pool, workers, request, arm)
