@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -114,6 +115,15 @@ class RouterConfig:
     nats_tls_ca: str | None = None  # CA bundle; a tls:// url or any nats_tls_* turns TLS on
     nats_tls_cert: str | None = None  # client certificate (mutual TLS), with nats_tls_key
     nats_tls_key: str | None = None
+    # -- replicas: the event stream and shared load --
+    events_transport: str = "auto"  # "jetstream", "core" or "auto" (stream if the server has it)
+    events_stream: str = "KV_EVENTS"  # JetStream stream on <subject_prefix>.events.>
+    events_max_age: float = 3600.0  # seconds of history kept (when this router creates it)
+    events_max_bytes: int = 1 << 30  # bytes of history kept (when this router creates it)
+    blind_after: float = 2.0  # seconds without the event feed before routing ignores hits
+    replica_id: str | None = None  # None: <host>-<pid>-<random>
+    share_interval: float = 0.005  # seconds between load/prediction messages to peers; 0: off
+    peer_ttl: float = 3.0  # a peer silent this long has its load dropped
     workers: list[WorkerSpec] = field(default_factory=list)
     models: dict[str, ModelSpec] = field(default_factory=dict)
     arms: list[ArmSpec] = field(default_factory=list)
@@ -311,3 +321,21 @@ def validate(cfg: RouterConfig) -> None:
     names = [a.name for a in cfg.arms]
     if len(names) != len(set(names)):
         raise ConfigError("experiment arm names must be unique")
+    _validate_replicas(cfg)
+
+
+def _validate_replicas(cfg: RouterConfig) -> None:
+    if cfg.events_transport not in ("auto", "jetstream", "core"):
+        raise ConfigError(
+            f"events_transport must be auto, jetstream or core, not {cfg.events_transport!r}"
+        )
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", cfg.events_stream):
+        raise ConfigError(f"events_stream {cfg.events_stream!r}: letters, digits, - and _ only")
+    if cfg.replica_id is not None and not re.fullmatch(r"[A-Za-z0-9_-]+", cfg.replica_id):
+        raise ConfigError(f"replica_id {cfg.replica_id!r}: letters, digits, - and _ only")
+    for name in ("events_max_age", "events_max_bytes", "peer_ttl"):
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"{name} must be positive")
+    for name in ("blind_after", "share_interval"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{name} must not be negative")

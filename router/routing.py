@@ -219,5 +219,10 @@ def _valid_prompt_list(prompt: list[Any]) -> bool:
     if isinstance(first, str):
         return all(isinstance(p, str) for p in prompt)
     if isinstance(first, int):
-        return all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    return all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt)
+        return all(_token_id(t) for t in prompt)
+    return all(isinstance(p, list) and p and all(_token_id(t) for t in p) for p in prompt)
+
+
+def _token_id(t: Any) -> bool:
+    """A token id an engine (and the hasher's u32 packing) can take."""
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32
