@@ -33,11 +33,13 @@ from router.config import RouterConfig
 from router.edge import Edge
 from router.errors import ApiError, error_body
 from router.events import EventSync
+from router.feed import EventFeed
 from router.gateway import GatewayRouter
 from router.hints import HintPublisher
 from router.metrics import RouterMetrics, StateCollector
 from router.openapi import completion_paths
 from router.proxy import Proxy, Receive, Scope, Send, send_error
+from router.replicas import ReplicaShare
 from router.routing import Router
 from router.tokenize import TokenizerSet
 from router.upstream import Upstream
@@ -91,9 +93,15 @@ class RouterState:
         )
         self.bus = Bus(cfg.nats_url, options=nats_options(cfg)) if cfg.nats_url else None
         self.events = EventSync(self.registry, cfg.subject_prefix)
+        self.feed = EventFeed.from_config(cfg, self.events) if self.bus else None
+        self.replicas = ReplicaShare.from_config(cfg, self.registry, self.bus)
+        if self.feed is not None:
+            self.router.blind = self.feed.blind
+        if self.replicas is not None:
+            self.router.on_predict = self.replicas.mark
         self.hints = HintPublisher(self.bus, cfg.subject_prefix)
         self.metrics = RouterMetrics()
-        self.metrics.add_collector(StateCollector(self.registry, lambda: dict(self.events.counts)))
+        self.metrics.add_collector(StateCollector(self.registry, self.counts))
         self.client: httpx.AsyncClient = _client(cfg)  # cold paths: health, scrapes
         self.upstream = Upstream()  # the hot path's engine connections
         self._tasks: list[asyncio.Task[Any]] = []
@@ -109,11 +117,20 @@ class RouterState:
         else:
             # a worker back from the dead resyncs from its agent (its engine restarted)
             self.registry.on_up.append(lambda w: self.events.resync(w.id))
-            self.bus.on_connect(self.events.attach)
-            self.bus.on_connect(self.events.resync_all)
-            self.bus.on_reconnect(self.events.resync_all)
+            if self.feed is not None:
+                self.bus.on_connect(self.feed.on_connect)
+                self.bus.on_reconnect(self.feed.on_reconnect)
+                self.bus.on_disconnect(self.feed.on_disconnect)
+            if self.replicas is not None:
+                self.bus.on_connect(self.replicas.attach)
+                self.bus.on_reconnect(self.replicas.on_reconnect)
             self.bus.start()
         self._tasks.append(asyncio.create_task(self.registry.monitor(self.client), name="health"))
+
+    def counts(self) -> dict[str, int]:
+        """Event, stream and replica counters, for metrics."""
+        peers = self.replicas.counts if self.replicas is not None else {}
+        return {**self.events.counts, **peers}
 
     def warn_fallbacks(self) -> None:
         models = {w.model for w in self.cfg.workers if w.model} | set(self.cfg.models)
@@ -133,6 +150,10 @@ class RouterState:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.registry.close()
+        if self.replicas is not None:
+            await self.replicas.close()
+        if self.feed is not None:
+            await self.feed.close()
         await self.events.close()
         if self.bus is not None:
             await self.bus.close()

@@ -19,6 +19,7 @@ from nats.aio.client import Client
 log = logging.getLogger(__name__)
 
 Hook = Callable[[Client], Awaitable[None]]
+LostHook = Callable[[], Awaitable[None]]
 
 
 class Bus:
@@ -39,6 +40,7 @@ class Bus:
         self.reconnects = 0
         self._on_connect: list[Hook] = []  # run once, after the first connection
         self._on_reconnect: list[Hook] = []  # run after every reconnection
+        self._on_disconnect: list[LostHook] = []  # run when the connection drops
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -50,6 +52,9 @@ class Bus:
 
     def on_reconnect(self, hook: Hook) -> None:
         self._on_reconnect.append(hook)
+
+    def on_disconnect(self, hook: LostHook) -> None:
+        self._on_disconnect.append(hook)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._connect_loop(), name="nats-connect")
@@ -89,7 +94,11 @@ class Bus:
                 await hook(self.nc)
 
     async def _disconnected(self) -> None:
+        if self.nc is None or self.nc.is_closed:
+            return  # our own close, not a lost server
         log.warning("disconnected from NATS %s; routing on what is known", self.url)
+        for hook in self._on_disconnect:
+            await hook()
 
     async def _error(self, exc: Exception) -> None:
         log.debug("NATS error: %s", exc)

@@ -6,6 +6,10 @@ and a resync task asks ``<prefix>.replay.<worker>`` for the missing batches or a
 (``index/replay.py``). Live batches that arrive meanwhile are held in order and fed
 after the replay; duplicates are harmless because ingest ignores them. nats-py runs one
 subscription's callbacks one at a time, so the live path needs no lock.
+
+Batches arrive either from a core subscription or from the JetStream stream reader
+(``router.feed`` picks); both hand the same NATS messages, headers intact, to
+``on_event``.
 """
 
 from __future__ import annotations
@@ -68,13 +72,17 @@ class EventSync:
 
     # -- wiring ------------------------------------------------------------------
     async def attach(self, nc: Client) -> None:
-        """Subscribe once; nats-py re-subscribes by itself after reconnects."""
+        """Take load reports (and send replay requests) on ``nc``; nats-py re-subscribes
+        by itself after reconnects."""
         self._nc = nc
-        await nc.subscribe(f"{self.prefix}.events.>", cb=self._on_event)
         await nc.subscribe(f"{self.prefix}.load.*", cb=self._on_load)
 
-    async def resync_all(self, nc: Client) -> None:
-        """On (re)connect: ask every worker's agent for what this router has not seen."""
+    async def subscribe_events(self, nc: Client) -> None:
+        """Live events from core NATS (when no stream reader delivers them)."""
+        await nc.subscribe(f"{self.prefix}.events.>", cb=self.on_event)
+
+    def resync_all(self) -> None:
+        """Once events flow again: ask every worker's agent for what this router has not seen."""
         for worker in self.registry:
             self.resync(worker.id)
 
@@ -109,7 +117,8 @@ class EventSync:
         except ValueError:
             self.counts["load_malformed"] += 1
 
-    async def _on_event(self, msg: Msg) -> None:
+    async def on_event(self, msg: Msg) -> None:
+        """One batch on ``<prefix>.events.<worker>`` with its ``Kv-Seq``/``Kv-Epoch`` headers."""
         self.counts["messages"] += 1
         worker_id = msg.subject[len(self._events_prefix) :]
         worker = self.registry.get(worker_id)

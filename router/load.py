@@ -6,6 +6,9 @@ include traffic from other routers; policies get both.
 
 In-flight prefill tokens are the uncached prompt tokens of requests still waiting for
 their first byte: that is the queue a new request would wait behind.
+
+With router replicas (``router.replicas``) the counters also hold what the peers have
+in flight on the worker; ``own()`` is this router's part, the one it tells its peers.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ class WorkerLoad:
         "engine_seen",
         "inflight_prefill_tokens",
         "inflight_requests",
+        "peer_decode_streams",
+        "peer_prefill_tokens",
+        "peer_requests",
     )
 
     def __init__(self) -> None:
@@ -41,11 +47,32 @@ class WorkerLoad:
         self.decode_streams = 0
         self.engine = EngineLoad()
         self.engine_seen = float("-inf")  # monotonic time of the last engine report
+        # the peers' part of the three counters above
+        self.peer_requests = 0
+        self.peer_prefill_tokens = 0
+        self.peer_decode_streams = 0
 
     def begin(self, prefill_tokens: int) -> Flight:
         self.inflight_requests += 1
         self.inflight_prefill_tokens += prefill_tokens
         return Flight(self, prefill_tokens)
+
+    def own(self) -> tuple[int, int, int]:
+        """This router's in-flight requests, prefill tokens and decode streams."""
+        return (
+            self.inflight_requests - self.peer_requests,
+            self.inflight_prefill_tokens - self.peer_prefill_tokens,
+            self.decode_streams - self.peer_decode_streams,
+        )
+
+    def add_peer(self, requests: int, prefill_tokens: int, decode_streams: int) -> None:
+        """Count load a peer replica routed here (negative numbers take it back)."""
+        self.inflight_requests += requests
+        self.inflight_prefill_tokens += prefill_tokens
+        self.decode_streams += decode_streams
+        self.peer_requests += requests
+        self.peer_prefill_tokens += prefill_tokens
+        self.peer_decode_streams += decode_streams
 
     def report(self, engine: EngineLoad, now: float | None = None) -> None:
         self.engine = engine
@@ -62,6 +89,8 @@ class WorkerLoad:
             "inflight_requests": self.inflight_requests,
             "inflight_prefill_tokens": self.inflight_prefill_tokens,
             "decode_streams": self.decode_streams,
+            "peer_requests": self.peer_requests,
+            "peer_prefill_tokens": self.peer_prefill_tokens,
             "engine_running": e.running,
             "engine_waiting": e.waiting,
             "kv_usage": e.kv_usage,

@@ -258,8 +258,7 @@ class Proxy:
                 decision.prefetch, req, prep.pool
             ):
                 st.metrics.prefetch_hints.labels(arm, decision.prefetch.target_worker).inc()
-            if st.cfg.predict_ttl > 0 and req.block_hashes:
-                prep.pool.index.predict(worker.id, req.block_hashes, st.cfg.predict_ttl)
+            st.router.predict(prep, worker.id)
             series = st.metrics.series(arm, worker.id)
             series.requests.inc()
             series.prompt_tokens.inc(req.num_tokens)

@@ -12,7 +12,7 @@ import asyncio
 import itertools
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -72,6 +72,10 @@ class Router:
         self.tokenizers = tokenizers
         self.experiment = experiment
         self.executor = executor
+        # Set by the app: whether the event feed is down too long to trust the index,
+        # and who else hears of predict-on-route marks (peer replicas).
+        self.blind: Callable[[float], bool] | None = None
+        self.on_predict: Callable[[str, Sequence[int], float], None] | None = None
         self._ids = itertools.count()
         self._id_prefix = f"cr-{os.getpid():x}-{os.urandom(3).hex()}-"
 
@@ -171,11 +175,12 @@ class Router:
         hashes = prep.request.block_hashes
         matches = pool.index.match_tiers(hashes) if hashes else {}
         stale = self.cfg.load_stale_after
+        blind = self.blind is not None and self.blind(now)
         views = []
         for w in prep.workers:
             if w.id in exclude or not w.usable(now):
                 continue
-            in_sync = ingest.in_sync(w.id)
+            in_sync = not blind and ingest.in_sync(w.id)
             load = w.load
             engine = load.engine_fresh(stale, now)
             views.append(
@@ -208,6 +213,16 @@ class Router:
         except NoWorkerError as exc:
             raise ApiError(503, str(exc), "no_healthy_worker") from exc
         return decision, views
+
+    def predict(self, prep: Prepared, worker_id: str) -> None:
+        """Predict-on-route: count the prompt's blocks as cached on ``worker_id`` for
+        ``predict_ttl`` seconds (here and, through ``on_predict``, on peer replicas)."""
+        ttl = self.cfg.predict_ttl
+        hashes = prep.request.block_hashes
+        if ttl > 0 and hashes:
+            prep.pool.index.predict(worker_id, hashes, ttl)
+            if self.on_predict is not None:
+                self.on_predict(worker_id, hashes, ttl)
 
 
 def hit_blocks(views: list[WorkerView], worker_id: str) -> int:

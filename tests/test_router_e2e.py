@@ -319,8 +319,12 @@ async def test_late_router_loads_a_dump(make_stack, nats_url):
         for ch in "efgh":
             await http.post("/v1/completions", json={"model": "m", "prompt": ch * 40})
     # a second router that starts now has missed seq 0..3; the engine's ring holds 2
+    # (core NATS: no event stream to read them from)
     cfg = RouterConfig(
-        nats_url=nats_url, block_size=4, workers=[WorkerSpec("w0", engine.url, model="m")]
+        nats_url=nats_url,
+        block_size=4,
+        workers=[WorkerSpec("w0", engine.url, model="m")],
+        events_transport="core",
     )
     late = RouterApp(cfg)
     served = await Served(late).start()

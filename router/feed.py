@@ -1,0 +1,112 @@
+"""Where the router's KV events come from, and whether it can trust its index meanwhile.
+
+Transport ``jetstream`` reads the event stream (``router.stream_reader``): a replica that
+starts late or comes back replays what it missed from the stream. ``core`` subscribes to
+the live subjects and relies on agents' replays alone. ``auto`` (the default) takes the
+stream when the server has JetStream and falls back to core NATS when it has none.
+
+After every (re)connection, once the stream is read up to its end (or at once with core
+NATS), every worker's agent is asked for batches after the last one applied: that closes
+what no stream holds (batches published while NATS was down).
+
+Blind: from ``blind_after`` seconds after the event feed broke until it is read up to
+date again, routing treats every worker as out of sync (no hits, load only). A short
+blip keeps the index: it is still mostly right, and hits are worth keeping.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Literal
+
+from nats.aio.client import Client
+
+from router.config import RouterConfig
+from router.events import EventSync
+from router.jetstream import StreamSpec, jetstream_missing
+from router.stream_reader import StreamReader
+
+log = logging.getLogger(__name__)
+
+Transport = Literal["auto", "jetstream", "core"]
+TRANSPORTS: tuple[str, ...] = ("auto", "jetstream", "core")
+
+
+class EventFeed:
+    def __init__(
+        self,
+        events: EventSync,
+        spec: StreamSpec,
+        *,
+        transport: str = "auto",
+        blind_after: float = 2.0,
+        heartbeat: float = 1.0,
+    ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"events_transport must be one of {TRANSPORTS}, not {transport!r}")
+        self.events = events
+        self.transport = transport
+        self.blind_after = blind_after
+        self.using: str | None = None  # "jetstream" or "core" once connected
+        self._broken_since: float | None = None
+        self.reader = StreamReader(
+            spec,
+            events.on_event,
+            on_caught_up=self._caught_up,
+            on_lost=self._lost,
+            counts=events.counts,
+            heartbeat=heartbeat,
+        )
+
+    @classmethod
+    def from_config(cls, cfg: RouterConfig, events: EventSync) -> EventFeed:
+        spec = StreamSpec(
+            cfg.events_stream, cfg.subject_prefix, cfg.events_max_age, cfg.events_max_bytes
+        )
+        return cls(events, spec, transport=cfg.events_transport, blind_after=cfg.blind_after)
+
+    def blind(self, now: float) -> bool:
+        """Whether the index is too stale to route on (see the module docstring)."""
+        since = self._broken_since
+        return since is not None and now - since >= self.blind_after
+
+    # -- Bus hooks ---------------------------------------------------------------
+    async def on_connect(self, nc: Client) -> None:
+        await self.events.attach(nc)
+        if self.transport != "core":
+            try:
+                await self.reader.start(nc)
+                self.using = "jetstream"
+                return
+            except Exception as exc:
+                if self.transport == "jetstream" or not jetstream_missing(exc):
+                    log.warning("event stream unavailable (%s); retrying", exc)
+                    self.using = "jetstream"
+                    self.reader.reattach()
+                    return
+                log.warning("NATS has no JetStream: live events only (core NATS)")
+        await self.events.subscribe_events(nc)
+        self.using = "core"
+        self._caught_up()
+
+    async def on_reconnect(self, _nc: Client) -> None:
+        if self.using == "jetstream":
+            self.reader.reattach()  # resyncs once read up to date
+        else:
+            self._caught_up()
+
+    async def on_disconnect(self) -> None:
+        self._lost()
+
+    async def close(self) -> None:
+        await self.reader.close()
+
+    # -- reader hooks ------------------------------------------------------------
+    def _caught_up(self) -> None:
+        self._broken_since = None
+        self.events.resync_all()
+
+    def _lost(self) -> None:
+        if self._broken_since is None:
+            self._broken_since = time.monotonic()
