@@ -93,9 +93,10 @@ _CLOSE = [*_JSON, (b"connection", b"close")]
 
 async def send_error(send: Send, err: ApiError, close: bool = False) -> None:
     """The error response; ``close`` ends the connection (its request may be unread)."""
-    headers = _CLOSE if close else _JSON
+    body = err.body()
+    headers = [*(_CLOSE if close else _JSON), (b"content-length", b"%d" % len(body))]
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
-    await send({"type": "http.response.body", "body": err.body()})
+    await send({"type": "http.response.body", "body": body})
 
 
 # A request still running after this long gets a task watching for the client leaving.
