@@ -67,6 +67,7 @@ class NodeAgent:
         self._tasks: list[asyncio.Task[None]] = []
         self._http: httpx.AsyncClient | None = None
         self._suspect_restart = False
+        self._engine_lock = asyncio.Lock()  # one engine-event handler at a time
         self._stopping = False
         p = cfg.subject_prefix
         self.events_subject = f"{p}.events.{cfg.worker_id}"
@@ -89,7 +90,7 @@ class NodeAgent:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 0)  # never drop here: the engine's replay is bounded
         sub.setsockopt(zmq.SUBSCRIBE, self.cfg.topic.encode())
-        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
         sub.connect(self.cfg.zmq_endpoint)
         self._sub = sub
         self._spawn(self._zmq_loop(), "zmq-events")
@@ -177,22 +178,43 @@ class NodeAgent:
                 log.exception("failed to handle engine batch %d", parsed[0])
 
     async def _monitor_loop(self, monitor: zmq.asyncio.Socket) -> None:
-        """A dropped engine connection may be a restart that keeps seqs rising."""
+        """A dropped engine connection may be a restart, maybe one that keeps seqs
+        rising, and whatever the engine published before we reconnected is lost to the
+        SUB socket. So on reconnect, ask the engine's replay socket rather than wait for
+        a next batch that a quiet engine may never send."""
         try:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_DISCONNECTED:
                     self._suspect_restart = True
+                elif event["event"] == zmq.EVENT_CONNECTED and self._suspect_restart:
+                    async with self._engine_lock:
+                        await self._check_restart()
+                        await self._catch_up()
         finally:
             monitor.close(linger=0)
 
-    async def _on_batch(self, seq: int, payload: bytes) -> None:
-        core = self.core
-        if self._suspect_restart and core.last_seq is not None and seq > core.last_seq:
+    async def _check_restart(self) -> None:
+        """After a reconnect: a new engine life starts a new epoch."""
+        if not self._suspect_restart or self.core.last_seq is None:
             self._suspect_restart = False
-            if await self._engine_restarted():
-                self.counters["restarts_found_by_replay"] += 1
-                core.restart()
+            return
+        restarted = await self._engine_restarted()
+        if restarted is None:
+            return  # no answer yet: the next batch asks again
+        self._suspect_restart = False
+        if restarted:
+            self.counters["restarts_found_by_replay"] += 1
+            self.core.restart()
+
+    async def _on_batch(self, seq: int, payload: bytes) -> None:
+        async with self._engine_lock:
+            await self._on_batch_locked(seq, payload)
+
+    async def _on_batch_locked(self, seq: int, payload: bytes) -> None:
+        core = self.core
+        if core.last_seq is not None and seq > core.last_seq:
+            await self._check_restart()
         self._suspect_restart = False
         verdict = core.classify(seq, payload)
         if verdict is Verdict.RESTART:
@@ -223,8 +245,9 @@ class NodeAgent:
             if seq >= self.core.expected:
                 await self._publish(self.core.accept(seq, payload))
 
-    async def _engine_restarted(self) -> bool:
-        """After a reconnect: does the engine still hold our last batch, byte for byte?"""
+    async def _engine_restarted(self) -> bool | None:
+        """After a reconnect: does the engine still hold our last batch, byte for byte?
+        None when the engine's replay socket does not answer (cannot tell)."""
         last = self.core.last_seq
         if not self.cfg.replay_endpoint or last is None:
             return False
@@ -232,7 +255,7 @@ class NodeAgent:
             self._ctx, self.cfg.replay_endpoint, last, idle_timeout=self.cfg.replay_timeout
         )
         if not complete:
-            return False  # no answer: cannot tell, keep the epoch
+            return None
         return not batches or batches[0] != (last, self.core.ring.get(last))
 
     async def _publish(self, acc: Accepted | None) -> None:
