@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import logging
-import signal
 
 from agent.node import AgentConfig, NodeAgent
+from router.cli import serve_until_signalled
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,23 +39,6 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     )
 
 
-async def _serve(cfg: AgentConfig) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    async with NodeAgent(cfg):
-        logging.getLogger(__name__).info(
-            "agent %s: %s -> %s", cfg.worker_id, cfg.zmq_endpoint, cfg.nats_url
-        )
-        await stop.wait()
-
-
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
-    asyncio.run(_serve(config_from_args(args)))
+    serve_until_signalled(NodeAgent(config_from_args(args)), args.log_level)
     return 0

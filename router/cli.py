@@ -7,8 +7,13 @@ Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int`
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import importlib
+import logging
+import signal
 import sys
+from collections.abc import AsyncIterator
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("router.serve", "run the router (OpenAI-compatible proxy)"),
@@ -17,6 +22,36 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("agent.main", "run the node agent: engine ZMQ events -> NATS"),
     "demo": ("router.demo", "run the whole stack on an embedded default and compare policies"),
 }
+
+
+def serve_until_signalled(
+    service: contextlib.AbstractAsyncContextManager[object], level: str
+) -> None:
+    """Run ``service`` (an async context manager) until SIGINT or SIGTERM, then exit it."""
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+
+    async def main() -> None:
+        async with service, signalled() as stop:
+            await stop.wait()
+
+    asyncio.run(main())
+
+
+@contextlib.asynccontextmanager
+async def signalled() -> AsyncIterator[asyncio.Event]:
+    """An event set by SIGINT or SIGTERM while the block runs."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        yield stop
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
 
 
 def _usage() -> str:

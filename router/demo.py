@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import signal
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 import httpx
 import orjson
 
+from router.cli import signalled
 from router.natsd import EmbeddedNats, free_port
 
 MODEL = "mock-model"
@@ -202,11 +202,7 @@ def _emit(obj: dict[str, object]) -> None:
 
 
 async def _serve(nats_url: str, args: argparse.Namespace) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    async with stack(nats_url, "cache_aware", args, port=args.port) as s:
+    async with signalled() as stop, stack(nats_url, "cache_aware", args, port=args.port) as s:
         _emit({"router": s.router_url})
         for wid, url in s.engines.items():
             _emit({"engine": wid, "url": url})

@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import signal
 import socket
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from index.codec import norm_hash
+from router.cli import serve_until_signalled
 from router.errors import ApiError, error_body
 from sim.cache import PrefixCache
 from sim.mock_openai import (
@@ -445,20 +445,6 @@ def config_from_args(args: argparse.Namespace) -> MockEngineConfig:
     )
 
 
-async def _serve(cfg: MockEngineConfig) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    async with MockEngine(cfg):
-        await stop.wait()
-
-
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
-    asyncio.run(_serve(config_from_args(args)))
+    serve_until_signalled(MockEngine(config_from_args(args)), args.log_level)
     return 0
