@@ -398,13 +398,9 @@ class PrefixIndex:
         entries = self._entries
         tick = self._tick
         n = len(hashes)
-        pending: list[tuple[int, int, int, int]] = []  # (lo, hi, holders at lo, at hi)
-        lo, at_lo, pos, step = -1, active, 0, 1
-        while at_lo:
-            if pos >= n:
-                pending.append((lo, n, at_lo, 0))
-                break
-            h = hashes[pos]
+
+        def holders(i: int, among: int) -> int:
+            h = hashes[i]
             e = entries.get(h)
             if e is None:
                 m = 0
@@ -413,7 +409,15 @@ class PrefixIndex:
                 e[_TICK] = tick
             if spec is not None:
                 m |= spec.get(h, 0)
-            m &= at_lo
+            return m & among
+
+        pending: list[tuple[int, int, int, int]] = []  # (lo, hi, holders at lo, at hi)
+        lo, at_lo, pos, step = -1, active, 0, 1
+        while at_lo:
+            if pos >= n:
+                pending.append((lo, n, at_lo, 0))
+                break
+            m = holders(pos, at_lo)
             if m != at_lo:
                 pending.append((lo, pos, at_lo, m))
             lo, at_lo, pos, step = pos, m, pos + step, step * 2
@@ -424,16 +428,7 @@ class PrefixIndex:
                     _record(at_lo & ~at_hi, hi, out)
                 continue
             mid = (lo + hi) >> 1
-            h = hashes[mid]
-            e = entries.get(h)
-            if e is None:
-                m = 0
-            else:
-                m = e[_ANY]
-                e[_TICK] = tick
-            if spec is not None:
-                m |= spec.get(h, 0)
-            m &= at_lo
+            m = holders(mid, at_lo)
             if m != at_hi:
                 pending.append((mid, hi, m, at_hi))
             if m != at_lo:
