@@ -67,6 +67,9 @@ class EventSync:
         self._nc: Client | None = None
         self._pending: dict[str, list[Live]] = {}
         self._resync: dict[str, asyncio.Task[None]] = {}
+        # The dp rank each worker's live batches name: replayed batches carry none, and
+        # ingest keeps one seq space per rank, so replays must land in the live one.
+        self._rank: dict[str, int | None] = {}
         self._events_prefix = f"{prefix}.events."
         self._load_prefix = f"{prefix}.load."
 
@@ -130,6 +133,7 @@ class EventSync:
             seq = int(headers["Kv-Seq"])
             rank = headers.get("Kv-Dp-Rank")
             live = Live(seq, msg.data, int(rank) if rank else None, headers.get("Kv-Epoch"))
+            self._rank[worker_id] = live.dp_rank
         except (KeyError, ValueError):
             self.counts["bad_headers"] += 1
             return
@@ -207,6 +211,7 @@ class EventSync:
         if worker is None:
             return False
         ingest = worker.pool.ingest
+        rank = self._rank.get(worker_id)
         self.counts["replay_requests"] += 1
         dump: list[DecodedBatch] = []
         dump_seq: int | None = None
@@ -224,14 +229,14 @@ class EventSync:
                     m = ReplayMessage.decode(msg.data)
                     if m.kind == "batch":
                         self.counts["replayed_batches"] += 1
-                        ingest.apply(worker_id, m.seq, m.payload)
+                        ingest.apply(worker_id, m.seq, m.payload, dp_rank=rank)
                     elif m.kind == "dump":
                         dump.append(decode(m.payload))
                         dump_seq = m.seq
                     else:
                         if m.dump:
                             seq = m.seq if dump_seq is None else dump_seq
-                            ingest.load_dump(worker_id, seq, dump, epoch=m.epoch)
+                            ingest.load_dump(worker_id, seq, dump, dp_rank=rank, epoch=m.epoch)
                             self.counts["dumps_loaded"] += 1
                         return True
             finally:
