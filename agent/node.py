@@ -6,6 +6,12 @@ callbacks answer replay requests from the core, queue prefetch hints and tell pe
 agents the tokens of blocks their engines want to prefetch (``<prefix>.blocks.<id>``);
 another task scrapes ``/metrics`` into load reports. Nothing here raises out of a loop: bad frames,
 failed publishes and unreachable engines are counted and logged.
+
+Batches go out as plain NATS publishes; the JetStream stream on ``<prefix>.events.>``
+(``router.jetstream``), which the agent creates when missing, keeps them for routers
+that start later. No publish waits for a stream ack: a batch the stream misses is
+replayed to the router that notices the ``Kv-Seq`` gap, so an ack would only slow the
+engine's event path (and a server without JetStream works the same).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from agent.load import parse_load
 from agent.prefetch import PrefetchForwarder
 from index.codec import norm_hash
 from index.replay import ReplayMessage, ReplayRequest
+from router.jetstream import DEFAULT_MAX_AGE, DEFAULT_MAX_BYTES, DEFAULT_STREAM, StreamSpec
+from router.jetstream import ensure_stream as ensure_event_stream
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +58,9 @@ class AgentConfig:
     buffer: int = 10_000
     topic: str = ""
     replay_timeout: float = 1.0  # seconds without a reply before a replay gives up
+    events_stream: str | None = DEFAULT_STREAM  # created if missing; None: leave streams alone
+    events_max_age: float = DEFAULT_MAX_AGE
+    events_max_bytes: int = DEFAULT_MAX_BYTES
 
 
 class NodeAgent:
@@ -82,6 +93,7 @@ class NodeAgent:
         self._http = httpx.AsyncClient(timeout=5.0)
         await self.prefetch.start()
         self.nc = await self._connect_nats()
+        await self._ensure_stream()
         await self.nc.subscribe(self.replay_subject, cb=self._on_replay)
         await self.nc.subscribe(self.prefetch_subject, cb=self._on_prefetch)
         await self.nc.subscribe(self.blocks_subject, cb=self._on_blocks)
@@ -148,7 +160,21 @@ class NodeAgent:
             reconnect_time_wait=1,
             error_cb=self._on_nats_error,
             disconnected_cb=self._on_nats_disconnect,
+            reconnected_cb=self._ensure_stream,  # a server that lost its store lost the stream
         )
+
+    async def _ensure_stream(self) -> None:
+        cfg = self.cfg
+        if cfg.events_stream is None or self.nc is None:
+            return
+        spec = StreamSpec(
+            cfg.events_stream, cfg.subject_prefix, cfg.events_max_age, cfg.events_max_bytes
+        )
+        try:
+            await ensure_event_stream(self.nc, spec)
+        except Exception as exc:  # no JetStream, or not ready yet: live events still flow
+            self.counters["stream_unavailable"] += 1
+            log.warning("event stream %s not ensured: %s", cfg.events_stream, exc)
 
     async def _on_nats_error(self, exc: Exception) -> None:
         self.counters["nats_errors"] += 1
