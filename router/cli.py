@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "mock-engine": ("sim.mock_engine", "run a mock vLLM-like engine"),
     "agent": ("agent.main", "run the node agent: engine ZMQ events -> NATS"),
     "demo": ("router.demo", "run the whole stack on an embedded default and compare policies"),
+    "streams": ("router.jetstream", "create the KV event stream or change its limits"),
 }
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 from dataclasses import dataclass
 
 import nats
@@ -114,7 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.max_age <= 0 or args.max_bytes <= 0:
-        print("cache-router streams: --max-age and --max-bytes must be positive")
+        print("cache-router streams: --max-age and --max-bytes must be positive", file=sys.stderr)
         return 2
     spec = StreamSpec(args.name, args.subject_prefix, args.max_age, args.max_bytes)
     return asyncio.run(_run(args.nats_url, spec))
@@ -124,13 +125,13 @@ async def _run(url: str, spec: StreamSpec) -> int:
     try:
         nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=0)
     except Exception as exc:  # nats-py raises several types when no server answers
-        print(f"cache-router streams: cannot connect to {url}: {exc}")
+        print(f"cache-router streams: cannot connect to {url}: {exc}", file=sys.stderr)
         return 1
     try:
         info = await apply_stream(nc, spec)
     except Exception as exc:
         hint = " (start nats-server with -js)" if jetstream_missing(exc) else ""
-        print(f"cache-router streams: {type(exc).__name__}: {exc}{hint}")
+        print(f"cache-router streams: {type(exc).__name__}: {exc}{hint}", file=sys.stderr)
         return 1
     finally:
         await nc.close()

@@ -20,6 +20,7 @@ from router_double import EngineDouble, Served, until
 
 from agent.node import AgentConfig, NodeAgent
 from router.app import RouterApp
+from router.cli import main as cli_main
 from router.config import RouterConfig, WorkerSpec
 from router.events import last_seq
 from router.jetstream import StreamSpec, apply_stream
@@ -528,3 +529,25 @@ async def test_bad_route_messages_are_counted_and_silent_peers_expire(nats_url: 
         await nc.close()
         await replica.stop()
         await engine.stop()
+
+
+def test_streams_command_creates_and_retunes_the_stream(
+    nats_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["streams", "--nats-url", nats_url, "--max-age", "60", "--max-bytes", "100000"]
+    assert cli_main(args) == 0
+    assert cli_main([*args[:-2], "--max-bytes", "200000"]) == 0
+    out = capsys.readouterr().out
+    assert "stream KV_EVENTS on kv.events.>: max_age 60s, max_bytes 200000" in out
+
+    async def limits() -> tuple[float, int]:
+        nc = await nats.connect(nats_url)
+        info = await nc.jsm().stream_info("KV_EVENTS")
+        await nc.close()
+        return info.config.max_age or 0, info.config.max_bytes or 0
+
+    assert asyncio.run(limits()) == (60, 200000)
+    with EmbeddedNats(jetstream=False) as plain:
+        assert cli_main(["streams", "--nats-url", plain.url]) == 1
+    assert "start nats-server with -js" in capsys.readouterr().err
+    assert cli_main(["streams", "--nats-url", nats_url, "--max-age", "0"]) == 2
