@@ -80,6 +80,7 @@ class NodeAgent:
         self._suspect_restart = False
         self._engine_lock = asyncio.Lock()  # one engine-event handler at a time
         self._stopping = False
+        self._last: Accepted | None = None  # the newest batch, published or not
         p = cfg.subject_prefix
         self.events_subject = f"{p}.events.{cfg.worker_id}"
         self.replay_subject = f"{p}.replay.{cfg.worker_id}"
@@ -160,8 +161,18 @@ class NodeAgent:
             reconnect_time_wait=1,
             error_cb=self._on_nats_error,
             disconnected_cb=self._on_nats_disconnect,
-            reconnected_cb=self._ensure_stream,  # a server that lost its store lost the stream
+            reconnected_cb=self._on_nats_reconnect,
         )
+
+    async def _on_nats_reconnect(self) -> None:
+        """A server that lost its store lost the stream too; and a router that resynced
+        before we were back missed what we could not publish: the newest batch again
+        shows it the gap (a router that has it ignores the duplicate)."""
+        await self._ensure_stream()
+        last = self._last
+        if last is not None:
+            await self._publish(last)
+            self.counters["republished"] += 1
 
     async def _ensure_stream(self) -> None:
         cfg = self.cfg
@@ -287,6 +298,7 @@ class NodeAgent:
     async def _publish(self, acc: Accepted | None) -> None:
         if acc is None:
             return
+        self._last = acc
         headers = {"Kv-Seq": str(acc.seq), "Kv-Epoch": acc.epoch}
         if acc.dp_rank is not None:
             headers["Kv-Dp-Rank"] = str(acc.dp_rank)

@@ -1,0 +1,127 @@
+"""NATS stops and comes back mid-traffic.
+
+Two router replicas in front of mock engines and their node agents. While the server is
+down every request still succeeds: routers route on load alone once ``blind_after`` has
+passed (the index is not trusted without its event feed). A new server on the same
+port, with the JetStream store kept (a restarted server) or wiped (a replacement):
+routers reconnect, read the stream again (from where they were, or from the start of
+the new stream), ask the agents for what no stream holds, and end with the index the
+engines really have, the same as a replica started afresh.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+from replica_stack import MockStack, Replica, index_blocks, matches, prompt, send
+from router_double import until
+
+from router.natsd import free_port, nats_server_binary
+
+
+class RestartableNats:
+    """``nats-server -js`` on one port with its store in ``store``, to stop and start again."""
+
+    def __init__(self, store: Path) -> None:
+        self.port = free_port()
+        self.store = store
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port)]
+        cmd += ["-js", "-sd", str(self.store)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("nats-server did not start") from None
+                time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        self.proc = None
+
+    def wipe(self) -> None:
+        shutil.rmtree(self.store)
+        self.store.mkdir()
+
+
+@pytest.mark.parametrize("store", ["kept", "wiped"])
+async def test_nats_restart_mid_traffic(tmp_path: Path, store: str) -> None:
+    server = RestartableNats(tmp_path)
+    server.start()
+    stack = await MockStack(server.url).start(2)
+    prompts = [prompt(i) for i in range(18)]
+
+    def cfg(replica_id: str) -> object:
+        return stack.router_config(replica_id, blind_after=0.5)
+
+    try:
+        async with AsyncExitStack() as cleanup, httpx.AsyncClient(timeout=30) as http:
+            a = await Replica(cfg("a")).start()
+            cleanup.push_async_callback(a.stop)
+            b = await Replica(cfg("b")).start()
+            cleanup.push_async_callback(b.stop)
+            replicas = (a, b)
+            for i, p in enumerate(prompts[:6]):
+                await send(http, replicas[i % 2], p)
+            for r in replicas:
+                await until(lambda r=r: stack.synced(r), what="in sync before the fault")
+
+            server.stop()
+            if store == "wiped":
+                server.wipe()
+            await until(lambda: not any(r.state.bus.connected for r in replicas), what="down")
+            for i, p in enumerate(prompts[6:12]):  # served while NATS is away
+                await send(http, replicas[i % 2], p)
+            await until(lambda: a.state.feed.blind(time.monotonic()), what="blind")
+            r = await http.post(
+                a.url + "/admin/explain",
+                json={"model": "mock-model", "prompt": prompts[0]},
+                headers={"authorization": "Bearer t"},
+            )
+            assert r.status_code == 200
+            assert [w["view"]["in_sync"] for w in r.json()["workers"]] == [False, False]
+            assert all(w["view"]["match"]["total"] == 0 for w in r.json()["workers"])
+            await send(http, a, prompts[0])  # and routing goes on, on load alone
+
+            server.start()  # same port: clients reconnect by themselves
+            for i, p in enumerate(prompts[12:]):
+                await send(http, replicas[i % 2], p)
+            for r in replicas:
+                await until(lambda r=r: stack.synced(r), timeout=20, what="in sync after")
+                assert r.state.bus.reconnects >= 1
+                assert not r.state.feed.blind(time.monotonic())
+            fresh = await Replica(cfg("fresh")).start()
+            cleanup.push_async_callback(fresh.stop)
+            await until(lambda: stack.synced(fresh), timeout=20, what="fresh in sync")
+
+            truth = stack.engine_blocks()
+            assert sum(truth.values()) > 0
+            for r in (a, b, fresh):
+                assert index_blocks(r) == truth, r.state.replicas.id
+            assert matches(a, prompts) == matches(b, prompts) == matches(fresh, prompts)
+            new_streams = a.state.events.counts["stream_new"]
+            assert new_streams == (1 if store == "wiped" else 0)
+            # each agent showed the routers its newest batch again once back
+            assert all(x.stats()["republished"] >= 1 for x in stack.agents)
+    finally:
+        await stack.stop()
+        server.stop()
