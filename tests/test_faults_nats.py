@@ -19,6 +19,7 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 import httpx
+import nats
 import pytest
 from replica_stack import MockStack, Replica, index_blocks, matches, prompt, send
 from router_double import until
@@ -125,3 +126,30 @@ async def test_nats_restart_mid_traffic(tmp_path: Path, store: str) -> None:
     finally:
         await stack.stop()
         server.stop()
+
+
+async def test_stream_deleted_under_live_routers(nats_url: str) -> None:
+    """An operator deletes the stream while NATS stays up: the batches published
+    meanwhile exist nowhere but in the agent. The router notices the silence (no
+    heartbeats), creates a new stream, reads it from its start and replays the rest."""
+    stack = await MockStack(nats_url).start(1)
+    prompts = [prompt(i) for i in range(8)]
+    try:
+        async with AsyncExitStack() as cleanup, httpx.AsyncClient(timeout=30) as http:
+            a = await Replica(stack.router_config("a")).start()
+            cleanup.push_async_callback(a.stop)
+            for p in prompts[:4]:
+                await send(http, a, p)
+            await until(lambda: stack.synced(a), what="in sync")
+            nc = await nats.connect(nats_url)
+            await nc.jsm().delete_stream("KV_EVENTS")
+            await nc.close()
+            for p in prompts[4:]:
+                await send(http, a, p)
+            await until(lambda: stack.synced(a), timeout=15, what="in sync again")
+            counts = a.state.events.counts
+            assert counts["stream_new"] == 1 and counts["stream_lost"] >= 1
+            assert counts["replayed_batches"] >= 1  # what no stream held came from the agent
+            assert index_blocks(a) == stack.engine_blocks()
+    finally:
+        await stack.stop()
