@@ -26,6 +26,8 @@ _FLAGS = {
     "subject_prefix": str,
     "gateway": bool,
     "metrics_token": str,
+    "replica_id": str,
+    "events_transport": str,
 }
 
 
@@ -49,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="region gateway: workers are cluster routers, policy session_affinity by default",
     )
     parser.add_argument("--metrics-token", help="bearer token for /metrics (open without it)")
+    parser.add_argument("--replica-id", help="this replica's name among its peers (random)")
+    parser.add_argument(
+        "--events-transport",
+        choices=("auto", "jetstream", "core"),
+        help="KV events from the JetStream stream or live core NATS (auto: stream if there)",
+    )
     parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
 
 

@@ -20,7 +20,7 @@ from replica_stack import MockStack, Replica, index_blocks, matches, prompt, sen
 from router_double import EngineDouble, until
 
 from router.cli import main as cli_main
-from router.config import RouterConfig, WorkerSpec
+from router.config import ConfigError, RouterConfig, WorkerSpec, load_config
 from router.jetstream import StreamSpec, apply_stream
 from router.natsd import EmbeddedNats
 from router.replicas import pack_hashes
@@ -417,3 +417,20 @@ def test_streams_command_creates_and_retunes_the_stream(
         assert cli_main(["streams", "--nats-url", plain.url]) == 1
     assert "start nats-server with -js" in capsys.readouterr().err
     assert cli_main(["streams", "--nats-url", nats_url, "--max-age", "0"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"CACHE_ROUTER_EVENTS_TRANSPORT": "kafka"}, "events_transport"),
+        ({"CACHE_ROUTER_REPLICA_ID": "a.b"}, "replica_id"),
+        ({"CACHE_ROUTER_EVENTS_STREAM": "kv events"}, "events_stream"),
+        ({"CACHE_ROUTER_PEER_TTL": "0"}, "peer_ttl"),
+        ({"CACHE_ROUTER_SHARE_INTERVAL": "-1"}, "share_interval"),
+    ],
+)
+def test_replica_settings_are_checked(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(env=env)
+    cfg = load_config(env={"CACHE_ROUTER_REPLICA_ID": "r-1", "CACHE_ROUTER_SHARE_INTERVAL": "0"})
+    assert (cfg.replica_id, cfg.share_interval, cfg.events_transport) == ("r-1", 0.0, "auto")
