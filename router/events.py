@@ -215,6 +215,10 @@ class EventSync:
         self.counts["replay_requests"] += 1
         dump: list[DecodedBatch] = []
         dump_seq: int | None = None
+        # Batches are applied at the end message, with its epoch: a router that lost a
+        # worker's state (it was down) must learn the epoch, or the next engine life's
+        # seq 0.. would look like duplicates of the old one.
+        batches: list[tuple[int, bytes]] = []
         try:
             inbox = nc.new_inbox()
             sub = await nc.subscribe(inbox)
@@ -229,11 +233,13 @@ class EventSync:
                     m = ReplayMessage.decode(msg.data)
                     if m.kind == "batch":
                         self.counts["replayed_batches"] += 1
-                        ingest.apply(worker_id, m.seq, m.payload, dp_rank=rank)
+                        batches.append((m.seq, m.payload))
                     elif m.kind == "dump":
                         dump.append(decode(m.payload))
                         dump_seq = m.seq
                     else:
+                        for seq, payload in batches:
+                            ingest.apply(worker_id, seq, payload, dp_rank=rank, epoch=m.epoch)
                         if m.dump:
                             seq = m.seq if dump_seq is None else dump_seq
                             ingest.load_dump(worker_id, seq, dump, dp_rank=rank, epoch=m.epoch)
