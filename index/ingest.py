@@ -153,6 +153,11 @@ class EventIngest:
         except CodecError:
             self.errors["malformed_batch"] += 1
             w = self._workers.setdefault(worker_id, _Worker())
+            last = w.last_seq.get(dp_rank)
+            if last is not None and seq <= last and (epoch is None or epoch == w.epoch):
+                # A damaged copy of a batch already applied: nothing is missing.
+                self.duplicates += 1
+                return IngestResult(SeqStatus.DUPLICATE, expected_seq=last + 1)
             w.in_sync = False
             result = IngestResult(SeqStatus.MALFORMED, expected_seq=seq)
             result.errors["malformed_batch"] += 1
