@@ -237,3 +237,28 @@ async def test_engine_dead_before_the_request_is_a_clean_status(stack):
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_worker"
         assert (await http.get("/health")).status_code == 503
     assert os.environ  # nothing else to clean: the fixture stops the rest
+
+
+async def test_engine_killed_during_a_plain_request_is_a_502(stack):
+    s, url = stack
+    victim, spare = s.engines
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        r = await http.post(f"/admin/workers/{spare.worker_id}/drain", headers=AUTH)
+        assert r.status_code == 200
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True}
+        pending = asyncio.create_task(http.post("/v1/completions", json=body))
+
+        async def running() -> bool:
+            text = (await http.get(victim.url + "/metrics")).text
+            return "vllm:num_requests_running" in text and any(
+                line.startswith("vllm:num_requests_running") and not line.endswith(" 0.0")
+                for line in text.splitlines()
+            )
+
+        await until(running, what="the request running in the engine")
+        victim.kill()
+        r = await asyncio.wait_for(pending, 30)
+        # the engine may have started it: not retried elsewhere, a clean 502 instead
+        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error"
+        assert "x-cache-router-worker" not in r.headers
+    await until(lambda: not s.app.state.registry.get(victim.worker_id).healthy, what="down")
