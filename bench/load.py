@@ -161,7 +161,11 @@ async def drive(urls: list[str], args: argparse.Namespace) -> dict[str, Any]:
             return
         latencies.append(time.perf_counter() - t0)
         if resp.status != 200:
-            failures[f"status_{resp.status}"] += 1
+            try:
+                code = orjson.loads(b"".join(chunks))["error"]["code"]
+            except (orjson.JSONDecodeError, KeyError, TypeError):
+                code = "?"
+            failures[f"status_{resp.status}_{code}"] += 1
         elif (resp.header(b"x-echo-request-id") or b"").decode() != rid:
             failures["wrong_echo"] += 1
         elif not complete(b"".join(chunks), stream):

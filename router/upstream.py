@@ -14,13 +14,18 @@ Semantics the proxy relies on:
 - any other ``UpstreamError``: the request may have reached the engine: never retried;
 - body chunks come as the engine sends them (chunked transfer de-chunked, content
   encoding untouched); reading pauses while the consumer is behind (back pressure);
-- ``close()`` before the end aborts the connection, so the engine sees the client leave.
+- ``close()`` before the end aborts the connection, so the engine sees the client leave;
+- an idle connection is reused only within ``keepalive_idle`` seconds (below the 5 s
+  after which uvicorn, and so vLLM and SGLang, close idle connections): a request
+  written on a connection the engine is closing at that moment would fail after
+  it may have been sent, and so could not be retried.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
@@ -149,6 +154,7 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.paused = False
         self.keep_alive = False
+        self.idle_since = 0.0
 
     # -- asyncio.Protocol --------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -221,6 +227,7 @@ class _Connection(asyncio.Protocol):
             idle = self.origin.idle
             reusable = not self.closed and self.keep_alive
             if reusable and len(idle) < self.origin.max_idle:
+                self.idle_since = time.monotonic()
                 idle.append(self)
             else:
                 self.abort()
@@ -229,9 +236,12 @@ class _Connection(asyncio.Protocol):
 class Upstream:
     """Keep-alive connections per engine origin; ``send`` one request, stream the answer."""
 
-    def __init__(self, connect_timeout: float = 2.0, max_idle: int = 512) -> None:
+    def __init__(
+        self, connect_timeout: float = 2.0, max_idle: int = 512, keepalive_idle: float = 4.0
+    ) -> None:
         self.connect_timeout = connect_timeout
         self.max_idle = max_idle
+        self.keepalive_idle = keepalive_idle
         self._origins: dict[str, Origin] = {}
 
     def origin(self, base_url: str) -> Origin:
@@ -264,11 +274,20 @@ class Upstream:
         """POST ``body`` and wait for the response headers (not the body)."""
         origin = self.origin(base_url)
         conn = None
-        while origin.idle:
-            candidate = origin.idle.pop()
-            if not candidate.closed:
-                conn = candidate
+        idle = origin.idle
+        while idle:
+            candidate = idle.pop()
+            if candidate.closed:
+                continue
+            if time.monotonic() - candidate.idle_since > self.keepalive_idle:
+                # the newest idle one is too old, so are all below it (a LIFO list)
+                candidate.abort()
+                for old in idle:
+                    old.abort()
+                idle.clear()
                 break
+            conn = candidate
+            break
         if conn is None:
             conn = await self._connect(origin)
         resp = conn.response = Response(conn)
