@@ -118,8 +118,8 @@ class RouterConfig:
     # -- replicas: the event stream and shared load --
     events_transport: str = "auto"  # "jetstream", "core" or "auto" (stream if the server has it)
     events_stream: str = "KV_EVENTS"  # JetStream stream on <subject_prefix>.events.>
-    events_max_age: float = 3600.0  # seconds of history kept (when this router creates it)
-    events_max_bytes: int = 1 << 30  # bytes of history kept (when this router creates it)
+    events_max_age: float = 900.0  # seconds of history kept (when this router creates it)
+    events_max_bytes: int = 256 << 20  # bytes of history kept (when this router creates it)
     blind_after: float = 2.0  # seconds without the event feed before routing ignores hits
     replica_id: str | None = None  # None: <host>-<pid>-<random>
     share_interval: float = 0.005  # seconds between load/prediction messages to peers; 0: off

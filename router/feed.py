@@ -11,12 +11,15 @@ what no stream holds (batches published while NATS was down).
 
 Blind: from ``blind_after`` seconds after the event feed broke until it is read up to
 date again, routing treats every worker as out of sync (no hits, load only). A short
-blip keeps the index: it is still mostly right, and hits are worth keeping.
+blip keeps the index: it is still mostly right, and hits are worth keeping. A replica
+that is still reading the stream after its start is blind at once: its index is the
+past, with stores that were evicted since.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Literal
 
@@ -49,7 +52,7 @@ class EventFeed:
         self.transport = transport
         self.blind_after = blind_after
         self.using: str | None = None  # "jetstream" or "core" once connected
-        self._broken_since: float | None = None
+        self._broken_since: float | None = -math.inf  # blind until first up to date
         self.reader = StreamReader(
             spec,
             events.on_event,

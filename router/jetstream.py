@@ -28,8 +28,8 @@ from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableErr
 log = logging.getLogger(__name__)
 
 DEFAULT_STREAM = "KV_EVENTS"
-DEFAULT_MAX_AGE = 3600.0  # seconds: long enough to bridge a router restart
-DEFAULT_MAX_BYTES = 1 << 30
+DEFAULT_MAX_AGE = 900.0  # seconds: bridges restarts; older state comes cheaper as agent dumps
+DEFAULT_MAX_BYTES = 256 << 20
 
 _JS_NOT_ENABLED = 10039  # "jetstream not enabled for account"
 

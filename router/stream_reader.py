@@ -13,9 +13,10 @@ again, so the resume point skips the new stream's first batches), and it re-crea
 consumer once, in the background, with no retry while the server is still away. Here
 every attach compares the stream's creation time and reads a new stream from its start.
 
-Once the consumer has delivered everything the stream held when it attached
-(``num_pending`` 0), ``on_caught_up`` runs: the caller then asks the agents for what
-the stream never had (batches published while the server was down).
+Once the consumer is up to date (``num_pending`` 0, or a batch stored less than
+``LIVE_AGE`` seconds ago: under steady traffic the pending count need not touch 0),
+``on_caught_up`` runs: the caller then asks the agents for what the stream never had
+(batches published while the server was down).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from nats.js import api
 from router.jetstream import StreamSpec, ensure_stream
 
 log = logging.getLogger(__name__)
+
+LIVE_AGE = 1.0  # seconds: a batch this fresh means the reader is up to date
 
 Deliver = Callable[[Msg], Awaitable[None]]
 
@@ -182,7 +185,9 @@ class StreamReader:
         self._dseq += 1
         self._sseq = meta.sequence.stream
         await self.deliver(msg)
-        if meta.num_pending == 0 and not self.caught_up:
+        if not self.caught_up and (
+            meta.num_pending == 0 or time.time() - meta.timestamp.timestamp() < LIVE_AGE
+        ):
             self._caught_up()
 
     async def _control(self, msg: Msg, headers: dict[str, str]) -> None:

@@ -8,6 +8,7 @@ router replica serving HTTP in-process.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from typing import Any
@@ -44,9 +45,12 @@ async def test_late_and_restarted_replicas_rebuild_from_the_stream(stack: MockSt
             await send(http, a, p)
         await until(lambda: stack.synced(a), what="a in sync")
 
-        b = await Replica(stack.router_config("b")).start()  # late: 8 requests of history
+        b = Replica(stack.router_config("b"))  # late: 8 requests of history
+        assert b.state.feed.blind(time.monotonic())  # no hits until it has read the stream
+        await b.start()
         cleanup.push_async_callback(b.stop)
         await until(lambda: stack.synced(b), what="late b rebuilt")
+        assert not b.state.feed.blind(time.monotonic())
         assert matches(b, prompts) == matches(a, prompts)
         assert b.state.events.counts["dumps_loaded"] == 0  # the stream alone rebuilt it
         assert b.state.feed.using == "jetstream" and b.state.feed.reader.stream_seq > 0
