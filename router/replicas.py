@@ -185,11 +185,17 @@ class ReplicaShare:
                 continue
             marks, self._marks = self._marks, []
             payload = msgpack.packb([VERSION, self.id, full, rows, marks])
-            if await self.bus.publish(self.subject, payload):
+            try:
+                sent = await self.bus.publish(self.subject, payload)
+            except Exception as exc:  # connection closing under us: resend all next time
+                log.debug("route message not sent: %s", exc)
+                sent = False
+            if sent:
                 self.counts["route_published"] += 1
                 if full:
                     self._next_full = now + heartbeat
             else:
+                self.counts["route_unsent"] += 1
                 self._next_full = 0.0
 
     def _rows(self, full: bool) -> list[list[Any]]:

@@ -86,9 +86,14 @@ class StreamReader:
         await self._attach()
 
     def reattach(self) -> None:
-        """Re-create the consumer from the last delivered seq, retrying until it works."""
-        if self._nc is None or (self._retry is not None and not self._retry.done()):
+        """Re-create the consumer from the last delivered seq, retrying until it works.
+
+        A retry already waiting out its backoff starts over at once (called on reconnect).
+        """
+        if self._nc is None:
             return
+        if self._retry is not None and not self._retry.done():
+            self._retry.cancel()
         self._gen += 1  # whatever the old consumer still pushes is stale from now on
         self.caught_up = False
         self.on_lost()
