@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Literal
 
 from nats.aio.client import Client
 
@@ -32,11 +31,12 @@ from router.stream_reader import StreamReader
 
 log = logging.getLogger(__name__)
 
-Transport = Literal["auto", "jetstream", "core"]
 TRANSPORTS: tuple[str, ...] = ("auto", "jetstream", "core")
 
 
 class EventFeed:
+    """Bus hooks that keep events flowing into ``EventSync`` and say when they do not."""
+
     def __init__(
         self,
         events: EventSync,
