@@ -11,8 +11,7 @@ Cluster health is the cluster router's ``/health`` (503 when it has no usable en
 from __future__ import annotations
 
 from policies.base import RouteRequest
-from router.errors import ApiError
-from router.routing import Parsed, Prepared, Router
+from router.routing import Parsed, Prepared, Router, max_tokens
 
 # Rough bytes per prompt token: the in-flight size a load-only policy may weigh.
 _BYTES_PER_TOKEN = 4
@@ -22,21 +21,14 @@ class GatewayRouter(Router):
     """A ``Router`` whose requests carry no tokens or block hashes."""
 
     async def prepare(self, parsed: Parsed, size_hint: int) -> Prepared:
-        workers = self.registry.for_model(parsed.model)
-        if not workers:
-            raise ApiError(
-                404, f"The model `{parsed.model}` does not exist.", "model_not_found", "model"
-            )
-        pool = workers[0].pool
-        body = parsed.body
+        workers = self.workers_for(parsed.model)
         request = RouteRequest(
             request_id=parsed.request_id,
             model=parsed.model,
             num_tokens=size_hint // _BYTES_PER_TOKEN,
             block_hashes=[],
-            block_size=pool.block_size,
+            block_size=workers[0].pool.block_size,
             session_key=parsed.session_key,
-            max_tokens=body.get("max_completion_tokens") or body.get("max_tokens"),
+            max_tokens=max_tokens(parsed.body),
         )
-        arm = self.experiment.assign(parsed.session_key).name
-        return Prepared(parsed, pool, workers, request, arm)
+        return self.prepared(parsed, workers, request)

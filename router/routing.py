@@ -128,19 +128,13 @@ class Router:
     # -- tokenize + hash ---------------------------------------------------------
     async def prepare(self, parsed: Parsed, size_hint: int) -> Prepared:
         """Resolve the model's pool and hash the prompt (on the thread pool when large)."""
-        workers = self.registry.for_model(parsed.model)
-        if not workers:
-            raise ApiError(
-                404, f"The model `{parsed.model}` does not exist.", "model_not_found", "model"
-            )
+        workers = self.workers_for(parsed.model)
         pool = workers[0].pool
         if size_hint > self.cfg.offload_chars and self.executor is not None:
             loop = asyncio.get_running_loop()
             ids, hashes, text = await loop.run_in_executor(self.executor, self._hash, parsed, pool)
         else:
             ids, hashes, text = self._hash(parsed, pool)
-        body = parsed.body
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         request = RouteRequest(
             request_id=parsed.request_id,
             model=parsed.model,
@@ -148,11 +142,22 @@ class Router:
             block_hashes=hashes,
             block_size=pool.block_size,
             session_key=parsed.session_key,
-            max_tokens=max_tokens,
+            max_tokens=max_tokens(parsed.body),
             prompt_text=text,
         )
+        return self.prepared(parsed, workers, request)
+
+    def workers_for(self, model: str) -> list[Worker]:
+        """The workers serving ``model``; ``ApiError`` 404 (OpenAI's wording) when none."""
+        workers = self.registry.for_model(model)
+        if not workers:
+            raise ApiError(404, f"The model `{model}` does not exist.", "model_not_found", "model")
+        return workers
+
+    def prepared(self, parsed: Parsed, workers: list[Worker], request: RouteRequest) -> Prepared:
+        """The request with its experiment arm (sessions keep theirs)."""
         arm = self.experiment.assign(parsed.session_key).name
-        return Prepared(parsed, pool, workers, request, arm)
+        return Prepared(parsed, workers[0].pool, workers, request, arm)
 
     def _hash(self, parsed: Parsed, pool: Pool) -> tuple[Any, list[int], str | None]:
         body = parsed.body
@@ -223,6 +228,11 @@ class Router:
             prep.pool.index.predict(worker_id, hashes, ttl)
             if self.on_predict is not None:
                 self.on_predict(worker_id, hashes, ttl)
+
+
+def max_tokens(body: dict[str, Any]) -> Any:
+    """The completion budget: the newer field wins, as in the OpenAI API."""
+    return body.get("max_completion_tokens") or body.get("max_tokens")
 
 
 def hit_blocks(views: list[WorkerView], worker_id: str) -> int:
