@@ -106,9 +106,6 @@ class EventSync:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    def resyncing(self, worker_id: str) -> bool:
-        return worker_id in self._resync
-
     # -- live path ---------------------------------------------------------------
     async def _on_load(self, msg: Msg) -> None:
         worker = self.registry.get(msg.subject[len(self._load_prefix) :])

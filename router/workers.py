@@ -68,10 +68,6 @@ class Worker:
     def usable(self, now: float) -> bool:
         return self.healthy and not self.draining and now >= self.breaker_until
 
-    def serves(self, model: str) -> bool:
-        """Whether ``model`` may go here (a worker whose models are not known yet takes any)."""
-        return not self.models or model in self.models
-
     def describe(self, now: float) -> dict[str, object]:
         return {
             "id": self.id,
