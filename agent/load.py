@@ -11,10 +11,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-# For each field, names in order of preference (newest vLLM, older vLLM, SGLang).
-_RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
-_WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
-_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+from router.load import KV_USAGE_GAUGES, RUNNING_GAUGES, WAITING_GAUGES
 
 
 @dataclass(slots=True, frozen=True)
@@ -48,9 +45,9 @@ def _first(samples: dict[str, list[float]], names: tuple[str, ...]) -> list[floa
 def parse_load(text: str, *, ts: float | None = None) -> LoadReport:
     """The load report in ``text``; ValueError when it has neither vLLM nor SGLang gauges."""
     samples = _samples(text)
-    running = _first(samples, _RUNNING)
-    waiting = _first(samples, _WAITING)
-    usage = _first(samples, _USAGE)
+    running = _first(samples, RUNNING_GAUGES)
+    waiting = _first(samples, WAITING_GAUGES)
+    usage = _first(samples, KV_USAGE_GAUGES)
     if running is None or waiting is None or usage is None:
         raise ValueError("no vLLM or SGLang load gauges in /metrics")
     return LoadReport(

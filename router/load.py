@@ -144,10 +144,11 @@ def _num(value: Any, kind: type) -> Any:
     return kind(value)
 
 
-# Prometheus names, vLLM first then SGLang; the first present in a scrape wins.
-_RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
-_WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
-_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+# Prometheus names (newest vLLM, older vLLM, SGLang); the first present in a scrape wins.
+# The node agent (``agent.load``) reads the same gauges for its load reports.
+RUNNING_GAUGES = ("vllm:num_requests_running", "sglang:num_running_reqs")
+WAITING_GAUGES = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+KV_USAGE_GAUGES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
 
 
 def parse_engine_metrics(text: str) -> EngineLoad:
@@ -157,7 +158,7 @@ def parse_engine_metrics(text: str) -> EngineLoad:
     since the fullest rank is the one that queues.
     """
     values: dict[str, list[float]] = {}
-    wanted = set(_RUNNING + _WAITING + _KV_USAGE)
+    wanted = set(RUNNING_GAUGES + WAITING_GAUGES + KV_USAGE_GAUGES)
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
@@ -173,7 +174,8 @@ def parse_engine_metrics(text: str) -> EngineLoad:
     def first(names: tuple[str, ...]) -> list[float] | None:
         return next((values[n] for n in names if n in values), None)
 
-    running, waiting, usage = first(_RUNNING), first(_WAITING), first(_KV_USAGE)
+    running, waiting = first(RUNNING_GAUGES), first(WAITING_GAUGES)
+    usage = first(KV_USAGE_GAUGES)
     return EngineLoad(
         running=None if running is None else int(sum(running)),
         waiting=None if waiting is None else int(sum(waiting)),
