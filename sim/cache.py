@@ -107,6 +107,9 @@ class PrefixCache:
         self._private = 0
         self._requests: dict[str, _Request] = {}
         self._events: list[Event] = []
+        # Changes of the operation under way, turned into few events by ``_flush``.
+        self._stored: dict[str, list[tuple[int, int | None, Sequence[int]]]] = {CPU: [], GPU: []}
+        self._removed: dict[str, list[int]] = {CPU: [], GPU: []}
 
     # -- read-only ---------------------------------------------------------------
     def hash_blocks(self, token_ids: Sequence[int]) -> list[int]:
@@ -209,6 +212,7 @@ class PrefixCache:
                 self._pin(h, block)
         self._evict_gpu(need - free)
         self._load(req, from_host)
+        self._flush()
         req.pinned.extend(hashes[:run])
         req.committed = run
         req.private = total - run
@@ -295,6 +299,7 @@ class PrefixCache:
             if not place(h, hashes[i - 1] if i else None, token_ids[i * bs : (i + 1) * bs]):
                 break
             placed += 1
+        self._flush()
         return placed
 
     def clear(self) -> None:
@@ -333,10 +338,8 @@ class PrefixCache:
 
     def _evict_gpu(self, count: int) -> None:
         """Evict ``count`` unreferenced GPU blocks, oldest first (demoting them to host)."""
-        if count <= 0:
-            return
-        gpu, lru = self._gpu, self._lru
-        removed: list[int] = []
+        gpu, lru, host = self._gpu, self._lru, self._host
+        removed = self._removed[GPU]
         for _ in range(count):
             h, _none = lru.popitem(last=False)
             block = gpu.pop(h)
@@ -344,12 +347,11 @@ class PrefixCache:
             # An orphan (parent cached nowhere) can never be part of a prefix hit.
             if (
                 self.host_blocks
-                and h not in self._host
-                and (parent is None or parent in gpu or parent in self._host)
+                and h not in host
+                and (parent is None or parent in gpu or parent in host)
             ):
                 self._place_host(h, parent, block.tokens)
             removed.append(h)
-        self._events.append(BlockRemoved(block_hashes=removed, medium=GPU))
 
     def _place_host(self, h: int, parent: int | None, tokens: Sequence[int] | None) -> bool:
         """Put a block in host memory, evicting the oldest host block when full."""
@@ -358,17 +360,9 @@ class PrefixCache:
             host.move_to_end(parent)  # keep the chain whole: evict someone else
         if len(host) >= self.host_blocks:
             old, _block = host.popitem(last=False)
-            self._events.append(BlockRemoved(block_hashes=[old], medium=CPU))
+            self._removed[CPU].append(old)
         host[h] = _Block(parent, tokens)
-        self._events.append(
-            BlockStored(
-                block_hashes=[h],
-                parent_block_hash=parent,
-                token_ids=_as_list(tokens or ()),
-                block_size=self.block_size,
-                medium=CPU,
-            )
-        )
+        self._stored[CPU].append((h, parent, tokens or ()))
         return True
 
     def _place_gpu(self, h: int, parent: int | None, tokens: Sequence[int]) -> bool:
@@ -382,32 +376,72 @@ class PrefixCache:
             self._evict_gpu(1)
         self._gpu[h] = _Block(parent, None)
         lru[h] = None
-        self._events.append(
-            BlockStored(
-                block_hashes=[h],
-                parent_block_hash=parent,
-                token_ids=_as_list(tokens),
-                block_size=self.block_size,
-                medium=GPU,
-            )
-        )
+        self._stored[GPU].append((h, parent, tokens))
         return True
 
     def _load(self, req: _Request, from_host: list[tuple[int, _Block]]) -> None:
-        """Copy host blocks back to GPU, pinned, with one GPU store event per block."""
-        gpu, hashes, bs = self._gpu, req.hashes, self.block_size
+        """Copy host blocks back to GPU, pinned."""
+        gpu, host, hashes, bs = self._gpu, self._host, req.hashes, self.block_size
+        stored = self._stored[GPU]
         for i, src in from_host:
             h = hashes[i]
             block = gpu[h] = _Block(src.parent, src.tokens)
             block.ref = 1
-            if h in self._host:
-                self._host.move_to_end(h)
-            self._events.append(
+            if h in host:
+                host.move_to_end(h)
+            stored.append((h, src.parent, req.tokens[i * bs : (i + 1) * bs]))
+
+    def _flush(self) -> None:
+        """Events for one operation's changes: stores as chains, then removals.
+
+        Stores go first, parents before children, so every stored block chains to one
+        the consumer knows; removals follow, minus blocks present again at the end.
+        The consumer ends in the same state as after block-by-block events, with a
+        handful of events instead of one per block.
+        """
+        for medium in (CPU, GPU):
+            records = self._stored[medium]
+            if records:
+                self._events.extend(self._chains(records, medium))
+                records.clear()
+        for medium, tier in ((CPU, self._host), (GPU, self._gpu)):
+            removed = self._removed[medium]
+            if removed:
+                gone = [h for h in dict.fromkeys(removed) if h not in tier]
+                if gone:
+                    self._events.append(BlockRemoved(block_hashes=gone, medium=medium))
+                removed.clear()
+
+    def _chains(
+        self, records: list[tuple[int, int | None, Sequence[int]]], medium: str
+    ) -> list[BlockStored]:
+        """Stored blocks as chain events (one per run of parent -> child), parents first."""
+        by_hash = {r[0]: r for r in records}
+        children: dict[int | None, list[int]] = {}
+        for h, parent, _tokens in by_hash.values():
+            children.setdefault(parent, []).append(h)
+        todo = [h for h, parent, _t in by_hash.values() if parent not in by_hash]
+        events: list[BlockStored] = []
+        while todo:
+            h = todo.pop()
+            parent = by_hash[h][1]
+            run: list[int] = []
+            tokens: list[int] = []
+            while True:
+                run.append(h)
+                tokens += _as_list(by_hash[h][2])
+                kids = children.get(h)
+                if not kids:
+                    break
+                h, *others = kids
+                todo.extend(others)
+            events.append(
                 BlockStored(
-                    block_hashes=[h],
-                    parent_block_hash=src.parent,
-                    token_ids=_as_list(req.tokens[i * bs : (i + 1) * bs]),
-                    block_size=bs,
-                    medium=GPU,
+                    block_hashes=run,
+                    parent_block_hash=parent,
+                    token_ids=tokens,
+                    block_size=self.block_size,
+                    medium=medium,
                 )
             )
+        return events
