@@ -12,6 +12,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -34,11 +35,25 @@ def free_port() -> int:
 
 
 class EmbeddedNats:
-    """A ``nats-server`` child process with JetStream, on loopback, in a temp dir."""
+    """A ``nats-server`` child process with JetStream, on loopback, in a temp dir.
 
-    def __init__(self, port: int | None = None, *, jetstream: bool = True) -> None:
+    ``store`` keeps JetStream's files in a directory that outlives ``stop``, so a
+    restart on the same port comes back with (or, once wiped, without) its streams;
+    ``args`` adds server flags (auth, TLS).
+    """
+
+    def __init__(
+        self,
+        port: int | None = None,
+        *,
+        jetstream: bool = True,
+        store: str | Path | None = None,
+        args: Sequence[str] = (),
+    ) -> None:
         self.port = port or free_port()
         self.jetstream = jetstream
+        self.store = store
+        self.args = tuple(args)
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
 
@@ -47,10 +62,13 @@ class EmbeddedNats:
         return f"nats://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 10.0) -> EmbeddedNats:
-        self._dir = tempfile.TemporaryDirectory(prefix="cache-router-nats-")
-        cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port)]
+        cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), *self.args]
         if self.jetstream:
-            cmd += ["-js", "-sd", self._dir.name]
+            store = self.store
+            if store is None:
+                self._dir = tempfile.TemporaryDirectory(prefix="cache-router-nats-")
+                store = self._dir.name
+            cmd += ["-js", "-sd", str(store)]
         self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -12,8 +12,6 @@ engines really have, the same as a replica started afresh.
 from __future__ import annotations
 
 import shutil
-import socket
-import subprocess
 import time
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -24,50 +22,12 @@ import pytest
 from replica_stack import MockStack, Replica, index_blocks, matches, prompt, send
 from router_double import until
 
-from router.natsd import free_port, nats_server_binary
-
-
-class RestartableNats:
-    """``nats-server -js`` on one port with its store in ``store``, to stop and start again."""
-
-    def __init__(self, store: Path) -> None:
-        self.port = free_port()
-        self.store = store
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port)]
-        cmd += ["-js", "-sd", str(self.store)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("nats-server did not start") from None
-                time.sleep(0.02)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
-        self.proc = None
-
-    def wipe(self) -> None:
-        shutil.rmtree(self.store)
-        self.store.mkdir()
+from router.natsd import EmbeddedNats
 
 
 @pytest.mark.parametrize("store", ["kept", "wiped"])
 async def test_nats_restart_mid_traffic(tmp_path: Path, store: str) -> None:
-    server = RestartableNats(tmp_path)
-    server.start()
+    server = EmbeddedNats(store=tmp_path).start()
     stack = await MockStack(server.url).start(2)
     prompts = [prompt(i) for i in range(18)]
 
@@ -88,7 +48,8 @@ async def test_nats_restart_mid_traffic(tmp_path: Path, store: str) -> None:
 
             server.stop()
             if store == "wiped":
-                server.wipe()
+                shutil.rmtree(tmp_path)
+                tmp_path.mkdir()
             await until(lambda: not any(r.state.bus.connected for r in replicas), what="down")
             for i, p in enumerate(prompts[6:12]):  # served while NATS is away
                 await send(http, replicas[i % 2], p)

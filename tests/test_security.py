@@ -9,9 +9,6 @@ throwaway CA made by ``trustme``).
 from __future__ import annotations
 
 import asyncio
-import socket
-import subprocess
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +27,7 @@ from starlette.routing import Route
 
 from router.app import RouterApp, nats_options
 from router.config import ConfigError, RouterConfig, WorkerSpec, load_config
-from router.natsd import free_port, nats_server_binary
+from router.natsd import EmbeddedNats
 
 
 @pytest.fixture
@@ -167,33 +164,9 @@ async def test_no_request_field_or_header_changes_the_upstream(router):
 # -- NATS credentials and TLS ---------------------------------------------------------
 
 
-class NatsProcess:
-    """``nats-server`` with extra flags (auth, TLS) on a free loopback port."""
-
-    def __init__(self, *flags: str) -> None:
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), *flags],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while True:
-            assert self.proc.poll() is None, "nats-server exited"
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                assert time.monotonic() < deadline, "nats-server did not start"
-                time.sleep(0.02)
-
-    @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
+def nats_process(*flags: str) -> EmbeddedNats:
+    """``nats-server`` with extra flags (auth, TLS), JetStream off, on a free loopback port."""
+    return EmbeddedNats(jetstream=False, args=flags).start()
 
 
 @pytest.fixture(scope="module")
@@ -257,7 +230,7 @@ async def router_on_nats(cfg: RouterConfig) -> None:
 
 
 async def test_nats_user_and_password():
-    server = NatsProcess("--user", "router", "--pass", "s3cret")
+    server = nats_process("--user", "router", "--pass", "s3cret")
     try:
         good = RouterConfig(nats_url=server.url, nats_user="router", nats_password="s3cret")
         assert await connects(good)
@@ -271,7 +244,7 @@ async def test_nats_user_and_password():
 
 
 async def test_nats_token():
-    server = NatsProcess("--auth", "t0ken")
+    server = nats_process("--auth", "t0ken")
     try:
         assert await connects(RouterConfig(nats_url=server.url, nats_token="t0ken"))
         assert not await connects(RouterConfig(nats_url=server.url, nats_token="nope"))
@@ -280,7 +253,7 @@ async def test_nats_token():
 
 
 async def test_nats_tls_and_mutual_tls(certs, tmp_path: Path):
-    server = NatsProcess("--tls", "--tlscert", certs["cert"], "--tlskey", certs["key"])
+    server = nats_process("--tls", "--tlscert", certs["cert"], "--tlskey", certs["key"])
     try:
         url = server.url
         assert await connects(RouterConfig(nats_url=url, nats_tls_ca=certs["ca"]))
@@ -293,7 +266,7 @@ async def test_nats_tls_and_mutual_tls(certs, tmp_path: Path):
     finally:
         server.stop()
     # the server requires a client certificate from the same CA
-    server = NatsProcess(
+    server = nats_process(
         "--tlsverify", "--tlscert", certs["cert"], "--tlskey", certs["key"],
         "--tlscacert", certs["ca"],
     )  # fmt: skip
