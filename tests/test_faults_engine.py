@@ -15,13 +15,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Awaitable
 
 import httpx
 import orjson
 import pytest
-from router_double import Served, until
+from router_double import Served, until, wait_healthy
 
 from agent.node import AgentConfig, NodeAgent
 from router.app import RouterApp
@@ -60,17 +59,8 @@ class EngineProcess:
         )  # fmt: skip
 
     async def ready(self) -> None:
-        deadline = time.monotonic() + 30
-        async with httpx.AsyncClient(timeout=1) as http:
-            while True:
-                assert self.proc is not None and self.proc.poll() is None, "engine exited"
-                try:
-                    if (await http.get(self.url + "/health")).status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "engine did not start"
-                await asyncio.sleep(0.05)
+        assert self.proc is not None
+        await wait_healthy(self.url, self.proc)
 
     def kill(self) -> None:
         assert self.proc is not None

@@ -10,37 +10,22 @@ is deterministic and bounded so the run fits the suite's budget.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
+from router_double import wait_healthy
 from schemathesis import GenerationMode
 
 from router.natsd import free_port
 
 MODEL = "mock-model"
 EXAMPLES = 15
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen[bytes], path: str) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + path, timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} did not come up")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +47,9 @@ def api_schema() -> Iterator[schemathesis.BaseSchema]:
         **quiet,
     )  # fmt: skip
     try:
-        _wait_healthy(f"http://127.0.0.1:{engine_port}", engine, "/health")
+        asyncio.run(wait_healthy(f"http://127.0.0.1:{engine_port}", engine))
         url = f"http://127.0.0.1:{router_port}"
-        _wait_healthy(url, router, "/health")
+        asyncio.run(wait_healthy(url, router))
         schema = schemathesis.openapi.from_url(url + "/openapi.json")
         schema.config.update(base_url=url, request_timeout=30)
         # coverage: boundary and schema-breaking values per field; fuzzing: random ones

@@ -13,7 +13,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from router_double import EngineDouble, Served, until
+from router_double import EngineDouble, Served, until, wait_healthy
 
 from router.app import RouterApp
 from router.config import ConfigError, RouterConfig, WorkerSpec, load_config
@@ -99,17 +98,8 @@ async def start_gateway_process(clusters: list[Cluster]) -> tuple[subprocess.Pop
     env = {**os.environ, "CACHE_ROUTER_HEALTH_INTERVAL": "0.2"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    async with httpx.AsyncClient(timeout=2) as http:
-        while True:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            try:
-                if (await http.get(url + "/health")).status_code == 200:
-                    return proc, url
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "gateway did not start"
-            await asyncio.sleep(0.05)
+    await wait_healthy(url, proc)
+    return proc, url
 
 
 async def ask(http: httpx.AsyncClient, session: str, text: str = "hello") -> tuple[str, str]:
