@@ -5,11 +5,12 @@ replays or dumps over NATS, as ``index/replay.py`` says."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import httpx
 import nats
@@ -19,6 +20,7 @@ import zmq
 import zmq.asyncio
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from router_double import until as wait_until
 
 from agent.node import AgentConfig, NodeAgent
 from index.codec import BlockStored, EventBatch, decode, encode
@@ -36,14 +38,8 @@ BS = 4
 FAST = Timing(speed=200.0)
 
 
-async def until(pred: Callable[[], bool], timeout: float = 15.0, what: str = "") -> None:
-    """Poll ``pred`` (bounded): tests wait for states, never assert on durations."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not pred():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what or pred}")
-        await asyncio.sleep(0.01)
+# Agent tests wait for whole engine->NATS->router round trips: a longer bound than usual.
+until = functools.partial(wait_until, timeout=15.0)
 
 
 def engine_config(**kw: object) -> MockEngineConfig:
