@@ -200,7 +200,6 @@ class NodeAgent:
     # -- engine events -------------------------------------------------------------
     async def _zmq_loop(self) -> None:
         assert self._sub is not None
-        await self._catch_up()  # an engine running before us: take what it buffers
         while True:
             frames = await self._sub.recv_multipart()
             parsed = parse_live(frames)
@@ -215,16 +214,16 @@ class NodeAgent:
                 log.exception("failed to handle engine batch %d", parsed[0])
 
     async def _monitor_loop(self, monitor: zmq.asyncio.Socket) -> None:
-        """A dropped engine connection may be a restart, maybe one that keeps seqs
-        rising, and whatever the engine published before we reconnected is lost to the
-        SUB socket. So on reconnect, ask the engine's replay socket rather than wait for
-        a next batch that a quiet engine may never send."""
+        """Whatever the engine published before a (re)connect is lost to the SUB socket
+        (PUB/SUB slow joiner), and a dropped connection may be a restart, maybe one that
+        keeps seqs rising. So on every connect, ask the engine's replay socket rather
+        than wait for a next batch that a quiet engine may never send."""
         try:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_DISCONNECTED:
                     self._suspect_restart = True
-                elif event["event"] == zmq.EVENT_CONNECTED and self._suspect_restart:
+                elif event["event"] == zmq.EVENT_CONNECTED:
                     async with self._engine_lock:
                         await self._check_restart()
                         await self._catch_up()
