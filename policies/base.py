@@ -29,7 +29,6 @@ class RouteRequest:
     block_size: int
     session_key: str | None = None
     max_tokens: int | None = None
-    prompt_text: str | None = None  # for text-keyed baselines only
 
 
 @dataclass(slots=True)

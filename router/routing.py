@@ -132,9 +132,9 @@ class Router:
         pool = workers[0].pool
         if size_hint > self.cfg.offload_chars and self.executor is not None:
             loop = asyncio.get_running_loop()
-            ids, hashes, text = await loop.run_in_executor(self.executor, self._hash, parsed, pool)
+            ids, hashes = await loop.run_in_executor(self.executor, self._hash, parsed, pool)
         else:
-            ids, hashes, text = self._hash(parsed, pool)
+            ids, hashes = self._hash(parsed, pool)
         request = RouteRequest(
             request_id=parsed.request_id,
             model=parsed.model,
@@ -143,7 +143,6 @@ class Router:
             block_size=pool.block_size,
             session_key=parsed.session_key,
             max_tokens=max_tokens(parsed.body),
-            prompt_text=text,
         )
         return self.prepared(parsed, workers, request)
 
@@ -159,15 +158,15 @@ class Router:
         arm = self.experiment.assign(parsed.session_key).name
         return Prepared(parsed, workers[0].pool, workers, request, arm)
 
-    def _hash(self, parsed: Parsed, pool: Pool) -> tuple[Any, list[int], str | None]:
+    def _hash(self, parsed: Parsed, pool: Pool) -> tuple[Any, list[int]]:
         body = parsed.body
         tok = self.tokenizers.get(parsed.model)
         if parsed.kind == "chat":
-            ids, text = tok.chat(body)
+            ids, _ = tok.chat(body)
         else:
-            ids, text = tok.completion(body["prompt"], bool(body.get("add_special_tokens", True)))
+            ids, _ = tok.completion(body["prompt"], bool(body.get("add_special_tokens", True)))
         extras = salt_extras(body.get("cache_salt")) if body.get("cache_salt") else None
-        return ids, pool.hasher.hash_tokens(ids, block_extras=extras), text
+        return ids, pool.hasher.hash_tokens(ids, block_extras=extras)
 
     # -- decide ------------------------------------------------------------------
     def views(
