@@ -300,8 +300,9 @@ vllm:gpu_cache_usage_perc 0.1
 
 def test_load_from_vllm_sglang_and_old_vllm_metrics() -> None:
     r = parse_load(VLLM_METRICS, ts=5.0)
-    assert (r.running, r.waiting, r.kv_usage, r.ts) == (5, 1, 0.375, 5.0)
-    assert r.to_json() == {"running": 5, "waiting": 1, "kv_usage": 0.375, "ts": 5.0}
+    # counts summed over DP ranks; usage is the fullest rank's (the one that queues)
+    assert (r.running, r.waiting, r.kv_usage, r.ts) == (5, 1, 0.5, 5.0)
+    assert r.to_json() == {"running": 5, "waiting": 1, "kv_usage": 0.5, "ts": 5.0}
     r = parse_load(SGLANG_METRICS)
     assert (r.running, r.waiting, r.kv_usage) == (4, 6, 0.75)
     assert parse_load(OLD_VLLM_METRICS).kv_usage == pytest.approx(0.1)
