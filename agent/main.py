@@ -7,6 +7,16 @@ import argparse
 from agent.node import AgentConfig, NodeAgent
 from router.cli import serve_until_signalled
 
+NATS_AUTH = (
+    "nats_user",
+    "nats_password",
+    "nats_token",
+    "nats_credentials",
+    "nats_tls_ca",
+    "nats_tls_cert",
+    "nats_tls_key",
+)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-id", required=True, help="this engine's id in the pool")
@@ -19,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-interval", type=float, default=1.0, help="seconds; 0 disables")
     parser.add_argument("--buffer", type=int, default=10_000, help="batches kept for replay")
     parser.add_argument("--topic", default="", help="ZMQ topic the engine publishes under")
+    auth = parser.add_argument_group("NATS credentials and TLS (as the router's nats_* settings)")
+    for name in NATS_AUTH:
+        auth.add_argument("--" + name.replace("_", "-"))
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -36,6 +49,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         load_interval=args.load_interval,
         buffer=args.buffer,
         topic=args.topic,
+        **{name: getattr(args, name) for name in NATS_AUTH},
     )
 
 

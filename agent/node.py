@@ -39,6 +39,7 @@ from agent.load import parse_load
 from agent.prefetch import PrefetchForwarder
 from index.codec import norm_hash
 from index.replay import ReplayMessage, ReplayRequest
+from router.bus import nats_options
 from router.jetstream import DEFAULT_MAX_AGE, DEFAULT_MAX_BYTES, DEFAULT_STREAM, StreamSpec
 from router.jetstream import ensure_stream as ensure_event_stream
 
@@ -58,6 +59,14 @@ class AgentConfig:
     buffer: int = 10_000
     topic: str = ""
     replay_timeout: float = 1.0  # seconds without a reply before a replay gives up
+    # NATS credentials and TLS, as the router's config has them (router.bus.nats_options)
+    nats_user: str | None = None
+    nats_password: str | None = None
+    nats_token: str | None = None
+    nats_credentials: str | None = None
+    nats_tls_ca: str | None = None
+    nats_tls_cert: str | None = None
+    nats_tls_key: str | None = None
     events_stream: str | None = DEFAULT_STREAM  # created if missing; None: leave streams alone
     events_max_age: float = DEFAULT_MAX_AGE
     events_max_bytes: int = DEFAULT_MAX_BYTES
@@ -162,6 +171,7 @@ class NodeAgent:
             error_cb=self._on_nats_error,
             disconnected_cb=self._on_nats_disconnect,
             reconnected_cb=self._on_nats_reconnect,
+            **nats_options(self.cfg),
         )
 
     async def _on_nats_reconnect(self) -> None:

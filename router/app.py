@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import ssl
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +27,7 @@ from starlette.exceptions import HTTPException
 
 from policies.experiments import Arm, Experiment
 from router.admin import admin_router
-from router.bus import Bus
+from router.bus import Bus, nats_options
 from router.config import RouterConfig
 from router.edge import Edge
 from router.errors import ApiError, error_body
@@ -54,25 +53,6 @@ def make_experiment(cfg: RouterConfig) -> Experiment:
         Arm(cfg.policy, cfg.policy, cfg.policy_params)
     ]
     return Experiment(arms, salt=cfg.experiment)
-
-
-def nats_options(cfg: RouterConfig) -> dict[str, Any]:
-    """Credentials and TLS for ``nats.connect`` (nothing set: a plain connection)."""
-    opts: dict[str, Any] = {}
-    if cfg.nats_user is not None:
-        opts["user"] = cfg.nats_user
-        opts["password"] = cfg.nats_password or ""
-    if cfg.nats_token is not None:
-        opts["token"] = cfg.nats_token
-    if cfg.nats_credentials is not None:
-        opts["user_credentials"] = cfg.nats_credentials
-    tls = cfg.nats_tls_ca or cfg.nats_tls_cert
-    if tls or (cfg.nats_url or "").startswith("tls://"):
-        ctx = ssl.create_default_context(cafile=cfg.nats_tls_ca)
-        if cfg.nats_tls_cert is not None:
-            ctx.load_cert_chain(cfg.nats_tls_cert, cfg.nats_tls_key)
-        opts["tls"] = ctx
-    return opts
 
 
 class RouterState:

@@ -10,13 +10,47 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import nats
 from nats.aio.client import Client
 
 log = logging.getLogger(__name__)
+
+
+class NatsSettings(Protocol):
+    """The connection settings the router config and the agent config both carry."""
+
+    nats_url: str | None
+    nats_user: str | None
+    nats_password: str | None
+    nats_token: str | None
+    nats_credentials: str | None
+    nats_tls_ca: str | None
+    nats_tls_cert: str | None
+    nats_tls_key: str | None
+
+
+def nats_options(cfg: NatsSettings) -> dict[str, Any]:
+    """Credentials and TLS for ``nats.connect`` (nothing set: a plain connection)."""
+    opts: dict[str, Any] = {}
+    if cfg.nats_user is not None:
+        opts["user"] = cfg.nats_user
+        opts["password"] = cfg.nats_password or ""
+    if cfg.nats_token is not None:
+        opts["token"] = cfg.nats_token
+    if cfg.nats_credentials is not None:
+        opts["user_credentials"] = cfg.nats_credentials
+    tls = cfg.nats_tls_ca or cfg.nats_tls_cert
+    if tls or (cfg.nats_url or "").startswith("tls://"):
+        ctx = ssl.create_default_context(cafile=cfg.nats_tls_ca)
+        if cfg.nats_tls_cert is not None:
+            ctx.load_cert_chain(cfg.nats_tls_cert, cfg.nats_tls_key)
+        opts["tls"] = ctx
+    return opts
+
 
 Hook = Callable[[Client], Awaitable[None]]
 LostHook = Callable[[], Awaitable[None]]

@@ -25,7 +25,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from router.app import RouterApp, nats_options
+from router.app import RouterApp
+from router.bus import nats_options
 from router.config import ConfigError, RouterConfig, WorkerSpec, load_config
 from router.natsd import EmbeddedNats
 
@@ -304,3 +305,51 @@ def test_nats_credential_settings_are_checked(tmp_path: Path):
     )
     assert nats_options(cfg) == {"user": "u", "password": "p", "user_credentials": str(creds)}
     assert cfg.api_keys == ["k1", "k2"]
+
+
+async def test_agent_takes_the_same_nats_credentials() -> None:
+    """The node agent's --nats-* flags reach nats.connect: with them its events arrive."""
+    import argparse
+
+    from agent import main as agent_main
+    from agent.node import NodeAgent
+    from index.codec import BlockStored
+    from sim.mock_publisher import KvEventPublisher
+
+    server = nats_process("--user", "agent", "--pass", "s3cret")
+    engine = KvEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    engine.start()
+    parser = argparse.ArgumentParser()
+    agent_main.add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--worker-id",
+            "w-auth",
+            "--zmq-endpoint",
+            engine.endpoint,
+            "--replay-endpoint",
+            engine.replay_endpoint or "",
+            "--nats-url",
+            server.url,
+            "--load-interval",
+            "0",
+            "--nats-user",
+            "agent",
+            "--nats-password",
+            "s3cret",
+        ]
+    )
+    cfg = agent_main.config_from_args(args)
+    cfg.events_stream = None  # this server runs without JetStream
+    assert (cfg.nats_user, cfg.nats_password) == ("agent", "s3cret")
+    nc = await nats.connect(server.url, user="agent", password="s3cret")
+    try:
+        sub = await nc.subscribe("kv.events.w-auth")
+        async with NodeAgent(cfg):
+            engine.publish([BlockStored([1], None, [1] * 16, 16, medium="GPU")])
+            msg = await sub.next_msg(timeout=10)
+            assert msg.headers is not None and msg.headers["Kv-Seq"] == "0"
+    finally:
+        await nc.close()
+        await engine.close()
+        server.stop()
