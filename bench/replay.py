@@ -120,6 +120,7 @@ def ratios(entry: dict[str, Any]) -> dict[str, float | None]:
 _COLUMNS = (
     ("hit_rate", "hit rate", "{:.3f}"),
     ("hit_rate_host", "host hits", "{:.3f}"),
+    ("hit_rate_best_worker", "best-worker hit", "{:.3f}"),
     ("ttft_mean_ms", "TTFT mean", "{:.0f}"),
     ("ttft_p50_ms", "p50", "{:.0f}"),
     ("ttft_p90_ms", "p90", "{:.0f}"),
@@ -137,7 +138,8 @@ def markdown(entry: dict[str, Any]) -> str:
     rule = "|" + "---|" * (len(_COLUMNS) + 1)
     lines = [
         f"**{entry['trace']}**: {entry['requests']} requests, {entry['workers']} workers, "
-        f"ideal hit rate **{entry['ideal_hit_rate']:.3f}**",
+        f"ideal hit rate **{entry['ideal_hit_rate']:.3f}** (one infinite cache), "
+        f"**{entry['pooled_lru_hit_rate']:.3f}** (one LRU cache of the pool's capacity)",
         "",
         head,
         rule,
@@ -190,6 +192,9 @@ def main() -> None:
             "requests": len(trace.requests),
             "workers": args.workers,
             "ideal_hit_rate": trace.ideal_hit_rate(),
+            "pooled_lru_hit_rate": trace.pooled_lru_hit_rate(
+                args.workers * (args.l1_blocks + args.l2_blocks)
+            ),
             "load_s": load_s,
             "ours_wall_s": time.perf_counter() - started,
             "ours": ours,
