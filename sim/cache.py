@@ -139,11 +139,6 @@ class PrefixCache:
     def host_hashes(self) -> set[int]:
         return set(self._host)
 
-    def block_tokens(self, block_hash: int) -> Sequence[int] | None:
-        """The tokens of a cached block (kept only with a host tier), for transfers."""
-        block = self._gpu.get(block_hash) or self._host.get(block_hash)
-        return None if block is None else block.tokens
-
     def lookup(self, hashes: Sequence[int]) -> tuple[int, int]:
         """(leading blocks in GPU, further leading blocks reachable through host memory)."""
         gpu, host = self._gpu, self._host

@@ -203,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
     policies = _check(args)
     if isinstance(policies, str):
         return _fail(policies)
+    if sys.stderr.isatty():
+        sys.stderr.write(f"replay: reading and hashing {args.trace} ...\n")
     try:
         trace = load_trace(
             args.trace,

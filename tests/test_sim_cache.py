@@ -270,3 +270,19 @@ def test_events_through_codec_and_ingest_match_the_cache() -> None:
         match = index.match_tiers(hasher.hash_tokens(tokens)).get("w0")
         got = (match.gpu, match.cpu - match.gpu) if match else (0, 0)
         assert got == (gpu, host)
+
+
+def test_clear_drops_everything_once_no_request_holds_pages() -> None:
+    cache = PrefixCache(BS, 8, host_blocks=4)
+    tokens = prompt(0, 12)
+    cache.allocate("a", tokens)
+    cache.commit("a", 12)
+    with pytest.raises(RuntimeError):
+        cache.clear()
+    cache.release("a")
+    cache.prefetch(prompt(1, 8))
+    cache.drain_events()
+    cache.clear()
+    assert cache.drain_events() == [AllBlocksCleared()]
+    assert cache.gpu_used == cache.host_used == 0
+    assert cache.lookup(cache.hash_blocks(tokens)) == (0, 0)
