@@ -14,22 +14,23 @@ import psutil
 
 
 def test_demo_compares_policies_and_cache_aware_wins_on_hit_rate() -> None:
+    # Low load (as many sessions at once as engines): what separates the policies is
+    # where a session's next turn lands, not how a burst is spread.
+    flags = [
+        "--json",
+        "--engines",
+        "3",
+        "--sessions",
+        "6",
+        "--turns",
+        "4",
+        "--concurrency",
+        "3",
+        "--speed",
+        "4",
+    ]
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "router.cli",
-            "demo",
-            "--json",
-            "--engines",
-            "2",
-            "--sessions",
-            "8",
-            "--turns",
-            "3",
-            "--speed",
-            "4",
-        ],
+        [sys.executable, "-m", "router.cli", "demo", *flags],
         capture_output=True,
         text=True,
         timeout=240,
@@ -39,7 +40,7 @@ def test_demo_compares_policies_and_cache_aware_wins_on_hit_rate() -> None:
     by_policy = {r["policy"]: r for r in report["results"]}
     assert set(by_policy) == {"round_robin", "cache_aware"}
     for r in by_policy.values():
-        assert r["requests"] == 8 * 3 and r["errors"] == 0
+        assert r["requests"] == 6 * 4 and r["errors"] == 0
         assert r["ttft_p50_ms"] > 0
     assert by_policy["cache_aware"]["hit_rate"] > by_policy["round_robin"]["hit_rate"]
 
