@@ -24,7 +24,7 @@ import httpx
 import orjson
 
 from router.cli import signalled
-from router.natsd import EmbeddedNats, free_port
+from router.natsd import EmbeddedNats, free_ports
 
 MODEL = "mock-model"
 
@@ -56,11 +56,11 @@ class Stack:
 
 
 def _spawn(args: list[str]) -> subprocess.Popen[bytes]:
+    """One part, quiet but for warnings and errors, which go to the demo's stderr."""
     return subprocess.Popen(
-        [sys.executable, "-m", "router.cli", *args],
+        [sys.executable, "-m", "router.cli", *args, "--log-level=warning"],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
     )
 
 
@@ -97,10 +97,11 @@ async def stack(
     """Engines + agents + router as subprocesses; all stopped on the way out."""
     procs: list[subprocess.Popen[bytes]] = []
     engines: dict[str, str] = {}
+    ports = free_ports(3 * args.engines + 1)
     try:
         for i in range(args.engines):
             wid = f"engine-{i}"
-            http_port, pub, rep = free_port(), free_port(), free_port()
+            http_port, pub, rep = ports[3 * i : 3 * i + 3]
             engines[wid] = f"http://127.0.0.1:{http_port}"
             procs.append(
                 _spawn(
@@ -131,7 +132,7 @@ async def stack(
                     ]
                 )
             )
-        router_port = port or free_port()
+        router_port = port or ports[-1]
         procs.append(
             _spawn(
                 [
@@ -141,7 +142,6 @@ async def stack(
                     f"--nats-url={nats_url}",
                     f"--policy={policy}",
                     f"--block-size={args.block_size}",
-                    "--log-level=warning",
                     *(f"--worker={wid}={url}" for wid, url in engines.items()),
                 ]
             )

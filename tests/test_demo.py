@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import openai
@@ -45,16 +46,19 @@ def test_demo_compares_policies_and_cache_aware_wins_on_hit_rate() -> None:
     assert by_policy["cache_aware"]["hit_rate"] > by_policy["round_robin"]["hit_rate"]
 
 
-def test_demo_serve_prints_its_parts_and_leaves_nothing_running() -> None:
+def test_demo_serve_prints_its_parts_and_leaves_nothing_running(tmp_path: Path) -> None:
+    stderr = (tmp_path / "stderr").open("w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "router.cli", "demo", "--serve", "--engines", "2"],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=stderr,
         text=True,
     )
     try:
         assert proc.stdout is not None
-        lines = [json.loads(proc.stdout.readline()) for _ in range(4)]
+        raw = [proc.stdout.readline() for _ in range(4)]
+        assert all(raw), f"demo --serve stopped early: {(tmp_path / 'stderr').read_text()}"
+        lines = [json.loads(line) for line in raw]
         assert "router" in lines[0]
         assert [line["engine"] for line in lines[1:3]] == ["engine-0", "engine-1"]
         assert lines[3] == {"ready": True}
