@@ -367,6 +367,8 @@ class PrefixIndex:
         entries = self._entries
         tick = self._tick
         depth = 0
+        # The probe is ``_bisect``'s ``holders`` written inline: a call per block would
+        # cost this loop about a quarter more.
         for h in hashes:
             e = entries.get(h)
             if e is None:
