@@ -80,8 +80,9 @@ class RefCache:
         for h in hashes[:run]:
             if h not in self.gpu:
                 self.gpu[h] = 1
-                self.host.remove(h)
-                self.host.append(h)
+                if h in self.host:  # the demotions above may have pushed it out already
+                    self.host.remove(h)
+                    self.host.append(h)
                 loaded += 1
         self.private += total - run
         self.reqs[rid] = {"hashes": hashes, "pinned": list(hashes[:run]), "private": total - run}
