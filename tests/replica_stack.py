@@ -66,7 +66,7 @@ class MockStack:
         self.engines: list[MockEngine] = []
         self.agents: list[NodeAgent] = []
 
-    async def start(self, n: int, buffer: int = 10_000) -> MockStack:
+    async def start(self, n: int, buffer: int = 10_000, load_interval: float = 0) -> MockStack:
         for i in range(n):
             cfg = MockEngineConfig(
                 worker_id=f"m{i}",
@@ -86,7 +86,7 @@ class MockStack:
                     replay_endpoint=engine.replay_endpoint,
                     engine_url=engine.url,
                     nats_url=self.nats_url,
-                    load_interval=0,
+                    load_interval=load_interval,
                     replay_timeout=0.5,
                     buffer=buffer,
                 )

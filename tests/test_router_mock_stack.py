@@ -14,18 +14,16 @@ import httpx
 import nats
 import openai
 import pytest
+from replica_stack import BS, MODEL, MockStack
 from router_double import Served, until
 
-from agent.node import AgentConfig, NodeAgent
+from agent.node import NodeAgent
 from index.codec import BlockRemoved, decode
 from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
 from router.events import last_seq
-from sim.mock_engine import MockEngine, MockEngineConfig
-from sim.mock_scheduler import Timing
+from sim.mock_engine import MockEngine
 
-BS = 16
-MODEL = "mock-model"
 AUTH = {"authorization": "Bearer t"}
 SYSTEM = "You are the assistant of a cache-aware router test; answer in a few words. " * 3
 
@@ -52,45 +50,20 @@ class Stack:
 
 @pytest.fixture
 async def stack(nats_url: str) -> AsyncIterator[Stack]:
-    engines, agents = [], []
-    for i in range(3):
-        cfg = MockEngineConfig(
-            worker_id=f"m{i}",
-            model=MODEL,
-            block_size=BS,
-            gpu_blocks=32,
-            zmq_endpoint="tcp://127.0.0.1:*",
-            replay_endpoint="tcp://127.0.0.1:*",
-            timing=Timing(speed=200.0),
-        )
-        engine = await MockEngine(cfg).start()
-        engines.append(engine)
-        agent_cfg = AgentConfig(
-            worker_id=cfg.worker_id,
-            zmq_endpoint=engine.zmq_endpoint or "",
-            replay_endpoint=engine.replay_endpoint,
-            engine_url=engine.url,
-            nats_url=nats_url,
-            load_interval=0.1,
-            replay_timeout=0.5,
-        )
-        agents.append(await NodeAgent(agent_cfg).start())
+    mocks = await MockStack(nats_url).start(3, load_interval=0.1)
     router_cfg = RouterConfig(
         nats_url=nats_url,
         block_size=BS,
         admin_token="t",
         health_interval=0.2,
-        workers=[WorkerSpec(e.cfg.worker_id, e.url, model=MODEL) for e in engines],
+        workers=[WorkerSpec(e.cfg.worker_id, e.url, model=MODEL) for e in mocks.engines],
     )
-    s = Stack(engines, agents, RouterApp(router_cfg))
+    s = Stack(mocks.engines, mocks.agents, RouterApp(router_cfg))
     s.served = await Served(s.app).start()
     await until(lambda: s.app.state.bus.connected, what="router on NATS")
     yield s
     await s.served.stop()
-    for a in agents:
-        await a.stop()
-    for e in engines:
-        await e.stop()
+    await mocks.stop()
 
 
 async def test_conversation_stays_on_its_engine_and_hits_grow(stack: Stack) -> None:
