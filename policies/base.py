@@ -16,6 +16,10 @@ from typing import ClassVar
 from index.prefix_index import TierMatch
 
 NO_MATCH = TierMatch(0, 0, 0, 0)
+# Engine-reported running/waiting counts are bounded by this (the router refuses larger
+# reports, and policies clamp to it): no engine queues a million requests, and the bound
+# keeps every estimate's float arithmetic finite.
+MAX_ENGINE_COUNT = 1 << 20
 
 
 @dataclass(slots=True)

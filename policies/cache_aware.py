@@ -44,7 +44,15 @@ from typing import Any
 
 from index.prefix_index import TierMatch
 
-from .base import NO_MATCH, Decision, Policy, PrefetchHint, RouteRequest, WorkerView
+from .base import (
+    MAX_ENGINE_COUNT,
+    NO_MATCH,
+    Decision,
+    Policy,
+    PrefetchHint,
+    RouteRequest,
+    WorkerView,
+)
 from .cost_model import EngineCosts, admit_wait_ms, estimate_ttft_prefetched, prefetch_fits
 from .selection import argmin_random, healthy
 
@@ -113,11 +121,12 @@ class CacheAware(Policy):
                 pending = 0
             running = w.engine_running
             if running is not None and running - pending > dec:
-                dec = running - pending
+                dec = min(running, MAX_ENGINE_COUNT) - pending
             per_step = step + dec * ppt
             qt = w.inflight_prefill_tokens
             waiting = w.engine_waiting
             if waiting is not None and waiting > pending:
+                waiting = min(waiting, MAX_ENGINE_COUNT)  # a forged 1e308 must not overflow
                 qt += (waiting - pending) * (qt / pending if pending and qt else ntok)
             if qt > 0:
                 n_steps = qt * inv_budget

@@ -21,7 +21,7 @@ from typing import Any
 
 from index.prefix_index import TierMatch
 
-from .base import WorkerView
+from .base import MAX_ENGINE_COUNT, WorkerView
 
 _GB = 1e9
 
@@ -124,7 +124,7 @@ def decode_seqs(view: WorkerView) -> int:
     if view.engine_running is None:
         return view.decode_streams
     prefilling = max(view.inflight_requests - view.decode_streams, 0)
-    return max(view.decode_streams, view.engine_running - prefilling)
+    return max(view.decode_streams, min(view.engine_running, MAX_ENGINE_COUNT) - prefilling)
 
 
 def queue_tokens(view: WorkerView, fallback_tokens: float) -> float:
@@ -140,7 +140,7 @@ def queue_tokens(view: WorkerView, fallback_tokens: float) -> float:
         pending = max(view.inflight_requests - view.decode_streams, 0)
         if waiting > pending:
             per = tokens / pending if pending and tokens else fallback_tokens
-            tokens += (waiting - pending) * per
+            tokens += (min(waiting, MAX_ENGINE_COUNT) - pending) * per
     return tokens
 
 

@@ -13,11 +13,14 @@ in flight on the worker; ``own()`` is this router's part, the one it tells its p
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
+
+from policies.base import MAX_ENGINE_COUNT
 
 
 @dataclass(slots=True)
@@ -125,23 +128,37 @@ class Flight:
 
 
 def parse_load_report(data: bytes) -> EngineLoad:
-    """A ``kv.load.<worker>`` JSON report ``{running, waiting, kv_usage, ts}``."""
+    """A ``kv.load.<worker>`` JSON report ``{running, waiting, kv_usage, ts}``.
+
+    Anyone who may publish on ``kv.load.*`` writes these numbers into every routing
+    decision, so each is checked: finite, not negative, counts at most
+    ``MAX_ENGINE_COUNT``, usage at most 1 (a forged ``waiting: 1e308`` used to overflow
+    the policy's float math and turn every request into a 500). ``ValueError`` otherwise.
+    """
     obj = orjson.loads(data)
     if not isinstance(obj, dict):
         raise ValueError("load report is not a JSON object")
+    _num(obj.get("ts"), "ts", math.inf)  # unused, but a report with a bad one is not trusted
     return EngineLoad(
-        running=_num(obj.get("running"), int),
-        waiting=_num(obj.get("waiting"), int),
-        kv_usage=_num(obj.get("kv_usage"), float),
+        running=_count(obj.get("running"), "running"),
+        waiting=_count(obj.get("waiting"), "waiting"),
+        kv_usage=_num(obj.get("kv_usage"), "kv_usage", 1.0),
     )
 
 
-def _num(value: Any, kind: type) -> Any:
+def _num(value: Any, name: str, high: float) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"load report field is not a number: {value!r}")
-    return kind(value)
+        raise ValueError(f"load report {name} is not a number: {value!r}")
+    if not 0 <= value <= high:  # NaN fails this too
+        raise ValueError(f"load report {name} {value!r} is outside [0, {high:g}]")
+    return float(value)
+
+
+def _count(value: Any, name: str) -> int | None:
+    number = _num(value, name, MAX_ENGINE_COUNT)
+    return None if number is None else int(number)
 
 
 # Prometheus names (newest vLLM, older vLLM, SGLang); the first present in a scrape wins.
@@ -167,9 +184,11 @@ def parse_engine_metrics(text: str) -> EngineLoad:
             continue
         fields = line.rsplit("}", 1)[-1].split() if "{" in line else line.split()[1:]
         try:
-            values.setdefault(line[:name_end], []).append(float(fields[0]))
+            value = float(fields[0])
         except (IndexError, ValueError):
             continue
+        if 0 <= value <= MAX_ENGINE_COUNT:  # NaN, inf, negatives: not a load
+            values.setdefault(line[:name_end], []).append(value)
 
     def first(names: tuple[str, ...]) -> list[float] | None:
         return next((values[n] for n in names if n in values), None)
@@ -177,7 +196,7 @@ def parse_engine_metrics(text: str) -> EngineLoad:
     running, waiting = first(RUNNING_GAUGES), first(WAITING_GAUGES)
     usage = first(KV_USAGE_GAUGES)
     return EngineLoad(
-        running=None if running is None else int(sum(running)),
-        waiting=None if waiting is None else int(sum(waiting)),
-        kv_usage=None if usage is None else max(usage),
+        running=None if running is None else min(int(sum(running)), MAX_ENGINE_COUNT),
+        waiting=None if waiting is None else min(int(sum(waiting)), MAX_ENGINE_COUNT),
+        kv_usage=None if usage is None else min(max(usage), 1.0),
     )

@@ -1,0 +1,149 @@
+"""Forged and hostile NATS traffic: whoever can publish on the router's subjects.
+
+Each test first plays the attack as issue 10 found it (a real nats-server, engine
+doubles on loopback ports, the router in-process under uvicorn), then checks what the
+client and the index see now.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+import nats
+import orjson
+import pytest
+from router_double import EngineDouble, Served, until
+
+from policies.base import MAX_ENGINE_COUNT, RouteRequest, WorkerView
+from policies.registry import POLICY_NAMES, make_policy
+from router.app import RouterApp
+from router.config import RouterConfig, WorkerSpec
+from router.load import parse_load_report
+
+TOKEN = "t"
+
+
+class Stack:
+    def __init__(self, app: RouterApp, served: Served, engines: list[EngineDouble]) -> None:
+        self.app = app
+        self.served = served
+        self.engines = engines
+
+    @property
+    def state(self) -> Any:
+        return self.app.state
+
+    def http(self) -> httpx.AsyncClient:
+        headers = {"authorization": f"Bearer {TOKEN}"}
+        return httpx.AsyncClient(base_url=self.served.url, timeout=10, headers=headers)
+
+
+Make = Callable[..., Awaitable[Stack]]
+
+
+@pytest.fixture
+async def make_stack() -> AsyncIterator[Make]:
+    stacks: list[Stack] = []
+
+    async def make(nats_url: str, n: int = 2, **cfg_kw: Any) -> Stack:
+        engines = [await EngineDouble(f"w{i}", nats_url=nats_url).start() for i in range(n)]
+        settings: dict[str, Any] = {
+            "block_size": 4,
+            "admin_token": TOKEN,
+            "health_interval": 0.2,
+            "nats_url": nats_url,
+            "events_transport": "core",
+            **cfg_kw,
+        }
+        workers = [WorkerSpec(e.worker_id, e.url, model="m") for e in engines]
+        app = RouterApp(RouterConfig(workers=workers, **settings))
+        stack = Stack(app, await Served(app).start(), engines)
+        stacks.append(stack)
+        await until(lambda: stack.state.bus.connected, what="router on NATS")
+        return stack
+
+    yield make
+    for stack in stacks:
+        await stack.served.stop()
+        for e in stack.engines:
+            await e.stop()
+
+
+# -- load reports ------------------------------------------------------------------------
+
+FORGED_LOADS = [
+    b'{"running": 0, "waiting": 1e308, "kv_usage": 0.1}',  # the 500-for-everyone case
+    b'{"running": 1e308, "waiting": 0, "kv_usage": 0.1}',
+    b'{"running": 0, "waiting": -1000000, "kv_usage": 0}',  # used to pull every request
+    b'{"running": -3, "waiting": 0, "kv_usage": 0.5}',
+    b'{"running": 0, "waiting": 0, "kv_usage": -7}',
+    b'{"running": 0, "waiting": 0, "kv_usage": 1e300}',
+    b'{"running": 0, "waiting": 0, "kv_usage": 0.1, "ts": -1}',
+    b'{"running": 0, "waiting": 1e999, "kv_usage": 0.1}',  # inf in JSON text
+    b'{"running": 0, "waiting": NaN, "kv_usage": 0.1}',
+    b'{"running": "9", "waiting": 0, "kv_usage": 0.1}',
+]
+
+
+def test_load_report_numbers_are_bounded_and_finite() -> None:
+    for raw in FORGED_LOADS:
+        with pytest.raises(ValueError):
+            parse_load_report(raw)
+    ok = parse_load_report(b'{"running": 3, "waiting": 2.0, "kv_usage": 0.25, "ts": 1.5}')
+    assert (ok.running, ok.waiting, ok.kv_usage) == (3, 2, 0.25)
+    edge = parse_load_report(b'{"running": %d, "waiting": 0, "kv_usage": 1}' % MAX_ENGINE_COUNT)
+    assert edge.running == MAX_ENGINE_COUNT
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_no_policy_raises_on_extreme_engine_numbers(name: str) -> None:
+    """Defence in depth: views built by other code (the simulator, a future transport)."""
+    policy = make_policy(name, random.Random(1))
+    request = RouteRequest("r", "m", 64, list(range(16)), 4, session_key="s", max_tokens=8)
+    extremes: list[Any] = [10**400, 1e308, float("inf"), MAX_ENGINE_COUNT * 10, 0]
+    for value in extremes:
+        views = [
+            WorkerView("a", engine_running=value, engine_waiting=value, kv_usage=1.0),
+            WorkerView("b", engine_running=0, engine_waiting=value, inflight_prefill_tokens=9),
+            WorkerView("c", inflight_requests=2, inflight_prefill_tokens=100),
+        ]
+        decision = policy.select(request, views)
+        assert decision.worker_id in ("a", "b", "c"), (name, value)
+
+
+async def test_forged_load_reports_do_not_break_or_steer_routing(nats_url, make_stack) -> None:
+    stack = await make_stack(nats_url)
+    nc = await nats.connect(nats_url)
+    picked: dict[str, int] = {"w0": 0, "w1": 0}
+    try:
+        async with stack.http() as http:
+            for i in range(40):
+                for raw in FORGED_LOADS:
+                    await nc.publish("kv.load.w0", raw)
+                await nc.flush()
+                r = await http.post(
+                    "/v1/completions", json={"model": "m", "prompt": f"{i:03d} distinct words"}
+                )
+                assert r.status_code == 200, r.text
+                picked[r.headers["x-cache-router-worker"]] += 1
+                r = await http.post("/admin/explain", json={"model": "m", "prompt": "x y z w"})
+                assert r.status_code == 200, r.text
+        counts = stack.state.events.counts
+        await until(lambda: counts["load_malformed"] == 40 * len(FORGED_LOADS), what="all refused")
+        engine = stack.state.registry.get("w0").load.engine
+        assert engine.waiting is None or 0 <= engine.waiting <= MAX_ENGINE_COUNT
+        # the negative queue used to pull 29 of 30 decisions to w0; now nothing steers them
+        assert picked["w1"] >= 8, picked
+    finally:
+        await nc.close()
+
+
+async def test_a_real_load_report_still_counts(nats_url, make_stack) -> None:
+    stack = await make_stack(nats_url)
+    await stack.engines[0].report_load(running=5, waiting=7, kv_usage=0.5)
+    w0 = stack.state.registry.get("w0")
+    await until(lambda: w0.load.engine.waiting == 7, what="report applied")
+    assert orjson.loads(orjson.dumps(w0.load.snapshot()))["kv_usage"] == 0.5
