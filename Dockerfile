@@ -7,5 +7,5 @@ COPY policies ./policies
 COPY router ./router
 COPY sim ./sim
 COPY agent ./agent
-RUN pip install --no-cache-dir .
+RUN pip install --no-cache-dir '.[demo,sim]'
 ENTRYPOINT ["cache-router"]

