@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from index import wire
 from router.load import parse_engine_metrics
 
 
@@ -19,7 +20,7 @@ class LoadReport:
     kv_usage: float
     ts: float
 
-    def to_json(self) -> dict[str, float | int]:
+    def to_json(self) -> wire.LoadReport:
         return {
             "running": self.running,
             "waiting": self.waiting,

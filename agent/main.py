@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from agent.node import AgentConfig, NodeAgent
+from index.wire import DEFAULT_PREFIX
 from router.cli import serve_until_signalled
 
 NATS_AUTH = (
@@ -24,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replay-endpoint", help="the engine's KV-event replay ROUTER socket")
     parser.add_argument("--engine-url", help="engine HTTP base URL (/metrics, mock /prefetch)")
     parser.add_argument("--nats-url", default="nats://127.0.0.1:4222")
-    parser.add_argument("--subject-prefix", default="kv")
+    parser.add_argument("--subject-prefix", default=DEFAULT_PREFIX)
     parser.add_argument("--prefetch-hook", help="URL to POST prefetch hints to (real engines)")
     parser.add_argument("--load-interval", type=float, default=1.0, help="seconds; 0 disables")
     parser.add_argument("--buffer", type=int, default=10_000, help="batches kept for replay")

@@ -39,8 +39,18 @@ from agent.load import parse_load
 from agent.prefetch import PrefetchForwarder
 from index.codec import norm_hash
 from index.replay import ReplayMessage, ReplayRequest
+from index.wire import (
+    DEFAULT_MAX_AGE,
+    DEFAULT_MAX_BYTES,
+    DEFAULT_PREFIX,
+    DEFAULT_STREAM,
+    DP_RANK_HEADER,
+    EPOCH_HEADER,
+    SEQ_HEADER,
+    Subjects,
+)
 from router.bus import nats_options
-from router.jetstream import DEFAULT_MAX_AGE, DEFAULT_MAX_BYTES, DEFAULT_STREAM, StreamSpec
+from router.jetstream import StreamSpec
 from router.jetstream import ensure_stream as ensure_event_stream
 
 log = logging.getLogger(__name__)
@@ -53,7 +63,7 @@ class AgentConfig:
     nats_url: str
     engine_url: str | None = None  # for /metrics and (mock engine) /prefetch
     replay_endpoint: str | None = None
-    subject_prefix: str = "kv"
+    subject_prefix: str = DEFAULT_PREFIX
     prefetch_hook: str | None = None  # a real engine's prefetch endpoint
     load_interval: float = 1.0
     buffer: int = 10_000
@@ -90,12 +100,12 @@ class NodeAgent:
         self._engine_lock = asyncio.Lock()  # one engine-event handler at a time
         self._stopping = False
         self._last: Accepted | None = None  # the newest batch, published or not
-        p = cfg.subject_prefix
-        self.events_subject = f"{p}.events.{cfg.worker_id}"
-        self.replay_subject = f"{p}.replay.{cfg.worker_id}"
-        self.prefetch_subject = f"{p}.prefetch.{cfg.worker_id}"
-        self.load_subject = f"{p}.load.{cfg.worker_id}"
-        self.blocks_subject = f"{p}.blocks.{cfg.worker_id}"
+        self.subjects = subjects = Subjects(cfg.subject_prefix)
+        self.events_subject = subjects.events(cfg.worker_id)
+        self.replay_subject = subjects.replay(cfg.worker_id)
+        self.prefetch_subject = subjects.prefetch(cfg.worker_id)
+        self.load_subject = subjects.load(cfg.worker_id)
+        self.blocks_subject = subjects.blocks(cfg.worker_id)
 
     # -- lifecycle ----------------------------------------------------------------
     async def start(self) -> NodeAgent:
@@ -308,9 +318,9 @@ class NodeAgent:
         if acc is None:
             return
         self._last = acc
-        headers = {"Kv-Seq": str(acc.seq), "Kv-Epoch": acc.epoch}
+        headers = {SEQ_HEADER: str(acc.seq), EPOCH_HEADER: acc.epoch}
         if acc.dp_rank is not None:
-            headers["Kv-Dp-Rank"] = str(acc.dp_rank)
+            headers[DP_RANK_HEADER] = str(acc.dp_rank)
         try:
             assert self.nc is not None
             await self.nc.publish(self.events_subject, acc.payload, headers=headers)
@@ -366,7 +376,7 @@ class NodeAgent:
         if source == self.cfg.worker_id:
             tokens = self.core.mirror.tokens_of([norm_hash(h) for h in hashes])
         else:
-            subject = f"{self.cfg.subject_prefix}.blocks.{source}"
+            subject = self.subjects.blocks(source)
             reply = await self.nc.request(subject, orjson.dumps({"block_hashes": hashes}), 1.0)
             tokens = orjson.loads(reply.data).get("token_ids") or []
         if not tokens:

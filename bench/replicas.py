@@ -31,6 +31,7 @@ import nats
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from index.codec import BlockStored, EventBatch, encode
+from index.wire import EPOCH_HEADER, SEQ_HEADER, Subjects
 from router.bus import Bus
 from router.config import RouterConfig, WorkerSpec
 from router.events import EventSync
@@ -81,7 +82,8 @@ async def rebuild(url: str, workers: int, n: int, seed: int) -> dict[str, float]
     spec = StreamSpec(max_bytes=1 << 31)
     await nc.jsm().add_stream(spec.config())
     for wid, seq, payload in data:
-        await nc.publish(f"kv.events.{wid}", payload, headers={"Kv-Seq": str(seq), "Kv-Epoch": "e"})
+        headers = {SEQ_HEADER: str(seq), EPOCH_HEADER: "e"}
+        await nc.publish(Subjects().events(wid), payload, headers=headers)
     await nc.flush()
     await nc.close()
 

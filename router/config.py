@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from index.wire import DEFAULT_PREFIX
+
 ENV_PREFIX = "CACHE_ROUTER_"
 DEFAULT_POOL = "default"
 # Policies that need neither prompt tokens nor the prefix index: what a gateway can run.
@@ -79,7 +81,7 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     nats_url: str | None = None  # None: no KV events, route on load alone
-    subject_prefix: str = "kv"
+    subject_prefix: str = DEFAULT_PREFIX
     block_size: int = 16
     policy: str = "cache_aware"
     policy_params: dict[str, Any] = field(default_factory=dict)

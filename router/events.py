@@ -26,6 +26,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from index.codec import CodecError, DecodedBatch, decode
 from index.ingest import EventIngest, SeqStatus
 from index.replay import ReplayMessage, ReplayRequest
+from index.wire import DEFAULT_PREFIX, DP_RANK_HEADER, EPOCH_HEADER, SEQ_HEADER, Subjects
 from router.load import parse_load_report
 from router.workers import WorkerRegistry
 
@@ -52,7 +53,7 @@ class EventSync:
     def __init__(
         self,
         registry: WorkerRegistry,
-        prefix: str = "kv",
+        prefix: str = DEFAULT_PREFIX,
         *,
         replay_timeout: float = 2.0,
         max_pending: int = 10_000,
@@ -70,19 +71,20 @@ class EventSync:
         # The dp rank each worker's live batches name: replayed batches carry none, and
         # ingest keeps one seq space per rank, so replays must land in the live one.
         self._rank: dict[str, int | None] = {}
-        self._events_prefix = f"{prefix}.events."
-        self._load_prefix = f"{prefix}.load."
+        self.subjects = Subjects(prefix)
+        self._events_prefix = self.subjects.events("")
+        self._load_prefix = self.subjects.load("")
 
     # -- wiring ------------------------------------------------------------------
     async def attach(self, nc: Client) -> None:
         """Take load reports (and send replay requests) on ``nc``; nats-py re-subscribes
         by itself after reconnects."""
         self._nc = nc
-        await nc.subscribe(f"{self.prefix}.load.*", cb=self._on_load)
+        await nc.subscribe(self.subjects.all_loads, cb=self._on_load)
 
     async def subscribe_events(self, nc: Client) -> None:
         """Live events from core NATS (when no stream reader delivers them)."""
-        await nc.subscribe(f"{self.prefix}.events.>", cb=self.on_event)
+        await nc.subscribe(self.subjects.all_events, cb=self.on_event)
 
     def resync_all(self) -> None:
         """Once events flow again: ask every worker's agent for what this router has not seen."""
@@ -127,9 +129,9 @@ class EventSync:
             return
         headers = msg.headers or {}
         try:
-            seq = int(headers["Kv-Seq"])
-            rank = headers.get("Kv-Dp-Rank")
-            live = Live(seq, msg.data, int(rank) if rank else None, headers.get("Kv-Epoch"))
+            seq = int(headers[SEQ_HEADER])
+            rank = headers.get(DP_RANK_HEADER)
+            live = Live(seq, msg.data, int(rank) if rank else None, headers.get(EPOCH_HEADER))
             self._rank[worker_id] = live.dp_rank
         except (KeyError, ValueError):
             self.counts["bad_headers"] += 1
@@ -220,7 +222,7 @@ class EventSync:
             inbox = nc.new_inbox()
             sub = await nc.subscribe(inbox)
             try:
-                subject = f"{self.prefix}.replay.{worker_id}"
+                subject = self.subjects.replay(worker_id)
                 await nc.publish(subject, ReplayRequest(from_seq).encode(), reply=inbox)
                 while True:
                     msg = await sub.next_msg(timeout=self.replay_timeout)

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import orjson
 
+from index.wire import DEFAULT_PREFIX, PrefetchHintMessage, Subjects
 from policies.base import PrefetchHint, RouteRequest
 from router.bus import Bus
 from router.pools import Pool
 
 
-def hint_message(hint: PrefetchHint, request: RouteRequest, pool: Pool) -> dict | None:
+def hint_message(
+    hint: PrefetchHint, request: RouteRequest, pool: Pool
+) -> PrefetchHintMessage | None:
     """The ``kv.prefetch.<target>`` JSON object, or None when no engine hashes are known."""
     wanted = request.block_hashes[: hint.blocks]
     if hint.source_worker is not None:
@@ -40,9 +43,9 @@ def hint_message(hint: PrefetchHint, request: RouteRequest, pool: Pool) -> dict 
 
 
 class HintPublisher:
-    def __init__(self, bus: Bus | None, prefix: str = "kv") -> None:
+    def __init__(self, bus: Bus | None, prefix: str = DEFAULT_PREFIX) -> None:
         self.bus = bus
-        self.prefix = prefix
+        self.subjects = Subjects(prefix)
         self.published = 0
         self.skipped = 0  # no engine hashes known, or no NATS
 
@@ -51,7 +54,7 @@ class HintPublisher:
         if message is None or self.bus is None:
             self.skipped += 1
             return False
-        subject = f"{self.prefix}.prefetch.{hint.target_worker}"
+        subject = self.subjects.prefetch(hint.target_worker)
         if await self.bus.publish(subject, orjson.dumps(message)):
             self.published += 1
             return True

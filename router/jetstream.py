@@ -25,11 +25,10 @@ from nats.errors import NoRespondersError
 from nats.js import api
 from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 
+from index.wire import DEFAULT_MAX_AGE, DEFAULT_MAX_BYTES, DEFAULT_PREFIX, DEFAULT_STREAM, Subjects
+
 log = logging.getLogger(__name__)
 
-DEFAULT_STREAM = "KV_EVENTS"
-DEFAULT_MAX_AGE = 900.0  # seconds: bridges restarts; older state comes cheaper as agent dumps
-DEFAULT_MAX_BYTES = 256 << 20
 
 _JS_NOT_ENABLED = 10039  # "jetstream not enabled for account"
 
@@ -37,13 +36,13 @@ _JS_NOT_ENABLED = 10039  # "jetstream not enabled for account"
 @dataclass(frozen=True, slots=True)
 class StreamSpec:
     name: str = DEFAULT_STREAM
-    prefix: str = "kv"
+    prefix: str = DEFAULT_PREFIX
     max_age: float = DEFAULT_MAX_AGE
     max_bytes: int = DEFAULT_MAX_BYTES
 
     @property
     def subject(self) -> str:
-        return f"{self.prefix}.events.>"
+        return Subjects(self.prefix).all_events
 
     def config(self) -> api.StreamConfig:
         return api.StreamConfig(
@@ -104,7 +103,7 @@ def _limits(spec: StreamSpec) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats-url", required=True, help="NATS server with JetStream")
     parser.add_argument("--name", default=DEFAULT_STREAM, help=f"stream name ({DEFAULT_STREAM})")
-    parser.add_argument("--subject-prefix", default="kv", help="NATS subject prefix (kv)")
+    parser.add_argument("--subject-prefix", default=DEFAULT_PREFIX, help="NATS subject prefix (kv)")
     parser.add_argument(
         "--max-age", type=float, default=DEFAULT_MAX_AGE, help="seconds a batch is kept"
     )

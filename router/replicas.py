@@ -37,6 +37,7 @@ import msgpack
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from index.wire import DEFAULT_PREFIX, ROUTE_VERSION, Subjects
 from router.bus import Bus
 from router.config import RouterConfig
 from router.load import WorkerLoad
@@ -44,7 +45,7 @@ from router.workers import WorkerRegistry
 
 log = logging.getLogger(__name__)
 
-VERSION = 1
+VERSION = ROUTE_VERSION
 MAX_MARK_BLOCKS = 1 << 16  # longer predictions are cut (a 1M-token prompt at block 16)
 MAX_PENDING_MARKS = 10_000  # marks waiting for the next message; older ones are dropped
 MAX_TTL = 3600.0
@@ -97,7 +98,7 @@ class ReplicaShare:
         registry: WorkerRegistry,
         bus: Bus,
         *,
-        prefix: str = "kv",
+        prefix: str = DEFAULT_PREFIX,
         replica_id: str | None = None,
         interval: float = 0.005,
         peer_ttl: float = 3.0,
@@ -108,8 +109,8 @@ class ReplicaShare:
         self.id = replica_id or default_replica_id()
         if not valid_replica_id(self.id):
             raise ValueError(f"replica_id {self.id!r}: use letters, digits, '-' and '_' only")
-        self.subject = f"{prefix}.route.{self.id}"
-        self.wildcard = f"{prefix}.route.*"
+        self.subject = Subjects(prefix).route(self.id)
+        self.wildcard = Subjects(prefix).all_routes
         self.interval = interval
         self.peer_ttl = peer_ttl
         self.accept_marks = accept_marks  # a replica that does not predict takes no marks

@@ -32,6 +32,7 @@ from starlette.routing import Route
 
 from index.codec import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, encode
 from index.replay import ReplayMessage, ReplayRequest
+from index.wire import DEFAULT_PREFIX, EPOCH_HEADER, SEQ_HEADER, Subjects
 from router.natsd import free_port
 from router.tokenize import FallbackTokenizer, Tokenizer
 
@@ -119,7 +120,7 @@ class EngineDouble:
         model: str = "m",
         block_size: int = 4,
         nats_url: str | None = None,
-        prefix: str = "kv",
+        prefix: str = DEFAULT_PREFIX,
         tokenizer: Tokenizer | None = None,
         capacity: int = 10_000,
         ring: int = 1000,
@@ -129,6 +130,7 @@ class EngineDouble:
         self.block_size = block_size
         self.nats_url = nats_url
         self.prefix = prefix
+        self.subjects = Subjects(prefix)
         self.tokenizer = tokenizer or FallbackTokenizer()
         self.capacity = capacity
         self.ring_size = ring
@@ -155,7 +157,7 @@ class EngineDouble:
     async def start(self) -> EngineDouble:
         if self.nats_url:
             self.nc = await nats.connect(self.nats_url)
-            await self.nc.subscribe(f"{self.prefix}.replay.{self.worker_id}", cb=self._on_replay)
+            await self.nc.subscribe(self.subjects.replay(self.worker_id), cb=self._on_replay)
         await self.served.start()
         return self
 
@@ -230,14 +232,14 @@ class EngineDouble:
         if self.drop_next:
             self.drop_next -= 1
             return
-        headers = {"Kv-Seq": str(self.seq), "Kv-Epoch": self.epoch}
-        await self.nc.publish(f"{self.prefix}.events.{self.worker_id}", payload, headers=headers)
+        headers = {SEQ_HEADER: str(self.seq), EPOCH_HEADER: self.epoch}
+        await self.nc.publish(self.subjects.events(self.worker_id), payload, headers=headers)
         await self.nc.flush()
 
     async def report_load(self, running: int, waiting: int, kv_usage: float) -> None:
         assert self.nc is not None
         data = {"running": running, "waiting": waiting, "kv_usage": kv_usage, "ts": time.time()}
-        await self.nc.publish(f"{self.prefix}.load.{self.worker_id}", orjson.dumps(data))
+        await self.nc.publish(self.subjects.load(self.worker_id), orjson.dumps(data))
         await self.nc.flush()
 
     async def _on_replay(self, msg: Msg) -> None:

@@ -1,0 +1,101 @@
+"""The NATS wire between engines' agents and routers: subjects, headers, stream, schemas.
+
+Every name here is a contract that deployments script against (ACLs on subjects,
+stream configs, other agents speaking the format), so it is spelled out once, as
+Dynamo keeps its subjects in ``protocols.rs``; router and agent import it from here.
+
+Subjects, under a prefix (``kv`` unless configured):
+
+==============================  ==========  ======================================
+``<prefix>.events.<worker>``    agent ->    KV-event batches (msgpack ``EventBatch``),
+                                            headers ``Kv-Seq``, ``Kv-Epoch``,
+                                            ``Kv-Dp-Rank``; kept by the stream
+``<prefix>.replay.<worker>``    router ->   gap fill: ``index.replay`` request/answer
+``<prefix>.load.<worker>``      agent ->    ``LoadReport`` JSON
+``<prefix>.prefetch.<worker>``  router ->   ``PrefetchHintMessage`` JSON
+``<prefix>.blocks.<worker>``    agent ->    ``{"block_hashes": [...]}`` request,
+                                            ``{"token_ids": [...]}`` answer
+``<prefix>.route.<replica>``    router ->   replica load and marks (``router.replicas``,
+                                            msgpack ``[ROUTE_VERSION, ...]``)
+==============================  ==========  ======================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypedDict
+
+DEFAULT_PREFIX = "kv"
+
+# Headers of each ``events`` batch: the agent's per-worker sequence number (gaps are
+# detected on it), the engine life it belongs to, and the data-parallel rank if any.
+SEQ_HEADER = "Kv-Seq"
+EPOCH_HEADER = "Kv-Epoch"
+DP_RANK_HEADER = "Kv-Dp-Rank"
+
+# The JetStream stream on ``<prefix>.events.>`` that lets a late router catch up.
+DEFAULT_STREAM = "KV_EVENTS"
+DEFAULT_MAX_AGE = 900.0  # seconds: bridges restarts; older state comes cheaper as agent dumps
+DEFAULT_MAX_BYTES = 256 << 20
+
+ROUTE_VERSION = 1  # first element of every ``route`` message
+
+
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    """The subjects under one prefix."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def events(self, worker: str) -> str:
+        return f"{self.prefix}.events.{worker}"
+
+    @property
+    def all_events(self) -> str:
+        """What the stream captures and a core-NATS router subscribes to."""
+        return f"{self.prefix}.events.>"
+
+    def replay(self, worker: str) -> str:
+        return f"{self.prefix}.replay.{worker}"
+
+    def load(self, worker: str) -> str:
+        return f"{self.prefix}.load.{worker}"
+
+    @property
+    def all_loads(self) -> str:
+        return f"{self.prefix}.load.*"
+
+    def prefetch(self, worker: str) -> str:
+        return f"{self.prefix}.prefetch.{worker}"
+
+    def blocks(self, worker: str) -> str:
+        return f"{self.prefix}.blocks.{worker}"
+
+    def route(self, replica: str) -> str:
+        return f"{self.prefix}.route.{replica}"
+
+    @property
+    def all_routes(self) -> str:
+        return f"{self.prefix}.route.*"
+
+
+class LoadReport(TypedDict):
+    """``<prefix>.load.<worker>``: the engine's gauges; the router bounds each."""
+
+    running: int
+    waiting: int
+    kv_usage: float  # 0..1
+    ts: float  # unix seconds at the scrape
+
+
+class PrefetchHintMessage(TypedDict):
+    """``<prefix>.prefetch.<target>``: pull these blocks (engine hashes) before the request."""
+
+    request_id: str
+    model: str
+    source_worker: str | None  # None: the shared pool
+    target_worker: str
+    block_hashes: list[int]  # in the source engine's hashes, prefix order
+    num_tokens: int
+    tier: str
+    deadline_ms: float
