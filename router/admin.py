@@ -23,6 +23,7 @@ from router.errors import ApiError
 
 if TYPE_CHECKING:
     from router.app import RouterState
+    from router.workers import Worker
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -62,6 +63,9 @@ def admin_router(state: RouterState) -> APIRouter:
     api = APIRouter(prefix="/admin", dependencies=[Depends(authorize)])
     registry = state.registry
 
+    def describe(worker: Worker, now: float) -> dict[str, object]:
+        return {**worker.describe(now), "in_sync": state.in_sync(worker.id, worker.pool)}
+
     def worker_or_404(worker_id: str) -> Any:
         worker = registry.get(worker_id)
         if worker is None:
@@ -71,7 +75,7 @@ def admin_router(state: RouterState) -> APIRouter:
     @api.get("/workers")
     async def list_workers() -> Response:
         now = time.monotonic()
-        return _json({"workers": [w.describe(now) for w in registry]})
+        return _json({"workers": [describe(w, now) for w in registry]})
 
     @api.post("/workers")
     async def add_worker(request: Request) -> Response:
@@ -82,12 +86,12 @@ def admin_router(state: RouterState) -> APIRouter:
             raise ApiError(400, str(exc), "invalid_worker") from exc
         await registry.check(state.client, worker)
         state.events.resync(worker.id)
-        return _json(worker.describe(time.monotonic()), 201)
+        return _json(describe(worker, time.monotonic()), 201)
 
     @api.post("/workers/{worker_id}/drain")
     async def drain_worker(worker_id: str) -> Response:
         worker_or_404(worker_id)
-        return _json(registry.drain(worker_id).describe(time.monotonic()))
+        return _json(describe(registry.drain(worker_id), time.monotonic()))
 
     @api.delete("/workers/{worker_id}")
     async def remove_worker(worker_id: str) -> Response:
@@ -109,10 +113,11 @@ def admin_router(state: RouterState) -> APIRouter:
                 "restarts": ing.restarts,
                 "duplicates": ing.duplicates,
                 "dropped_events": dict(ing.errors),
-                "in_sync": {w: ing.in_sync(w) for w in pool.index.workers},
+                "in_sync": {w: state.in_sync(w, pool) for w in pool.index.workers},
             }
         nats = {
             "connected": state.bus.connected if state.bus else False,
+            "events_up_to_date": state.feed.up_to_date if state.feed else False,
             "reconnects": state.bus.reconnects if state.bus else 0,
             "dropped_publishes": state.bus.dropped_publishes if state.bus else 0,
             "counts": dict(state.events.counts),
@@ -142,11 +147,11 @@ def admin_router(state: RouterState) -> APIRouter:
                 {
                     "worker_id": w.id,
                     "usable": view is not None,
-                    "in_sync": prep.pool.ingest.in_sync(w.id),
+                    "in_sync": state.in_sync(w.id, prep.pool),
                     "match": matches.get(w.id, NO_MATCH),
                     "view": view,
                     "scores": decision.scores.get(w.id, {}),
-                    "state": w.describe(now),
+                    "state": describe(w, now),
                 }
             )
         return _json(

@@ -37,6 +37,7 @@ from router.gateway import GatewayRouter
 from router.hints import HintPublisher
 from router.metrics import RouterMetrics, StateCollector
 from router.openapi import completion_paths
+from router.pools import Pool
 from router.proxy import Proxy, Receive, Scope, Send, send_error
 from router.replicas import ReplicaShare
 from router.routing import Router
@@ -106,6 +107,11 @@ class RouterState:
                 self.bus.on_reconnect(self.replicas.on_reconnect)
             self.bus.start()
         self._tasks.append(asyncio.create_task(self.registry.monitor(self.client), name="health"))
+
+    def in_sync(self, worker_id: str, pool: Pool) -> bool:
+        """What operators are told: the worker's events applied in order *and* the event
+        feed up to date (while NATS is away nobody knows what the engines did)."""
+        return (self.feed is None or self.feed.up_to_date) and pool.ingest.in_sync(worker_id)
 
     def counts(self) -> dict[str, int]:
         """Event, stream and replica counters, for metrics."""

@@ -4,6 +4,11 @@ nats-py reconnects and re-subscribes on its own once a first connection succeede
 the first connection is retried here with exponential backoff, so the router can start
 before NATS does. While NATS is away routing goes on (on load alone for workers whose
 events it misses) and publishes are dropped and counted instead of queued unbounded.
+
+nats-py also gives a client up for good on a server ``-ERR`` (a protocol error such as
+"maximum control line exceeded": the server closes the connection). That is a lost
+connection like any other, not our own close: the disconnect hooks run and a new client
+connects with the same backoff, its ``on_connect`` hooks subscribing again.
 """
 
 from __future__ import annotations
@@ -72,10 +77,11 @@ class Bus:
         self.nc: Client | None = None
         self.dropped_publishes = 0
         self.reconnects = 0
-        self._on_connect: list[Hook] = []  # run once, after the first connection
-        self._on_reconnect: list[Hook] = []  # run after every reconnection
+        self._on_connect: list[Hook] = []  # run on every new client (subscribe there)
+        self._on_reconnect: list[Hook] = []  # run after the client reconnected by itself
         self._on_disconnect: list[LostHook] = []  # run when the connection drops
         self._task: asyncio.Task[None] | None = None
+        self._closing = False  # close() called: a closed client is no loss
 
     @property
     def connected(self) -> bool:
@@ -95,7 +101,7 @@ class Bus:
 
     async def _connect_loop(self) -> None:
         delay = 0.05
-        while True:
+        while not self._closing:
             try:
                 nc = await nats.connect(
                     self.url,
@@ -106,6 +112,7 @@ class Bus:
                     allow_reconnect=True,
                     reconnected_cb=self._reconnected,
                     disconnected_cb=self._disconnected,
+                    closed_cb=self._closed,
                     error_cb=self._error,
                     **self.options,
                 )
@@ -114,6 +121,8 @@ class Bus:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.max_backoff)
                 continue
+            if self.nc is not None:  # a client given up on before: this is a reconnection
+                self.reconnects += 1
             self.nc = nc
             log.info("connected to NATS %s", self.url)
             for hook in self._on_connect:
@@ -128,11 +137,18 @@ class Bus:
                 await hook(self.nc)
 
     async def _disconnected(self) -> None:
-        if self.nc is None or self.nc.is_closed:
+        if self._closing:
             return  # our own close, not a lost server
         log.warning("disconnected from NATS %s; routing on what is known", self.url)
         for hook in self._on_disconnect:
             await hook()
+
+    async def _closed(self) -> None:
+        if self._closing or (self._task is not None and not self._task.done()):
+            return
+        err = self.nc.last_error if self.nc is not None else None
+        log.warning("NATS client closed by the server (%s); connecting a new one", err)
+        self._task = asyncio.create_task(self._connect_loop(), name="nats-connect")
 
     async def _error(self, exc: Exception) -> None:
         log.debug("NATS error: %s", exc)
@@ -147,6 +163,7 @@ class Bus:
         return True
 
     async def close(self) -> None:
+        self._closing = True
         if self._task is not None and not self._task.done():
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)

@@ -39,6 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from index.wire import DEFAULT_PREFIX
 
@@ -142,12 +143,43 @@ _SCALARS = {
 }
 
 
+# A worker id is one NATS subject token (``kv.events.<id>``): no ``.``, ``*``, ``>`` or
+# space, which would subscribe on other workers' subjects, and short, since the server
+# closes a client whose control line exceeds 4 KiB.
+WORKER_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+def check_worker(spec: WorkerSpec, where: str) -> WorkerSpec:
+    """``spec`` if its id is subject-safe and its url a plain http(s) origin."""
+    if not WORKER_ID.fullmatch(spec.id):
+        shown = spec.id if len(spec.id) <= 40 else spec.id[:40] + "..."
+        raise ConfigError(
+            f"{where}: worker id {shown!r} must be 1 to 128 letters, digits, - or _ "
+            "(it is a NATS subject token)"
+        )
+    try:
+        url = urlsplit(spec.url)
+        url.port  # noqa: B018 - raises ValueError on a port that is not a number
+    except ValueError as exc:
+        raise ConfigError(f"{where}: worker {spec.id}: bad url {spec.url!r}: {exc}") from exc
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise ConfigError(
+            f"{where}: worker {spec.id}: url must be http:// or https:// with a host, "
+            f"not {spec.url[:80]!r}"
+        )
+    if url.username is not None or url.query or url.fragment:
+        raise ConfigError(
+            f"{where}: worker {spec.id}: url must not carry credentials, a query or a fragment"
+        )
+    return spec
+
+
 def parse_worker(text: str) -> WorkerSpec:
     """``ID=URL`` (the ``--worker`` flag and ``CACHE_ROUTER_WORKERS`` entries)."""
     wid, sep, url = text.partition("=")
     if not sep or not wid.strip() or not url.strip():
         raise ConfigError(f"worker {text!r}: expected ID=URL")
-    return WorkerSpec(id=wid.strip(), url=url.strip().rstrip("/"))
+    return check_worker(WorkerSpec(id=wid.strip(), url=url.strip().rstrip("/")), "--worker")
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -192,13 +224,17 @@ def worker_spec(raw: Any, where: str) -> WorkerSpec:
     block = raw.get("block_size")
     if block is not None and (not isinstance(block, int) or block <= 0):
         raise ConfigError(f"{where}: block_size must be a positive int")
-    return WorkerSpec(
-        id=str(raw["id"]),
-        url=str(raw["url"]).rstrip("/"),
+    for key in ("id", "url"):
+        if not isinstance(raw[key], str):
+            raise ConfigError(f"{where}: worker {key} must be a string")
+    spec = WorkerSpec(
+        id=raw["id"],
+        url=raw["url"].rstrip("/"),
         model=raw.get("model"),
         pool=str(raw.get("pool") or DEFAULT_POOL),
         block_size=block,
     )
+    return check_worker(spec, where)
 
 
 def _apply_toml(cfg: RouterConfig, data: Mapping[str, Any], where: str) -> None:
@@ -289,8 +325,7 @@ def validate(cfg: RouterConfig) -> None:
     if cfg.max_body_bytes <= 0:
         raise ConfigError("max_body_bytes must be positive")
     for w in cfg.workers:
-        if not w.url.startswith(("http://", "https://")):
-            raise ConfigError(f"worker {w.id}: url must start with http:// or https://")
+        check_worker(w, "workers")
     pool_of: dict[str, str] = {}
     block_of: dict[str, int] = {}
     for w in cfg.workers:

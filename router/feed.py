@@ -69,6 +69,11 @@ class EventFeed:
         )
         return cls(events, spec, transport=cfg.events_transport, blind_after=cfg.blind_after)
 
+    @property
+    def up_to_date(self) -> bool:
+        """Connected and read up to date: what the index lacks, the resyncs are fetching."""
+        return self._broken_since is None
+
     def blind(self, now: float) -> bool:
         """Whether the index is too stale to route on (see the module docstring)."""
         since = self._broken_since

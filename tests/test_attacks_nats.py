@@ -20,8 +20,9 @@ from router_double import EngineDouble, Served, until
 from policies.base import MAX_ENGINE_COUNT, RouteRequest, WorkerView
 from policies.registry import POLICY_NAMES, make_policy
 from router.app import RouterApp
-from router.config import RouterConfig, WorkerSpec
+from router.config import ConfigError, RouterConfig, WorkerSpec, load_config
 from router.load import parse_load_report
+from router.natsd import EmbeddedNats
 
 TOKEN = "t"
 
@@ -147,3 +148,114 @@ async def test_a_real_load_report_still_counts(nats_url, make_stack) -> None:
     w0 = stack.state.registry.get("w0")
     await until(lambda: w0.load.engine.waiting == 7, what="report applied")
     assert orjson.loads(orjson.dumps(w0.load.snapshot()))["kv_usage"] == 0.5
+
+
+# -- the connection ----------------------------------------------------------------------
+
+
+async def admin_index(stack: Stack) -> dict[str, Any]:
+    async with stack.http() as http:
+        r = await http.get("/admin/index")
+        assert r.status_code == 200
+        return r.json()
+
+
+def index_equals_engine(stack: Stack) -> bool:
+    ingest = stack.state.registry.get("w0").pool.ingest
+    return set(ingest.engine_blocks("w0")) == set(stack.engines[0].cache)
+
+
+@pytest.mark.parametrize("transport", ["core", "jetstream"])
+async def test_a_server_error_that_closes_us_is_a_disconnect_that_reconnects(
+    tmp_path, make_stack, transport: str
+) -> None:
+    """The issue's case: one subscription whose control line NATS rejects ("maximum
+    control line exceeded") made the server close the connection and nats-py give up;
+    the router took that for its own close and stayed off NATS, "in sync", for good."""
+    server = EmbeddedNats(store=tmp_path).start()
+    try:
+        stack = await make_stack(server.url, n=1, events_transport=transport)
+        engine = stack.engines[0]
+        state = stack.state
+        await engine.admit(list(range(16)))
+        pool = state.registry.get("w0").pool
+        await until(
+            lambda: index_equals_engine(stack) and state.in_sync("w0", pool), what="first batch"
+        )
+        lost: list[float] = []
+
+        async def on_lost() -> None:
+            lost.append(1.0)
+
+        state.bus.on_disconnect(on_lost)
+        old = state.bus.nc
+        await old.subscribe("kv.events." + "x" * 5000)  # what a 5000-char worker id did
+        await until(lambda: old.is_closed, what="the server closed the client")
+        assert "control line" in str(old.last_error).lower()
+        await until(lambda: lost, what="disconnect hooks ran")
+        await until(lambda: state.bus.connected and state.bus.nc is not old, what="new client")
+        assert state.bus.reconnects >= 1
+        before = state.registry.get("w0").pool.ingest.events_applied
+        await engine.admit(list(range(100, 132)))
+        await until(lambda: index_equals_engine(stack), timeout=10, what="events flow again")
+        info = await admin_index(stack)
+        assert info["nats"]["connected"] and info["nats"]["reconnects"] >= 1
+        assert info["pools"]["default"]["events_applied"] > before
+
+        # a server that goes away: out of sync at once, everywhere it is shown
+        server.stop()
+        await until(lambda: not state.bus.connected, what="disconnected")
+        info = await admin_index(stack)
+        assert info["pools"]["default"]["in_sync"] == {"w0": False}
+        assert info["nats"]["events_up_to_date"] is False
+        async with stack.http() as http:
+            workers = (await http.get("/admin/workers")).json()["workers"]
+        assert [w["in_sync"] for w in workers] == [False]
+        server.start()
+        await until(lambda: state.bus.connected, timeout=10, what="reconnected")
+        await until(
+            lambda: state.feed.up_to_date and index_equals_engine(stack), timeout=15, what="sync"
+        )
+        info = await admin_index(stack)
+        assert info["pools"]["default"]["in_sync"] == {"w0": True}
+    finally:
+        server.stop()
+
+
+BAD_IDS = [">", "*", "a.b", "x y", "", "x" * 5000, "w\n0", "é"]
+BAD_URLS = [
+    "file:///etc/passwd",
+    "gopher://127.0.0.1:70",
+    "http://",
+    "ftp://h",
+    "h:80",
+    "http://u:p@127.0.0.1:9",
+    "http://127.0.0.1:99999",
+    "http://127.0.0.1:9/?q=1",
+]
+
+
+async def test_worker_ids_and_urls_are_validated(nats_url, make_stack) -> None:
+    stack = await make_stack(nats_url, n=1)
+    async with stack.http() as http:
+        for wid in BAD_IDS:
+            r = await http.post("/admin/workers", json={"id": wid, "url": "http://127.0.0.1:9"})
+            assert r.status_code == 400, (wid, r.text)
+            err = r.json()["error"]
+            assert err["code"] == "invalid_worker" and "worker" in err["message"], err
+        for url in BAD_URLS:
+            r = await http.post("/admin/workers", json={"id": "w9", "url": url})
+            assert r.status_code == 400, (url, r.text)
+            assert "url" in r.json()["error"]["message"], r.text
+        r = await http.post("/admin/workers", json={"id": 5, "url": "http://127.0.0.1:9"})
+        assert r.status_code == 400
+        r = await http.post("/admin/workers", json={"id": "w-9_x", "url": "http://127.0.0.1:9"})
+        assert r.status_code == 201, r.text
+    assert stack.state.bus.connected and stack.state.bus.reconnects == 0
+    assert len(stack.state.registry) == 2
+    for wid in BAD_IDS[:4]:
+        with pytest.raises(ConfigError, match="worker id"):
+            load_config(env={}, extra_workers=[f"{wid}=http://127.0.0.1:9"])
+    for url in BAD_URLS[:2]:
+        with pytest.raises(ConfigError, match="url"):
+            load_config(env={"CACHE_ROUTER_WORKERS": f"w0={url}"})
