@@ -115,8 +115,20 @@ def test_no_policy_raises_on_extreme_engine_numbers(name: str) -> None:
         assert decision.worker_id in ("a", "b", "c"), (name, value)
 
 
+async def load_heard(stack: Stack, engine: EngineDouble, waiting: int = 0) -> None:
+    """Report load until the router applied it: its subscription is made on connecting."""
+    worker = stack.state.registry.get(engine.worker_id)
+
+    async def heard() -> bool:
+        await engine.report_load(running=5, waiting=waiting, kv_usage=0.5)
+        return worker.load.engine.waiting == waiting
+
+    await until(heard, what="load report applied")
+
+
 async def test_forged_load_reports_do_not_break_or_steer_routing(nats_url, make_stack) -> None:
     stack = await make_stack(nats_url)
+    await load_heard(stack, stack.engines[1])
     nc = await nats.connect(nats_url)
     picked: dict[str, int] = {"w0": 0, "w1": 0}
     try:
@@ -144,9 +156,8 @@ async def test_forged_load_reports_do_not_break_or_steer_routing(nats_url, make_
 
 async def test_a_real_load_report_still_counts(nats_url, make_stack) -> None:
     stack = await make_stack(nats_url)
-    await stack.engines[0].report_load(running=5, waiting=7, kv_usage=0.5)
+    await load_heard(stack, stack.engines[0], waiting=7)
     w0 = stack.state.registry.get("w0")
-    await until(lambda: w0.load.engine.waiting == 7, what="report applied")
     assert orjson.loads(orjson.dumps(w0.load.snapshot()))["kv_usage"] == 0.5
 
 
