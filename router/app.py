@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException
 from policies.experiments import Arm, Experiment
 from router.admin import admin_router
 from router.bus import Bus, nats_options
-from router.config import RouterConfig
+from router.config import ConfigError, RouterConfig
 from router.edge import Edge
 from router.errors import ApiError, error_body
 from router.events import EventSync
@@ -56,6 +56,18 @@ def make_experiment(cfg: RouterConfig) -> Experiment:
     return Experiment(arms, salt=cfg.experiment)
 
 
+def discovery_sources(cfg: RouterConfig, registry: WorkerRegistry) -> list[Any]:
+    """The DNS discovery sources; dnspython is imported only when one is configured."""
+    if not cfg.discovery:
+        return []
+    from router.discovery import DnsDiscovery, extra_missing
+
+    missing = extra_missing()
+    if missing is not None:
+        raise ConfigError(missing)
+    return [DnsDiscovery(spec, registry, cfg.drain_timeout) for spec in cfg.discovery]
+
+
 class RouterState:
     """Everything one router process holds; created at build time, started in the lifespan."""
 
@@ -65,6 +77,7 @@ class RouterState:
         self.registry = WorkerRegistry(cfg)
         for spec in cfg.workers:
             self.registry.add(spec)
+        self.discovery = discovery_sources(cfg, self.registry)
         self.tokenizers = TokenizerSet(cfg.tokenizer_for)
         self.experiment = make_experiment(cfg)
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
@@ -107,6 +120,8 @@ class RouterState:
                 self.bus.on_reconnect(self.replicas.on_reconnect)
             self.bus.start()
         self._tasks.append(asyncio.create_task(self.registry.monitor(self.client), name="health"))
+        for source in self.discovery:
+            self._tasks.append(asyncio.create_task(source.run(self.client), name="discovery"))
 
     def in_sync(self, worker_id: str, pool: Pool) -> bool:
         """What operators are told: the worker's events applied in order *and* the event

@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from index.wire import DEFAULT_PREFIX
 
@@ -62,6 +62,26 @@ class WorkerSpec:
     model: str | None = None  # None: learnt from the engine's /v1/models
     pool: str = DEFAULT_POOL
     block_size: int | None = None  # None: the router's block_size
+
+
+@dataclass(slots=True)
+class DiscoverySpec:
+    """Engines behind one DNS name (``router.discovery``), e.g. a Kubernetes headless service.
+
+    ``record = "a"``: the name's A and AAAA records, each address one engine on ``port``;
+    ``"srv"``: its SRV records, each target:port one engine. Every discovered engine gets
+    ``model``, ``pool`` and ``block_size`` like a ``[[workers]]`` entry.
+    """
+
+    name: str
+    record: str = "a"  # "a" (A + AAAA) or "srv"
+    port: int = 8000  # the engines' port for A/AAAA records (SRV records carry their own)
+    scheme: str = "http"
+    model: str | None = None
+    pool: str = DEFAULT_POOL
+    block_size: int | None = None
+    interval: float = 5.0  # seconds between resolutions
+    nameserver: str | None = None  # HOST or HOST:PORT; None: the system's resolv.conf
 
 
 @dataclass(slots=True)
@@ -128,6 +148,7 @@ class RouterConfig:
     share_interval: float = 0.005  # seconds between load/prediction messages to peers; 0: off
     peer_ttl: float = 3.0  # a peer silent this long has its load dropped
     workers: list[WorkerSpec] = field(default_factory=list)
+    discovery: list[DiscoverySpec] = field(default_factory=list)  # DNS names of engines
     models: dict[str, ModelSpec] = field(default_factory=dict)
     arms: list[ArmSpec] = field(default_factory=list)
 
@@ -139,7 +160,7 @@ class RouterConfig:
 _SCALARS = {
     f.name: f
     for f in dataclasses.fields(RouterConfig)
-    if f.name not in ("workers", "models", "arms", "policy_params", "api_keys")
+    if f.name not in ("workers", "models", "arms", "policy_params", "api_keys", "discovery")
 }
 
 
@@ -256,6 +277,12 @@ def _apply_toml(cfg: RouterConfig, data: Mapping[str, Any], where: str) -> None:
             }
         elif key == "arms":
             cfg.arms = [_arm_spec(a, f"{where} arms[{i}]") for i, a in enumerate(value)]
+        elif key == "discovery":
+            if not isinstance(value, list):
+                raise ConfigError(f"{where}: discovery must be an array (strings or tables)")
+            cfg.discovery = [
+                discovery_spec(d, f"{where} discovery[{i}]") for i, d in enumerate(value)
+            ]
         elif key == "api_keys":
             if not isinstance(value, list) or not all(isinstance(k, str) and k for k in value):
                 raise ConfigError(f"{where}: api_keys must be a list of non-empty strings")
@@ -281,11 +308,13 @@ def load_config(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
     extra_workers: list[str] | None = None,
+    extra_discovery: list[str] | None = None,
 ) -> RouterConfig:
     """Build the config: defaults, then the TOML file, env ``CACHE_ROUTER_*``, ``overrides``.
 
     ``overrides`` are flag values (None means "not given"); ``extra_workers`` are
-    ``ID=URL`` strings added after the file's workers (a repeated id replaces one).
+    ``ID=URL`` strings added after the file's workers (a repeated id replaces one);
+    ``extra_discovery`` are ``--discover`` strings added after the file's and env's.
     """
     cfg = RouterConfig()
     if path is not None:
@@ -304,6 +333,9 @@ def load_config(
     workers = [w for w in env.get(ENV_PREFIX + "WORKERS", "").split(",") if w.strip()]
     keys = [k.strip() for k in env.get(ENV_PREFIX + "API_KEYS", "").split(",") if k.strip()]
     cfg.api_keys = keys or cfg.api_keys
+    found = [d for d in env.get(ENV_PREFIX + "DISCOVER", "").split(",") if d.strip()]
+    found += extra_discovery or []
+    cfg.discovery += [discovery_spec(d.strip(), "discover") for d in found]
     for name, value in (overrides or {}).items():
         if value is not None:
             setattr(cfg, name, _coerce(name, value))
@@ -376,3 +408,71 @@ def _validate_replicas(cfg: RouterConfig) -> None:
     for name in ("blind_after", "share_interval"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name} must not be negative")
+
+
+_DISCOVERY_KEYS = frozenset(f.name for f in dataclasses.fields(DiscoverySpec))
+MAX_DISCOVERY_INTERVAL = 3600.0
+
+
+def discovery_spec(raw: Any, where: str) -> DiscoverySpec:
+    """A discovery source from a TOML table or the string form (flag, env, TOML array):
+
+    ``dns://NAME:PORT?model=M&pool=P&block_size=B&interval=S&nameserver=H:P&scheme=https``
+    for A/AAAA records, ``srv://NAME?...`` for SRV records.
+    """
+    if isinstance(raw, str):
+        table = _discovery_url(raw, where)
+    elif isinstance(raw, Mapping):
+        table = dict(raw)
+    else:
+        raise ConfigError(f"{where}: a discovery source is a string or a table")
+    unknown = set(table) - _DISCOVERY_KEYS
+    if unknown:
+        raise ConfigError(f"{where}: unknown discovery keys {sorted(unknown)}")
+    name = table.get("name")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,253}", name):
+        raise ConfigError(f"{where}: name must be a DNS name, not {name!r}")
+    spec = DiscoverySpec(name=name.rstrip("."))
+    try:
+        for key in sorted(_DISCOVERY_KEYS - {"name"}):
+            value = table.get(key)
+            if value is None:
+                continue
+            if key in ("port", "block_size"):
+                if isinstance(value, bool | float):
+                    raise ValueError(f"{key} must be an integer")
+                value = int(value)
+            elif key == "interval":
+                value = float(value)
+            else:
+                value = str(value)
+            setattr(spec, key, value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+    if spec.record not in ("a", "srv"):
+        raise ConfigError(f"{where}: record must be a (A/AAAA) or srv, not {spec.record!r}")
+    if not 0 < spec.port < 65536:
+        raise ConfigError(f"{where}: port {spec.port} is out of range")
+    if spec.scheme not in ("http", "https"):
+        raise ConfigError(f"{where}: scheme must be http or https")
+    if spec.block_size is not None and spec.block_size <= 0:
+        raise ConfigError(f"{where}: block_size must be positive")
+    if not 0 < spec.interval <= MAX_DISCOVERY_INTERVAL:
+        raise ConfigError(f"{where}: interval must be in (0, {MAX_DISCOVERY_INTERVAL:g}] s")
+    return spec
+
+
+def _discovery_url(text: str, where: str) -> dict[str, Any]:
+    url = urlsplit(text)
+    record = {"dns": "a", "srv": "srv"}.get(url.scheme)
+    if record is None or not url.hostname:
+        raise ConfigError(f"{where}: {text!r}: expected dns://NAME:PORT or srv://NAME")
+    table: dict[str, Any] = {"name": url.hostname, "record": record}
+    try:
+        if url.port is not None:
+            table["port"] = url.port
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {text!r}: {exc}") from exc
+    for key, value in parse_qsl(url.query, keep_blank_values=True):
+        table[key] = value
+    return table

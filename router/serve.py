@@ -39,6 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--worker", action="append", default=[], metavar="ID=URL", help="an engine (repeatable)"
     )
+    parser.add_argument(
+        "--discover",
+        action="append",
+        default=[],
+        metavar="dns://NAME:PORT|srv://NAME",
+        help="engines behind a DNS name, re-resolved (repeatable; see router/discovery.py)",
+    )
     parser.add_argument("--block-size", type=int, help="engine KV block size in tokens (16)")
     parser.add_argument("--policy", help="routing policy (default cache_aware)")
     parser.add_argument("--tokenizer", help="tokenizer.json or its directory, for every model")
@@ -65,7 +72,12 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     if args.gateway and args.policy is None and args.config is None:
         # the gateway's natural policy, unless a file or the environment names one
         overrides["policy"] = os.environ.get("CACHE_ROUTER_POLICY", "session_affinity")
-    return load_config(args.config, overrides=overrides, extra_workers=args.worker)
+    return load_config(
+        args.config,
+        overrides=overrides,
+        extra_workers=args.worker,
+        extra_discovery=args.discover,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
