@@ -13,6 +13,7 @@ in flight on the worker; ``own()`` is this router's part, the one it tells its p
 
 from __future__ import annotations
 
+import enum
 import math
 import time
 from dataclasses import dataclass
@@ -100,6 +101,16 @@ class WorkerLoad:
         }
 
 
+class FlightState(enum.IntEnum):
+    WAITING = 0  # for the first byte: its prompt counts as in-flight prefill
+    DECODING = 1  # counts as a decode stream
+    FINISHED = 2
+
+
+# Module names: the hot path tests the state once per chunk, a global is the cheapest read.
+WAITING, DECODING, FINISHED = FlightState
+
+
 class Flight:
     """One request's share of a worker's load; each transition happens at most once."""
 
@@ -108,23 +119,23 @@ class Flight:
     def __init__(self, load: WorkerLoad, prefill: int) -> None:
         self.load = load
         self.prefill = prefill
-        self.state = 0  # 0 waiting for first byte, 1 decoding, 2 finished
+        self.state = WAITING
 
     def first_byte(self) -> None:
-        if self.state == 0:
+        if self.state is WAITING:
             self.load.inflight_prefill_tokens -= self.prefill
             self.load.decode_streams += 1
-            self.state = 1
+            self.state = DECODING
 
     def finish(self) -> None:
-        if self.state == 0:
+        if self.state is WAITING:
             self.load.inflight_prefill_tokens -= self.prefill
-        elif self.state == 1:
+        elif self.state is DECODING:
             self.load.decode_streams -= 1
         else:
             return
         self.load.inflight_requests -= 1
-        self.state = 2
+        self.state = FINISHED
 
 
 def parse_load_report(data: bytes) -> EngineLoad:

@@ -19,10 +19,11 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from router.errors import ApiError, sse_error
-from router.load import Flight
+from router.load import WAITING, Flight
 from router.metrics import Series
 from router.routing import Kind, Prepared, hit_blocks
 from router.upstream import ConnectFailed, Response, UpstreamError, UpstreamTimeout
@@ -46,6 +47,42 @@ _RESP_DROP = frozenset(
 )
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _JSON = [(b"content-type", b"application/json")]
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """What one way of failing before the engine answered costs, and who pays.
+
+    ``retry``: the next-best worker gets the request; only when nothing can have run on
+    this one, since a request an engine may have started is never replayed.
+    ``suspect``: the health checker probes the worker now instead of at its next round.
+    """
+
+    status: int  # the client's, when no worker is left to try
+    code: str  # the OpenAI error ``code``
+    kind: str  # the ``errors_total`` label
+    reason: str  # logged as the worker's failure
+    retry: bool
+    suspect: bool
+    message: str | None = None  # None: the exception's text
+
+
+# Failures raised by ``Upstream.send``; the first row whose class matches wins, so a
+# subclass comes before its base (both others are ``UpstreamError``s).
+SEND_FAILURES: tuple[tuple[type[UpstreamError], Failure], ...] = (
+    (ConnectFailed, Failure(502, "upstream_unreachable", "connect", "connect failed", True, True)),
+    (UpstreamTimeout, Failure(504, "upstream_timeout", "timeout", "timeout", False, True)),
+    (UpstreamError, Failure(502, "upstream_error", "upstream", "upstream error", False, False)),
+)
+# A gateway's cluster answered 503: it has no usable engine, nothing ran, another may.
+CLUSTER_UNAVAILABLE = Failure(
+    503, "no_healthy_worker", "cluster_unavailable", "cluster unavailable", True, False,
+    "no cluster could take the request",
+)  # fmt: skip
+
+
+def send_failure(exc: UpstreamError) -> Failure:
+    return next(f for cls, f in SEND_FAILURES if isinstance(exc, cls))
 
 
 class ClientGone(Exception):
@@ -107,13 +144,15 @@ WATCH_AFTER = 0.05
 
 
 class Exchange:
-    """One request's progress, shared with its disconnect watcher."""
+    """One request's way back to its client and its progress, shared with its disconnect
+    watcher: the task to cancel, the ASGI ``send``, what has been sent."""
 
-    __slots__ = ("done", "gone", "started", "t0", "task", "timer", "watcher")
+    __slots__ = ("done", "gone", "send", "started", "t0", "task", "timer", "watcher")
 
-    def __init__(self, task: asyncio.Task[Any]) -> None:
+    def __init__(self, task: asyncio.Task[Any], send: Send) -> None:
         self.t0 = time.perf_counter()
         self.task = task
+        self.send = send
         self.started = False  # response headers sent: errors can no longer be a status
         self.done = False  # final body sent: a disconnect now is the normal end
         self.gone = False
@@ -161,7 +200,7 @@ class Proxy:
         st = self.state
         task = asyncio.current_task()
         assert task is not None
-        ex = Exchange(task)
+        ex = Exchange(task, send)
         try:
             raw = await read_body(scope, receive, st.cfg.max_body_bytes, st.cfg.body_timeout)
             wanted: dict[str, str] = {}
@@ -172,7 +211,7 @@ class Proxy:
             st.edge.check_sampling(parsed.body)
             prep = await st.router.prepare(parsed, len(raw))
             ex.watch(receive)
-            await self._forward(scope, send, raw, prep, ex)
+            await self._forward(scope, raw, prep, ex)
         except ClientGone:
             return
         except ApiError as err:
@@ -196,9 +235,7 @@ class Proxy:
         finally:
             ex.stop()
 
-    async def _forward(
-        self, scope: Scope, send: Send, raw: bytes, prep: Prepared, ex: Exchange
-    ) -> None:
+    async def _forward(self, scope: Scope, raw: bytes, prep: Prepared, ex: Exchange) -> None:
         st = self.state
         req = prep.request
         arm = prep.arm
@@ -214,46 +251,34 @@ class Proxy:
                 continue
             hit = hit_blocks(views, worker.id) * req.block_size
             flight = worker.load.begin(max(0, req.num_tokens - hit))
+            failure: Failure | None = None
+            error: UpstreamError | None = None
             try:
                 resp = await st.upstream.send(
                     worker.url, self.path, headers, raw, st.cfg.request_timeout
                 )
-            except ConnectFailed as exc:
-                flight.finish()
-                st.registry.request_failed(worker, "connect failed")
-                st.registry.suspect(worker)
-                st.metrics.error(arm, worker.id, "connect")
-                exclude.add(worker.id)
-                if len(exclude) > st.cfg.connect_retries:
-                    raise ApiError(502, str(exc), "upstream_unreachable") from exc
-                st.metrics.retries.labels(worker.id).inc()
-                continue
-            except UpstreamTimeout as exc:
-                flight.finish()
-                st.registry.request_failed(worker, "timeout")
-                st.registry.suspect(worker)
-                st.metrics.error(arm, worker.id, "timeout")
-                raise ApiError(504, str(exc), "upstream_timeout") from exc
             except UpstreamError as exc:
-                flight.finish()
-                st.registry.request_failed(worker, "upstream error")
-                st.metrics.error(arm, worker.id, "upstream")
-                raise ApiError(502, str(exc), "upstream_error") from exc
+                failure, error = send_failure(exc), exc
             except BaseException:
                 flight.finish()
                 raise
-            if resp.status == 503 and st.cfg.gateway:
-                # The cluster has no usable engine: nothing ran, so another cluster may.
-                resp.close()
-                flight.finish()
-                st.registry.request_failed(worker, "cluster unavailable")
-                st.metrics.error(arm, worker.id, "cluster_unavailable")
+            else:
+                if resp.status == 503 and st.cfg.gateway:
+                    resp.close()
+                    failure = CLUSTER_UNAVAILABLE
+            if failure is None:
+                break
+            flight.finish()
+            st.registry.request_failed(worker, failure.reason)
+            if failure.suspect:
+                st.registry.suspect(worker)
+            st.metrics.error(arm, worker.id, failure.kind)
+            if failure.retry:
                 exclude.add(worker.id)
-                if len(exclude) > st.cfg.connect_retries:
-                    raise ApiError(503, "no cluster could take the request", "no_healthy_worker")
-                st.metrics.retries.labels(worker.id).inc()
-                continue
-            break
+            if not failure.retry or len(exclude) > st.cfg.connect_retries:
+                message = failure.message if failure.message is not None else str(error)
+                raise ApiError(failure.status, message, failure.code) from error
+            st.metrics.retries.labels(worker.id).inc()
         try:
             if decision.prefetch is not None and await st.hints.publish(
                 decision.prefetch, req, prep.pool
@@ -264,7 +289,7 @@ class Proxy:
             series.requests.inc()
             series.prompt_tokens.inc(req.num_tokens)
             series.routed_hit_tokens.inc(hit)
-            await self._stream(send, resp, worker.id, flight, series, ex, arm)
+            await self._stream(ex, resp, worker.id, flight, series, arm)
         finally:
             resp.close()
             flight.finish()
@@ -272,15 +297,15 @@ class Proxy:
 
     async def _stream(
         self,
-        send: Send,
+        ex: Exchange,
         resp: Response,
         worker_id: str,
         flight: Flight,
         series: Series,
-        ex: Exchange,
         arm: str,
     ) -> None:
         st = self.state
+        send = ex.send
         worker = st.registry.get(worker_id)
         status = resp.status
         if worker is not None:
@@ -299,7 +324,7 @@ class Proxy:
         tail = b""
         try:
             async for chunk in resp.chunks(st.cfg.request_timeout):
-                if flight.state == 0:
+                if flight.state is WAITING:
                     series.ttft.observe(time.perf_counter() - ex.t0)
                     flight.first_byte()
                 window = tail + chunk  # '"cached_tokens": 12' may be cut between chunks
