@@ -35,10 +35,11 @@ import dataclasses
 import os
 import re
 import tomllib
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, NamedTuple
 from urllib.parse import parse_qsl, urlsplit
 
 from index.wire import DEFAULT_PREFIX
@@ -55,7 +56,10 @@ class ConfigError(ValueError):
     """The configuration cannot be used; the message says which setting and why."""
 
 
-@dataclass(slots=True)
+Transport = Literal["auto", "jetstream", "core"]
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerSpec:
     id: str
     url: str
@@ -64,7 +68,7 @@ class WorkerSpec:
     block_size: int | None = None  # None: the router's block_size
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class DiscoverySpec:
     """Engines behind one DNS name (``router.discovery``), e.g. a Kubernetes headless service.
 
@@ -84,12 +88,12 @@ class DiscoverySpec:
     nameserver: str | None = None  # HOST or HOST:PORT; None: the system's resolv.conf
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     tokenizer: str | None = None  # path to tokenizer.json or a dir holding it
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ArmSpec:
     name: str
     policy: str
@@ -97,8 +101,14 @@ class ArmSpec:
     params: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class RouterConfig:
+    """Every setting; built once by ``load_config`` (or directly, in tests), then read-only.
+
+    The scalar fields' type hints are what TOML values, env text and flags are converted
+    to (``Literal`` ones are choices); ``RANGES`` bounds the numbers.
+    """
+
     host: str = "127.0.0.1"
     port: int = 8000
     nats_url: str | None = None  # None: no KV events, route on load alone
@@ -139,7 +149,7 @@ class RouterConfig:
     nats_tls_cert: str | None = None  # client certificate (mutual TLS), with nats_tls_key
     nats_tls_key: str | None = None
     # -- replicas: the event stream and shared load --
-    events_transport: str = "auto"  # "jetstream", "core" or "auto" (stream if the server has it)
+    events_transport: Transport = "auto"  # "auto": the stream if the server has it
     events_stream: str = "KV_EVENTS"  # JetStream stream on <subject_prefix>.events.>
     events_max_age: float = 900.0  # seconds of history kept (when this router creates it)
     events_max_bytes: int = 256 << 20  # bytes of history kept (when this router creates it)
@@ -157,10 +167,72 @@ class RouterConfig:
         return spec.tokenizer if spec and spec.tokenizer else self.tokenizer
 
 
-_SCALARS = {
-    f.name: f
+class Scalar(NamedTuple):
+    """What a scalar setting's type hint says: its type, choices, whether None is allowed."""
+
+    kind: type
+    optional: bool
+    choices: tuple[str, ...] = ()
+
+
+def _scalar(hint: Any) -> Scalar:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    optional = len(args) < len(typing.get_args(hint))
+    if typing.get_origin(hint) is Literal:
+        return Scalar(str, False, tuple(args))
+    if not args:
+        return Scalar(hint, False)
+    if len(args) == 1 and typing.get_origin(args[0]) is Literal:
+        return Scalar(str, optional, tuple(typing.get_args(args[0])))
+    (kind,) = args
+    return Scalar(kind, optional)
+
+
+_TABLES = ("workers", "models", "arms", "policy_params", "api_keys", "discovery")
+_HINTS = typing.get_type_hints(RouterConfig)
+SCALARS: dict[str, Scalar] = {
+    f.name: _scalar(_HINTS[f.name])
     for f in dataclasses.fields(RouterConfig)
-    if f.name not in ("workers", "models", "arms", "policy_params", "api_keys", "discovery")
+    if f.name not in _TABLES
+}
+
+
+class Range(NamedTuple):
+    low: float
+    high: float
+    low_open: bool = False  # the bound itself is not allowed (e.g. a timeout of 0)
+
+
+_DURATION = Range(0, 86_400.0, low_open=True)  # seconds; a day bounds every wait
+_COUNT = Range(1, 1_000_000)
+
+# Bounds of every numeric setting; None-valued ones (unset) are not checked.
+RANGES: dict[str, Range] = {
+    "port": Range(1, 65_535),
+    "block_size": Range(0, 1 << 16, low_open=True),
+    "max_body_bytes": Range(0, 1 << 34, low_open=True),
+    "request_timeout": _DURATION,
+    "connect_retries": Range(0, 64),
+    "predict_ttl": Range(0, 86_400.0),
+    "offload_chars": Range(0, 1 << 34),
+    "health_interval": _DURATION,
+    "health_timeout": _DURATION,
+    "unhealthy_after": _COUNT,
+    "healthy_after": _COUNT,
+    "breaker_failures": _COUNT,
+    "breaker_cooldown": Range(0, 86_400.0),
+    "load_stale_after": _DURATION,
+    "drain_timeout": Range(0, 86_400.0),
+    "max_index_blocks": Range(1, 1 << 40),
+    "max_n": _COUNT,
+    "max_header_count": _COUNT,
+    "max_header_bytes": Range(0, 1 << 30, low_open=True),
+    "body_timeout": _DURATION,
+    "events_max_age": _DURATION,
+    "events_max_bytes": Range(0, 1 << 50, low_open=True),
+    "blind_after": Range(0, 86_400.0),
+    "share_interval": Range(0, 3_600.0),
+    "peer_ttl": _DURATION,
 }
 
 
@@ -205,23 +277,26 @@ def parse_worker(text: str) -> WorkerSpec:
 
 def _coerce(name: str, value: Any) -> Any:
     """``value`` (from TOML, env text or a flag) as the type of setting ``name``."""
-    kind = str(_SCALARS[name].type)
-    if value is None or (isinstance(value, str) and value == "" and "None" in kind):
-        if "None" not in kind:
+    scalar = SCALARS[name]
+    if value is None or (isinstance(value, str) and value == "" and scalar.optional):
+        if not scalar.optional:
             raise ConfigError(f"{name} cannot be empty")
         return None
     try:
-        if kind.startswith("bool"):
+        if scalar.kind is bool:
             return _bool(value)
-        if kind.startswith("int"):
+        if scalar.kind is int:
             if isinstance(value, bool):
                 raise ValueError("bool")
             return int(value)
-        if kind.startswith("float"):
+        if scalar.kind is float:
             return float(value)
-        return str(value)
+        text = str(value)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{name}: {value!r} is not a valid {kind}") from exc
+        raise ConfigError(f"{name}: {value!r} is not a valid {scalar.kind.__name__}") from exc
+    if scalar.choices and text not in scalar.choices:
+        raise ConfigError(f"{name} must be {' or '.join(scalar.choices)}, not {text!r}")
+    return text
 
 
 def _bool(value: Any) -> bool:
@@ -258,37 +333,38 @@ def worker_spec(raw: Any, where: str) -> WorkerSpec:
     return check_worker(spec, where)
 
 
-def _apply_toml(cfg: RouterConfig, data: Mapping[str, Any], where: str) -> None:
+def _from_toml(data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The settings a TOML document sets, converted and checked one by one."""
+    out: dict[str, Any] = {}
     for key, value in data.items():
-        if key in _SCALARS:
-            setattr(cfg, key, _coerce(key, value))
+        if key in SCALARS:
+            out[key] = _coerce(key, value)
         elif key == "policy_params":
             if not isinstance(value, Mapping):
                 raise ConfigError(f"{where}: policy_params must be a table")
-            cfg.policy_params = dict(value)
+            out[key] = dict(value)
         elif key == "workers":
-            cfg.workers = [worker_spec(w, f"{where} workers[{i}]") for i, w in enumerate(value)]
+            out[key] = [worker_spec(w, f"{where} workers[{i}]") for i, w in enumerate(value)]
         elif key == "models":
             if not isinstance(value, Mapping):
                 raise ConfigError(f"{where}: models must be a table of tables")
-            cfg.models = {
+            out[key] = {
                 name: ModelSpec(tokenizer=(spec or {}).get("tokenizer"))
                 for name, spec in value.items()
             }
         elif key == "arms":
-            cfg.arms = [_arm_spec(a, f"{where} arms[{i}]") for i, a in enumerate(value)]
+            out[key] = [_arm_spec(a, f"{where} arms[{i}]") for i, a in enumerate(value)]
         elif key == "discovery":
             if not isinstance(value, list):
                 raise ConfigError(f"{where}: discovery must be an array (strings or tables)")
-            cfg.discovery = [
-                discovery_spec(d, f"{where} discovery[{i}]") for i, d in enumerate(value)
-            ]
+            out[key] = [discovery_spec(d, f"{where} discovery[{i}]") for i, d in enumerate(value)]
         elif key == "api_keys":
             if not isinstance(value, list) or not all(isinstance(k, str) and k for k in value):
                 raise ConfigError(f"{where}: api_keys must be a list of non-empty strings")
-            cfg.api_keys = list(value)
+            out[key] = list(value)
         else:
             raise ConfigError(f"{where}: unknown setting {key!r}")
+    return out
 
 
 def _arm_spec(raw: Any, where: str) -> ArmSpec:
@@ -315,8 +391,9 @@ def load_config(
     ``overrides`` are flag values (None means "not given"); ``extra_workers`` are
     ``ID=URL`` strings added after the file's workers (a repeated id replaces one);
     ``extra_discovery`` are ``--discover`` strings added after the file's and env's.
+    A gateway whose policy no layer names gets ``session_affinity``, its natural one.
     """
-    cfg = RouterConfig()
+    values: dict[str, Any] = {}
     if path is not None:
         try:
             data = tomllib.loads(Path(path).read_text())
@@ -324,38 +401,45 @@ def load_config(
             raise ConfigError(f"cannot read config {path}: {exc}") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: {exc}") from exc
-        _apply_toml(cfg, data, str(path))
+        values.update(_from_toml(data, str(path)))
     env = os.environ if env is None else env
-    for name in _SCALARS:
+    for name in SCALARS:
         key = ENV_PREFIX + name.upper()
         if key in env:
-            setattr(cfg, name, _coerce(name, env[key]))
+            values[name] = _coerce(name, env[key])
     workers = [w for w in env.get(ENV_PREFIX + "WORKERS", "").split(",") if w.strip()]
     keys = [k.strip() for k in env.get(ENV_PREFIX + "API_KEYS", "").split(",") if k.strip()]
-    cfg.api_keys = keys or cfg.api_keys
+    if keys:
+        values["api_keys"] = keys
     found = [d for d in env.get(ENV_PREFIX + "DISCOVER", "").split(",") if d.strip()]
     found += extra_discovery or []
-    cfg.discovery += [discovery_spec(d.strip(), "discover") for d in found]
+    values["discovery"] = [
+        *values.get("discovery", []),
+        *(discovery_spec(d.strip(), "discover") for d in found),
+    ]
     for name, value in (overrides or {}).items():
         if value is not None:
-            setattr(cfg, name, _coerce(name, value))
-    by_id = {w.id: w for w in cfg.workers}
+            values[name] = _coerce(name, value)
+    if values.get("gateway") and "policy" not in values:
+        values["policy"] = "session_affinity"
+    by_id = {w.id: w for w in values.get("workers", [])}
     for text in [*workers, *(extra_workers or [])]:
         spec = parse_worker(text)
         by_id[spec.id] = spec
-    cfg.workers = list(by_id.values())
+    values["workers"] = list(by_id.values())
+    cfg = RouterConfig(**values)
     validate(cfg)
     return cfg
 
 
 def validate(cfg: RouterConfig) -> None:
     """Reject settings that cannot work, with the reason, before anything starts."""
-    if cfg.block_size <= 0:
-        raise ConfigError("block_size must be positive")
-    if not 0 < cfg.port < 65536:
-        raise ConfigError(f"port {cfg.port} is out of range")
-    if cfg.max_body_bytes <= 0:
-        raise ConfigError("max_body_bytes must be positive")
+    for name, bounds in RANGES.items():
+        check_range(name, getattr(cfg, name), bounds)
+    for name, scalar in SCALARS.items():
+        value = getattr(cfg, name)
+        if scalar.choices and value not in scalar.choices:
+            raise ConfigError(f"{name} must be {' or '.join(scalar.choices)}, not {value!r}")
     for w in cfg.workers:
         check_worker(w, "workers")
     pool_of: dict[str, str] = {}
@@ -366,11 +450,6 @@ def validate(cfg: RouterConfig) -> None:
         size = w.block_size or cfg.block_size
         if block_of.setdefault(w.pool, size) != size:
             raise ConfigError(f"pool {w.pool} mixes block sizes {block_of[w.pool]} and {size}")
-    for name in ("max_n", "max_header_count", "max_header_bytes"):
-        if getattr(cfg, name) <= 0:
-            raise ConfigError(f"{name} must be positive")
-    if cfg.body_timeout <= 0:
-        raise ConfigError("body_timeout must be positive")
     if cfg.gateway:
         policies = {cfg.policy, *(a.policy for a in cfg.arms)} if cfg.arms else {cfg.policy}
         index_bound = sorted(policies - GATEWAY_POLICIES)
@@ -393,21 +472,24 @@ def validate(cfg: RouterConfig) -> None:
     _validate_replicas(cfg)
 
 
+def check_range(name: str, value: float | None, bounds: Range) -> None:
+    """ConfigError unless ``value`` (None: unset) lies within ``bounds``."""
+    if value is None:
+        return
+    low, high, low_open = bounds
+    if low_open and not value > low:  # NaN fails here too
+        raise ConfigError(f"{name} must be positive, not {value!r}")
+    if not low <= value:
+        raise ConfigError(f"{name} must be at least {low:g}, not {value!r}")
+    if not value <= high:
+        raise ConfigError(f"{name} must be at most {high:g}, not {value!r}")
+
+
 def _validate_replicas(cfg: RouterConfig) -> None:
-    if cfg.events_transport not in ("auto", "jetstream", "core"):
-        raise ConfigError(
-            f"events_transport must be auto, jetstream or core, not {cfg.events_transport!r}"
-        )
     if not re.fullmatch(r"[A-Za-z0-9_-]+", cfg.events_stream):
         raise ConfigError(f"events_stream {cfg.events_stream!r}: letters, digits, - and _ only")
     if cfg.replica_id is not None and not re.fullmatch(r"[A-Za-z0-9_-]+", cfg.replica_id):
         raise ConfigError(f"replica_id {cfg.replica_id!r}: letters, digits, - and _ only")
-    for name in ("events_max_age", "events_max_bytes", "peer_ttl"):
-        if getattr(cfg, name) <= 0:
-            raise ConfigError(f"{name} must be positive")
-    for name in ("blind_after", "share_interval"):
-        if getattr(cfg, name) < 0:
-            raise ConfigError(f"{name} must not be negative")
 
 
 _DISCOVERY_KEYS = frozenset(f.name for f in dataclasses.fields(DiscoverySpec))
@@ -432,7 +514,7 @@ def discovery_spec(raw: Any, where: str) -> DiscoverySpec:
     name = table.get("name")
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,253}", name):
         raise ConfigError(f"{where}: name must be a DNS name, not {name!r}")
-    spec = DiscoverySpec(name=name.rstrip("."))
+    fields: dict[str, Any] = {"name": name.rstrip(".")}
     try:
         for key in sorted(_DISCOVERY_KEYS - {"name"}):
             value = table.get(key)
@@ -446,9 +528,10 @@ def discovery_spec(raw: Any, where: str) -> DiscoverySpec:
                 value = float(value)
             else:
                 value = str(value)
-            setattr(spec, key, value)
+            fields[key] = value
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from exc
+    spec = DiscoverySpec(**fields)
     if spec.record not in ("a", "srv"):
         raise ConfigError(f"{where}: record must be a (A/AAAA) or srv, not {spec.record!r}")
     if not 0 < spec.port < 65536:

@@ -9,33 +9,33 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
+from collections.abc import Mapping
 
-from router.config import ConfigError, RouterConfig, load_config
+from router.config import SCALARS, ConfigError, RouterConfig, load_config
 
-# Flag name -> config field; these names are a contract other tools script against.
-_FLAGS = {
-    "host": str,
-    "port": int,
-    "nats_url": str,
-    "block_size": int,
-    "policy": str,
-    "tokenizer": str,
-    "admin_token": str,
-    "subject_prefix": str,
-    "gateway": bool,
-    "metrics_token": str,
-    "replica_id": str,
-    "events_transport": str,
-}
+# The settings with a flag, ``--name-with-dashes``; these names are a contract other tools
+# script against. Types and choices come from ``RouterConfig``'s hints, values are
+# checked by ``load_config`` like the TOML's and the environment's.
+FLAGS: tuple[tuple[str, str], ...] = (
+    ("host", "listen address (default 127.0.0.1)"),
+    ("port", "listen port (default 8000)"),
+    ("nats_url", "NATS for KV events; omit to route on load alone"),
+    ("block_size", "engine KV block size in tokens (16)"),
+    ("policy", "routing policy (default cache_aware)"),
+    ("tokenizer", "tokenizer.json or its directory, for every model"),
+    ("admin_token", "bearer token for /admin/* (off without it)"),
+    ("subject_prefix", "NATS subject prefix (default kv)"),
+    ("gateway", "region gateway: workers are cluster routers, policy session_affinity by default"),
+    ("metrics_token", "bearer token for /metrics (open without it)"),
+    ("replica_id", "this replica's name among its peers (random)"),
+    ("events_transport",
+     "KV events from the JetStream stream or live core NATS (auto: the stream if there)"),
+)  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML config file (see router/config.py)")
-    parser.add_argument("--host", help="listen address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="listen port (default 8000)")
-    parser.add_argument("--nats-url", help="NATS for KV events; omit to route on load alone")
     parser.add_argument(
         "--worker", action="append", default=[], metavar="ID=URL", help="an engine (repeatable)"
     )
@@ -46,35 +46,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="dns://NAME:PORT|srv://NAME",
         help="engines behind a DNS name, re-resolved (repeatable; see router/discovery.py)",
     )
-    parser.add_argument("--block-size", type=int, help="engine KV block size in tokens (16)")
-    parser.add_argument("--policy", help="routing policy (default cache_aware)")
-    parser.add_argument("--tokenizer", help="tokenizer.json or its directory, for every model")
-    parser.add_argument("--admin-token", help="bearer token for /admin/* (off without it)")
-    parser.add_argument("--subject-prefix", help="NATS subject prefix (default kv)")
-    parser.add_argument(
-        "--gateway",
-        action="store_true",
-        default=None,
-        help="region gateway: workers are cluster routers, policy session_affinity by default",
-    )
-    parser.add_argument("--metrics-token", help="bearer token for /metrics (open without it)")
-    parser.add_argument("--replica-id", help="this replica's name among its peers (random)")
-    parser.add_argument(
-        "--events-transport",
-        choices=("auto", "jetstream", "core"),
-        help="KV events from the JetStream stream or live core NATS (auto: stream if there)",
-    )
+    for name, help_ in FLAGS:
+        flag = "--" + name.replace("_", "-")
+        scalar = SCALARS[name]
+        if scalar.kind is bool:  # default None: "not given" leaves the file's and env's value
+            parser.add_argument(flag, action="store_true", default=None, help=help_)
+        else:
+            parser.add_argument(flag, type=scalar.kind, choices=scalar.choices or None, help=help_)
     parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
 
 
-def config_from_args(args: argparse.Namespace) -> RouterConfig:
-    overrides = {name: getattr(args, name) for name in _FLAGS}
-    if args.gateway and args.policy is None and args.config is None:
-        # the gateway's natural policy, unless a file or the environment names one
-        overrides["policy"] = os.environ.get("CACHE_ROUTER_POLICY", "session_affinity")
+def config_from_args(
+    args: argparse.Namespace, env: Mapping[str, str] | None = None
+) -> RouterConfig:
+    """The config the flags, ``env`` (default: the process's) and ``--config`` say."""
     return load_config(
         args.config,
-        overrides=overrides,
+        env=env,
+        overrides={name: getattr(args, name) for name, _ in FLAGS},
         extra_workers=args.worker,
         extra_discovery=args.discover,
     )

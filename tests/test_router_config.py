@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
@@ -75,7 +76,7 @@ def test_cli_flags_keep_their_names(tmp_path):
             "--admin-token", "tok", "--subject-prefix", "kv2",
         ]
     )  # fmt: skip
-    cfg = serve.config_from_args(args)
+    cfg = serve.config_from_args(args, env={})  # not the real environment: it may set any
     assert (cfg.host, cfg.port, cfg.nats_url, cfg.block_size) == (
         "127.0.0.2",
         8123,
@@ -134,3 +135,38 @@ def test_bad_config_says_what_is_wrong(tmp_path, toml, env, message):
 def test_missing_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "nope.toml", env={})
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"CACHE_ROUTER_HEALTH_INTERVAL": "0"}, "health_interval must be positive"),
+        ({"CACHE_ROUTER_HEALTH_TIMEOUT": "nan"}, "health_timeout must be positive"),
+        ({"CACHE_ROUTER_UNHEALTHY_AFTER": "0"}, "unhealthy_after must be at least 1"),
+        ({"CACHE_ROUTER_CONNECT_RETRIES": "-1"}, "connect_retries must be at least 0"),
+        ({"CACHE_ROUTER_REQUEST_TIMEOUT": "1e12"}, "request_timeout must be at most"),
+        ({"CACHE_ROUTER_PORT": "70000"}, "port must be at most 65535"),
+        ({"CACHE_ROUTER_MAX_INDEX_BLOCKS": "0"}, "max_index_blocks must be at least 1"),
+        ({"CACHE_ROUTER_EVENTS_TRANSPORT": "kafka"}, "events_transport must be auto or"),
+        ({"CACHE_ROUTER_PORT": "eighty"}, "port: 'eighty' is not a valid int"),
+        ({"CACHE_ROUTER_GATEWAY": "maybe"}, "gateway: 'maybe' is not a valid bool"),
+    ],
+)
+def test_out_of_range_settings_are_refused_by_name(env, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(env=env)
+
+
+def test_config_is_read_only_once_built():
+    cfg = load_config(env={"CACHE_ROUTER_MAX_INDEX_BLOCKS": "", "CACHE_ROUTER_PORT": "81"})
+    assert cfg.max_index_blocks is None and cfg.port == 81
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.port = 82  # type: ignore[misc]
+
+
+def test_a_gateway_without_a_policy_routes_on_sessions(tmp_path):
+    path = tmp_path / "router.toml"
+    path.write_text("gateway = true\n")
+    assert load_config(path, env={}).policy == "session_affinity"
+    assert load_config(env={"CACHE_ROUTER_GATEWAY": "1"}).policy == "session_affinity"
+    assert load_config(path, env={"CACHE_ROUTER_POLICY": "least_load"}).policy == "least_load"

@@ -9,6 +9,7 @@ throwaway CA made by ``trustme``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -210,7 +211,7 @@ async def connects(cfg: RouterConfig) -> bool:
 async def router_on_nats(cfg: RouterConfig) -> None:
     """A router with ``cfg`` connects and receives a load report over that NATS."""
     engine = await EngineDouble("w0").start()
-    cfg.workers = [WorkerSpec("w0", engine.url, model="m")]
+    cfg = dataclasses.replace(cfg, workers=[WorkerSpec("w0", engine.url, model="m")])
     served = await Served(RouterApp(cfg)).start()
     try:
         state = served.server.config.app.state
