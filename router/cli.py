@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("router.serve", "run the router (OpenAI-compatible proxy)"),
     "replay": ("sim.replay", "replay a request trace through the simulator, per policy"),
+    "gen-trace": ("sim.gen_trace", "write a seeded agent-shaped trace (chat, agent loops)"),
     "mock-engine": ("sim.mock_engine", "run a mock vLLM-like engine"),
     "agent": ("agent.main", "run the node agent: engine ZMQ events -> NATS"),
     "demo": ("router.demo", "run the whole stack on an embedded default and compare policies"),

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import dataclasses
 import multiprocessing as mp
 import os
 import sys
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from policies import POLICY_NAMES
+from policies import POLICY_NAMES, EngineCosts
 from sim.report import PolicyReport
 from sim.simulator import SimConfig, Simulation
 from sim.traces import Trace, TraceError, load_trace
@@ -74,12 +76,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="predict-on-route TTL (0: off)",
     )
+    parser.add_argument(
+        "--engine-costs",
+        metavar="JSON|PATH",
+        help="the simulated engines' EngineCosts fields, as a JSON object or a .json/.toml "
+        "file, e.g. '{\"prefill_ms_per_token\": 0.1}' for engines 2x slower than the "
+        "policies assume (they always estimate with the defaults)",
+    )
     parser.add_argument("--jobs", type=int, help="parallel processes (default: one per core)")
 
 
 def _fail(message: str) -> int:
     print(f"cache-router replay: error: {message}", file=sys.stderr)
     return 2
+
+
+def engine_costs(value: str | None) -> EngineCosts:
+    """``--engine-costs``: a JSON object, or a JSON / TOML file of EngineCosts fields."""
+    if value is None:
+        return EngineCosts()
+    text = value.strip()
+    if text.startswith("{"):
+        try:
+            fields = orjson.loads(text)
+        except orjson.JSONDecodeError as exc:
+            raise ValueError(f"--engine-costs: not a JSON object: {exc}") from None
+    else:
+        path = Path(text)
+        if not path.is_file():
+            raise ValueError(f"--engine-costs: {path}: no such file")
+        try:
+            if path.suffix == ".toml":
+                fields = tomllib.loads(path.read_text())
+            else:
+                fields = orjson.loads(path.read_bytes())
+        except (tomllib.TOMLDecodeError, orjson.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--engine-costs: {path}: {exc}") from None
+    if not isinstance(fields, dict):
+        raise ValueError("--engine-costs: expected an object of EngineCosts fields")
+    try:
+        return EngineCosts.from_config(fields)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"--engine-costs: {exc}") from None
 
 
 def _check(args: argparse.Namespace) -> list[str] | str:
@@ -216,6 +254,10 @@ def run(args: argparse.Namespace) -> int:
         )
     except TraceError as exc:
         return _fail(str(exc))
+    try:
+        costs = engine_costs(args.engine_costs)
+    except ValueError as exc:
+        return _fail(str(exc))
     config = SimConfig(
         workers=args.workers,
         l1_blocks=args.l1_blocks,
@@ -225,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
         predict_ttl_ms=args.predict_ttl_ms,
         engine_seed=args.seed,
         seed=args.seed,
+        costs=costs,
     )
     results = replay_trace(trace, policies, config, jobs=args.jobs)
     result = {
@@ -239,6 +282,9 @@ def run(args: argparse.Namespace) -> int:
         "event_lag_ms": args.event_lag_ms,
         "load_interval_ms": args.load_interval_ms,
         "predict_ttl_ms": args.predict_ttl_ms,
+        "engine_costs": {
+            f.name: getattr(costs, f.name) for f in dataclasses.fields(costs) if f.init
+        },
         "ideal_hit_rate": trace.ideal_hit_rate(),
         "pooled_lru_hit_rate": trace.pooled_lru_hit_rate(
             args.workers * (args.l1_blocks + args.l2_blocks)

@@ -49,6 +49,11 @@ def summarize(sim: Simulation, wall_s: float) -> PolicyReport:
     span_s = max(max(r.finish_ms for r in sim.requests) - start, 1e-9) / 1000.0
     p50, p90, p99 = np.percentile(ttft, [50, 90, 99])
     route = np.array(sim.route_us or [0.0])
+    hinted = [r for r in served if r.hint_deadline_ms >= 0]
+    # routed away from the longest match (the request recomputes what a peer holds)
+    off_best = sum(
+        r.est_prefill > max(r.input_len - r.best_hit_blocks * bs, 1) for r in sim.requests
+    )
     counters = sim.counters
     return {
         "policy": sim.policy.name,
@@ -77,6 +82,16 @@ def summarize(sim: Simulation, wall_s: float) -> PolicyReport:
         "prefetch_blocks": counters["prefetch_blocks"],
         "prefetch_tokens": counters["prefetch_blocks"] * bs,
         "prefetch_late": counters["prefetch_late"],
+        "prefetch_blocks_sent": counters["prefetch_blocks_sent"],
+        "hinted_share": len(hinted) / len(sim.requests) if sim.requests else 0.0,
+        "hinted_admit_wait_ms": float(np.mean([r.admit_ms - r.arrival_ms for r in hinted]))
+        if hinted
+        else 0.0,
+        "hinted_admit_estimate_ms": float(np.mean([r.hint_deadline_ms for r in hinted]))
+        if hinted
+        else 0.0,
+        "off_best_worker_share": off_best / len(sim.requests) if sim.requests else 0.0,
+        "prefill_tokens_computed": sum(e.prefill_tokens for e in sim.engines),
         "cache_loss": cache_loss(sim),
         "route_us_mean": float(route.mean()),
         "route_us_p99": float(np.percentile(route, 99)),

@@ -20,6 +20,7 @@ class SimRequest:
         "est_prefill",
         "finish_ms",
         "first_token_ms",
+        "hint_deadline_ms",
         "hit_gpu_blocks",
         "hit_host_blocks",
         "idx",
@@ -59,3 +60,4 @@ class SimRequest:
         self.hit_gpu_blocks = 0
         self.hit_host_blocks = 0
         self.decode_from = 0  # engine step of the first token
+        self.hint_deadline_ms = -1.0  # a prefetch hint's expected admission wait (-1: none)

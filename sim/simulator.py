@@ -10,8 +10,13 @@ What the router side does is the code users run:
   token; the engines' running / waiting / KV usage as last sampled every
   ``load_interval_ms``) and asks the policy from ``policies.make_policy``;
 - a decision's prefetch hint is translated to the source engine's hashes with
-  ``EventIngest.engine_hashes`` and executed as a transfer over the target's link at
-  ``EngineCosts.prefetch_gbps``, landing in the target's host tier (GPU without one).
+  ``EventIngest.engine_hashes`` and executed as a transfer of the blocks the target
+  lacks (what the policy budgets) over the target's link at ``EngineCosts.prefetch_gbps``,
+  landing in the target's host tier (GPU without one).
+
+``SimConfig.costs`` are the engines' timings; the policies estimate with their own
+(``EngineCosts()`` unless given), so engines faster or slower than a policy assumes are
+one flag away (``cache-router replay --engine-costs``).
 """
 
 from __future__ import annotations
@@ -189,6 +194,7 @@ class Simulation:
         if self.config.predict_ttl_ms > 0:
             self.index.predict(decision.worker_id, hashes, self.config.predict_ttl_ms / 1000.0)
         if decision.prefetch is not None:
+            req.hint_deadline_ms = decision.prefetch.deadline_ms
             self._prefetch(req, decision.prefetch)
         self.engines[w].submit(req, self.now)
 
@@ -212,10 +218,15 @@ class Simulation:
             self.counters["prefetch_source_lost"] += 1
             return
         t = self.slot[hint.target_worker]
+        # Only what the target lacks crosses the link, as the policy budgets it.
+        have = sum(self.engines[t].cache.lookup(hashes[:n]))
+        if have >= n:
+            self.counters["prefetch_already_held"] += 1
+            return
         begin = max(self.now, self.link_free[t])
-        end = begin + self.costs.prefetch_ms(n * self.block_size)
+        end = begin + self.costs.prefetch_ms((n - have) * self.block_size)
         self.link_free[t] = end
-        self.counters["prefetch_blocks_sent"] += n
+        self.counters["prefetch_blocks_sent"] += n - have
         self.at(end, self._prefetch_done, t, req, req.tokens, hashes[:n])
 
     def _prefetch_done(self, t: int, req: SimRequest, tokens: array, hashes: list[int]) -> None:

@@ -7,8 +7,9 @@ id always yields the same 512 tokens, and the final partial block comes from a s
 private to the request, so only whole Mooncake blocks are shared. The engine's block size
 is independent (e.g. 64): a 512-block holds 8 engine blocks.
 
-Mooncake has no session ids. A client would tag a conversation, so one is derived the
-way a client knows it, from the past only: a request whose prompt extends an earlier
+Mooncake has no session ids (a line may carry one, ``session_id``, as ``cache-router
+gen-trace`` writes). A client would tag a conversation, so one is derived the way a
+client knows it, from the past only: a request whose prompt extends an earlier
 request's whole-block chain (longer than one block, so a shared system prompt is not a
 conversation) continues that request's session.
 
@@ -241,11 +242,12 @@ def _mooncake(
             f"{where}: {len(hash_ids)} hash_ids do not cover input_length {input_len} "
             f"in blocks of {MOONCAKE_BLOCK}"
         )
+    session = obj.get("session_id")
     return TraceRequest(
         arrival_ms=_number(obj, "timestamp", where),
         input_len=input_len,
         output_len=max(1, output_len),
-        session=sessions.key(hash_ids, input_len),
+        session=sessions.key(hash_ids, input_len) if session is None else str(session),
         router_hashes=array("Q"),
         engine_hashes=array("Q"),
         hash_ids=hash_ids,

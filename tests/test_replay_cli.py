@@ -72,6 +72,10 @@ def test_subprocess_parallel_policies_file_output_and_plot(tmp_path: Path) -> No
         (["--policies", "round_robin,nope"], "unknown policy"),
         (["--workers", "0"], "--workers"),
         (["--limit", "0"], "--limit"),
+        (["--engine-costs", '{"prefill_ms_per_tok": 1}'], "unknown EngineCosts field"),
+        (["--engine-costs", '{"prefill_ms_per_token": 0}'], "must be > 0"),
+        (["--engine-costs", "{nope"], "not a JSON object"),
+        (["--engine-costs", "/no/such/costs.toml"], "no such file"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(
@@ -88,3 +92,28 @@ def test_unreadable_trace_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert main(["replay", "--trace", str(bad)]) == 2
     assert "bad.jsonl:1" in capsys.readouterr().err
     assert main(["replay", "--trace", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_engines_can_run_slower_than_the_policies_assume(
+    trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--engine-costs changes the engines only: 2x slower prefill, same routing inputs."""
+    base = ["replay", "--trace", str(trace), "--workers", "2", "--block-size", "16"]
+    base += ["--policies", "round_robin", "--json", "-", "--jobs", "1"]
+    assert main(base) == 0
+    fast = json.loads(capsys.readouterr().out)
+    costs = tmp_path / "slow.toml"
+    costs.write_text("prefill_ms_per_token = 0.1\ndecode_ms_per_step = 12.0\n")
+    assert main([*base, "--engine-costs", str(costs)]) == 0
+    slow = json.loads(capsys.readouterr().out)
+    assert slow["engine_costs"]["prefill_ms_per_token"] == 0.1
+    assert fast["engine_costs"]["prefill_ms_per_token"] == 0.05
+    f, s = fast["results"][0], slow["results"][0]
+    assert s["hit_rate"] == f["hit_rate"]  # round_robin routes the same either way
+    assert s["ttft_p50_ms"] > 1.5 * f["ttft_p50_ms"]
+    assert (
+        main([*base, "--engine-costs", '{"prefill_ms_per_token": 0.1, "decode_ms_per_step": 12}'])
+        == 0
+    )
+    inline = json.loads(capsys.readouterr().out)["results"][0]
+    assert inline["ttft_p50_ms"] == s["ttft_p50_ms"]

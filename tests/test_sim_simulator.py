@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
 
 from index.codec import Event
-from policies import POLICY_NAMES
+from policies import POLICY_NAMES, PrefetchHint, RouteRequest
 from sim.batch_engine import BatchEngine
+from sim.request import SimRequest
 from sim.simulator import SimConfig, Simulation
 from sim.synth import write_sessions
 from sim.traces import Trace, load_trace
@@ -144,3 +146,30 @@ def test_cache_loss_is_zero_without_hits_and_positive_with_them(tmp_path: Path) 
     assert report["hit_rate"] > 0 and report["hit_rate_host"] > 0
     # Missed tokens sit after the cached context (dearer attention), host hits are loaded.
     assert 0.0 < report["cache_loss"] < 0.5
+
+
+def test_a_prefetch_sends_only_the_blocks_the_target_lacks(tmp_path: Path) -> None:
+    """The policy budgets the missing blocks; the simulated transfer moves just those."""
+    path = write_sessions(tmp_path / "one.jsonl", sessions=1, turns=1, gap_ms=1.0, turn_tokens=0)
+    trace = load_trace(path, block_size=BS)  # 64 tokens: 4 full blocks
+    sim = Simulation(trace, "round_robin", SimConfig(workers=2, l2_blocks=16))
+    tr = trace.requests[0]
+    tokens = trace.tokens(0)
+    source, target = sim.engines[0].cache, sim.engines[1].cache
+    source.allocate("warm", tokens, block_hashes=tr.engine_hashes)
+    source.commit("warm", len(tokens))
+    source.release("warm")
+    target.prefetch(tokens, block_hashes=tr.engine_hashes, max_blocks=1)
+    for engine in sim.engines:
+        sim.publish(engine, engine.cache.drain_events(), 0.0)
+    while sim._heap:  # deliver the events: the index now knows both engines
+        _, _, fn, args = heapq.heappop(sim._heap)
+        fn(*args)
+    route = RouteRequest("r0", "sim", tr.input_len, tr.router_hashes.tolist(), BS)
+    req = SimRequest(0, 0.0, tr.input_len, tr.output_len, tokens, tr.engine_hashes, route)
+    sim._prefetch(req, PrefetchHint("w0", "w1", 3, "cpu", deadline_ms=100.0))
+    # 3 blocks hinted, the target already holds the first: 2 cross the link
+    assert sim.counters["prefetch_blocks_sent"] == 2
+    assert sim.link_free[1] == pytest.approx(sim.costs.prefetch_ms(2 * BS))
+    sim._prefetch(req, PrefetchHint("w0", "w1", 1, "cpu", deadline_ms=100.0))
+    assert sim.counters["prefetch_already_held"] == 1  # nothing to send
