@@ -52,8 +52,10 @@ from index.wire import (
 from router.bus import nats_options
 from router.jetstream import StreamSpec
 from router.jetstream import ensure_stream as ensure_event_stream
+from router.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
+bad_input = RateLimitedLog(log)  # what peers send: one line per 10 s, with a count
 
 
 @dataclass(slots=True)
@@ -225,7 +227,7 @@ class NodeAgent:
             parsed = parse_live(frames)
             if parsed is None:
                 self.counters["bad_frames"] += 1
-                log.warning("not a KV-event message: %d frames", len(frames))
+                bad_input.warning("not a KV-event message: %d frames", len(frames))
                 continue
             try:
                 await self._on_batch(*parsed)
@@ -339,7 +341,7 @@ class NodeAgent:
             replies = self.core.replay(request.from_seq)  # one consistent snapshot
         except (ValueError, orjson.JSONDecodeError) as exc:
             self.counters["bad_replay_requests"] += 1
-            log.warning("bad replay request: %s", exc)
+            bad_input.warning("bad replay request: %s", exc)
             replies = [ReplayMessage("end", -1, epoch=self.core.epoch)]
         try:
             assert self.nc is not None
@@ -361,7 +363,7 @@ class NodeAgent:
             tokens = self.core.mirror.tokens_of([norm_hash(h) for h in hashes])
         except (ValueError, KeyError, TypeError) as exc:
             self.counters["bad_blocks_requests"] += 1
-            log.warning("bad blocks request: %s", exc)
+            bad_input.warning("bad blocks request: %s", exc)
             tokens = []
         if msg.reply:
             with contextlib.suppress(Exception):  # the asker gave up or NATS is down

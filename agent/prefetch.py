@@ -18,7 +18,10 @@ from collections.abc import Awaitable, Callable
 import httpx
 import orjson
 
+from router.ratelog import RateLimitedLog
+
 log = logging.getLogger(__name__)
+bad_input = RateLimitedLog(log)  # hints come from NATS: one line per 10 s, with a count
 
 # Fills in a hint's ``token_ids`` (the blocks' tokens) when it can; see agent.node.
 Resolver = Callable[[dict[str, object]], Awaitable[bool]]
@@ -81,11 +84,11 @@ class PrefetchForwarder:
             hint = check_hint(data)
         except ValueError as exc:
             self.counters["malformed"] += 1
-            log.warning("dropping prefetch hint: %s", exc)
+            bad_input.warning("dropping prefetch hint: %s", exc)
             return
         if self.url is None:
             self.counters["undelivered"] += 1
-            log.warning(
+            bad_input.warning(
                 "no engine prefetch endpoint configured: hint %s dropped", hint.get("request_id")
             )
             return
@@ -93,7 +96,7 @@ class PrefetchForwarder:
             self._queue.put_nowait(hint)
         except asyncio.QueueFull:
             self.counters["undelivered"] += 1
-            log.warning("prefetch queue full: hint %s dropped", hint.get("request_id"))
+            bad_input.warning("prefetch queue full: hint %s dropped", hint.get("request_id"))
 
     async def _run(self) -> None:
         assert self._client is not None and self.url is not None
@@ -104,7 +107,7 @@ class PrefetchForwarder:
                     resolved = await self.resolve(hint)
                 except Exception as exc:  # a peer that is down or answers garbage
                     resolved = False
-                    log.warning(
+                    bad_input.warning(
                         "prefetch hint %s: tokens not resolved: %s", hint.get("request_id"), exc
                     )
                 self.counters["resolved" if resolved else "unresolved"] += 1
@@ -118,4 +121,6 @@ class PrefetchForwarder:
                 self.counters["delivered"] += 1
             else:
                 self.counters["undelivered"] += 1
-                log.warning("prefetch hint %s not delivered: %s", hint.get("request_id"), reason)
+                bad_input.warning(
+                    "prefetch hint %s not delivered: %s", hint.get("request_id"), reason
+                )

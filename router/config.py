@@ -141,6 +141,9 @@ class RouterConfig:
     max_header_count: int = 100
     max_header_bytes: int = 32 * 1024  # all request header names and values together
     body_timeout: float = 30.0  # seconds a client may take to send its request body
+    header_timeout: float = 10.0  # seconds from a request's first byte to its last header
+    idle_timeout: float = 5.0  # seconds an idle keep-alive client connection stays open
+    max_connections: int | None = None  # client connections; None: from the fd limit
     nats_user: str | None = None
     nats_password: str | None = None
     nats_token: str | None = None
@@ -228,6 +231,9 @@ RANGES: dict[str, Range] = {
     "max_header_count": _COUNT,
     "max_header_bytes": Range(0, 1 << 30, low_open=True),
     "body_timeout": _DURATION,
+    "header_timeout": _DURATION,
+    "idle_timeout": _DURATION,
+    "max_connections": Range(1, 1 << 20),
     "events_max_age": _DURATION,
     "events_max_bytes": Range(0, 1 << 50, low_open=True),
     "blind_after": Range(0, 86_400.0),

@@ -28,9 +28,11 @@ from index.ingest import EventIngest, SeqStatus
 from index.replay import ReplayMessage, ReplayRequest
 from index.wire import DEFAULT_PREFIX, DP_RANK_HEADER, EPOCH_HEADER, SEQ_HEADER, Subjects
 from router.load import parse_load_report
+from router.ratelog import RateLimitedLog
 from router.workers import WorkerRegistry
 
 log = logging.getLogger(__name__)
+bad_input = RateLimitedLog(log)  # replay answers come from NATS: at most a line per 10 s
 
 _RETRY = (SeqStatus.GAP, SeqStatus.MALFORMED)
 
@@ -250,8 +252,8 @@ class EventSync:
             self.counts["replay_timeouts"] += 1
         except (CodecError, ValueError, KeyError, TypeError) as exc:
             self.counts["replay_malformed"] += 1
-            log.warning("replay for %s: bad message: %s", worker_id, exc)
+            bad_input.warning("replay for %s: bad message: %s", worker_id, exc)
         except Exception as exc:  # connection lost mid-replay: retried by the loop
             self.counts["replay_errors"] += 1
-            log.warning("replay for %s failed: %s", worker_id, exc)
+            bad_input.warning("replay for %s failed: %s", worker_id, exc)
         return False

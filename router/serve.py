@@ -11,8 +11,12 @@ import argparse
 import logging
 import sys
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from router.config import SCALARS, ConfigError, RouterConfig, load_config
+
+if TYPE_CHECKING:
+    import uvicorn
 
 # The settings with a flag, ``--name-with-dashes``; these names are a contract other tools
 # script against. Types and choices come from ``RouterConfig``'s hints, values are
@@ -73,30 +77,48 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from router.app import build_app
+    from router.ratelog import RateLimitFilter
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per health check otherwise
+    logging.getLogger("uvicorn.error").addFilter(RateLimitFilter())  # a line per bad request
     try:
         cfg = config_from_args(args)
         app = build_app(cfg)
     except (ConfigError, ValueError, OSError) as exc:
         print(f"cache-router serve: {exc}", file=sys.stderr)
         return 2
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=cfg.host,
-            port=cfg.port,
-            loop="uvloop",
-            http="httptools",
-            lifespan="on",
-            access_log=False,
-            proxy_headers=False,  # X-Forwarded-* rewriting costs every request; unused here
-            log_level=args.log_level.lower(),
-            timeout_graceful_shutdown=int(cfg.drain_timeout),
-            backlog=4096,
-        )
-    )
+    server = uvicorn.Server(server_config(app, cfg, log_level=args.log_level.lower()))
     server.run()
     return 0
+
+
+def server_config(app: object, cfg: RouterConfig, **overrides: Any) -> uvicorn.Config:
+    """uvicorn's settings for the router: uvloop, httptools behind ``router.guard``."""
+    import uvicorn
+
+    from router.guard import Limits, default_max_connections, guarded_protocol
+
+    limits = Limits(
+        # the parsed-header limit (router.edge) plus room for the request line and framing
+        max_head_bytes=cfg.max_header_bytes + 8 * 1024,
+        header_timeout=cfg.header_timeout,
+        max_connections=cfg.max_connections or default_max_connections(),
+    )
+    settings: dict[str, Any] = {
+        "host": cfg.host,
+        "port": cfg.port,
+        "loop": "uvloop",
+        "http": guarded_protocol(limits),
+        "ws": "none",  # no websocket routes: an upgrade is refused by the guard
+        "lifespan": "on",
+        "access_log": False,
+        "proxy_headers": False,  # X-Forwarded-* rewriting costs every request; unused here
+        "timeout_keep_alive": cfg.idle_timeout,
+        "timeout_graceful_shutdown": int(cfg.drain_timeout),
+        "backlog": 4096,
+        **overrides,
+    }
+    return uvicorn.Config(app, **settings)
