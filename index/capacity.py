@@ -77,11 +77,11 @@ class CapacityForecast:
             stack.observe(hashes, num_tokens, self.block_size)
 
     def grid(self, capacities: Mapping[str, Tiers]) -> list[int]:
-        """Doubling capacities from the hot set's size to past every need and every size."""
-        top = max(
-            [self.pooled.curve.max_need(), *(t.total for t in capacities.values()), 1]
-        )
-        return doublings(max(1, self.sampling.hot_blocks), 2 * top)
+        """Doubling capacities to past every need and every size, from 16 blocks (from the
+        hot set's size once the pooled stack samples: below it its curve is not defined)."""
+        top = max([self.pooled.curve.max_need(), *(t.total for t in capacities.values()), 1])
+        start = self.sampling.hot_blocks if self.pooled.rate < 1 else 16
+        return doublings(max(1, start), 2 * top)
 
     def report(self, capacities: Mapping[str, Tiers]) -> dict[str, Any]:
         """JSON-ready: curves, sizes, predicted hit rates, saturation, warnings."""

@@ -31,7 +31,8 @@ blocks are always recent, so a small *hot set* (the blocks of the last ``hot_blo
 distinct uses, kept exactly) counts every reuse shallower than that without sampling;
 SHARDS covers the deeper ones. With 4,096 tracked blocks and a 1,024-block hot set the
 curve is within 0.4 points of the exact one at every size from 4K to 2M blocks on that
-trace (0.3 % rate, 80 us a request); the curve is only defined from ``hot_blocks`` up.
+trace (0.3 % rate, 80 us a request). Once sampling, the curve is only defined from
+``hot_blocks`` up; before (every block tracked) it is exact at every size.
 
 Plain synchronous code, no clock, no I/O. ``sortedcontainers`` gives the O(log n)
 order statistics: the depth of a block is the number of tracked blocks whose last use
@@ -241,12 +242,14 @@ class StackDistance:
         self.accesses += len(hashes)
         eligible = (num_tokens - 1) // block_size
         buckets = curve.buckets
+        threshold = self.threshold
         lead = 0  # leading blocks in the hot set: reused at a depth below hot_blocks
         if self.hot_blocks:
             lead = self._touch_hot(hashes, min(len(hashes), eligible))
-            if lead:
+            if threshold == _FULL:
+                lead = 0  # every block is tracked: their depths are exact, use those
+            elif lead:
                 buckets[self._hot_bucket] += lead * block_size
-        threshold = self.threshold
         # Block hashes are xxh3 outputs (index.hashing), uniform already: no mixing.
         picked = [(i, h) for i, h in enumerate(hashes) if h < threshold]
         if not picked:
@@ -256,7 +259,8 @@ class StackDistance:
         weight = block_size / rate
         last, by_time = self._last, self._by_time
         n = len(by_time)
-        floor = self.hot_blocks // 2 + 1  # not hot: deeper than half the hot set
+        # a block out of the hot set is deeper than half of it (while sampling with one)
+        floor = self.hot_blocks // 2 + 1 if self.hot_blocks and threshold < _FULL else 1
         for i, m in picked:
             if i < lead or i >= eligible:
                 continue

@@ -172,6 +172,18 @@ def admin_router(state: RouterState) -> APIRouter:
             }
         )
 
+    @api.get("/capacity")
+    async def capacity(model: str | None = None) -> Response:
+        """The capacity forecast (router/capacity.py), per model or for ``?model=``."""
+        watch = state.capacity
+        if watch is None:
+            raise ApiError(404, "the capacity forecast is off (forecast_tracked = 0)", "off")
+        if model is None:
+            return _json(watch.reports())
+        if not registry.for_model(model):
+            raise ApiError(404, f"no worker serves model {model}", "model_not_found")
+        return _json(watch.report(model))
+
     @api.get("/experiments")
     async def experiments() -> Response:
         live = state.metrics.by_arm()

@@ -25,9 +25,11 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
+from index.capacity import Sampling
 from policies.experiments import Arm, Experiment
 from router.admin import admin_router
 from router.bus import Bus, nats_options
+from router.capacity import CapacityCollector, CapacityWatch
 from router.config import ConfigError, RouterConfig
 from router.edge import Edge
 from router.errors import ApiError, error_body
@@ -96,6 +98,10 @@ class RouterState:
         self.hints = HintPublisher(self.bus, cfg.subject_prefix)
         self.metrics = RouterMetrics()
         self.metrics.add_collector(StateCollector(self.registry, self.counts))
+        self.capacity: CapacityWatch | None = None
+        if cfg.forecast_tracked and not cfg.gateway:  # a gateway sees no block hashes
+            self.capacity = CapacityWatch(self.registry, Sampling(max_tracked=cfg.forecast_tracked))
+            self.metrics.add_collector(CapacityCollector(self.capacity, self.metrics))
         self.client: httpx.AsyncClient = _client(cfg)  # cold paths: health, scrapes
         self.upstream = Upstream()  # the hot path's engine connections
         self._tasks: list[asyncio.Task[Any]] = []
@@ -122,6 +128,8 @@ class RouterState:
         self._tasks.append(asyncio.create_task(self.registry.monitor(self.client), name="health"))
         for source in self.discovery:
             self._tasks.append(asyncio.create_task(source.run(self.client), name="discovery"))
+        if self.capacity is not None:
+            self._tasks.append(asyncio.create_task(self.capacity.run(), name="capacity"))
 
     def in_sync(self, worker_id: str, pool: Pool) -> bool:
         """What operators are told: the worker's events applied in order *and* the event

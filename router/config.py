@@ -133,6 +133,7 @@ class RouterConfig:
     drain_timeout: float = 30.0  # graceful shutdown: seconds in-flight requests may take
     max_index_blocks: int | None = None
     experiment: str = "default"
+    forecast_tracked: int = 8192  # blocks per stack the capacity forecast samples; 0: off
     # -- the edge: gateway mode, limits, credentials --
     gateway: bool = False  # workers are cluster routers: no tokenizer, no index, no NATS
     api_keys: list[str] = field(default_factory=list)  # empty: the public API is open
@@ -227,6 +228,7 @@ RANGES: dict[str, Range] = {
     "load_stale_after": _DURATION,
     "drain_timeout": Range(0, 86_400.0),
     "max_index_blocks": Range(1, 1 << 40),
+    "forecast_tracked": Range(0, 1 << 20),
     "max_n": _COUNT,
     "max_header_count": _COUNT,
     "max_header_bytes": Range(0, 1 << 30, low_open=True),

@@ -283,6 +283,10 @@ class Proxy:
             series.requests.inc()
             series.prompt_tokens.inc(req.num_tokens)
             series.routed_hit_tokens.inc(hit)
+            if st.capacity is not None and req.block_hashes:
+                st.capacity.record(
+                    req.model, req.block_size, worker.id, req.block_hashes, req.num_tokens
+                )
             await self._stream(ex, resp, worker.id, flight, series, arm)
         finally:
             resp.close()

@@ -30,18 +30,19 @@ class LruReference:
     first (a finished request frees its tail first), evicting the least recent.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, block_size: int = BS) -> None:
         self.capacity = capacity
+        self.block_size = block_size
         self.lru: OrderedDict[int, None] = OrderedDict()
         self.hit_tokens = 0
         self.tokens = 0
 
     def request(self, hashes: list[int], num_tokens: int) -> None:
-        cap = min(len(hashes), (num_tokens - 1) // BS)
+        cap = min(len(hashes), (num_tokens - 1) // self.block_size)
         n = 0
         while n < cap and hashes[n] in self.lru:
             n += 1
-        self.hit_tokens += n * BS
+        self.hit_tokens += n * self.block_size
         self.tokens += num_tokens
         for h in reversed(hashes):
             self.lru[h] = None

@@ -1,0 +1,225 @@
+"""The online capacity forecast: how much cache each tier needs, from the routed traffic.
+
+The request path only appends ``(model, block size, worker, block hashes, tokens)`` to a
+bounded queue (``record``: a tuple and a deque append; the hashes are the list routing
+already computed). A background task drains it into one ``index.capacity``
+forecast per model, a few milliseconds at a time so the event loop never waits long on
+it; a full queue drops the request and counts it (the forecast then runs on a sample).
+
+Current sizes come from the index: the blocks each worker holds per tier (``gpu`` and
+``cpu``) are its capacity once its cache has filled, a lower bound before. Predicted hit
+rates are read off each worker's curve at that size; delivered ones are what the engines
+reported (``cached_tokens``) for the same workers, so the two gauges sit side by side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from index.capacity import SHARES, CapacityForecast, Sampling, Tiers
+from router.metrics import RouterMetrics
+from router.workers import WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+QUEUE_MAX = 8192  # requests waiting for analysis (about 20 s at 400 requests/s)
+SLICE_S = 0.002  # the longest the analysis holds the event loop before yielding
+POLL_S = 0.1
+CHECK_S = 30.0  # how often the working set is compared with the pool
+
+
+class CapacityWatch:
+    """Per-model forecasts fed off the request path; reports and warnings."""
+
+    def __init__(
+        self, registry: WorkerRegistry, sampling: Sampling, queue_max: int = QUEUE_MAX
+    ) -> None:
+        self.registry = registry
+        self.sampling = sampling
+        self.forecasts: dict[str, CapacityForecast] = {}
+        self._queue: deque[tuple[str, int, str, Sequence[int], int]] = deque()
+        self.queue_max = queue_max
+        self.dropped = 0
+        self.analysed = 0
+        self._short: set[str] = set()  # models whose working set outgrows the pool
+
+    # -- request path ---------------------------------------------------------------
+    def record(
+        self, model: str, block_size: int, worker: str, hashes: Sequence[int], tokens: int
+    ) -> None:
+        if len(self._queue) >= self.queue_max:
+            self.dropped += 1
+            return
+        self._queue.append((model, block_size, worker, hashes, tokens))
+
+    # -- background -----------------------------------------------------------------
+    def drain(self, budget_s: float | None = None) -> int:
+        """Analyse queued requests, for at most ``budget_s`` seconds; how many were done."""
+        queue, forecasts = self._queue, self.forecasts
+        deadline = None if budget_s is None else time.perf_counter() + budget_s
+        done = 0
+        while queue:
+            model, block_size, worker, hashes, tokens = queue.popleft()
+            fc = forecasts.get(model)
+            if fc is None or fc.block_size != block_size:  # new, or its pool changed
+                fc = forecasts[model] = CapacityForecast(block_size, self.sampling)
+            fc.observe(worker, hashes, tokens)
+            done += 1
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
+        self.analysed += done
+        return done
+
+    async def run(self) -> None:
+        checked = time.monotonic()
+        while True:
+            await asyncio.sleep(POLL_S)
+            while self.drain(SLICE_S):
+                await asyncio.sleep(0)
+            if time.monotonic() - checked >= CHECK_S:
+                checked = time.monotonic()
+                self.check()
+
+    # -- reading --------------------------------------------------------------------
+    def capacities(self, model: str) -> dict[str, Tiers]:
+        """Each worker serving ``model``: the blocks it holds in GPU and host memory."""
+        out: dict[str, Tiers] = {}
+        held_by_pool: dict[str, dict[str, dict[str, int]]] = {}
+        for w in self.registry.for_model(model):
+            held = held_by_pool.get(w.pool.name)
+            if held is None:
+                held = held_by_pool[w.pool.name] = w.pool.index.stats().workers
+            tiers = held.get(w.id, {})
+            out[w.id] = Tiers(tiers.get("gpu", 0), tiers.get("cpu", 0))
+        return out
+
+    def report(self, model: str) -> dict[str, Any]:
+        fc = self.forecasts.get(model)
+        caps = self.capacities(model)
+        if fc is None:
+            return {"model": model, "requests": 0, "capacity": _sizes(caps)}
+        return {"model": model, "capacity": _sizes(caps), **fc.report(caps)}
+
+    def reports(self) -> dict[str, Any]:
+        return {
+            "models": {m: self.report(m) for m in sorted(self.forecasts)},
+            "queued": len(self._queue),
+            "analysed_requests": self.analysed,
+            "dropped_requests": self.dropped,
+            "sampling": {
+                "max_tracked": self.sampling.max_tracked,
+                "hot_blocks": self.sampling.hot_blocks,
+                "horizon": self.sampling.horizon,
+            },
+        }
+
+    def check(self) -> list[str]:
+        """Log once when a model's working set outgrows its pool, and when it fits again."""
+        warnings = []
+        for model in sorted(self.forecasts):
+            found = self.report(model).get("warnings", [])
+            warnings += [f"model {model}: {w}" for w in found]
+            if found and model not in self._short:
+                self._short.add(model)
+                log.warning("capacity forecast, model %s: %s", model, found[0])
+            elif not found and model in self._short:
+                self._short.discard(model)
+                log.info("capacity forecast, model %s: the working set fits the pool", model)
+        return warnings
+
+
+def _sizes(caps: dict[str, Tiers]) -> dict[str, Any]:
+    return {
+        "source": "index: blocks each worker holds per tier",
+        "pool_blocks": sum(t.total for t in caps.values()),
+        "workers": {w: {"gpu_blocks": t.gpu, "host_blocks": t.host} for w, t in caps.items()},
+    }
+
+
+class CapacityCollector(Collector):
+    """The forecast's gauges, computed at scrape time."""
+
+    def __init__(self, watch: CapacityWatch, metrics: RouterMetrics) -> None:
+        self.watch = watch
+        self.metrics = metrics
+
+    def _delivered(self) -> dict[str, float]:
+        """Per worker: engine-reported cached tokens over prompt tokens (every arm)."""
+        sums: dict[str, list[float]] = {}
+        for counter, k in ((self.metrics.hit_tokens, 0), (self.metrics.prompt_tokens, 1)):
+            for family in counter.collect():
+                for s in family.samples:
+                    if s.name.endswith("_total"):
+                        sums.setdefault(s.labels["worker"], [0.0, 0.0])[k] += s.value
+        return {w: hit / prompt for w, (hit, prompt) in sums.items() if prompt}
+
+    def collect(self) -> Iterator[Metric]:
+        mw = ["model", "worker"]
+        predicted = GaugeMetricFamily(
+            "cache_router_forecast_hit_rate",
+            "Hit rate the capacity forecast predicts at the worker's current cache size",
+            labels=mw,
+        )
+        delivered = GaugeMetricFamily(
+            "cache_router_forecast_delivered_hit_rate",
+            "Hit rate the worker's engine reported (cached tokens / prompt tokens)",
+            labels=mw,
+        )
+        pooled = GaugeMetricFamily(
+            "cache_router_forecast_pool_hit_rate",
+            "Predicted hit rate of one LRU cache of the pool's whole size (the routing ceiling)",
+            labels=["model"],
+        )
+        ceiling = GaugeMetricFamily(
+            "cache_router_forecast_ceiling_hit_rate",
+            "Hit rate of an unbounded cache on this traffic",
+            labels=["model"],
+        )
+        needed = GaugeMetricFamily(
+            "cache_router_forecast_needed_blocks",
+            "Pool cache (blocks) needed for a share of the ceiling hit rate",
+            labels=["model", "share"],
+        )
+        saturation = GaugeMetricFamily(
+            "cache_router_forecast_saturation_blocks",
+            "Cache size from which one more doubling adds less than a point",
+            labels=["model", "worker"],
+        )
+        short = GaugeMetricFamily(
+            "cache_router_forecast_working_set_exceeds_pool",
+            "1 when 95 % of the ceiling needs more blocks than the pool holds",
+            labels=["model"],
+        )
+        dropped = CounterMetricFamily(
+            "cache_router_forecast_dropped_requests",
+            "Requests the forecast skipped because its queue was full",
+        )
+        dropped.add_metric([], self.watch.dropped)
+        done = self._delivered()
+        for model in sorted(self.watch.forecasts):
+            r = self.watch.report(model)
+            pool = r["pooled"]
+            if pool["predicted_hit_rate"] is not None:
+                pooled.add_metric([model], pool["predicted_hit_rate"])
+            ceiling.add_metric([model], r["ceiling_hit_rate"])
+            saturation.add_metric([model, ""], pool["saturation_blocks"])
+            for share in SHARES:
+                key = f"{round(share * 100)}"
+                if r["needed_blocks"][key] is not None:
+                    needed.add_metric([model, key], r["needed_blocks"][key])
+            short.add_metric([model], float(bool(r["warnings"])))
+            for wid, w in r["workers"].items():
+                saturation.add_metric([model, wid], w["saturation_blocks"])
+                if "predicted_hit_rate" in w:
+                    predicted.add_metric([model, wid], w["predicted_hit_rate"])
+                if wid in done:
+                    delivered.add_metric([model, wid], done[wid])
+        yield from (predicted, delivered, pooled, ceiling, needed, saturation, short, dropped)

@@ -1,0 +1,116 @@
+"""The online capacity forecast in the router: mock engines -> agents -> NATS -> router.
+
+The forecast is fed off the request path and answered at ``GET /admin/capacity``; its
+pooled and per-worker curves must be the LRU caches a replay of the routed requests
+gives, and its gauges must be on ``/metrics``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from replica_stack import MODEL, MockStack, Replica, prompt, send
+from router_double import until
+from test_reuse import LruReference
+
+from router.config import RouterConfig
+from router.tokenize import num_tokens
+
+AUTH = {"authorization": "Bearer t"}
+
+
+@pytest.fixture
+async def stack(nats_url: str) -> AsyncIterator[tuple[MockStack, Replica]]:
+    mocks = await MockStack(nats_url).start(3)
+    replica = await Replica(mocks.router_config("r0")).start()
+    yield mocks, replica
+    await replica.stop()
+    await mocks.stop()
+
+
+async def test_admin_capacity_is_the_lru_of_the_routed_requests(stack) -> None:
+    _mocks, replica = stack
+    state = replica.state
+    pool = replica.pool()
+    tok = state.tokenizers.get(MODEL)
+    sent = []
+    async with httpx.AsyncClient(timeout=10) as http:
+        for i in range(30):
+            text = prompt(i % 10)  # each prompt three times: hits on whoever has it
+            worker = await send(http, replica, text)
+            sent.append((worker, pool.hasher.hash_tokens(tok.encode(text, True)), text))
+        await until(lambda: state.capacity.analysed == 30, what="forecast analysed")
+        r = await http.get(replica.url + "/admin/capacity", headers=AUTH)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        one = (await http.get(replica.url + f"/admin/capacity?model={MODEL}", headers=AUTH)).json()
+        missing = await http.get(replica.url + "/admin/capacity?model=nope", headers=AUTH)
+        unauthorized = await http.get(replica.url + "/admin/capacity")
+        metrics = (await http.get(replica.url + "/metrics")).text
+    assert missing.status_code == 404
+    assert unauthorized.status_code == 401
+    assert body["dropped_requests"] == 0 and body["queued"] == 0
+    report = body["models"][MODEL]
+    assert one["requests"] == report["requests"] == 30
+    assert report["block_size"] == pool.block_size
+    # sizes are what the index says each worker holds
+    held = pool.index.stats().workers
+    for wid, size in report["capacity"]["workers"].items():
+        assert size["gpu_blocks"] == held[wid]["gpu"]
+    # the pooled curve is an LRU over every request, the workers' over theirs
+    ntok = [num_tokens(tok.encode(text, True)) for _, _, text in sent]
+    assert report["pooled"]["curve"][0][0] == 16  # not sampling yet: exact from small sizes
+    for cap, rate in report["pooled"]["curve"]:
+        ref = LruReference(cap, block_size=pool.block_size)
+        for (_, hashes, _), n in zip(sent, ntok, strict=True):
+            ref.request(hashes, n)
+        assert rate == pytest.approx(ref.hit_rate)
+    ref = LruReference(report["capacity"]["pool_blocks"], block_size=pool.block_size)
+    for (_, hashes, _), n in zip(sent, ntok, strict=True):
+        ref.request(hashes, n)
+    assert report["pooled"]["predicted_hit_rate"] == pytest.approx(ref.hit_rate)
+    for wid, w in report["workers"].items():
+        ref = LruReference(w["gpu_blocks"] + w["host_blocks"], block_size=pool.block_size)
+        for (worker, hashes, _), n in zip(sent, ntok, strict=True):
+            if worker == wid:
+                ref.request(hashes, n)
+        assert w["predicted_hit_rate"] == pytest.approx(ref.hit_rate)
+    assert report["ceiling_hit_rate"] > 0.5  # each prompt came three times
+    for name in (
+        "cache_router_forecast_hit_rate{",
+        "cache_router_forecast_delivered_hit_rate{",
+        "cache_router_forecast_pool_hit_rate{",
+        "cache_router_forecast_needed_blocks{",
+        "cache_router_forecast_saturation_blocks{",
+        "cache_router_forecast_working_set_exceeds_pool{",
+    ):
+        assert name in metrics, name
+    # 32-block engines, ten prompts of 6-20 blocks: the working set outgrows the pool
+    assert report["warnings"] and "outgrows the pool" in report["warnings"][0]
+    assert state.capacity.check() == [f"model {MODEL}: {report['warnings'][0]}"]
+
+
+def test_forecast_can_be_turned_off() -> None:
+    from router.app import RouterApp
+
+    app = RouterApp(RouterConfig(forecast_tracked=0))
+    assert app.state.capacity is None
+
+
+def test_full_queue_drops_and_counts() -> None:
+    from index.capacity import Sampling
+    from router.capacity import CapacityWatch
+    from router.config import ConfigError, validate
+    from router.workers import WorkerRegistry
+
+    cfg = RouterConfig()
+    watch = CapacityWatch(WorkerRegistry(cfg), Sampling(), queue_max=2)
+    for i in range(3):
+        watch.record(MODEL, 16, "w0", [i + 1, i + 2], 40)
+    assert watch.dropped == 1
+    assert watch.drain() == 2 and watch.analysed == 2
+    assert watch.reports()["models"][MODEL]["requests"] == 2
+    with pytest.raises(ConfigError):
+        validate(RouterConfig(forecast_tracked=-1))
