@@ -126,7 +126,7 @@ def _hashes(value: Any) -> list[int]:
 def _split(raw: Any) -> tuple[str, list[Any] | dict[str, Any]]:
     """(tag, body) of one event: body is the positional fields or the map."""
     if isinstance(raw, list | tuple) and raw and isinstance(raw[0], str | bytes):
-        tag = raw[0]
+        tag: Any = raw[0]
         body: list[Any] | dict[str, Any] = list(raw[1:])
     elif isinstance(raw, dict):
         tag, body = raw.get("type"), raw
@@ -286,10 +286,11 @@ def batch_to_obj(
 
 def encode(batch: EventBatch, *, events_as_map: bool = False, batch_as_map: bool = False) -> bytes:
     """msgpack bytes of ``batch``; the defaults give vLLM's (<= 0.23) and SGLang's layout."""
-    return msgpack.packb(
+    packed: bytes = msgpack.packb(
         batch_to_obj(batch, events_as_map=events_as_map, batch_as_map=batch_as_map),
         use_bin_type=True,
     )
+    return packed
 
 
 def encode_json(batch: EventBatch) -> bytes:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Mapping, Sequence
+from typing import TypeAlias
 
 import msgpack
 import xxhash
@@ -23,7 +24,7 @@ import xxhash
 _xxh3 = xxhash.xxh3_64_intdigest
 _LITTLE = sys.byteorder == "little"
 
-TokenIds = Sequence[int] | array | bytes | memoryview
+TokenIds: TypeAlias = "Sequence[int] | array[int] | bytes | memoryview"
 
 
 def token_bytes(token_ids: TokenIds) -> bytes | memoryview:
@@ -116,7 +117,8 @@ def extra_key_bytes(keys: Sequence[object]) -> bytes:
     Both sides use this: the request side for what it knows of a request, the event
     side for ``BlockStored.extra_keys[i]``, so equal keys give equal block hashes.
     """
-    return msgpack.packb(list(keys), default=str, use_bin_type=True)
+    packed: bytes = msgpack.packb(list(keys), default=str, use_bin_type=True)
+    return packed
 
 
 def salt_extras(cache_salt: str | None) -> dict[int, bytes] | None:

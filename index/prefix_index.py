@@ -19,6 +19,7 @@ import heapq
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 TIERS: tuple[str, ...] = ("gpu", "cpu", "disk", "shared")
 _TIER_POS = {name: pos for pos, name in enumerate(TIERS, start=1)}
@@ -74,7 +75,7 @@ class PrefixIndex:
         self.spec_confirmed = 0
         self.spec_expired = 0
         self._clock = clock
-        self._entries: dict[int, list[int]] = {}
+        self._entries: dict[int, list[Any]] = {}  # ints, but a root block's parent is None
         self._kids: dict[int, int] = {}  # (slot << 64 | key) -> children of key held by slot
         self._tick = 0
         self._slot_of: dict[str, int] = {}
@@ -336,8 +337,8 @@ class PrefixIndex:
         if split:
             spec = self._spec if speculative and self._spec else None
             tiers = self._walk_tiers(hashes, split, limit, spec)
-            for slot, (g, c, k) in tiers.items():
-                out[names[slot]] = TierMatch(g, c, k, depths[slot])  # type: ignore[index]
+            for slot, (g, gc, gck) in tiers.items():
+                out[names[slot]] = TierMatch(g, gc, gck, depths[slot])  # type: ignore[index]
         return out
 
     def _shared_blocks(self) -> int:

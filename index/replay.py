@@ -47,11 +47,13 @@ class ReplayMessage:
     dump: bool = False
 
     def encode(self) -> bytes:
+        obj: dict[str, object]
         if self.kind == "end":
             obj = {"kind": "end", "epoch": self.epoch, "last_seq": self.seq, "dump": self.dump}
         else:
             obj = {"kind": self.kind, "seq": self.seq, "payload": self.payload}
-        return msgpack.packb(obj, use_bin_type=True)
+        packed: bytes = msgpack.packb(obj, use_bin_type=True)
+        return packed
 
     @classmethod
     def decode(cls, data: bytes) -> ReplayMessage:

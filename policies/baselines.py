@@ -71,8 +71,6 @@ class PowerOfTwo(Policy):
             return Decision(cands[0].worker_id, reason="only candidate")
         a, b = self.rng.sample(cands, 2)
         ka, kb = load_key(a), load_key(b)
-        if ka == kb:  # a fair coin, not the sample order
-            ka = self.rng.random()
-            kb = 0.5
-        pick = a if ka < kb else b
+        # a tie is a fair coin, not the sample order
+        pick = (a if ka < kb else b) if ka != kb else (a if self.rng.random() < 0.5 else b)
         return Decision(pick.worker_id, scores=_load_scores((a, b)), reason="power of two")

@@ -123,8 +123,8 @@ class CacheAware(Policy):
             if running is not None and running - pending > dec:
                 dec = min(running, MAX_ENGINE_COUNT) - pending
             per_step = step + dec * ppt
-            qt = w.inflight_prefill_tokens
-            waiting = w.engine_waiting
+            qt: float = w.inflight_prefill_tokens
+            waiting: float | None = w.engine_waiting
             if waiting is not None and waiting > pending:
                 waiting = min(waiting, MAX_ENGINE_COUNT)  # a forged 1e308 must not overflow
                 qt += (waiting - pending) * (qt / pending if pending and qt else ntok)
@@ -218,6 +218,7 @@ class CacheAware(Policy):
         costs = self.costs
         bs = request.block_size
         local = m.disk
+        source: str | None
         if src_id is not None and src_id != w.worker_id and src_local > m.total:
             # pull [local, src_local) from the source's host memory over the network
             moved, hit, tier, source = src_local - local, src_local, "cpu", src_id

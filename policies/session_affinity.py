@@ -89,7 +89,9 @@ class SessionAffinity(Policy):
             if w is None:
                 continue
             if w.inflight_requests < cap:
-                scores = {w.worker_id: {"inflight_requests": w.inflight_requests, "cap": cap}}
+                scores: dict[str, dict[str, float]] = {
+                    w.worker_id: {"inflight_requests": w.inflight_requests, "cap": cap}
+                }
                 reason = f"ring, spilled past {len(skipped)} overloaded" if skipped else "ring"
                 return Decision(w.worker_id, scores=scores, reason=reason)
             skipped.add(w.worker_id)

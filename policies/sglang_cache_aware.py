@@ -188,6 +188,7 @@ class SGLangCacheAware(Policy):
             return Decision(pick.worker_id, scores=self._scores(tree, workers), reason="imbalanced")
 
         depth, owner = tree.prefix_match(hashes)
+        chosen: str | None
         rate = depth * request.block_size / request.num_tokens if request.num_tokens > 0 else 0.0
         if owner is not None and rate > self.cache_threshold:
             chosen, reason = owner, f"cache hit {rate:.2f}"
