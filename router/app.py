@@ -125,6 +125,9 @@ class RouterState:
                 self.bus.on_connect(self.replicas.attach)
                 self.bus.on_reconnect(self.replicas.on_reconnect)
             self.bus.start()
+        # requests waiting on an engine that hangs (SIGSTOP, a wedged process) fail now
+        stall = self.cfg.stall_after
+        self.registry.on_failing.append(lambda w: self.upstream.stalled(w.url, stall))
         self._tasks.append(asyncio.create_task(self.registry.monitor(self.client), name="health"))
         for source in self.discovery:
             self._tasks.append(asyncio.create_task(source.run(self.client), name="discovery"))

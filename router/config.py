@@ -120,6 +120,7 @@ class RouterConfig:
     admin_token: str | None = None  # None: the admin API is disabled
     max_body_bytes: int = 8 * 1024 * 1024
     request_timeout: float = 600.0  # seconds to wait for the engine's response headers
+    stall_after: float = 5.0  # a down engine silent this long fails the requests it holds
     connect_retries: int = 2  # other workers tried when nothing reached the engine
     predict_ttl: float = 0.0  # seconds a routed prefix counts as cached; 0 disables
     offload_chars: int = 4096  # prompts longer than this tokenize on the thread pool
@@ -216,6 +217,7 @@ RANGES: dict[str, Range] = {
     "block_size": Range(0, 1 << 16, low_open=True),
     "max_body_bytes": Range(0, 1 << 34, low_open=True),
     "request_timeout": _DURATION,
+    "stall_after": _DURATION,
     "connect_retries": Range(0, 64),
     "predict_ttl": Range(0, 86_400.0),
     "offload_chars": Range(0, 1 << 34),

@@ -18,7 +18,16 @@ Semantics the proxy relies on:
 - an idle connection is reused only within ``keepalive_idle`` seconds (below the 5 s
   after which uvicorn, and so vLLM and SGLang, close idle connections): a request
   written on a connection the engine is closing at that moment would fail after
-  it may have been sent, and so could not be retried.
+  it may have been sent, and so could not be retried;
+- that race still happens when the engine's clock jumps (a SIGSTOPped engine runs its
+  overdue keep-alive timers first when it resumes and closes the connection under the
+  waiting request). A *reused* connection that ends before one byte of the response is
+  the engine closing it unread (an engine that read a request answers it, or dies with
+  its whole process), so that request is sent once more on a new connection;
+- ``stalled(url)``: the health checker gave the engine up while requests wait for its
+  response headers; if the engine sent no byte on any connection for ``stall_after``
+  seconds (a hung process, not a slow one: a busy engine streams to somebody) they
+  fail now with ``UpstreamStalled`` instead of after ``request_timeout``.
 """
 
 from __future__ import annotations
@@ -47,10 +56,18 @@ class UpstreamTimeout(UpstreamError):
     """The engine sent nothing for ``timeout`` seconds."""
 
 
+class UpstreamStalled(UpstreamTimeout):
+    """The engine is down by its health checks and silent on every connection."""
+
+
+class _Unread(UpstreamError):
+    """A reused connection ended before any response byte: the engine closed it unread."""
+
+
 class Origin:
     """Scheme, host and port of one engine, with its idle keep-alive connections."""
 
-    __slots__ = ("host", "host_header", "idle", "max_idle", "port", "ssl")
+    __slots__ = ("busy", "heard", "host", "host_header", "idle", "max_idle", "port", "ssl")
 
     def __init__(self, url: str, max_idle: int = 512) -> None:
         parts = urlsplit(url)
@@ -61,6 +78,8 @@ class Origin:
         self.port = parts.port or (443 if self.ssl else 80)
         self.host_header = parts.netloc.encode()
         self.idle: list[_Connection] = []
+        self.busy: set[_Connection] = set()  # carrying a request
+        self.heard = time.monotonic()  # last byte from the engine on any connection
         self.max_idle = max_idle
 
 
@@ -155,12 +174,16 @@ class _Connection(asyncio.Protocol):
         self.paused = False
         self.keep_alive = False
         self.idle_since = 0.0
+        self.reused = False  # carried a request before the current one
+        self.got_bytes = False  # of the current response
 
     # -- asyncio.Protocol --------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        self.origin.heard = time.monotonic()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -171,7 +194,9 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         if self in self.origin.idle:
             self.origin.idle.remove(self)
-        self._fail(UpstreamError(f"the engine closed the connection ({exc or 'EOF'})"))
+        self.origin.busy.discard(self)
+        kind = _Unread if self.reused and not self.got_bytes else UpstreamError
+        self._fail(kind(f"the engine closed the connection ({exc or 'EOF'})"))
 
     # -- httptools callbacks -----------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -217,6 +242,7 @@ class _Connection(asyncio.Protocol):
 
     def abort(self) -> None:
         self.closed = True
+        self.origin.busy.discard(self)
         if self.transport is not None:
             self.transport.abort()
 
@@ -224,6 +250,7 @@ class _Connection(asyncio.Protocol):
         """Back to the idle list once ``resp`` is fully read (if the engine keeps it open)."""
         if self.response is resp:
             self.response = None
+            self.origin.busy.discard(self)
             idle = self.origin.idle
             reusable = not self.closed and self.keep_alive
             if reusable and len(idle) < self.origin.max_idle:
@@ -273,6 +300,16 @@ class Upstream:
     ) -> Response:
         """POST ``body`` and wait for the response headers (not the body)."""
         origin = self.origin(base_url)
+        conn = self._reuse(origin)
+        if conn is not None:
+            try:
+                return await self._exchange(conn, path, headers, body, timeout)
+            except _Unread:
+                pass  # the engine closed it unread: nothing ran, a new connection may
+        conn = await self._connect(origin)
+        return await self._exchange(conn, path, headers, body, timeout)
+
+    def _reuse(self, origin: Origin) -> _Connection | None:
         conn = None
         idle = origin.idle
         while idle:
@@ -287,10 +324,22 @@ class Upstream:
                 idle.clear()
                 break
             conn = candidate
+            conn.reused = True
             break
-        if conn is None:
-            conn = await self._connect(origin)
+        return conn
+
+    async def _exchange(
+        self,
+        conn: _Connection,
+        path: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        timeout: float,
+    ) -> Response:
+        origin = conn.origin
         resp = conn.response = Response(conn)
+        conn.got_bytes = False
+        origin.busy.add(conn)
         head = [b"POST ", path.encode(), b" HTTP/1.1\r\nhost: ", origin.host_header]
         head.append(b"\r\ncontent-length: %d\r\n" % len(body))
         for key, value in headers:
@@ -307,6 +356,21 @@ class Upstream:
             conn.abort()
             raise
         return resp
+
+    def stalled(self, base_url: str, stall_after: float) -> int:
+        """Fail the requests waiting for ``base_url``'s response headers if it has been
+        silent ``stall_after`` seconds (see the module docstring); how many failed."""
+        origin = self._origins.get(base_url)
+        if origin is None or time.monotonic() - origin.heard < stall_after:
+            return 0
+        failed = 0
+        for conn in list(origin.busy):
+            resp = conn.response
+            if resp is not None and not resp._headers_done:
+                conn._fail(UpstreamStalled("the engine stopped answering (health checks fail)"))
+                conn.abort()
+                failed += 1
+        return failed
 
     def close(self) -> None:
         for origin in self._origins.values():

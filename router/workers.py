@@ -91,6 +91,7 @@ class WorkerRegistry:
         self.cfg = cfg
         self.pools: dict[str, Pool] = {}
         self.on_up: list[Callable[[Worker], None]] = []  # run when a worker is healthy again
+        self.on_failing: list[Callable[[Worker], None]] = []  # each failed check while down
         self._workers: dict[str, Worker] = {}
         self._client: httpx.AsyncClient | None = None
         self._probes: dict[str, asyncio.Task[Any]] = {}
@@ -239,3 +240,6 @@ class WorkerRegistry:
             worker.pool.ingest.remove_worker(worker.id)
             worker.pool.index.add_worker(worker.id)
             log.warning("worker %s is down (%s)", worker.id, error)
+        if not worker.healthy:
+            for hook in self.on_failing:
+                hook(worker)
