@@ -18,16 +18,17 @@ from index.codec import (
     BlockRemoved,
     BlockStored,
     DecodedBatch,
+    EngineHash,
     EventBatch,
     encode,
 )
 
-Key = tuple[int, str | None, int | None]  # (engine hash, medium, group_idx)
+Key = tuple[EngineHash, str | None, int | None]  # (engine hash, medium, group_idx)
 
 
 @dataclass(slots=True)
 class _Block:
-    parent: int | None
+    parent: EngineHash | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
@@ -46,14 +47,14 @@ class EngineMirror:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def holds(self, engine_hash: int, medium: str | None = None) -> bool:
+    def holds(self, engine_hash: EngineHash, medium: str | None = None) -> bool:
         return any(k[0] == engine_hash and k[1] == medium for k in self._blocks)
 
-    def hashes(self, medium: str | None = None) -> set[int]:
+    def hashes(self, medium: str | None = None) -> set[EngineHash]:
         """Engine hashes held in ``medium`` (as the events named it)."""
         return {k[0] for k in self._blocks if k[1] == medium}
 
-    def tokens_of(self, hashes: list[int]) -> list[int]:
+    def tokens_of(self, hashes: list[EngineHash]) -> list[int]:
         """Token ids of the leading ``hashes`` held in any tier (a peer's prefetch asks)."""
         out: list[int] = []
         for h in hashes:
@@ -103,7 +104,7 @@ class EngineMirror:
         nobody can rehash it without its ancestors' tokens, and a prefix match cannot
         reach it anyway.
         """
-        children: dict[int, list[Key]] = {}
+        children: dict[EngineHash, list[Key]] = {}
         roots: list[Key] = []
         for key, block in self._blocks.items():
             if block.parent is None:
@@ -111,7 +112,7 @@ class EngineMirror:
             else:
                 children.setdefault(block.parent, []).append(key)
         out: list[Key] = []
-        expanded: set[int] = set()
+        expanded: set[EngineHash] = set()
         stack = list(reversed(roots))
         while stack:
             key = stack.pop()

@@ -37,7 +37,7 @@ from agent.core import Accepted, AgentCore, Verdict
 from agent.engine_zmq import fetch_replay, parse_live
 from agent.load import parse_load
 from agent.prefetch import PrefetchForwarder
-from index.codec import norm_hash
+from index.codec import hash_from_json
 from index.replay import ReplayMessage, ReplayRequest
 from index.wire import (
     DEFAULT_MAX_AGE,
@@ -338,11 +338,17 @@ class NodeAgent:
             return
         try:
             request = ReplayRequest.decode(msg.data)
-            replies = self.core.replay(request.from_seq)  # one consistent snapshot
         except (ValueError, orjson.JSONDecodeError) as exc:
             self.counters["bad_replay_requests"] += 1
             bad_input.warning("bad replay request: %s", exc)
             replies = [ReplayMessage("end", -1, epoch=self.core.epoch)]
+        else:
+            try:
+                replies = self.core.replay(request.from_seq)  # one consistent snapshot
+            except Exception:  # a bug must still answer, or the router waits out a timeout
+                self.counters["replay_errors"] += 1
+                log.exception("replay from seq %d failed", request.from_seq)
+                replies = [ReplayMessage("end", -1, epoch=self.core.epoch)]
         try:
             assert self.nc is not None
             for reply in replies:
@@ -358,9 +364,9 @@ class NodeAgent:
         """A peer agent asks for the tokens of blocks (to hand a prefetch to its engine)."""
         try:
             hashes = orjson.loads(msg.data)["block_hashes"]
-            if not isinstance(hashes, list) or not all(isinstance(h, int) for h in hashes):
-                raise ValueError("block_hashes must be a list of ints")
-            tokens = self.core.mirror.tokens_of([norm_hash(h) for h in hashes])
+            if not isinstance(hashes, list):
+                raise ValueError("block_hashes must be a list of ints or hex strings")
+            tokens = self.core.mirror.tokens_of([hash_from_json(h) for h in hashes])
         except (ValueError, KeyError, TypeError) as exc:
             self.counters["bad_blocks_requests"] += 1
             bad_input.warning("bad blocks request: %s", exc)
@@ -376,7 +382,7 @@ class NodeAgent:
         if not isinstance(source, str) or not isinstance(hashes, list) or self.nc is None:
             return False
         if source == self.cfg.worker_id:
-            tokens = self.core.mirror.tokens_of([norm_hash(h) for h in hashes])
+            tokens = self.core.mirror.tokens_of([hash_from_json(h) for h in hashes])
         else:
             subject = self.subjects.blocks(source)
             reply = await self.nc.request(subject, orjson.dumps({"block_hashes": hashes}), 1.0)

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 import httpx
 import orjson
 
+from index.codec import hash_from_json
 from router.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -36,10 +37,15 @@ def check_hint(data: bytes) -> dict[str, object]:
     if not isinstance(hint, dict):
         raise ValueError("prefetch hint is not a JSON object")
     hashes = hint.get("block_hashes")
-    if not isinstance(hashes, list) or not all(
-        isinstance(h, int) and not isinstance(h, bool) for h in hashes
-    ):
-        raise ValueError("prefetch hint needs block_hashes: a list of ints")
+    if not isinstance(hashes, list):
+        raise ValueError("prefetch hint needs block_hashes: a list of ints or hex strings")
+    try:
+        for h in hashes:
+            hash_from_json(h)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"prefetch hint needs block_hashes: a list of ints or hex strings ({exc})"
+        ) from exc
     return hint
 
 

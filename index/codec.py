@@ -6,7 +6,12 @@ Every encoding seen in the wild decodes to the same plain dataclasses:
   ``data_parallel_rank`` / ``dp_rank`` / ``attn_dp_rank``);
 - event: tagged array ``["BlockStored", ...]`` (vLLM <= 0.23, SGLang) or a map with
   ``"type"`` (vLLM after PR #42892);
-- hash: unsigned or signed 64-bit int, or bytes.
+- hash: unsigned or signed 64-bit int, or bytes (vLLM's default: a 32-byte sha256).
+
+Engine hashes are opaque names, kept lossless end to end (``EngineHash``): an int as
+an unsigned 64-bit int, bytes as the same bytes. Every path that carries them (events,
+the agent's mirror and dumps, replays, prefetch hints) uses that one form; JSON, which
+has no bytes, spells them as hex strings (``hash_to_json``).
 
 Unknown fields are ignored and missing optional ones are ``None``. A bad event is
 dropped and counted in ``DecodedBatch.errors``; only an unreadable envelope raises.
@@ -15,6 +20,7 @@ dropped and counted in ``DecodedBatch.errors``; only an unreadable envelope rais
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,11 +29,13 @@ import orjson
 
 MASK64 = (1 << 64) - 1
 
+EngineHash = int | bytes
+
 
 @dataclass(slots=True)
 class BlockStored:
-    block_hashes: list[int]
-    parent_block_hash: int | None
+    block_hashes: list[EngineHash]
+    parent_block_hash: EngineHash | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None = None
@@ -40,7 +48,7 @@ class BlockStored:
 
 @dataclass(slots=True)
 class BlockRemoved:
-    block_hashes: list[int]
+    block_hashes: list[EngineHash]
     medium: str | None = None
     group_idx: int | None = None
 
@@ -90,15 +98,31 @@ _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 _DP_KEYS = ("data_parallel_rank", "dp_rank", "attn_dp_rank")
 
 
-def norm_hash(value: Any) -> int:
-    """An engine block hash as a non-negative int, whatever its wire form."""
+def norm_hash(value: Any) -> EngineHash:
+    """An engine block hash in its one lossless form: a signed 64-bit int as the
+    unsigned int with the same bits, bytes as bytes (never an int: a 32-byte sha256 is
+    no msgpack int, and leading zero bytes would be lost)."""
     if isinstance(value, bool):
         raise TypeError("bool is not a block hash")
     if isinstance(value, int):
-        return value & MASK64 if value < 0 else value
-    if isinstance(value, bytes | bytearray):
-        return int.from_bytes(value, "big")
+        if not -(1 << 63) <= value <= MASK64:
+            raise ValueError("an int block hash must fit in 64 bits")
+        return value & MASK64
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
     raise TypeError(f"block hash of type {type(value).__name__}")
+
+
+def hash_to_json(h: EngineHash) -> int | str:
+    """An engine hash as JSON can carry it: ints as ints, bytes as a hex string."""
+    return h.hex() if isinstance(h, bytes) else h
+
+
+def hash_from_json(value: Any) -> EngineHash:
+    """The inverse of ``hash_to_json``; TypeError/ValueError for anything else."""
+    if isinstance(value, str):
+        return bytes.fromhex(value)
+    return norm_hash(value)
 
 
 def _opt_int(value: Any) -> int | None:
@@ -117,10 +141,13 @@ def _opt_str(value: Any) -> str | None:
     raise TypeError(f"expected str or nil, got {type(value).__name__}")
 
 
-def _hashes(value: Any) -> list[int]:
+HashOf = Callable[[Any], EngineHash]
+
+
+def _hashes(value: Any, hash_of: HashOf) -> list[EngineHash]:
     if not isinstance(value, list | tuple):
         raise TypeError("block_hashes is not a list")
-    return [norm_hash(v) for v in value]
+    return [hash_of(v) for v in value]
 
 
 def _split(raw: Any) -> tuple[str, list[Any] | dict[str, Any]]:
@@ -155,8 +182,11 @@ def _token_ids(value: Any) -> list[int]:
     return list(value)
 
 
-def decode_event(raw: Any) -> Event | None:
-    """One event, or None for a kind this codec does not know (future events)."""
+def decode_event(raw: Any, hash_of: HashOf = norm_hash) -> Event | None:
+    """One event, or None for a kind this codec does not know (future events).
+
+    ``hash_of`` reads one hash: ``norm_hash`` for msgpack, ``hash_from_json`` for JSON.
+    """
     tag, body = _split(raw)
     if tag == "BlockStored":
         f = _named(body, _STORED_FIELDS)
@@ -166,8 +196,8 @@ def decode_event(raw: Any) -> Event | None:
             raise TypeError("block_size is not a positive int")
         extra = f.get("extra_keys")
         return BlockStored(
-            block_hashes=_hashes(f.get("block_hashes")),
-            parent_block_hash=None if parent is None else norm_hash(parent),
+            block_hashes=_hashes(f.get("block_hashes"), hash_of),
+            parent_block_hash=None if parent is None else hash_of(parent),
             token_ids=_token_ids(f.get("token_ids")),
             block_size=block_size,
             lora_id=_opt_int(f.get("lora_id")),
@@ -180,7 +210,7 @@ def decode_event(raw: Any) -> Event | None:
     if tag == "BlockRemoved":
         f = _named(body, _REMOVED_FIELDS)
         return BlockRemoved(
-            block_hashes=_hashes(f.get("block_hashes")),
+            block_hashes=_hashes(f.get("block_hashes"), hash_of),
             medium=_opt_str(f.get("medium")),
             group_idx=_opt_int(f.get("group_idx")),
         )
@@ -207,13 +237,13 @@ def _envelope(obj: Any) -> tuple[float, Any, int | None]:
     return float(ts), events, dp
 
 
-def decode_obj(obj: Any) -> DecodedBatch:
-    """Decode an already-unpacked batch (msgpack or JSON object)."""
+def decode_obj(obj: Any, hash_of: HashOf = norm_hash) -> DecodedBatch:
+    """Decode an already-unpacked batch (msgpack or, with ``hash_from_json``, JSON)."""
     ts, raw_events, dp = _envelope(obj)
     batch = DecodedBatch(ts=ts, events=[], dp_rank=dp)
     for raw in raw_events:
         try:
-            event = decode_event(raw)
+            event = decode_event(raw, hash_of)
         except (TypeError, ValueError, UnicodeDecodeError):
             batch.errors["bad_event"] += 1
             continue
@@ -239,7 +269,7 @@ def decode_json(payload: bytes | str) -> DecodedBatch:
         obj = orjson.loads(payload)
     except orjson.JSONDecodeError as exc:
         raise CodecError(f"not JSON: {exc}") from exc
-    return decode_obj(obj)
+    return decode_obj(obj, hash_from_json)
 
 
 # -- encoding (mock engine, agent dumps, tests) -----------------------------------
@@ -294,5 +324,13 @@ def encode(batch: EventBatch, *, events_as_map: bool = False, batch_as_map: bool
 
 
 def encode_json(batch: EventBatch) -> bytes:
-    """The JSON form, for humans and tests (hashes must be ints here)."""
-    return orjson.dumps(batch_to_obj(batch, events_as_map=True, batch_as_map=True))
+    """The JSON form, for humans and tests (bytes hashes as hex, see ``hash_to_json``)."""
+    return orjson.dumps(
+        batch_to_obj(batch, events_as_map=True, batch_as_map=True), default=_json_default
+    )
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return hash_to_json(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")

@@ -24,6 +24,7 @@ from index.codec import (
     BlockStored,
     CodecError,
     DecodedBatch,
+    EngineHash,
     Event,
     decode,
 )
@@ -70,8 +71,8 @@ class IngestResult:
 @dataclass(slots=True)
 class _Worker:
     # engine hash -> [router hash, tier bits held]
-    blocks: dict[int, list[int]] = field(default_factory=dict)
-    engine_of: dict[int, int] = field(default_factory=dict)  # router hash -> engine hash
+    blocks: dict[EngineHash, list[int]] = field(default_factory=dict)
+    engine_of: dict[int, EngineHash] = field(default_factory=dict)  # router -> engine hash
     last_seq: dict[int | None, int] = field(default_factory=dict)
     seen: dict[int | None, int] = field(default_factory=dict)  # highest seq seen per rank
     epoch: object = None
@@ -107,19 +108,19 @@ class EventIngest:
         w = self._workers.get(worker_id)
         return {} if w is None else dict(w.last_seq)
 
-    def engine_blocks(self, worker_id: str) -> dict[int, int]:
+    def engine_blocks(self, worker_id: str) -> dict[EngineHash, int]:
         """Engine hash -> router hash for every block the worker is known to hold."""
         w = self._workers.get(worker_id)
         return {} if w is None else {e: v[0] for e, v in w.blocks.items()}
 
-    def engine_hashes(self, worker_id: str, router_hashes: list[int]) -> list[int]:
+    def engine_hashes(self, worker_id: str, router_hashes: list[int]) -> list[EngineHash]:
         """The worker's own hashes for the leading ``router_hashes`` it holds.
 
         Prefetch hints name blocks in the source engine's terms; this stops at the
         first block the worker is not known to hold.
         """
         w = self._workers.get(worker_id)
-        out: list[int] = []
+        out: list[EngineHash] = []
         if w is None:
             return out
         for rh in router_hashes:

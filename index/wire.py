@@ -95,7 +95,8 @@ class PrefetchHintMessage(TypedDict):
     model: str
     source_worker: str | None  # None: the shared pool
     target_worker: str
-    block_hashes: list[int]  # in the source engine's hashes, prefix order
+    # in the source engine's hashes, prefix order; bytes hashes (vLLM's sha256) as hex
+    block_hashes: list[int | str]
     num_tokens: int
     tier: str
     deadline_ms: float

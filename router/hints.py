@@ -2,13 +2,15 @@
 
 The hint names blocks in the *source engine's* hashes (the target engine asks the
 source, or the shared pool, for them by those names); the router's own hashes mean
-nothing to an engine. The router->engine map comes from the source's KV events.
+nothing to an engine. The router->engine map comes from the source's KV events. Bytes
+hashes (vLLM's sha256) travel as hex strings (``index.codec.hash_to_json``).
 """
 
 from __future__ import annotations
 
 import orjson
 
+from index.codec import hash_to_json
 from index.wire import DEFAULT_PREFIX, PrefetchHintMessage, Subjects
 from policies.base import PrefetchHint, RouteRequest
 from router.bus import Bus
@@ -35,7 +37,7 @@ def hint_message(
         "model": request.model,
         "source_worker": hint.source_worker,
         "target_worker": hint.target_worker,
-        "block_hashes": engine,
+        "block_hashes": [hash_to_json(h) for h in engine],
         "num_tokens": len(engine) * request.block_size,
         "tier": hint.tier,
         "deadline_ms": hint.deadline_ms,

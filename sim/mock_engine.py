@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from index.codec import norm_hash
+from index.codec import hash_from_json
 from router.cli import serve_until_signalled
 from router.errors import ApiError, error_body
 from sim.cache import PrefixCache
@@ -49,7 +49,7 @@ from sim.mock_openai import (
     usage,
     usage_chunk,
 )
-from sim.mock_publisher import Encoding, KvEventPublisher
+from sim.mock_publisher import Encoding, KvEventPublisher, wire_hash
 from sim.mock_scheduler import Scheduler, Sequence, Timing
 from sim.mock_text import MockText
 
@@ -349,8 +349,14 @@ class MockEngine:
         if not isinstance(hint, dict):
             raise ApiError(400, "prefetch hint must be a JSON object", "invalid_body")
         hashes, tokens = hint.get("block_hashes"), hint.get("token_ids")
-        if not isinstance(hashes, list) or not all(isinstance(h, int) for h in hashes):
-            raise ApiError(400, "block_hashes must be a list of ints", "invalid_value")
+        try:
+            named = [hash_from_json(h) for h in hashes] if isinstance(hashes, list) else None
+        except (TypeError, ValueError):
+            named = None
+        if named is None:
+            raise ApiError(
+                400, "block_hashes must be a list of ints or hex strings", "invalid_value"
+            )
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise ApiError(
                 422,
@@ -358,13 +364,14 @@ class MockEngine:
                 "unresolved_blocks",
             )
         bs = self.cache.block_size
-        n = min(len(hashes), len(tokens) // bs)
+        n = min(len(named), len(tokens) // bs)
         num_tokens = hint.get("num_tokens")
         if isinstance(num_tokens, int) and num_tokens >= 0:
             n = min(n, num_tokens // bs)
         own = self.cache.hash_blocks(tokens[: n * bs])
         # The source's names must be ours too (same hash function): keep the agreeing run.
-        m = next((i for i in range(n) if own[i] != norm_hash(hashes[i])), n)
+        enc = self.cfg.encoding
+        m = next((i for i in range(n) if wire_hash(own[i], enc) != named[i]), n)
         if m < n:
             log.warning("prefetch hint: %d of %d block hashes are not this engine's", n - m, n)
         delay = self.timing.scaled(m * self.timing.transfer_s_per_block)
@@ -406,6 +413,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--events-as-map", action="store_true", help="vLLM's newer map-encoded events"
     )
     parser.add_argument(
+        "--sha256-hashes",
+        action="store_true",
+        help="map events with vLLM's default sha256 (bytes) block hashes",
+    )
+    parser.add_argument(
         "--sglang", action="store_true", help="SGLang's event layout and metric names"
     )
     parser.add_argument("--tokenizer", help="tokenizer.json (default: the router's fallback)")
@@ -419,8 +431,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> MockEngineConfig:
-    if args.sglang and args.events_as_map:
-        raise SystemExit("--sglang and --events-as-map are exclusive")
+    if args.sglang + args.events_as_map + args.sha256_hashes > 1:
+        raise SystemExit("--sglang, --events-as-map and --sha256-hashes are exclusive")
     if args.speed <= 0 or args.decode_tps <= 0 or args.prefill_tps <= 0:
         raise SystemExit("--speed, --decode-tps and --prefill-tps must be positive")
     return MockEngineConfig(
@@ -436,7 +448,13 @@ def config_from_args(args: argparse.Namespace) -> MockEngineConfig:
         replay_endpoint=args.replay_endpoint,
         topic=args.topic,
         buffer_steps=args.buffer_steps,
-        encoding="sglang" if args.sglang else "vllm-map" if args.events_as_map else "vllm",
+        encoding="sglang"
+        if args.sglang
+        else "vllm-sha256"
+        if args.sha256_hashes
+        else "vllm-map"
+        if args.events_as_map
+        else "vllm",
         tokenizer=args.tokenizer,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

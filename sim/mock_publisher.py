@@ -11,7 +11,8 @@ Unlike vLLM, which binds only endpoints with ``*`` and connects otherwise, the m
 always binds: it is the stable end (agents connect to it).
 
 Encodings: vLLM <= 0.23 (tagged-array events, the default), vLLM after PR #42892
-(``events_as_map``: map events with ``"type"``), or SGLang's (map events without the
+(``events_as_map``: map events with ``"type"``), the same with vLLM's default sha256
+block hashes (32 bytes each, ``vllm-sha256``), or SGLang's (map events without the
 vLLM-only fields, ``medium`` left out when unset, host tier named ``CPU_PINNED`` and
 block hashes as signed 64-bit ints).
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 from collections import deque
@@ -29,12 +31,12 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from index.codec import Event, EventBatch, batch_to_obj, encode
+from index.codec import EngineHash, Event, EventBatch, batch_to_obj, encode
 
 log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-Encoding = Literal["vllm", "vllm-map", "sglang"]
+Encoding = Literal["vllm", "vllm-map", "vllm-sha256", "sglang"]
 
 _SGLANG_DROP = ("lora_name", "extra_keys", "group_idx")
 _SGLANG_MEDIUM = {"CPU": "CPU_PINNED"}
@@ -58,12 +60,31 @@ def _sglang_event(obj: dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
+def wire_hash(h: int, encoding: Encoding) -> EngineHash:
+    """The engine's block hash ``h`` as ``encoding`` puts it on the wire (normalized)."""
+    if encoding == "vllm-sha256":
+        return hashlib.sha256(h.to_bytes(8, "big")).digest()
+    return h
+
+
+def _sha256_event(obj: dict[str, Any]) -> dict[str, Any]:
+    if "block_hashes" in obj:
+        obj["block_hashes"] = [wire_hash(h, "vllm-sha256") for h in obj["block_hashes"]]
+    if obj.get("parent_block_hash") is not None:
+        obj["parent_block_hash"] = wire_hash(obj["parent_block_hash"], "vllm-sha256")
+    return obj
+
+
 def encode_batch(batch: EventBatch, encoding: Encoding) -> bytes:
     """The msgpack payload of one batch in the chosen engine's layout."""
     if encoding == "vllm":
         return encode(batch)
     if encoding == "vllm-map":
         return encode(batch, events_as_map=True)
+    if encoding == "vllm-sha256":
+        obj = batch_to_obj(batch, events_as_map=True)
+        obj[1] = [_sha256_event(e) for e in obj[1]]
+        return msgpack.packb(obj, use_bin_type=True)
     obj = batch_to_obj(batch, events_as_map=True)
     obj[1] = [_sglang_event(e) for e in obj[1]]
     return msgpack.packb(obj, use_bin_type=True)

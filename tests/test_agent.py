@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 from router_double import until as wait_until
 
 from agent.node import AgentConfig, NodeAgent
+from index import codec
 from index.codec import BlockStored, EventBatch, decode, encode
 from index.hashing import BlockHasher
 from index.ingest import EventIngest, SeqStatus
@@ -30,7 +31,7 @@ from index.prefix_index import PrefixIndex
 from index.replay import ReplayMessage, ReplayRequest
 from router.natsd import EmbeddedNats, free_port
 from sim.mock_engine import MockEngine, MockEngineConfig
-from sim.mock_publisher import KvEventPublisher
+from sim.mock_publisher import KvEventPublisher, wire_hash
 from sim.mock_scheduler import Timing
 from sim.mock_text import MockText
 
@@ -131,9 +132,8 @@ class RouterSide:
         """The router's view equals the engine's cache: blocks held, and per prompt the
         leading GPU / GPU+host hits."""
         cache = engine.cache
-        assert (
-            set(self.ingest.engine_blocks(self.worker)) == cache.gpu_hashes() | cache.host_hashes()
-        )
+        held = {wire_hash(h, engine.cfg.encoding) for h in cache.gpu_hashes() | cache.host_hashes()}
+        assert set(self.ingest.engine_blocks(self.worker)) == held
         for prompt in prompts:
             tokens = engine.text.completion(prompt)
             gpu, host_more = cache.lookup(cache.hash_blocks(tokens))
@@ -209,6 +209,43 @@ async def test_a_dump_is_served_once_the_seq_left_the_ring(nats_url: str, nc: NA
             side.assert_matches(engine, PROMPTS)
             assert agent.stats()["dumps"] == 1
     assert side.replays == [(1, True)]
+
+
+async def test_sha256_hashes_survive_dumps_and_prefetch_hints(nats_url: str, nc: NATS) -> None:
+    """vLLM's default block hashes are 32 bytes: the mirror, its dump (msgpack), the
+    replay to the router and a prefetch hint (JSON, hex) all carry them unchanged."""
+    sha = {"encoding": "vllm-sha256", "gpu_blocks": 128}
+    async with (
+        MockEngine(engine_config(**sha)) as source,
+        MockEngine(engine_config(**sha, host_blocks=64)) as target,
+    ):
+        side = await RouterSide(nc, "w-sha", drop={1, 2, 3}).start()
+        async with (
+            NodeAgent(agent_config("w-sha", source, nats_url, buffer=2)) as agent,
+            NodeAgent(agent_config("w-sha-dst", target, nats_url)) as dst_agent,
+        ):
+            await complete(source, PROMPTS)
+            await until(lambda: side.caught_up(source), what="router in sync")
+            side.assert_matches(source, PROMPTS)  # the dump carried 32-byte hashes
+            assert agent.stats()["dumps"] == 1 and agent.stats()["replay_errors"] == 0
+            # a hint names the source's blocks the way the router's hint_message does
+            tokens = source.text.completion(PROMPTS[0])
+            own = source.cache.hash_blocks(tokens)
+            names = [wire_hash(h, "vllm-sha256") for h in own]
+            assert all(isinstance(h, bytes) and len(h) == 32 for h in names)
+            hint = {
+                "request_id": "r-sha",
+                "source_worker": "w-sha",
+                "target_worker": "w-sha-dst",
+                "block_hashes": [codec.hash_to_json(h) for h in names],
+                "num_tokens": len(names) * BS,
+                "tier": "cpu",
+            }
+            await nc.publish("kv.prefetch.w-sha-dst", orjson.dumps(hint))
+            await until(lambda: target.cache.host_hashes() >= set(own), what="blocks landed")
+            stats = dst_agent.stats()
+    assert side.replays == [(1, True)]
+    assert stats["prefetch_resolved"] == 1 and stats["prefetch_delivered"] == 1
 
 
 async def test_engine_restart_starts_a_new_epoch_and_resyncs(nats_url: str, nc: NATS) -> None:

@@ -90,7 +90,7 @@ def test_vllm_newest_map_events_with_extra_keys_and_unknown_fields() -> None:
     )
     batch = decode(payload)
     stored, removed = batch.events
-    assert stored.block_hashes == [int.from_bytes(b"\x01" * 32, "big")]
+    assert stored.block_hashes == [b"\x01" * 32]  # opaque: kept as the bytes they are
     assert stored.extra_keys == [["salt"]] and stored.group_idx == 0
     assert removed.medium is None
     assert batch.errors == {"unknown_event": 1}
@@ -224,3 +224,35 @@ def test_json_rejects_non_json() -> None:
     with pytest.raises(CodecError):
         decode_json(b"{nope")
     assert orjson.loads(encode_json(EventBatch(1.0, [], 0)))["events"] == []
+
+
+# -- bytes hashes (vLLM's default sha256) -----------------------------------------
+
+sha = st.binary(min_size=32, max_size=32) | st.binary(min_size=1, max_size=8)
+
+
+@given(st.lists(sha, min_size=1, max_size=4), st.none() | sha, st.booleans())
+def test_bytes_hashes_stay_the_same_bytes_through_every_encoding(
+    hs: list[bytes], parent: bytes | None, ev_map: bool
+) -> None:
+    """Lossless: leading zero bytes too; msgpack and JSON give back what came in."""
+    batch = EventBatch(
+        1.0,
+        [BlockStored(hs, parent, list(range(4 * len(hs))), 4), BlockRemoved(hs[:1], "GPU")],
+    )
+    for out in (decode(encode(batch, events_as_map=ev_map)), decode_json(encode_json(batch))):
+        assert out.events == batch.events
+        assert all(isinstance(h, bytes) for e in out.events for h in e.block_hashes)
+
+
+def test_norm_hash_forms() -> None:
+    zeros = b"\x00" * 31 + b"\x07"
+    assert codec.norm_hash(zeros) == zeros and codec.norm_hash(bytearray(zeros)) == zeros
+    assert codec.norm_hash(-1) == U64 - 1 and codec.norm_hash(5) == 5
+    assert codec.hash_from_json(codec.hash_to_json(zeros)) == zeros
+    assert codec.hash_to_json(7) == 7 and codec.hash_from_json("ff") == b"\xff"
+    for bad in (True, 1.5, U64, -(2**63) - 1, None):
+        with pytest.raises((TypeError, ValueError)):
+            codec.norm_hash(bad)
+    with pytest.raises(ValueError):
+        codec.hash_from_json("not hex")
