@@ -9,7 +9,6 @@ off: an unauthenticated admin API would let anyone point the router at any URL.
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +17,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from policies.base import NO_MATCH
+from router.auth import bearer_ok
 from router.config import worker_spec
 from router.errors import ApiError
 
@@ -55,9 +55,7 @@ def admin_router(state: RouterState) -> APIRouter:
             raise ApiError(
                 403, "the admin API is disabled: configure admin_token", "admin_disabled"
             )
-        given = request.headers.get("authorization", "")
-        scheme, _, value = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(value.encode(), token.encode()):
+        if not bearer_ok(request.scope["headers"], [token.encode()]):
             raise ApiError(401, "admin API: missing or wrong bearer token", "unauthorized")
 
     api = APIRouter(prefix="/admin", dependencies=[Depends(authorize)])

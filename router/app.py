@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -28,6 +27,8 @@ from starlette.exceptions import HTTPException
 from index.capacity import Sampling
 from policies.experiments import Arm, Experiment
 from router.admin import admin_router
+from router.asgi import Receive, Scope, Send
+from router.auth import bearer_ok
 from router.bus import Bus, nats_options
 from router.capacity import CapacityCollector, CapacityWatch
 from router.config import ConfigError, RouterConfig
@@ -40,7 +41,7 @@ from router.hints import HintPublisher
 from router.metrics import RouterMetrics, StateCollector
 from router.openapi import completion_paths
 from router.pools import Pool
-from router.proxy import Proxy, Receive, Scope, Send, send_error
+from router.proxy import Proxy, send_error
 from router.replicas import ReplicaShare
 from router.routing import Router
 from router.tokenize import TokenizerSet
@@ -213,12 +214,8 @@ def _fastapi(state: RouterState) -> FastAPI:
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         token = state.cfg.metrics_token
-        if token is not None:
-            scheme, _, given = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                given.encode(), token.encode()
-            ):
-                raise ApiError(401, "metrics: missing or wrong bearer token", "unauthorized")
+        if token is not None and not bearer_ok(request.scope["headers"], [token.encode()]):
+            raise ApiError(401, "metrics: missing or wrong bearer token", "unauthorized")
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.exception_handler(ApiError)

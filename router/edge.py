@@ -8,10 +8,10 @@ are checked on the parsed body the proxy already holds. Every refusal is an
 
 from __future__ import annotations
 
-import hmac
-from collections.abc import MutableMapping
 from typing import Any
 
+from router.asgi import Scope
+from router.auth import bearer_ok
 from router.config import RouterConfig
 from router.errors import ApiError
 
@@ -29,7 +29,7 @@ class Edge:
         self.max_bytes = cfg.max_header_bytes
         self.max_n = cfg.max_n
 
-    def check(self, scope: MutableMapping[str, Any]) -> ApiError | None:
+    def check(self, scope: Scope) -> ApiError | None:
         """The reason to refuse this request before reading its body, or None."""
         headers = scope["headers"]
         if len(headers) > self.max_count:
@@ -41,22 +41,9 @@ class Edge:
             return ApiError(
                 431, f"request headers over {self.max_bytes} bytes", "headers_too_large"
             )
-        if self.keys and scope["path"].startswith(_PUBLIC) and not self._authorized(headers):
+        if self.keys and scope["path"].startswith(_PUBLIC) and not bearer_ok(headers, self.keys):
             return ApiError(401, "missing or wrong API key (Bearer token)", "invalid_api_key")
         return None
-
-    def _authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
-        for key, value in headers:
-            if key == b"authorization":
-                scheme, _, given = value.partition(b" ")
-                if scheme.lower() != b"bearer":
-                    return False
-                # every key compared, in constant time each: no early exit to time
-                found = False
-                for k in self.keys:
-                    found |= hmac.compare_digest(given.strip(), k)
-                return found
-        return False
 
     def check_sampling(self, body: dict[str, Any]) -> None:
         """Limits on what one request may ask an engine to generate (``ApiError`` 400)."""

@@ -6,7 +6,36 @@ matching exception class from the status and show ``message``.
 
 from __future__ import annotations
 
+import typing
+from typing import Literal
+
 import orjson
+
+# Every error ``code`` this project answers with: clients, dashboards and alerts match
+# on them, so the set is closed (tests/test_error_codes.py reads every call site). Two
+# families are open only in their number: ``http_<status>`` (a framework 404/405) and
+# the ``errors_total`` kind ``engine_<status>`` (the engine's own error status).
+ErrorCode = Literal[
+    # the request
+    "invalid_request", "invalid_json", "invalid_value", "missing_field", "invalid_body",
+    "model_not_found", "chat_template_error", "context_length_exceeded",
+    "request_too_large", "request_timeout", "too_many_headers", "headers_too_large",
+    "header_timeout", "too_many_connections", "upgrade",
+    # credentials and the admin API
+    "invalid_api_key", "unauthorized", "admin_disabled", "worker_not_found",
+    "invalid_worker", "off",
+    # the engines
+    "no_healthy_worker", "upstream_unreachable", "upstream_timeout", "upstream_error",
+    "upstream_broken", "engine_error", "kv_cache_too_small", "unresolved_blocks",
+    # the router itself
+    "internal_error",
+]  # fmt: skip
+# ``errors_total{kind}`` beyond the codes: failures no response code names.
+ErrorKind = Literal[
+    "connect", "timeout", "upstream", "cluster_unavailable", "client_disconnect", "internal",
+]  # fmt: skip
+ERROR_CODES: frozenset[str] = frozenset(typing.get_args(ErrorCode))
+ERROR_KINDS: frozenset[str] = ERROR_CODES | frozenset(typing.get_args(ErrorKind))
 
 _TYPES = {
     400: "invalid_request_error",
@@ -20,7 +49,9 @@ _TYPES = {
 class ApiError(Exception):
     """A request the router answers itself with ``status`` and an OpenAI error body."""
 
-    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, code: ErrorCode, param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message

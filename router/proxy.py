@@ -18,11 +18,11 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from router.errors import ApiError, sse_error
+from router.asgi import Receive, Scope, Send
+from router.errors import ApiError, ErrorCode, ErrorKind, sse_error
 from router.load import WAITING, Flight
 from router.metrics import Series
 from router.routing import Kind, Prepared, hit_blocks
@@ -32,10 +32,6 @@ if TYPE_CHECKING:
     from router.app import RouterState
 
 log = logging.getLogger(__name__)
-
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 # Hop-by-hop and recomputed headers: never forwarded either way.
 _REQ_DROP = frozenset(
@@ -59,8 +55,8 @@ class Failure:
     """
 
     status: int  # the client's, when no worker is left to try
-    code: str  # the OpenAI error ``code``
-    kind: str  # the ``errors_total`` label
+    code: ErrorCode  # the OpenAI error ``code``
+    kind: ErrorKind | ErrorCode  # the ``errors_total`` label
     reason: str  # logged as the worker's failure
     retry: bool
     suspect: bool
