@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +50,19 @@ from sim.mock_openai import (
     usage,
     usage_chunk,
 )
+from sim.mock_pooling import Pooling
 from sim.mock_publisher import Encoding, KvEventPublisher, wire_hash
+from sim.mock_responses import (
+    ResponseStore,
+    Stored,
+    input_messages,
+    new_ids,
+    not_found,
+    now,
+    response_object,
+    stream_events,
+)
+from sim.mock_responses import usage as responses_usage
 from sim.mock_scheduler import Scheduler, Sequence, Timing
 from sim.mock_text import MockText
 
@@ -136,6 +149,8 @@ class MockEngine:
         self.timing = cfg.timing or Timing()
         self.cache = PrefixCache(cfg.block_size, cfg.gpu_blocks, cfg.host_blocks, cfg.seed)
         self.text = MockText(cfg.tokenizer)
+        self.pooling = Pooling(self.text, cfg.model, cfg.max_model_len)
+        self.responses = ResponseStore()
         self.publisher: KvEventPublisher | None = None
         self.scheduler = Scheduler(
             self.cache,
@@ -145,6 +160,8 @@ class MockEngine:
             max_batched_tokens=cfg.max_num_batched_tokens,
         )
         self.prefetched_blocks = 0
+        # W3C trace context of recent requests (vLLM continues the trace it is handed)
+        self.traceparents: deque[str | None] = deque(maxlen=1024)
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_Metrics(self))  # type: ignore[arg-type]
         self.app = self._build_app()
@@ -274,13 +291,97 @@ class MockEngine:
         async def completions(request: Request) -> Response:
             return await self._generate("completion", request)
 
+        for path, handler in (
+            ("/v1/embeddings", self.pooling.embeddings),
+            ("/v1/score", self.pooling.score),
+            ("/score", self.pooling.score),
+            ("/v1/rerank", self.pooling.rerank),
+            ("/rerank", self.pooling.rerank),
+            ("/v2/rerank", self.pooling.rerank),
+            ("/tokenize", self.pooling.tokenize),
+            ("/detokenize", self.pooling.detokenize),
+        ):
+            app.add_api_route(path, self._pooled(handler), methods=["POST"])
+
+        @app.post("/v1/responses")
+        async def responses(request: Request) -> Response:
+            return await self._respond(request)
+
+        @app.get("/v1/responses/{rid}")
+        async def retrieve(rid: str) -> Response:
+            stored = self.responses.get(rid)
+            if stored is None:
+                raise not_found(rid)
+            return JSONResponse(stored.response)
+
+        @app.post("/v1/responses/{rid}/cancel")
+        async def cancel(rid: str) -> Response:
+            if self.responses.get(rid) is None:
+                raise not_found(rid)
+            raise ApiError(400, "Cannot cancel a synchronous response.", "invalid_request")
+
         @app.post("/prefetch")
         async def prefetch(request: Request) -> Response:
             return JSONResponse(self._prefetch(await _json(request)), status_code=202)
 
         return app
 
+    def _pooled(self, handler: Any) -> Any:
+        async def endpoint(request: Request) -> Response:
+            self.traceparents.append(request.headers.get("traceparent"))
+            return JSONResponse(handler(await _json(request)))
+
+        return endpoint
+
+    async def _respond(self, request: Request) -> Response:
+        """``POST /v1/responses`` (see ``sim.mock_responses``)."""
+        self.traceparents.append(request.headers.get("traceparent"))
+        body = await _json(request)
+        messages = input_messages(body, self.responses)
+        chat = {
+            "model": body.get("model"),
+            "messages": messages,
+            "max_tokens": body.get("max_output_tokens"),
+            "stream": body.get("stream"),
+        }
+        p = parse_params("chat", chat, self.cfg.model)
+        prompt = self.text.chat(chat)
+        seq = self._sequence(p, prompt)
+        self.scheduler.submit(seq)
+        rid, mid = new_ids()
+        created = now()
+        out: list[str] = []
+
+        def finish() -> dict[str, Any]:
+            use = responses_usage(len(prompt), seq.generated, seq.cached_tokens)
+            resp = response_object(rid, mid, body, p.model, "".join(out), use, created)
+            if body.get("store", True) is not False:
+                self.responses.put(rid, Stored(messages, resp))
+            return resp
+
+        async def pieces() -> AsyncIterator[str]:
+            try:
+                while (step := await seq.out.get()) is not None:
+                    for piece in step:
+                        out.append(piece)
+                        yield piece
+            finally:
+                self.scheduler.abort(seq)
+            if seq.error:
+                raise RuntimeError(seq.error)  # cuts the stream, as a dying engine does
+
+        if p.stream:
+            def final() -> tuple[str, Any]:
+                return "".join(out), finish()["usage"]
+
+            events = stream_events(rid, mid, body, p.model, created, pieces(), final)
+            return StreamingResponse(events, media_type="text/event-stream")
+        async for _ in pieces():
+            pass
+        return JSONResponse(finish())
+
     async def _generate(self, kind: Kind, request: Request) -> Response:
+        self.traceparents.append(request.headers.get("traceparent"))
         body = await _json(request)
         p = parse_params(kind, body, self.cfg.model)
         prompt = self.text.chat(body) if kind == "chat" else self.text.completion(body["prompt"])

@@ -54,6 +54,15 @@ class MockText:
     def completion(self, prompt: Any) -> list[int]:
         return token_list(self.tokenizer.completion(prompt)[0])
 
+    def decode(self, tokens: list[int]) -> str:
+        """Text of token ids (``/detokenize``); the fallback's ids are 4 UTF-8 bytes each."""
+        if self._hf is not None:
+            return str(self._hf.decode(tokens, skip_special_tokens=False))
+        packed = array("I", tokens)
+        if sys.byteorder != "little":
+            packed.byteswap()
+        return packed.tobytes().rstrip(b"\0").decode("utf-8", "replace")
+
     def natural_length(self, prompt: list[int]) -> int:
         """How many tokens the "model" wants to say before its end of sequence: 8..64."""
         return 8 + self._seed(prompt) % 57
