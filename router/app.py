@@ -45,6 +45,7 @@ from router.proxy import Proxy, send_error
 from router.replicas import ReplicaShare
 from router.routing import Router
 from router.tokenize import TokenizerSet
+from router.tracing import Tracing
 from router.upstream import Upstream
 from router.workers import WorkerRegistry
 
@@ -74,8 +75,9 @@ def discovery_sources(cfg: RouterConfig, registry: WorkerRegistry) -> list[Any]:
 class RouterState:
     """Everything one router process holds; created at build time, started in the lifespan."""
 
-    def __init__(self, cfg: RouterConfig) -> None:
+    def __init__(self, cfg: RouterConfig, tracing: Tracing | None = None) -> None:
         self.cfg = cfg
+        self.tracing = tracing or Tracing.from_config(cfg)  # None: off, and free
         self.edge = Edge(cfg)
         self.registry = WorkerRegistry(cfg)
         for spec in cfg.workers:
@@ -90,6 +92,7 @@ class RouterState:
         )
         self.bus = Bus(cfg.nats_url, options=nats_options(cfg)) if cfg.nats_url else None
         self.events = EventSync(self.registry, cfg.subject_prefix)
+        self.events.tracing = self.tracing
         self.feed = EventFeed.from_config(cfg, self.events) if self.bus else None
         self.replicas = ReplicaShare.from_config(cfg, self.registry, self.bus)
         if self.feed is not None:
@@ -173,6 +176,8 @@ class RouterState:
         await self.client.aclose()
         self.upstream.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.tracing is not None:
+            self.tracing.shutdown()  # flushes the spans still batched
 
 
 def _client(cfg: RouterConfig) -> httpx.AsyncClient:
@@ -247,8 +252,8 @@ def _fastapi(state: RouterState) -> FastAPI:
 class RouterApp:
     """The ASGI entry point: completions to the proxy, the rest to FastAPI."""
 
-    def __init__(self, cfg: RouterConfig) -> None:
-        self.state = RouterState(cfg)
+    def __init__(self, cfg: RouterConfig, tracing: Tracing | None = None) -> None:
+        self.state = RouterState(cfg, tracing)
         self.edge = self.state.edge
         self.api = _fastapi(self.state)
         self.hot = {

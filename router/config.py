@@ -133,6 +133,7 @@ class RouterConfig:
     load_stale_after: float = 5.0  # engine load older than this is ignored (and scraped)
     drain_timeout: float = 30.0  # graceful shutdown: seconds in-flight requests may take
     max_index_blocks: int | None = None
+    tracing: bool = False  # OpenTelemetry spans, exported as OTEL_* says (router/tracing.py)
     experiment: str = "default"
     forecast_tracked: int = 8192  # blocks per stack the capacity forecast samples; 0: off
     # -- the edge: gateway mode, limits, credentials --

@@ -29,6 +29,7 @@ from index.replay import ReplayMessage, ReplayRequest
 from index.wire import DEFAULT_PREFIX, DP_RANK_HEADER, EPOCH_HEADER, SEQ_HEADER, Subjects
 from router.load import parse_load_report
 from router.ratelog import RateLimitedLog
+from router.tracing import Tracing
 from router.workers import WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class EventSync:
         self.max_pending = max_pending
         self.max_backoff = max_backoff
         self.counts: Counter[str] = Counter()
+        self.tracing: Tracing | None = None  # set by the app when tracing is on
         self._nc: Client | None = None
         self._pending: dict[str, list[Live]] = {}
         self._resync: dict[str, asyncio.Task[None]] = {}
@@ -141,9 +143,16 @@ class EventSync:
         if worker_id in self._resync:
             self._hold(worker_id, [live])
             return
-        result = worker.pool.ingest.apply(
-            worker_id, live.seq, live.payload, dp_rank=live.dp_rank, epoch=live.epoch
-        )
+        if self.tracing is None:
+            result = worker.pool.ingest.apply(
+                worker_id, live.seq, live.payload, dp_rank=live.dp_rank, epoch=live.epoch
+            )
+        else:
+            with self.tracing.ingest(worker_id, live.seq, len(live.payload)) as span:
+                result = worker.pool.ingest.apply(
+                    worker_id, live.seq, live.payload, dp_rank=live.dp_rank, epoch=live.epoch
+                )
+                span.set_attribute("cache_router.seq_status", str(result.status))
         if result.status in _RETRY:
             self.counts[str(result.status)] += 1
             if result.status is SeqStatus.GAP:

@@ -10,8 +10,13 @@ Cluster health is the cluster router's ``/health`` (503 when it has no usable en
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from policies.base import RouteRequest
 from router.routing import Parsed, Prepared, Router, max_tokens
+
+if TYPE_CHECKING:
+    from router.tracing import Trace
 
 # Rough bytes per prompt token: the in-flight size a load-only policy may weigh.
 _BYTES_PER_TOKEN = 4
@@ -20,7 +25,9 @@ _BYTES_PER_TOKEN = 4
 class GatewayRouter(Router):
     """A ``Router`` whose requests carry no tokens or block hashes."""
 
-    async def prepare(self, parsed: Parsed, size_hint: int) -> Prepared:
+    async def prepare(
+        self, parsed: Parsed, size_hint: int, trace: Trace | None = None
+    ) -> Prepared:
         workers = self.workers_for(parsed.model)
         request = RouteRequest(
             request_id=parsed.request_id,

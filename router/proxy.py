@@ -26,6 +26,7 @@ from router.errors import ApiError, ErrorCode, ErrorKind, sse_error
 from router.load import WAITING, Flight
 from router.metrics import Series
 from router.routing import Kind, Prepared, hit_blocks
+from router.tracing import Trace, now_ns
 from router.upstream import ConnectFailed, Response, UpstreamError, UpstreamTimeout
 
 if TYPE_CHECKING:
@@ -191,21 +192,30 @@ class Proxy:
         task = asyncio.current_task()
         assert task is not None
         ex = Exchange(task, send)
+        tracing = st.tracing
+        trace = None if tracing is None else tracing.begin("POST", self.path, scope["headers"])
+        error: str | None = None
         try:
             raw = await read_body(scope, receive, st.cfg.max_body_bytes, st.cfg.body_timeout)
             wanted: dict[str, str] = {}
             for key, value in scope["headers"]:
                 if key in (b"x-session-id", b"x-request-id"):
                     wanted[key.decode()] = value.decode("latin-1")
+            t0 = 0 if trace is None else now_ns()
             parsed = st.router.parse(self.kind, raw, wanted)
             st.edge.check_sampling(parsed.body)
-            prep = await st.router.prepare(parsed, len(raw))
+            if trace is not None:
+                trace.span("parse", t0, now_ns(), {"gen_ai.request.model": parsed.model})
+            prep = await st.router.prepare(parsed, len(raw), trace)
             ex.watch(receive)
-            await self._forward(scope, raw, prep, ex)
+            await self._forward(scope, raw, prep, ex, trace)
         except ClientGone:
+            error = "client gone"
             return
         except ApiError as err:
             st.metrics.error("-", "-", err.code)
+            if trace is not None:
+                trace.status, error = err.status, err.code
             if not ex.started:
                 ex.done = True
                 # the body of a refused upload may still be arriving: do not wait for it
@@ -215,7 +225,9 @@ class Proxy:
                 raise
             task.uncancel()
             st.metrics.error("-", "-", "client_disconnect")
+            error = "client disconnect"
         except Exception:  # a bug must still answer in the OpenAI shape, and be seen
+            error = "internal"
             log.exception("request failed inside the router")
             st.metrics.error("-", "-", "internal")
             if ex.started:
@@ -224,8 +236,12 @@ class Proxy:
             await send_error(send, ApiError(500, "internal router error", "internal_error"))
         finally:
             ex.stop()
+            if trace is not None:
+                trace.end(error)
 
-    async def _forward(self, scope: Scope, raw: bytes, prep: Prepared, ex: Exchange) -> None:
+    async def _forward(
+        self, scope: Scope, raw: bytes, prep: Prepared, ex: Exchange, trace: Trace | None
+    ) -> None:
         st = self.state
         req = prep.request
         arm = prep.arm
@@ -234,7 +250,7 @@ class Proxy:
             headers.append((b"x-request-id", req.request_id.encode()))
         exclude: set[str] = set()
         while True:
-            decision, views = st.router.decide(prep, exclude)
+            decision, views = st.router.decide(prep, exclude, trace)
             worker = st.registry.get(decision.worker_id)
             if worker is None:  # removed between the views and now
                 exclude.add(decision.worker_id)
@@ -243,9 +259,15 @@ class Proxy:
             flight = worker.load.begin(max(0, req.num_tokens - hit))
             failure: Failure | None = None
             error: UpstreamError | None = None
+            sent = headers
+            if trace is not None:
+                sent = [h for h in headers if h[0] not in (b"traceparent", b"tracestate")]
+                parent = trace.begin_upstream(worker.id, worker.url, self.path)
+                sent.append((b"traceparent", parent))
+                t_send = now_ns()
             try:
                 resp = await st.upstream.send(
-                    worker.url, self.path, headers, raw, st.cfg.request_timeout
+                    worker.url, self.path, sent, raw, st.cfg.request_timeout
                 )
             except UpstreamError as exc:
                 failure, error = send_failure(exc), exc
@@ -258,6 +280,8 @@ class Proxy:
                     failure = CLUSTER_UNAVAILABLE
             if failure is None:
                 break
+            if trace is not None:
+                trace.end_upstream(failure.reason)
             flight.finish()
             st.registry.request_failed(worker, failure.reason)
             if failure.suspect:
@@ -269,6 +293,13 @@ class Proxy:
                 message = failure.message if failure.message is not None else str(error)
                 raise ApiError(failure.status, message, failure.code) from error
             st.metrics.retries.labels(worker.id).inc()
+        if trace is not None:
+            t_head = now_ns()
+            trace.upstream_step("upstream connect", t_send, resp.written_ns)
+            trace.upstream_step("first byte", resp.written_ns, t_head)
+            trace.status = resp.status
+            trace.attrs(worker=worker.id, arm=arm, prompt_tokens=req.num_tokens,
+                        routed_hit_tokens=hit, reason=decision.reason)  # fmt: skip
         try:
             if decision.prefetch is not None and await st.hints.publish(
                 decision.prefetch, req, prep.pool
@@ -287,6 +318,9 @@ class Proxy:
         finally:
             resp.close()
             flight.finish()
+            if trace is not None:
+                trace.upstream_step("stream end", t_head, now_ns())
+                trace.end_upstream(None if resp.complete else "stream cut", resp.status)
             st.experiment.policy_for(arm).on_finish(req, worker.id)
 
     async def _stream(

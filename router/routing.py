@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
@@ -27,6 +27,9 @@ from router.errors import ApiError
 from router.pools import Pool
 from router.tokenize import TokenizerSet, num_tokens
 from router.workers import Worker, WorkerRegistry
+
+if TYPE_CHECKING:
+    from router.tracing import Trace
 
 Kind = Literal["chat", "completion"]
 
@@ -126,15 +129,19 @@ class Router:
         )
 
     # -- tokenize + hash ---------------------------------------------------------
-    async def prepare(self, parsed: Parsed, size_hint: int) -> Prepared:
+    async def prepare(
+        self, parsed: Parsed, size_hint: int, trace: Trace | None = None
+    ) -> Prepared:
         """Resolve the model's pool and hash the prompt (on the thread pool when large)."""
         workers = self.workers_for(parsed.model)
         pool = workers[0].pool
         if size_hint > self.cfg.offload_chars and self.executor is not None:
             loop = asyncio.get_running_loop()
-            ids, hashes = await loop.run_in_executor(self.executor, self._hash, parsed, pool)
+            ids, hashes = await loop.run_in_executor(
+                self.executor, self._hash, parsed, pool, trace
+            )
         else:
-            ids, hashes = self._hash(parsed, pool)
+            ids, hashes = self._hash(parsed, pool, trace)
         request = RouteRequest(
             request_id=parsed.request_id,
             model=parsed.model,
@@ -158,15 +165,22 @@ class Router:
         arm = self.experiment.assign(parsed.session_key).name
         return Prepared(parsed, workers[0].pool, workers, request, arm)
 
-    def _hash(self, parsed: Parsed, pool: Pool) -> tuple[Any, list[int]]:
+    def _hash(self, parsed: Parsed, pool: Pool, trace: Trace | None) -> tuple[Any, list[int]]:
         body = parsed.body
+        t0 = time.time_ns() if trace is not None else 0
         tok = self.tokenizers.get(parsed.model)
         if parsed.kind == "chat":
             ids, _ = tok.chat(body)
         else:
             ids, _ = tok.completion(body["prompt"], bool(body.get("add_special_tokens", True)))
         extras = salt_extras(body.get("cache_salt")) if body.get("cache_salt") else None
-        return ids, pool.hasher.hash_tokens(ids, block_extras=extras)
+        if trace is None:
+            return ids, pool.hasher.hash_tokens(ids, block_extras=extras)
+        t1 = time.time_ns()
+        hashes = pool.hasher.hash_tokens(ids, block_extras=extras)
+        trace.span("tokenize", t0, t1, {"cache_router.prompt_tokens": num_tokens(ids)})
+        trace.span("hash", t1, time.time_ns(), {"cache_router.blocks": len(hashes)})
+        return ids, hashes
 
     # -- decide ------------------------------------------------------------------
     def views(
@@ -204,10 +218,17 @@ class Router:
         return views
 
     def decide(
-        self, prep: Prepared, exclude: frozenset[str] | set[str] = frozenset()
+        self,
+        prep: Prepared,
+        exclude: frozenset[str] | set[str] = frozenset(),
+        trace: Trace | None = None,
     ) -> tuple[Decision, list[WorkerView]]:
         """The policy's decision among usable workers; ``ApiError`` 503 when there is none."""
+        t0 = time.time_ns() if trace is not None else 0
         views = self.views(prep, exclude)
+        if trace is not None:
+            t1 = time.time_ns()
+            trace.span("match", t0, t1, {"cache_router.candidates": len(views)})
         if not views:
             raise ApiError(
                 503, f"no healthy worker for model {prep.parsed.model}", "no_healthy_worker"
@@ -216,6 +237,10 @@ class Router:
             decision = self.experiment.policy_for(prep.arm).select(prep.request, views)
         except NoWorkerError as exc:
             raise ApiError(503, str(exc), "no_healthy_worker") from exc
+        if trace is not None:
+            chosen = {"cache_router.worker": decision.worker_id,
+                      "cache_router.reason": decision.reason}  # fmt: skip
+            trace.span("decide", t1, time.time_ns(), chosen)
         return decision, views
 
     def predict(self, prep: Prepared, worker_id: str) -> None:

@@ -35,6 +35,7 @@ FLAGS: tuple[tuple[str, str], ...] = (
     ("replica_id", "this replica's name among its peers (random)"),
     ("events_transport",
      "KV events from the JetStream stream or live core NATS (auto: the stream if there)"),
+    ("tracing", "OpenTelemetry spans, exported as the OTEL_* variables say (tracing extra)"),
 )  # fmt: skip
 
 

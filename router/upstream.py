@@ -96,11 +96,13 @@ class Response:
         "complete",
         "headers",
         "status",
+        "written_ns",
     )
 
     def __init__(self, conn: _Connection) -> None:
         self._conn = conn
         self.status = 0
+        self.written_ns = 0  # when the request was on the wire (epoch ns), for traces
         self.headers: list[tuple[bytes, bytes]] = []
         self.complete = False
         self._chunks: deque[bytes] = deque()
@@ -347,6 +349,7 @@ class Upstream:
         head.append(b"\r\n")
         assert conn.transport is not None
         conn.transport.write(b"".join(head) + body)
+        resp.written_ns = time.time_ns()
         try:
             while not resp._headers_done:
                 if resp._error is not None:
