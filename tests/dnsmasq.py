@@ -51,6 +51,17 @@ class Dnsmasq:
         tmp.replace(self.hosts_file)  # dnsmasq never reads half a file
 
     def start(self) -> Dnsmasq:
+        """Start on a free port; a port taken meanwhile by another process means another."""
+        for attempt in range(5):
+            try:
+                return self._start()
+            except RuntimeError:
+                if attempt == 4:
+                    raise
+                self.port = free_udp_port()
+        raise AssertionError("unreachable")
+
+    def _start(self) -> Dnsmasq:
         self._write_hosts()
         args = [
             self.binary,
