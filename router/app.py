@@ -86,19 +86,21 @@ class RouterState:
         self.tokenizers = TokenizerSet(cfg.tokenizer_for)
         self.experiment = make_experiment(cfg)
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
-        router_class = GatewayRouter if cfg.gateway else Router
-        self.router = router_class(
-            cfg, self.registry, self.tokenizers, self.experiment, self.executor
-        )
         self.bus = Bus(cfg.nats_url, options=nats_options(cfg)) if cfg.nats_url else None
         self.events = EventSync(self.registry, cfg.subject_prefix)
         self.events.tracing = self.tracing
         self.feed = EventFeed.from_config(cfg, self.events) if self.bus else None
         self.replicas = ReplicaShare.from_config(cfg, self.registry, self.bus)
-        if self.feed is not None:
-            self.router.blind = self.feed.blind
-        if self.replicas is not None:
-            self.router.on_predict = self.replicas.mark
+        router_class = GatewayRouter if cfg.gateway else Router
+        self.router = router_class(
+            cfg,
+            self.registry,
+            self.tokenizers,
+            self.experiment,
+            self.executor,
+            blind=self.feed.blind if self.feed is not None else None,
+            on_predict=self.replicas.mark if self.replicas is not None else None,
+        )
         self.hints = HintPublisher(self.bus, cfg.subject_prefix)
         self.metrics = RouterMetrics()
         self.metrics.add_collector(StateCollector(self.registry, self.counts))

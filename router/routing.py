@@ -69,16 +69,19 @@ class Router:
         tokenizers: TokenizerSet,
         experiment: Experiment,
         executor: ThreadPoolExecutor | None = None,
+        *,
+        blind: Callable[[float], bool] | None = None,
+        on_predict: Callable[[str, Sequence[int], float], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.registry = registry
         self.tokenizers = tokenizers
         self.experiment = experiment
         self.executor = executor
-        # Set by the app: whether the event feed is down too long to trust the index,
-        # and who else hears of predict-on-route marks (peer replicas).
-        self.blind: Callable[[float], bool] | None = None
-        self.on_predict: Callable[[str, Sequence[int], float], None] | None = None
+        # whether the event feed is down too long to trust the index (None: no feed)
+        self.blind = blind
+        # who else hears of predict-on-route marks (peer replicas; None: no peers)
+        self.on_predict = on_predict
         self._ids = itertools.count()
         self._id_prefix = f"cr-{os.getpid():x}-{os.urandom(3).hex()}-"
 
