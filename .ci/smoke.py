@@ -1,28 +1,18 @@
 """Smoke test of a bare install (no extras): a mock engine and the router, one request.
 
 CI runs it with a fresh venv's python from outside the repo, so the installed package is
-what runs, with only the core dependencies. Standard library only; every wait is bounded.
+what runs, with only the core dependencies. Every wait is bounded.
 """
 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+from router.natsd import free_ports
 
 
 def wait_ok(url: str, timeout: float = 60.0) -> None:

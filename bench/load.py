@@ -41,6 +41,7 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from router.natsd import free_ports  # noqa: E402
 from router.upstream import Upstream, UpstreamError  # noqa: E402
 
 MODEL = "load-model"
@@ -202,12 +203,6 @@ async def drive(urls: list[str], args: argparse.Namespace) -> dict[str, Any]:
 # -- processes ----------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def http_get(port: int, path: str) -> tuple[int, bytes]:
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
         s.sendall(f"GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".encode())
@@ -251,12 +246,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     py = sys.executable
     quiet = {"cwd": ROOT, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     with processes() as procs:
-        engine_ports = [free_port() for _ in range(args.engines)]
+        ports = free_ports(args.engines + args.replicas)
+        engine_ports, router_ports = ports[: args.engines], ports[args.engines :]
         for i, port in enumerate(engine_ports):
             cmd = [py, __file__, "--engine-port", str(port), "--worker-id", f"e{i}",
                    "--speed", str(args.speed)]  # fmt: skip
             procs.append(subprocess.Popen(cmd, **quiet))
-        router_ports = [free_port() for _ in range(args.replicas)]
         workers = [f"--worker=e{i}=http://127.0.0.1:{p}" for i, p in enumerate(engine_ports)]
         for port in router_ports:
             cmd = [py, "-m", "router.cli", "serve", "--port", str(port), "--policy", args.policy,

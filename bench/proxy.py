@@ -33,6 +33,10 @@ from pathlib import Path
 import orjson
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from router.natsd import free_ports  # noqa: E402
+
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 SYSTEM = "You are a helpful assistant that answers briefly and precisely. " * 12
 
@@ -182,12 +186,6 @@ async def _drive(port: int, requests: list[bytes], concurrency: int) -> dict[str
 # -- processes ------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def tree_cpu_seconds(pid: int) -> float:
     """user+system CPU of ``pid`` and all its live descendants (threads included)."""
     parents: dict[int, int] = {}
@@ -290,7 +288,7 @@ def main() -> None:
         run_engine(args.engine)
         return
 
-    engine_port = free_port()
+    (engine_port,) = free_ports(1)
     engine_url = f"http://127.0.0.1:{engine_port}"
     py = sglang_python(args.sglang_python)
     targets: dict[str, list[str] | None] = {
@@ -314,7 +312,7 @@ def main() -> None:
                 if cmd is None:
                     runs[name].append(measure(engine_port, None, args))
                     continue
-                port, port2 = free_port(), free_port()
+                port, port2 = free_ports(2)
                 argv = [a.format(port=port, port2=port2) for a in cmd]
                 with process(argv) as proc:
                     wait_http(port, "/health")

@@ -29,7 +29,7 @@ from index.hashing import BlockHasher
 from index.ingest import EventIngest, SeqStatus
 from index.prefix_index import PrefixIndex
 from index.replay import ReplayMessage, ReplayRequest
-from router.natsd import EmbeddedNats, free_port
+from router.natsd import EmbeddedNats, free_port, free_ports
 from sim.mock_engine import MockEngine, MockEngineConfig
 from sim.mock_publisher import KvEventPublisher, wire_hash
 from sim.mock_scheduler import Timing
@@ -423,7 +423,7 @@ async def test_agent_waits_for_nats_and_survives_its_restart() -> None:
 
 def test_cli_processes_end_to_end(nats_server: EmbeddedNats) -> None:
     """``cache-router mock-engine`` and ``cache-router agent`` as real processes."""
-    http_port, zmq_port, replay_port = free_port(), free_port(), free_port()
+    http_port, zmq_port, replay_port = free_ports(3)
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     cli = [sys.executable, "-m", "router.cli"]
     engine = subprocess.Popen(

@@ -26,7 +26,7 @@ from agent.node import AgentConfig, NodeAgent
 from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
 from router.events import last_seq
-from router.natsd import free_port
+from router.natsd import free_ports
 
 MODEL = "mock-model"
 BS = 16
@@ -40,7 +40,7 @@ class EngineProcess:
 
     def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
-        self.port, self.zmq, self.replay = free_port(), free_port(), free_port()
+        self.port, self.zmq, self.replay = free_ports(3)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, settings
 from router_double import wait_healthy
 from schemathesis import GenerationMode
 
-from router.natsd import free_port
+from router.natsd import free_ports
 
 MODEL = "mock-model"
 EXAMPLES = 15
@@ -30,7 +30,7 @@ EXAMPLES = 15
 
 @pytest.fixture(scope="module")
 def api_schema() -> Iterator[schemathesis.BaseSchema]:
-    engine_port, router_port = free_port(), free_port()
+    engine_port, router_port = free_ports(2)
     cli = [sys.executable, "-m", "router.cli"]
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     engine = subprocess.Popen(
