@@ -29,7 +29,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from proxy import ROOT, free_port, measure, median_of, wait_http
+from proxy import ROOT, measure, median_of, wait_http  # puts ROOT on sys.path
+
+from router.natsd import free_port
 
 
 @contextlib.contextmanager
