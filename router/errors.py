@@ -27,6 +27,7 @@ ErrorCode = Literal[
     # the engines
     "no_healthy_worker", "upstream_unreachable", "upstream_timeout", "upstream_error",
     "upstream_broken", "engine_error", "kv_cache_too_small", "unresolved_blocks",
+    "not_found",  # the mock engine's Responses API: no such stored response
     # the router itself
     "internal_error",
 ]  # fmt: skip
