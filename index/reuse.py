@@ -230,17 +230,25 @@ class StackDistance:
     def tracked(self) -> int:
         return len(self._last)
 
-    def observe(self, hashes: Sequence[int], num_tokens: int, block_size: int) -> None:
+    def touch(self, hashes: Sequence[int]) -> None:
+        """Blocks that arrive without a request (a prefetch): used, no hit recorded."""
+        if hashes:
+            self.observe(hashes, 0, 1, count=False)
+
+    def observe(
+        self, hashes: Sequence[int], num_tokens: int, block_size: int, *, count: bool = True
+    ) -> None:
         """One request: prompt of ``num_tokens`` tokens, ``hashes`` of its full blocks.
 
         The engine recomputes at least the last prompt token, so only the first
         ``(num_tokens - 1) // block_size`` blocks can hit.
         """
         curve = self.curve
-        curve.tokens += num_tokens
-        curve.requests += 1
-        self.accesses += len(hashes)
-        eligible = (num_tokens - 1) // block_size
+        if count:
+            curve.tokens += num_tokens
+            curve.requests += 1
+            self.accesses += len(hashes)
+        eligible = (num_tokens - 1) // block_size if count else 0
         buckets = curve.buckets
         threshold = self.threshold
         lead = 0  # leading blocks in the hot set: reused at a depth below hot_blocks

@@ -1,6 +1,6 @@
 """The online capacity forecast: how much cache each tier needs, from the routed traffic.
 
-The request path only appends ``(model, block size, worker, block hashes, tokens)`` to a
+The request path only appends ``(model, block size, worker, hashes, tokens, prefetched)`` to a
 bounded queue (``record``: a tuple and a deque append; the hashes are the list routing
 already computed). A background task drains it into one ``index.capacity``
 forecast per model, a few milliseconds at a time so the event loop never waits long on
@@ -45,7 +45,7 @@ class CapacityWatch:
         self.registry = registry
         self.sampling = sampling
         self.forecasts: dict[str, CapacityForecast] = {}
-        self._queue: deque[tuple[str, int, str, Sequence[int], int]] = deque()
+        self._queue: deque[tuple[str, int, str, Sequence[int], int, int]] = deque()
         self.queue_max = queue_max
         self.dropped = 0
         self.analysed = 0
@@ -53,12 +53,19 @@ class CapacityWatch:
 
     # -- request path ---------------------------------------------------------------
     def record(
-        self, model: str, block_size: int, worker: str, hashes: Sequence[int], tokens: int
+        self,
+        model: str,
+        block_size: int,
+        worker: str,
+        hashes: Sequence[int],
+        tokens: int,
+        prefetched: int = 0,
     ) -> None:
+        """One routed request; ``prefetched`` leading blocks were hinted to its worker."""
         if len(self._queue) >= self.queue_max:
             self.dropped += 1
             return
-        self._queue.append((model, block_size, worker, hashes, tokens))
+        self._queue.append((model, block_size, worker, hashes, tokens, prefetched))
 
     # -- background -----------------------------------------------------------------
     def drain(self, budget_s: float | None = None) -> int:
@@ -67,11 +74,11 @@ class CapacityWatch:
         deadline = None if budget_s is None else time.perf_counter() + budget_s
         done = 0
         while queue:
-            model, block_size, worker, hashes, tokens = queue.popleft()
+            model, block_size, worker, hashes, tokens, prefetched = queue.popleft()
             fc = forecasts.get(model)
             if fc is None or fc.block_size != block_size:  # new, or its pool changed
                 fc = forecasts[model] = CapacityForecast(block_size, self.sampling)
-            fc.observe(worker, hashes, tokens)
+            fc.observe(worker, hashes, tokens, prefetched)
             done += 1
             if deadline is not None and time.perf_counter() >= deadline:
                 break

@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("router.serve", "run the router (OpenAI-compatible proxy)"),
     "replay": ("sim.replay", "replay a request trace through the simulator, per policy"),
     "gen-trace": ("sim.gen_trace", "write a seeded agent-shaped trace (chat, agent loops)"),
+    "forecast": ("sim.forecast", "how much cache each tier needs: hit rate vs size on a trace"),
+    "tune": ("sim.tune", "search cache_aware's parameters and the host tier size on a trace"),
     "mock-engine": ("sim.mock_engine", "run a mock vLLM-like engine"),
     "agent": ("agent.main", "run the node agent: engine ZMQ events -> NATS"),
     "demo": ("router.demo", "run the whole stack on an embedded default and compare policies"),
@@ -30,6 +32,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "demo": ("demo", ("openai",)),
     "replay": ("sim", ("numpy",)),
+    "forecast": ("sim", ("numpy",)),
+    "tune": ("sim", ("numpy",)),
 }
 
 

@@ -301,10 +301,13 @@ class Proxy:
             trace.attrs(worker=worker.id, arm=arm, prompt_tokens=req.num_tokens,
                         routed_hit_tokens=hit, reason=decision.reason)  # fmt: skip
         try:
+            prefetched = 0  # blocks a published hint pulls into the chosen worker
             if decision.prefetch is not None and await st.hints.publish(
                 decision.prefetch, req, prep.pool
             ):
                 st.metrics.prefetch_hints.labels(arm, decision.prefetch.target_worker).inc()
+                if decision.prefetch.target_worker == worker.id:
+                    prefetched = decision.prefetch.blocks
             st.router.predict(prep, worker.id)
             series = st.metrics.series(arm, worker.id)
             series.requests.inc()
@@ -312,8 +315,9 @@ class Proxy:
             series.routed_hit_tokens.inc(hit)
             if st.capacity is not None and req.block_hashes:
                 st.capacity.record(
-                    req.model, req.block_size, worker.id, req.block_hashes, req.num_tokens
-                )
+                    req.model, req.block_size, worker.id, req.block_hashes, req.num_tokens,
+                    prefetched,
+                )  # fmt: skip
             await self._stream(ex, resp, worker.id, flight, series, arm)
         finally:
             resp.close()
