@@ -62,6 +62,7 @@ def forecast(
     config: SimConfig,
     *,
     policy: str | None = None,
+    policy_params: dict[str, Any] | None = None,
     samples: Sampling | None = None,
 ) -> dict[str, Any]:
     """The forecast's report for ``trace`` at ``config``'s sizes (and, with ``policy``,
@@ -74,7 +75,7 @@ def forecast(
         for req in trace.requests:
             fc.observe(None, req.router_hashes.tolist(), req.input_len)
     else:
-        sim = Simulation(trace, policy, config)
+        sim = Simulation(trace, policy, config, policy_params=policy_params)
         hinted = _Hints(sim.policy)
         sim.policy = hinted  # type: ignore[assignment]
         report = sim.run()
