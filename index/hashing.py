@@ -6,9 +6,19 @@ parent hash as the xxh3 seed folds the bigram (parent hash, block tokens) into o
 integer, so the whole radix tree flattens into a single hash map and block ``i`` can
 be probed without walking blocks ``0..i-1``.
 
-A LoRA adapter changes every block, so it enters the root seed. Per-block extra keys
-(a cache salt on block 0, multimodal content hashes) enter the block they belong to,
-in the same form vLLM reports them in ``BlockStored.extra_keys``.
+Extra keys: the request side must produce exactly what the event side rehashes, for
+every key an engine mixes into its block hashes. One canonical form serves both:
+
+- a LoRA adapter changes every block, so its name enters the root seed (vLLM also
+  repeats it first in every block's ``extra_keys``; SGLang sends only ``lora_name``);
+- a cache salt enters block 0 (vLLM: in ``extra_keys[0]``; SGLang: a ``cache_salt``
+  field on the events of a chain);
+- a multimodal item enters the blocks it covers as vLLM reports them, ``(identifier,
+  offset)``. The router cannot compute those identifiers, so a request is hashed only
+  up to its first item (``hashable_tokens``) and never claims a hit past it.
+
+An event whose adapter is named only by ``lora_id`` (older engines) gets a root no
+request produces: its blocks are indexed, never matched by another adapter or the base.
 """
 
 from __future__ import annotations
@@ -124,3 +134,69 @@ def extra_key_bytes(keys: Sequence[object]) -> bytes:
 def salt_extras(cache_salt: str | None) -> dict[int, bytes] | None:
     """Block extras for a request's ``cache_salt``: like vLLM, it touches block 0 only."""
     return {0: extra_key_bytes((cache_salt,))} if cache_salt else None
+
+
+def cacheable_blocks(num_tokens: int, block_size: int) -> int:
+    """Blocks of a prompt an engine can serve from its cache.
+
+    vLLM (``KVCacheManager.get_computed_blocks``) and SGLang look up at most
+    ``num_tokens - 1`` tokens: the last prompt token is always computed to get the
+    first output's logits, so the block holding it never counts as cached, and a
+    prompt of exactly ``k`` blocks can hit at most ``k - 1``.
+    """
+    return (num_tokens - 1) // block_size if num_tokens > 0 else 0
+
+
+def lora_id_root(hasher: BlockHasher, lora_id: int) -> int:
+    """A root for an adapter the event names only by number: no request reaches it."""
+    return _xxh3(b"\0lora-id\0" + str(lora_id).encode(), hasher.seed)
+
+
+def event_extras(
+    extra_keys: Sequence[object] | None,
+    *,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+    chain_start: bool = False,
+) -> dict[int, bytes] | None:
+    """Block extras of one ``BlockStored``, in the form ``request_extras`` gives.
+
+    vLLM's per-block ``extra_keys`` are ``[lora name?, (mm id, offset)..., salt?,
+    embeds digest...]`` (``to_event_extra_keys``); the adapter name is dropped here as
+    it is already in the root. SGLang's ``cache_salt`` field counts on a chain's first
+    block (``chain_start``: the event has no parent), as a request's salt does.
+    """
+    if extra_keys:
+        out: dict[int, bytes] = {}
+        for i, keys in enumerate(extra_keys):
+            if not isinstance(keys, list | tuple) or not keys:
+                continue
+            if lora_name and keys[0] == lora_name:
+                keys = keys[1:]
+            if keys:
+                out[i] = extra_key_bytes(keys)
+        return out or None
+    if cache_salt and chain_start:
+        return salt_extras(cache_salt)
+    return None
+
+
+def request_block_hashes(
+    hasher: BlockHasher,
+    token_ids: TokenIds,
+    *,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+    hashable_tokens: int | None = None,
+) -> list[int]:
+    """The router's hashes of a request's blocks, keyed as its engine's events will be.
+
+    ``hashable_tokens`` bounds the tokens the router can key faithfully (those before
+    a multimodal item); blocks past it are left out, so they are never matched.
+    """
+    hashes = hasher.hash_tokens(
+        token_ids, lora_name=lora_name or None, block_extras=salt_extras(cache_salt)
+    )
+    if hashable_tokens is not None:
+        del hashes[hasher.num_blocks(max(hashable_tokens, 0)) :]
+    return hashes

@@ -28,7 +28,7 @@ from index.codec import (
     Event,
     decode,
 )
-from index.hashing import BlockHasher, extra_key_bytes, salt_extras
+from index.hashing import BlockHasher, event_extras, lora_id_root
 from index.prefix_index import PrefixIndex
 
 _TIER_OF_MEDIUM = {
@@ -309,16 +309,19 @@ class EventIngest:
             if p is None:
                 return "unknown_parent"
             parent = p[0]
-        extras = None
-        if event.extra_keys:
-            extras = {i: extra_key_bytes(keys) for i, keys in enumerate(event.extra_keys) if keys}
-        elif event.cache_salt and parent is None:
-            extras = salt_extras(event.cache_salt)
-        router = hasher.hash_tokens(
-            event.token_ids,
-            parent=parent if parent is not None else hasher.root(event.lora_name),
-            block_extras=extras,
+        extras = event_extras(
+            event.extra_keys,
+            lora_name=event.lora_name,
+            cache_salt=event.cache_salt,
+            chain_start=event.parent_block_hash is None,
         )
+        start = parent
+        if start is None:
+            if event.lora_name or event.lora_id is None:
+                start = hasher.root(event.lora_name)
+            else:
+                start = lora_id_root(hasher, event.lora_id)
+        router = hasher.hash_tokens(event.token_ids, parent=start, block_extras=extras)
         for eh, rh in zip(event.block_hashes, router, strict=True):
             entry = w.blocks.get(eh)
             if entry is None:

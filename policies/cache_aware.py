@@ -42,6 +42,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from index.hashing import cacheable_blocks
 from index.prefix_index import TierMatch
 
 from .base import (
@@ -100,6 +101,7 @@ class CacheAware(Policy):
         shared_r = c.shared_ms_per_token * bs
         ntok = request.num_tokens
         nblocks = len(request.block_hashes)
+        cacheable = cacheable_blocks(ntok, bs)
         matches: list[TierMatch] = []
         queues: list[float] = []
         ranked: list[float] = []
@@ -133,7 +135,7 @@ class CacheAware(Policy):
                 queue = qt * ppt + (n_steps if n_steps > 1.0 else 1.0) * per_step
             else:
                 queue = 0.0
-            left = ntok - total * bs
+            left = ntok - (total if total < cacheable else cacheable) * bs
             if left < 1:
                 left = 1
             n_steps = left * inv_budget

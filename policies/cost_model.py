@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from index.hashing import cacheable_blocks
 from index.prefix_index import TierMatch
 
 from .base import MAX_ENGINE_COUNT, WorkerView
@@ -182,8 +183,11 @@ def admit_wait_ms(costs: EngineCosts, view: WorkerView, fallback_tokens: float) 
 
 
 def uncached_tokens(num_tokens: int, hit_blocks: int, block_size: int) -> int:
-    """Prompt tokens left to compute; an engine always computes at least the last one."""
-    left = num_tokens - hit_blocks * block_size
+    """Prompt tokens left to compute. The engine never serves the block holding the
+    last prompt token from cache (``index.hashing.cacheable_blocks``): a prompt of
+    exactly ``k`` blocks recomputes its whole last block, not one token."""
+    cap = cacheable_blocks(num_tokens, block_size)
+    left = num_tokens - (hit_blocks if hit_blocks < cap else cap) * block_size
     return left if left > 1 else 1
 
 

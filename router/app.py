@@ -83,7 +83,7 @@ class RouterState:
         for spec in cfg.workers:
             self.registry.add(spec)
         self.discovery = discovery_sources(cfg, self.registry)
-        self.tokenizers = TokenizerSet(cfg.tokenizer_for)
+        self.tokenizers = TokenizerSet(self._tokenizer_path)
         self.experiment = make_experiment(cfg)
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self.bus = Bus(cfg.nats_url, options=nats_options(cfg)) if cfg.nats_url else None
@@ -139,6 +139,13 @@ class RouterState:
             self._tasks.append(asyncio.create_task(source.run(self.client), name="discovery"))
         if self.capacity is not None:
             self._tasks.append(asyncio.create_task(self.capacity.run(), name="capacity"))
+
+    def _tokenizer_path(self, model: str) -> str | None:
+        """A model's tokenizer; a LoRA adapter learnt from an engine uses its base's."""
+        base = self.registry.adapters.get(model)
+        if model not in self.cfg.models and base is not None:
+            return self.cfg.tokenizer_for(base)
+        return self.cfg.tokenizer_for(model)
 
     def in_sync(self, worker_id: str, pool: Pool) -> bool:
         """What operators are told: the worker's events applied in order *and* the event

@@ -91,6 +91,9 @@ class DiscoverySpec:
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     tokenizer: str | None = None  # path to tokenizer.json or a dir holding it
+    # A LoRA adapter of this base model (vLLM --lora-modules NAME=PATH; SGLang --lora-paths):
+    # served where the base is, hashed under the adapter's name, the base's tokenizer.
+    base: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +173,21 @@ class RouterConfig:
 
     def tokenizer_for(self, model: str) -> str | None:
         spec = self.models.get(model)
-        return spec.tokenizer if spec and spec.tokenizer else self.tokenizer
+        if spec and spec.tokenizer:
+            return spec.tokenizer
+        if spec and spec.base and spec.base != model:
+            return self.tokenizer_for(spec.base)
+        return self.tokenizer
+
+
+def _model_spec(spec: Any, where: str) -> ModelSpec:
+    spec = spec or {}
+    if not isinstance(spec, Mapping):
+        raise ConfigError(f"{where} must be a table")
+    for key in ("tokenizer", "base"):
+        if spec.get(key) is not None and not isinstance(spec[key], str):
+            raise ConfigError(f"{where}.{key} must be a string")
+    return ModelSpec(tokenizer=spec.get("tokenizer"), base=spec.get("base"))
 
 
 class Scalar(NamedTuple):
@@ -360,8 +377,7 @@ def _from_toml(data: Mapping[str, Any], where: str) -> dict[str, Any]:
             if not isinstance(value, Mapping):
                 raise ConfigError(f"{where}: models must be a table of tables")
             out[key] = {
-                name: ModelSpec(tokenizer=(spec or {}).get("tokenizer"))
-                for name, spec in value.items()
+                name: _model_spec(spec, f"{where} models.{name}") for name, spec in value.items()
             }
         elif key == "arms":
             out[key] = [_arm_spec(a, f"{where} arms[{i}]") for i, a in enumerate(value)]

@@ -46,6 +46,9 @@ _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _JSON = [(b"content-type", b"application/json")]
 
 
+HIT_HEADER = b"x-cache-router-hit-tokens"  # prompt tokens the router predicted cached
+
+
 @dataclass(frozen=True, slots=True)
 class Failure:
     """What one way of failing before the engine answered costs, and who pays.
@@ -318,7 +321,7 @@ class Proxy:
                     req.model, req.block_size, worker.id, req.block_hashes, req.num_tokens,
                     prefetched,
                 )  # fmt: skip
-            await self._stream(ex, resp, worker.id, flight, series, arm)
+            await self._stream(ex, resp, worker.id, flight, series, arm, hit)
         finally:
             resp.close()
             flight.finish()
@@ -335,6 +338,7 @@ class Proxy:
         flight: Flight,
         series: Series,
         arm: str,
+        hit: int,
     ) -> None:
         st = self.state
         send = ex.send
@@ -349,6 +353,8 @@ class Proxy:
             st.metrics.error(arm, worker_id, f"engine_{status}")
         out = [(k, v) for k, v in resp.headers if k.lower() not in _RESP_DROP]
         out.append((self.worker_header, worker_id.encode()))
+        if not st.cfg.gateway:  # what the index predicted; compare usage.cached_tokens
+            out.append((HIT_HEADER, str(hit).encode()))
         await send({"type": "http.response.start", "status": status, "headers": out})
         ex.started = True
         sse = (resp.header(b"content-type") or b"").startswith(b"text/event-stream")

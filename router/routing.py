@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
-from index.hashing import salt_extras
+from index.hashing import cacheable_blocks, request_block_hashes
 from policies.base import NO_MATCH, Decision, NoWorkerError, RouteRequest, WorkerView
 from policies.experiments import Experiment
 from router.config import RouterConfig
@@ -176,13 +176,23 @@ class Router:
             ids, _ = tok.chat(body)
         else:
             ids, _ = tok.completion(body["prompt"], bool(body.get("add_special_tokens", True)))
-        extras = salt_extras(body.get("cache_salt")) if body.get("cache_salt") else None
-        if trace is None:
-            return ids, pool.hasher.hash_tokens(ids, block_extras=extras)
-        t1 = time.time_ns()
-        hashes = pool.hasher.hash_tokens(ids, block_extras=extras)
-        trace.span("tokenize", t0, t1, {"cache_router.prompt_tokens": num_tokens(ids)})
-        trace.span("hash", t1, time.time_ns(), {"cache_router.blocks": len(hashes)})
+        hashable: int | None = None
+        if parsed.kind == "chat":
+            hashable = tok.hashable_tokens(body)
+        elif body.get("prompt_embeds") is not None:
+            hashable = 0  # the engine keys these blocks by the embeddings' digest
+        salt = body.get("cache_salt")
+        t1 = time.time_ns() if trace is not None else 0
+        hashes = request_block_hashes(
+            pool.hasher,
+            ids,
+            lora_name=self.registry.lora_name(parsed.model),
+            cache_salt=salt if isinstance(salt, str) else None,
+            hashable_tokens=hashable,
+        )
+        if trace is not None:
+            trace.span("tokenize", t0, t1, {"cache_router.prompt_tokens": num_tokens(ids)})
+            trace.span("hash", t1, time.time_ns(), {"cache_router.blocks": len(hashes)})
         return ids, hashes
 
     # -- decide ------------------------------------------------------------------
@@ -193,7 +203,11 @@ class Router:
         now = time.monotonic()
         pool = prep.pool
         ingest = pool.ingest
+        # the engines never count the block holding the prompt's last token as cached
         hashes = prep.request.block_hashes
+        cap = cacheable_blocks(prep.request.num_tokens, prep.request.block_size)
+        if cap < len(hashes):
+            hashes = hashes[:cap]
         matches = pool.index.match_tiers(hashes) if hashes else {}
         stale = self.cfg.load_stale_after
         blind = self.blind is not None and self.blind(now)

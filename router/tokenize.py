@@ -65,6 +65,26 @@ def text_of_content(content: Any) -> str:
     return "" if content is None else str(content)
 
 
+# Stands in for a chat's first non-text part when ``hashable_tokens`` finds its position.
+MEDIA_MARK = "\ue000cache-router-media\ue000"
+
+
+def _media_cut(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The body with its first non-text content part replaced by ``MEDIA_MARK`` and
+    everything after it dropped; None when all content is text."""
+    messages = body.get("messages") or []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, Mapping) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if isinstance(part, Mapping) and part.get("type") == "text":
+                continue
+            head = [*content[:j], {"type": "text", "text": MEDIA_MARK}]
+            return {**body, "messages": [*messages[:i], {**m, "content": head}]}
+    return None
+
+
 class _GenerationTag(Extension):
     """transformers' ``{% generation %}`` block: renders its body unchanged."""
 
@@ -151,6 +171,24 @@ class Tokenizer:
         """Token ids and rendered text of a chat body (``messages`` already validated)."""
         text = self.chat_template.render(body)
         return self.encode(text, bool(body.get("add_special_tokens", False))), text
+
+    def hashable_tokens(self, body: Mapping[str, Any]) -> int | None:
+        """How many leading tokens of a chat body the router can key as the engine does.
+
+        None when every content part is text. Otherwise the engine mixes the first
+        image/audio/video item's content hash (which only it can compute) into every
+        block from the item's placeholder on: the tokens rendered before that item, less
+        one (a token may merge across the cut), are all the router may hash.
+        """
+        cut = _media_cut(body)
+        if cut is None:
+            return None
+        text = self.chat_template.render(cut)
+        end = text.find(MEDIA_MARK)
+        if end < 0:  # the template dropped the item: nothing after it is certain either
+            end = len(text)
+        prefix = self.encode(text[:end], bool(body.get("add_special_tokens", False)))
+        return max(num_tokens(prefix) - 1, 0)
 
     def completion(
         self, prompt: Any, add_special_tokens: bool = True

@@ -95,6 +95,11 @@ class WorkerRegistry:
         self._workers: dict[str, Worker] = {}
         self._client: httpx.AsyncClient | None = None
         self._probes: dict[str, asyncio.Task[Any]] = {}
+        # LoRA adapter -> base model: from the config, and learnt from engines' /v1/models
+        # (vLLM lists each adapter with its base as "parent")
+        self.adapters: dict[str, str] = {
+            name: spec.base for name, spec in cfg.models.items() if spec.base and spec.base != name
+        }
 
     # -- membership --------------------------------------------------------------
     def pool(self, name: str, block_size: int) -> Pool:
@@ -144,9 +149,18 @@ class WorkerRegistry:
         return next((w.pool for w in self._workers.values() if model in w.models), None)
 
     def for_model(self, model: str) -> list[Worker]:
-        """Workers that serve ``model``, in any state ([] means the model is unknown)."""
+        """Workers that serve ``model``, in any state ([] means the model is unknown).
+
+        An adapter the config names is served wherever its base is."""
         known = [w for w in self._workers.values() if model in w.models]
+        base = self.adapters.get(model)
+        if not known and base is not None:
+            known = [w for w in self._workers.values() if base in w.models]
         return known or [w for w in self._workers.values() if not w.models]
+
+    def lora_name(self, model: str) -> str | None:
+        """The adapter name engines key ``model``'s blocks under; None for a base model."""
+        return model if model in self.adapters else None
 
     # -- passive health ----------------------------------------------------------
     def request_failed(self, worker: Worker, error: str) -> None:
@@ -220,9 +234,14 @@ class WorkerRegistry:
         try:
             if not worker.models:
                 resp = await client.get(worker.url + "/v1/models", timeout=timeout)
-                ids = {m["id"] for m in resp.json().get("data", []) if isinstance(m, dict)}
+                cards = [m for m in resp.json().get("data", []) if isinstance(m, dict)]
+                ids = {str(m["id"]) for m in cards}
                 if ids and worker.id in self._workers:
-                    worker.models = {str(i) for i in ids}
+                    worker.models = ids
+                    for m in cards:
+                        parent = m.get("parent")
+                        if isinstance(parent, str) and parent and parent != str(m["id"]):
+                            self.adapters.setdefault(str(m["id"]), parent)
             if worker.load.engine_fresh(self.cfg.load_stale_after) is None:
                 resp = await client.get(worker.url + "/metrics", timeout=timeout)
                 if resp.status_code == 200:
