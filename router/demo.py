@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import orjson
@@ -92,7 +94,11 @@ async def _wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], timeout:
 
 @contextlib.asynccontextmanager
 async def stack(
-    nats_url: str, policy: str, args: argparse.Namespace, port: int = 0
+    nats_url: str,
+    policy: str,
+    args: argparse.Namespace,
+    port: int = 0,
+    admin_token: str | None = None,
 ) -> AsyncIterator[Stack]:
     """Engines + agents + router as subprocesses; all stopped on the way out."""
     procs: list[subprocess.Popen[bytes]] = []
@@ -143,6 +149,7 @@ async def stack(
                     f"--policy={policy}",
                     f"--block-size={args.block_size}",
                     *(f"--worker={wid}={url}" for wid, url in engines.items()),
+                    *([f"--admin-token={admin_token}"] if admin_token else []),
                 ]
             )
         )
@@ -158,8 +165,9 @@ async def _compare(nats_url: str, args: argparse.Namespace) -> dict[str, object]
     from sim.workload import run_workload
 
     results = []
+    token = os.urandom(8).hex()
     for policy in args.policies.split(","):
-        async with stack(nats_url, policy, args) as s:
+        async with stack(nats_url, policy, args, admin_token=token) as s:
             report = await run_workload(
                 s.router_url + "/v1",
                 MODEL,
@@ -168,13 +176,64 @@ async def _compare(nats_url: str, args: argparse.Namespace) -> dict[str, object]
                 concurrency=args.concurrency,
                 seed=args.seed,
             )
-        results.append({"policy": policy, **report.summary()})
+            forecast = await _forecast(s.router_url, token)
+        results.append({"policy": policy, **report.summary(), "forecast": forecast})
     return {
         "engines": args.engines,
         "sessions": args.sessions,
         "turns": args.turns,
         "results": results,
     }
+
+
+async def _forecast(router_url: str, token: str) -> dict[str, object] | None:
+    """The router's capacity forecast for the demo model, once it analysed every request."""
+    headers = {"authorization": f"Bearer {token}"}
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                r = await client.get(router_url + "/admin/capacity", headers=headers)
+                body = r.json()
+                if r.status_code == 200 and body["queued"] == 0 and MODEL in body["models"]:
+                    m = body["models"][MODEL]
+                    return {
+                        "pool_blocks": m["capacity"]["pool_blocks"],
+                        "predicted_pool_hit_rate": m["pooled"]["predicted_hit_rate"],
+                        "predicted_routed_hit_rate": _routed(m["workers"]),
+                        "ceiling_hit_rate": m["ceiling_hit_rate"],
+                        "saturation_blocks": m["pooled"]["saturation_blocks"],
+                        "working_set_blocks": m["working_set_blocks"],
+                        "warnings": m["warnings"],
+                    }
+            await asyncio.sleep(0.2)
+    return None
+
+
+def _routed(workers: dict[str, Any]) -> float | None:
+    """The workers' predicted hit rates, weighted by their requests."""
+    pairs = [
+        (w["predicted_hit_rate"], w["requests"])
+        for w in workers.values()
+        if w.get("predicted_hit_rate") is not None
+    ]
+    n = sum(k for _, k in pairs)
+    return sum(r * k for r, k in pairs) / n if n else None
+
+
+def _forecast_line(r: dict[str, object]) -> str:
+    f = r.get("forecast")
+    if not isinstance(f, dict):
+        return f"forecast ({r['policy']}): not available"
+    routed = f["predicted_routed_hit_rate"]
+    line = (
+        f"forecast ({r['policy']}): predicted hit rate "
+        f"{'-' if routed is None else f'{routed:.1%}'} on the engines as routed "
+        f"(delivered {r['hit_rate']:.1%}), {f['predicted_pool_hit_rate']:.1%} as one pooled "
+        f"cache of {f['pool_blocks']} blocks, ceiling {f['ceiling_hit_rate']:.1%}; "
+        f"saturates at {f['saturation_blocks']} blocks, working set {f['working_set_blocks']}"
+    )
+    return line + "".join(f"\n  warning: {w}" for w in f["warnings"])
 
 
 def _table(out: dict[str, object]) -> str:
@@ -191,9 +250,9 @@ def _table(out: dict[str, object]) -> str:
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows
-    )
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    lines += [_forecast_line(r) for r in out["results"]]  # type: ignore[attr-defined]
+    return "\n".join(lines)
 
 
 def _emit(obj: dict[str, object]) -> None:

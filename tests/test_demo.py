@@ -43,6 +43,10 @@ def test_demo_compares_policies_and_cache_aware_wins_on_hit_rate() -> None:
     for r in by_policy.values():
         assert r["requests"] == 6 * 4 and r["errors"] == 0
         assert r["ttft_p50_ms"] > 0
+        # the router's capacity forecast of the same traffic
+        f = r["forecast"]
+        assert f["pool_blocks"] > 0 and 0 < f["ceiling_hit_rate"] <= 1
+        assert 0 <= f["predicted_routed_hit_rate"] <= f["ceiling_hit_rate"] + 1e-9
     assert by_policy["cache_aware"]["hit_rate"] > by_policy["round_robin"]["hit_rate"]
 
 
