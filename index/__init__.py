@@ -1,4 +1,17 @@
-"""Prefix index: tokenizer-side block hashes, the bigram-keyed index, KV-event ingest."""
+"""Prefix index: tokenizer-side block hashes, the bigram-keyed index, KV-event ingest.
+
+Plain synchronous code with no I/O; everything else imports it, it imports nothing of
+the project.
+
+    hashing        rolling block hashes of token ids (``BlockHasher``), extra keys
+    prefix_index   the bigram-keyed index: which worker holds which block, per tier
+    codec          vLLM / SGLang ``EventBatch`` msgpack (and JSON) encode/decode
+    ingest         per-worker event ingest: engine hashes -> router hashes -> index, seq gaps
+    wire           the NATS wire: subjects, ``Kv-*`` headers, stream defaults, schemas
+    replay         the gap-fill protocol (``<prefix>.replay.<worker>``) router <-> agent
+    reuse          online LRU stack distances of a block stream
+    capacity       the capacity forecast built on them
+"""
 
 from index.codec import (
     AllBlocksCleared,

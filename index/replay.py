@@ -1,4 +1,8 @@
-"""The replay protocol between a router and a node agent (plain data, no I/O).
+"""The gap-fill protocol between a router and a node agent (plain data, no I/O).
+
+Its subject says ``replay`` (a contract older than the word's other uses); in the code
+"gap fill" is this, "trace replay" is ``sim.replay`` and "engine replay" the engine's
+own ZMQ replay socket that the agent reads (``agent.engine_zmq``).
 
 A router that detects a gap asks ``<prefix>.replay.<worker_id>`` with a JSON request
 ``{"from_seq": N}``. The agent answers with a *stream* of msgpack messages to the
