@@ -25,9 +25,9 @@ from index.codec import (
     encode,
     encode_json,
 )
-from index.hashing import BlockHasher, extra_key_bytes, salt_extras
+from index.hashing import BlockHasher, RouterHash, extra_key_bytes, salt_extras
 from index.ingest import EventIngest, IngestResult, SeqStatus, tier_of_medium
-from index.prefix_index import TIERS, IndexStats, PrefixIndex, TierMatch
+from index.prefix_index import TIERS, IndexStats, PrefixIndex, Tier, TierMatch
 
 __all__ = [
     "TIERS",
@@ -42,7 +42,9 @@ __all__ = [
     "IndexStats",
     "IngestResult",
     "PrefixIndex",
+    "RouterHash",
     "SeqStatus",
+    "Tier",
     "TierMatch",
     "decode",
     "decode_json",

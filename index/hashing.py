@@ -26,13 +26,18 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Mapping, Sequence
-from typing import TypeAlias
+from typing import NewType, TypeAlias, cast
 
 import msgpack
 import xxhash
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _LITTLE = sys.byteorder == "little"
+
+# A block hash the router computed from tokens: what the index is keyed by. Engines name
+# the same blocks with their own hashes (``index.codec.EngineHash``); ``EventIngest``
+# maps one to the other, and the two must never be mixed.
+RouterHash = NewType("RouterHash", int)
 
 TokenIds: TypeAlias = "Sequence[int] | array[int] | bytes | memoryview"
 
@@ -92,7 +97,7 @@ class BlockHasher:
         parent: int | None = None,
         lora_name: str | None = None,
         block_extras: Mapping[int, bytes] | None = None,
-    ) -> list[int]:
+    ) -> list[RouterHash]:
         """Rolling hashes of every full block of ``token_ids``.
 
         ``parent`` continues an existing chain (the hash of the block before
@@ -111,14 +116,14 @@ class BlockHasher:
             for start in range(0, n * step, step):
                 h = _xxh3(buf[start : start + window], h)
                 append(h)
-            return out
+            return cast(list[RouterHash], out)
         for i in range(n):
             start = i * step
             extra = block_extras.get(i)
             chunk = buf[start : start + window]
             h = _xxh3(bytes(chunk) + extra if extra else chunk, h)
             append(h)
-        return out
+        return cast(list[RouterHash], out)
 
 
 def extra_key_bytes(keys: Sequence[object]) -> bytes:
@@ -188,7 +193,7 @@ def request_block_hashes(
     lora_name: str | None = None,
     cache_salt: str | None = None,
     hashable_tokens: int | None = None,
-) -> list[int]:
+) -> list[RouterHash]:
     """The router's hashes of a request's blocks, keyed as its engine's events will be.
 
     ``hashable_tokens`` bounds the tokens the router can key faithfully (those before

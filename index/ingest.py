@@ -29,9 +29,9 @@ from index.codec import (
     decode,
 )
 from index.hashing import BlockHasher, event_extras, lora_id_root
-from index.prefix_index import PrefixIndex
+from index.prefix_index import PrefixIndex, Tier
 
-_TIER_OF_MEDIUM = {
+_TIER_OF_MEDIUM: dict[str | None, Tier] = {
     None: "gpu",
     "GPU": "gpu",
     "CPU": "cpu",
@@ -44,10 +44,10 @@ _TIER_OF_MEDIUM = {
     "REMOTE": "shared",
     "EXTERNAL": "shared",
 }
-_TIER_BIT = {"gpu": 1, "cpu": 2, "disk": 4, "shared": 8}
+_TIER_BIT: dict[Tier, int] = {"gpu": 1, "cpu": 2, "disk": 4, "shared": 8}
 
 
-def tier_of_medium(medium: str | None) -> str | None:
+def tier_of_medium(medium: str | None) -> Tier | None:
     """The index tier for an event's ``medium`` (None when unknown)."""
     return _TIER_OF_MEDIUM.get(medium.upper() if medium else None)
 
@@ -294,7 +294,7 @@ class EventIngest:
         return self._store(worker_id, w, event, tier, bit)
 
     def _store(
-        self, worker_id: str, w: _Worker, event: BlockStored, tier: str, bit: int
+        self, worker_id: str, w: _Worker, event: BlockStored, tier: Tier, bit: int
     ) -> str | None:
         hasher = self.hasher
         if event.block_size != hasher.block_size:

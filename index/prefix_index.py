@@ -19,9 +19,12 @@ import heapq
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-TIERS: tuple[str, ...] = ("gpu", "cpu", "disk", "shared")
+# Where a block sits: an engine's GPU, its host memory, its disk, or a pool every worker
+# reaches (e.g. LMCache / Mooncake store).
+Tier = Literal["gpu", "cpu", "disk", "shared"]
+TIERS: tuple[Tier, ...] = ("gpu", "cpu", "disk", "shared")
 _TIER_POS = {name: pos for pos, name in enumerate(TIERS, start=1)}
 # Entry layout: [any_mask, gpu, cpu, disk, shared, last_used_tick, parent_key]. any_mask
 # is -1 (every bit set) when the block sits in the shared pool: every worker reaches it.
@@ -47,7 +50,7 @@ class TierMatch:
 class IndexStats:
     blocks: int
     speculative: int
-    workers: dict[str, dict[str, int]]
+    workers: dict[str, dict[Tier, int]]
     dropped: int
     spec_confirmed: int
     spec_expired: int
@@ -157,7 +160,7 @@ class PrefixIndex:
         self,
         worker_id: str,
         hashes: Sequence[int],
-        tier: str = "gpu",
+        tier: Tier = "gpu",
         parent: int | None = None,
     ) -> None:
         """Record that ``worker_id`` holds the chain ``hashes`` in ``tier``.
@@ -205,7 +208,7 @@ class PrefixIndex:
         if self.max_blocks is not None and len(entries) > self.max_blocks:
             self._evict(int(self.max_blocks * 0.9))
 
-    def remove(self, worker_id: str, hashes: Sequence[int], tier: str = "gpu") -> None:
+    def remove(self, worker_id: str, hashes: Sequence[int], tier: Tier = "gpu") -> None:
         """Record that ``worker_id`` no longer holds ``hashes`` in ``tier``."""
         slot = self._slot_of.get(worker_id)
         if slot is None:
@@ -226,7 +229,7 @@ class PrefixIndex:
                 del entries[h]
         self._counts[slot][pos - 1] -= removed
 
-    def holds(self, worker_id: str, block: int, tier: str | None = None) -> bool:
+    def holds(self, worker_id: str, block: int, tier: Tier | None = None) -> bool:
         """Whether ``worker_id`` holds ``block`` (in ``tier``, or in any of its tiers)."""
         slot = self._slot_of.get(worker_id)
         e = self._entries.get(block)
