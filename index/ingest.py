@@ -14,6 +14,7 @@ re-delivery harmless.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -58,6 +59,11 @@ class SeqStatus(StrEnum):
     GAP = "gap"  # batches before it are missing; not applied, replay from expected_seq
     RESTART = "restart"  # the engine restarted: worker cleared, batch applied
     MALFORMED = "malformed"  # unreadable; not applied, replay from expected_seq
+    # a seq more than ``max_seq_jump`` past the last applied one (a forged Kv-Seq, or so
+    # much missed that replaying is worse than a dump): not applied, not remembered as
+    # seen; rebuild from expected_seq (0: a dump)
+    JUMP = "jump"
+    REFUSED = "refused"  # a dp rank past ``max_ranks`` for this worker: dropped, counted
 
 
 @dataclass(slots=True)
@@ -82,9 +88,24 @@ class _Worker:
 class EventIngest:
     """Applies event batches from many workers to one ``PrefixIndex``."""
 
-    def __init__(self, index: PrefixIndex, hasher: BlockHasher) -> None:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        hasher: BlockHasher,
+        *,
+        max_seq_jump: int = 100_000,
+        max_ranks: int = 64,
+        max_worker_blocks: int | None = None,
+    ) -> None:
+        """The bounds are per source, against forged event headers (issue 10): a seq may
+        run ``max_seq_jump`` ahead, a worker may name ``max_ranks`` dp ranks, and hold
+        ``max_worker_blocks`` blocks (default: an even share of the index's bound, so one
+        worker cannot evict everyone else's; none when the index is unbounded)."""
         self.index = index
         self.hasher = hasher
+        self.max_seq_jump = max_seq_jump
+        self.max_ranks = max_ranks
+        self.max_worker_blocks = max_worker_blocks
         self.errors: Counter[str] = Counter()
         self.events_applied = 0
         self.batches_applied = 0
@@ -129,6 +150,21 @@ class EventIngest:
                 break
             out.append(eh)
         return out
+
+    def epoch(self, worker_id: str) -> object:
+        """The engine life the applied batches belong to (None: unknown)."""
+        w = self._workers.get(worker_id)
+        return None if w is None else w.epoch
+
+    def forget_unconfirmed(self, worker_id: str) -> None:
+        """Drop ranks seen only in gaps after a replay round the agent answered: the agent
+        replays every batch it has, so a rank it left empty named batches that never
+        existed (forged ``Kv-Dp-Rank``), and must not hold the worker out of sync."""
+        w = self._workers.get(worker_id)
+        if w is not None:
+            for rank in [r for r in w.seen if r not in w.last_seq]:
+                del w.seen[rank]
+            w.in_sync = all(w.last_seq.get(r, -1) >= s for r, s in w.seen.items())
 
     def remove_worker(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
@@ -179,6 +215,13 @@ class EventIngest:
             w = self._workers[worker_id] = _Worker(epoch=epoch)
         rank = dp_rank
         last = w.last_seq.get(rank)
+        if rank not in w.seen and rank not in w.last_seq and len(w.seen) >= self.max_ranks:
+            self.errors["too_many_ranks"] += 1
+            return IngestResult(SeqStatus.REFUSED, expected_seq=None if last is None else last + 1)
+        if seq - (-1 if last is None else last) > self.max_seq_jump:
+            self.errors["seq_jump"] += 1
+            w.in_sync = False
+            return IngestResult(SeqStatus.JUMP, expected_seq=0)
         w.seen[rank] = max(seq, w.seen.get(rank, seq))
         status = SeqStatus.OK
         if epoch is not None and w.epoch is not None and epoch != w.epoch:
@@ -293,6 +336,12 @@ class EventIngest:
             return None
         return self._store(worker_id, w, event, tier, bit)
 
+    def _quota(self) -> int | None:
+        if self.max_worker_blocks is not None:
+            return self.max_worker_blocks
+        bound = self.index.max_blocks
+        return None if bound is None else max(1, bound // max(1, len(self.index.workers)))
+
     def _store(
         self, worker_id: str, w: _Worker, event: BlockStored, tier: Tier, bit: int
     ) -> str | None:
@@ -322,6 +371,22 @@ class EventIngest:
             else:
                 start = lora_id_root(hasher, event.lora_id)
         router = hasher.hash_tokens(event.token_ids, parent=start, block_extras=extras)
+        quota = self._quota()
+        if quota is not None and len(w.blocks) + n > quota:
+            # keep the leading blocks that fit: a chain's prefix is still a true prefix
+            room = 0
+            fresh = 0
+            for eh in event.block_hashes:
+                fresh += eh not in w.blocks
+                if len(w.blocks) + fresh > quota:
+                    break
+                room += 1
+            if room < n:
+                self.errors["worker_quota"] += 1
+                if room == 0:
+                    return "worker_quota"
+                router = router[:room]
+                event = dataclasses.replace(event, block_hashes=event.block_hashes[:room])
         for eh, rh in zip(event.block_hashes, router, strict=True):
             entry = w.blocks.get(eh)
             if entry is None:

@@ -35,7 +35,8 @@ from router.workers import WorkerRegistry
 log = logging.getLogger(__name__)
 bad_input = RateLimitedLog(log)  # replay answers come from NATS: at most a line per 10 s
 
-_RETRY = (SeqStatus.GAP, SeqStatus.MALFORMED)
+_RETRY = (SeqStatus.GAP, SeqStatus.MALFORMED, SeqStatus.JUMP)
+_APPLIED = (SeqStatus.OK, SeqStatus.RESTART)
 
 
 def last_seq(ingest: EventIngest, worker_id: str) -> int | None:
@@ -60,12 +61,15 @@ class EventSync:
         *,
         replay_timeout: float = 2.0,
         max_pending: int = 10_000,
+        max_pending_bytes: int = 64 << 20,
         max_backoff: float = 5.0,
     ) -> None:
         self.registry = registry
         self.prefix = prefix
         self.replay_timeout = replay_timeout
-        self.max_pending = max_pending
+        self.max_pending = max_pending  # batches held per worker during a resync
+        self.max_pending_bytes = max_pending_bytes  # and their payload bytes
+        self._pending_bytes: Counter[str] = Counter()
         self.max_backoff = max_backoff
         self.counts: Counter[str] = Counter()
         self.tracing: Tracing | None = None  # set by the app when tracing is on
@@ -134,39 +138,64 @@ class EventSync:
         headers = msg.headers or {}
         try:
             seq = int(headers[SEQ_HEADER])
-            rank = headers.get(DP_RANK_HEADER)
-            live = Live(seq, msg.data, int(rank) if rank else None, headers.get(EPOCH_HEADER))
-            self._rank[worker_id] = live.dp_rank
+            rank_text = headers.get(DP_RANK_HEADER)
+            rank = int(rank_text) if rank_text else None
+            if not 0 <= seq < 1 << 63 or not (rank is None or 0 <= rank < 1 << 16):
+                raise ValueError("seq or dp rank out of range")
+            live = Live(seq, msg.data, rank, headers.get(EPOCH_HEADER))
         except (KeyError, ValueError):
             self.counts["bad_headers"] += 1
             return
         if worker_id in self._resync:
-            self._hold(worker_id, [live])
+            self._hold(worker_id, live)
+            return
+        ingest = worker.pool.ingest
+        known = ingest.epoch(worker_id)
+        if known is not None and live.epoch != known:
+            # A new engine life clears the worker. Anyone who can publish could claim one
+            # (one forged Kv-Epoch + AllBlocksCleared wiped a worker), so the agent confirms
+            # it first: its replay carries its epoch; meanwhile the worker is not trusted.
+            self.counts["epoch_unconfirmed"] += 1
+            self._hold(worker_id, live)
+            self._start_resync(worker_id, 0)
             return
         if self.tracing is None:
-            result = worker.pool.ingest.apply(
+            result = ingest.apply(
                 worker_id, live.seq, live.payload, dp_rank=live.dp_rank, epoch=live.epoch
             )
         else:
             with self.tracing.ingest(worker_id, live.seq, len(live.payload)) as span:
-                result = worker.pool.ingest.apply(
+                result = ingest.apply(
                     worker_id, live.seq, live.payload, dp_rank=live.dp_rank, epoch=live.epoch
                 )
                 span.set_attribute("cache_router.seq_status", str(result.status))
-        if result.status in _RETRY:
+        if result.status in _APPLIED:
+            self._rank[worker_id] = live.dp_rank
+        elif result.status in _RETRY:
             self.counts[str(result.status)] += 1
             if result.status is SeqStatus.GAP:
-                self._hold(worker_id, [live])
+                self._hold(worker_id, live)
             self._start_resync(worker_id, result.expected_seq or 0)
+        elif result.status is SeqStatus.REFUSED:
+            self.counts["refused"] += 1
 
-    def _hold(self, worker_id: str, items: list[Live]) -> None:
+    def _hold(self, worker_id: str, live: Live) -> None:
         pending = self._pending.setdefault(worker_id, [])
-        pending.extend(items)
-        if len(pending) > self.max_pending:
+        pending.append(live)
+        self._pending_bytes[worker_id] += len(live.payload)
+        if (
+            len(pending) > self.max_pending
+            or self._pending_bytes[worker_id] > self.max_pending_bytes
+        ):
             # Too far behind to catch up batch by batch: drop the backlog; the replay
             # after this one starts from the next expected seq (or a dump).
             self.counts["pending_dropped"] += len(pending)
             pending.clear()
+            self._pending_bytes[worker_id] = 0
+
+    def _take_pending(self, worker_id: str) -> list[Live]:
+        self._pending_bytes.pop(worker_id, None)
+        return self._pending.pop(worker_id, [])
 
     # -- resync ------------------------------------------------------------------
     def _start_resync(self, worker_id: str, from_seq: int) -> None:
@@ -191,17 +220,24 @@ class EventSync:
             # No await from here to the end of the feed: live batches cannot interleave.
             worker = self.registry.get(worker_id)
             if worker is None:
-                self._pending.pop(worker_id, None)
+                self._take_pending(worker_id)
                 return
-            pending = self._pending.pop(worker_id, [])
+            if replied:
+                ingest.forget_unconfirmed(worker_id)
+            pending = self._take_pending(worker_id)
             for i, live in enumerate(pending):
+                if replied and self._forged(ingest, worker_id, live):
+                    continue
                 result = ingest.apply(
                     worker_id, live.seq, live.payload, dp_rank=live.dp_rank, epoch=live.epoch
                 )
-                if result.status in _RETRY:
+                if result.status in _APPLIED:
+                    self._rank[worker_id] = live.dp_rank
+                if result.status in (SeqStatus.GAP, SeqStatus.MALFORMED):
                     from_seq = result.expected_seq or 0
                     rest = pending[i:] if result.status is SeqStatus.GAP else pending[i + 1 :]
-                    self._pending[worker_id] = rest
+                    for held in rest:
+                        self._hold(worker_id, held)
                     break
             else:
                 if ingest.in_sync(worker_id):
@@ -213,6 +249,21 @@ class EventSync:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.max_backoff)
 
+    def _forged(self, ingest: EventIngest, worker_id: str, live: Live) -> bool:
+        """Whether a batch held during a resync the agent fully answered cannot be real:
+        another engine life than the one the agent just confirmed, or a seq the agent,
+        which replayed all it has, never had (a gap right after its answer), or a jump."""
+        last = ingest.last_seq(worker_id, live.dp_rank)
+        reason = None
+        if live.epoch != ingest.epoch(worker_id) and ingest.epoch(worker_id) is not None:
+            reason = "held_epoch_dropped"
+        elif live.seq > (-1 if last is None else last) + 1:
+            reason = "held_gap_dropped"
+        if reason is not None:
+            self.counts[reason] += 1
+            return True
+        return False
+
     async def _replay(self, worker_id: str, from_seq: int) -> bool:
         """Fetch and apply batches from ``from_seq`` (or a dump); False if no full answer."""
         nc = self._nc
@@ -221,7 +272,10 @@ class EventSync:
         if worker is None:
             return False
         ingest = worker.pool.ingest
-        rank = self._rank.get(worker_id)
+        # the rank of the batches applied so far (never set by one that was not: a forged
+        # Kv-Dp-Rank would send the replay to its rank); before any, the first held one's
+        held = self._pending.get(worker_id)
+        rank = self._rank.get(worker_id, held[0].dp_rank if held else None)
         self.counts["replay_requests"] += 1
         dump: list[DecodedBatch] = []
         dump_seq: int | None = None
@@ -248,6 +302,7 @@ class EventSync:
                         dump.append(decode(m.payload))
                         dump_seq = m.seq
                     else:
+                        self._rank[worker_id] = rank  # the seq space the agent just filled
                         for seq, payload in batches:
                             ingest.apply(worker_id, seq, payload, dp_rank=rank, epoch=m.epoch)
                         if m.dump:

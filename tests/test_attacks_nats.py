@@ -8,6 +8,7 @@ client and the index see now.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -17,6 +18,7 @@ import orjson
 import pytest
 from router_double import EngineDouble, Served, until
 
+from index.codec import AllBlocksCleared, BlockStored, EventBatch, encode
 from policies.base import MAX_ENGINE_COUNT, RouteRequest, WorkerView
 from policies.registry import POLICY_NAMES, make_policy
 from router.app import RouterApp
@@ -270,3 +272,143 @@ async def test_worker_ids_and_urls_are_validated(nats_url, make_stack) -> None:
     for url in BAD_URLS[:2]:
         with pytest.raises(ConfigError, match="url"):
             load_config(env={"CACHE_ROUTER_WORKERS": f"w0={url}"})
+
+
+# -- forged KV-event headers -------------------------------------------------------------
+
+
+async def forge(
+    nc: Any, worker: str, seq: int, events: list[Any], epoch: str | None, rank: int | None = None
+) -> None:
+    headers = {"Kv-Seq": str(seq)}
+    if epoch is not None:
+        headers["Kv-Epoch"] = epoch
+    if rank is not None:
+        headers["Kv-Dp-Rank"] = str(rank)
+    payload = encode(EventBatch(time.time(), events, None))
+    await nc.publish(f"kv.events.{worker}", payload, headers=headers)
+
+
+async def healed(stack: Stack, engine: EngineDouble, tokens: list[int], timeout: float) -> float:
+    """Seconds until a new real batch is applied and the worker is in sync and exact."""
+    t0 = time.monotonic()
+    await engine.admit(tokens)
+    pool = stack.state.registry.get(engine.worker_id).pool
+
+    def exact() -> bool:
+        ingest = pool.ingest
+        return (
+            stack.state.in_sync(engine.worker_id, pool)
+            and set(ingest.engine_blocks(engine.worker_id)) == set(engine.cache)
+            and not stack.state.events._resync
+        )
+
+    await until(exact, timeout=timeout, what="the worker in sync and exact again")
+    return time.monotonic() - t0
+
+
+async def test_forged_dp_ranks_do_not_hold_a_worker_out_of_sync(nats_url, make_stack) -> None:
+    """2000 empty batches with new Kv-Dp-Rank values left a worker out of sync 40 s+."""
+    stack = await make_stack(nats_url, n=1)
+    engine = stack.engines[0]
+    await engine.admit(list(range(40)))
+    await until(lambda: index_equals_engine(stack), what="first batch")
+    nc = await nats.connect(nats_url)
+    try:
+        for i in range(2000):
+            await forge(nc, "w0", 5 + i % 7, [], engine.epoch, rank=1 + i)
+        await nc.flush()
+        took = await healed(stack, engine, list(range(100, 140)), timeout=10)
+    finally:
+        await nc.close()
+    ingest = stack.state.registry.get("w0").pool.ingest
+    assert len(ingest.last_seqs("w0")) <= ingest.max_ranks
+    assert took < 10
+
+
+async def test_forged_far_ahead_seqs_cost_one_dump_not_minutes(nats_url, make_stack) -> None:
+    """20 batches with Kv-Seq 10^9+i set off a replay and a dump every 5-12 s for minutes."""
+    stack = await make_stack(nats_url, n=1)
+    engine = stack.engines[0]
+    await engine.admit(list(range(40)))
+    await until(lambda: index_equals_engine(stack), what="first batch")
+    nc = await nats.connect(nats_url)
+    try:
+        for i in range(20):
+            await forge(nc, "w0", 10**9 + i, [AllBlocksCleared()], engine.epoch)
+        await nc.flush()
+        await healed(stack, engine, list(range(200, 240)), timeout=10)
+    finally:
+        await nc.close()
+    counts = stack.state.events.counts
+    assert counts["replay_requests"] <= 6, dict(counts)
+    assert stack.state.registry.get("w0").pool.ingest.errors["seq_jump"] >= 1
+
+
+async def test_a_forged_new_epoch_cannot_wipe_a_worker(nats_url, make_stack) -> None:
+    """One batch with Kv-Seq 0, a new Kv-Epoch and AllBlocksCleared wiped a worker's
+    blocks until its next real batch; now the agent is asked first and says no."""
+    stack = await make_stack(nats_url, n=1)
+    engine = stack.engines[0]
+    await engine.admit(list(range(40)))
+    await until(lambda: index_equals_engine(stack), what="first batch")
+    held = set(engine.cache)
+    nc = await nats.connect(nats_url)
+    try:
+        await forge(nc, "w0", 0, [AllBlocksCleared()], "forged-epoch")
+        await forge(nc, "w0", 1, [AllBlocksCleared()], None)  # no epoch at all
+        await nc.flush()
+        counts = stack.state.events.counts
+        await until(lambda: counts["epoch_unconfirmed"] >= 1, what="forgery seen")
+        await until(lambda: not stack.state.events._resync, what="agent asked")
+    finally:
+        await nc.close()
+    ingest = stack.state.registry.get("w0").pool.ingest
+    assert set(ingest.engine_blocks("w0")) == held and ingest.restarts == 0
+    assert ingest.epoch("w0") == engine.epoch
+    await healed(stack, engine, list(range(300, 340)), timeout=10)
+
+
+async def test_a_real_engine_restart_still_clears_the_worker(nats_url, make_stack) -> None:
+    stack = await make_stack(nats_url, n=1)
+    engine = stack.engines[0]
+    await engine.admit(list(range(40)))
+    await until(lambda: index_equals_engine(stack), what="first batch")
+    engine.cache.clear()  # the engine restarts empty: a new epoch, seq from 0
+    engine.parent.clear()
+    engine.ring.clear()
+    engine.seq = -1
+    engine.epoch = "w0-epoch-2"
+    await engine.admit(list(range(500, 520)))
+    await until(lambda: index_equals_engine(stack), what="the new life only")
+    ingest = stack.state.registry.get("w0").pool.ingest
+    assert ingest.epoch("w0") == "w0-epoch-2" and ingest.restarts >= 1
+
+
+async def test_one_worker_cannot_evict_the_others_blocks(nats_url, make_stack) -> None:
+    """60K forged blocks for one worker pushed every real worker's blocks out of a
+    bounded index; now each worker gets an even share of the bound."""
+    stack = await make_stack(nats_url, n=3, max_index_blocks=600)
+    w0, w1 = stack.engines[:2]
+    prompts = {w0: list(range(160)), w1: list(range(1000, 1160))}  # 40 blocks each
+    for engine, tokens in prompts.items():
+        await engine.admit(tokens)
+    pool = stack.state.registry.get("w0").pool
+    nc = await nats.connect(nats_url)
+    try:
+        parent = None
+        for seq in range(60):  # 6000 blocks claimed for w2, chained
+            hashes = [10_000_000 + seq * 100 + j for j in range(100)]
+            tokens = [(seq * 100 + j) % 50_000 for j in range(400)]
+            event = BlockStored(hashes, parent, tokens, 4, medium="GPU")
+            await forge(nc, "w2", seq, [event], "forged")
+            parent = hashes[-1]
+        await nc.flush()
+        await until(lambda: pool.ingest.errors["worker_quota"] > 0, what="quota hit")
+        await until(lambda: pool.ingest.last_seq("w2") == 59, what="all forged batches seen")
+    finally:
+        await nc.close()
+    for engine, tokens in prompts.items():
+        depth = pool.index.match(pool.hasher.hash_tokens(tokens)).get(engine.worker_id, 0)
+        assert depth == 40, (engine.worker_id, depth)
+    assert len(pool.ingest.engine_blocks("w2")) <= 600 // 3
