@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
+from router_double import until
 
 from index.codec import BlockRemoved, BlockStored, decode
 from index.hashing import BlockHasher
@@ -275,10 +276,7 @@ async def test_prefetch_lands_in_the_host_tier_and_is_hit() -> None:
             hint = {"block_hashes": hashes, "num_tokens": len(hashes) * BS, "token_ids": tokens}
             r = await http.post(target.url + "/prefetch", json=hint)
             assert r.status_code == 202 and r.json()["blocks"] == len(hashes)
-            for _ in range(500):
-                if target.cache.host_hashes() >= set(hashes):
-                    break
-                await asyncio.sleep(0.01)
+            await until(lambda: target.cache.host_hashes() >= set(hashes), what="prefetch landed")
             body = {"prompt": prompt, "max_tokens": 1}
             hit = (await http.post(target.url + "/v1/completions", json=body)).json()
         events = [e for _, p in await tap.drain() for e in decode(p).events]

@@ -5,11 +5,9 @@ The tokenizer is trained in-process on a few sentences (nothing is downloaded).
 
 from __future__ import annotations
 
-import asyncio
-
 import orjson
 import pytest
-from router_double import EngineDouble, Served
+from router_double import EngineDouble, Served, until
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from index.hashing import BlockHasher
@@ -161,10 +159,7 @@ async def test_router_and_engine_with_the_same_tokenizer_agree_on_blocks(tok_dir
             r = await http.post("/v1/chat/completions", json=body)
             assert r.status_code == 200
             ingest = app.state.registry.pools["default"].ingest
-            for _ in range(200):
-                if ingest.last_seq("w0") == engine.seq:
-                    break
-                await asyncio.sleep(0.02)
+            await until(lambda: ingest.last_seq("w0") == engine.seq, what="events applied")
             r = await http.post("/admin/explain", json=body, headers={"authorization": "Bearer t"})
             out = r.json()
         ids, _ = tok.chat(body)
