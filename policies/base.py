@@ -50,6 +50,34 @@ class WorkerView:
     healthy: bool = True
     in_sync: bool = True  # False while the index may be stale for this worker
 
+    @classmethod
+    def of(
+        cls,
+        worker_id: str,
+        match: TierMatch,
+        *,
+        in_sync: bool,
+        inflight_requests: int,
+        inflight_prefill_tokens: int,
+        decode_streams: int,
+        engine_running: int | None,
+        engine_waiting: int | None,
+        kv_usage: float | None,
+    ) -> WorkerView:
+        """The view the router and the simulator both build: a worker whose events are out
+        of sync shows no match, since its index rows may name blocks it no longer holds."""
+        return cls(
+            worker_id=worker_id,
+            match=match if in_sync else NO_MATCH,
+            inflight_requests=inflight_requests,
+            inflight_prefill_tokens=inflight_prefill_tokens,
+            decode_streams=decode_streams,
+            engine_running=engine_running,
+            engine_waiting=engine_waiting,
+            kv_usage=kv_usage,
+            in_sync=in_sync,
+        )
+
 
 @dataclass(slots=True)
 class PrefetchHint:

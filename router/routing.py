@@ -219,17 +219,16 @@ class Router:
             load = w.load
             engine = load.engine_fresh(stale, now)
             views.append(
-                WorkerView(
-                    worker_id=w.id,
-                    match=matches.get(w.id, NO_MATCH) if in_sync else NO_MATCH,
+                WorkerView.of(
+                    w.id,
+                    matches.get(w.id, NO_MATCH),
+                    in_sync=in_sync,
                     inflight_requests=load.inflight_requests,
                     inflight_prefill_tokens=load.inflight_prefill_tokens,
                     decode_streams=load.decode_streams,
                     engine_running=engine.running if engine else None,
                     engine_waiting=engine.waiting if engine else None,
                     kv_usage=engine.kv_usage if engine else None,
-                    healthy=True,
-                    in_sync=in_sync,
                 )
             )
         return views

@@ -142,16 +142,16 @@ class Simulation:
         for i, wid in enumerate(self.ids):
             running, waiting, usage = self.reported[i]
             views.append(
-                WorkerView(
-                    worker_id=wid,
-                    match=matches.get(wid, NO_MATCH),
+                WorkerView.of(
+                    wid,
+                    matches.get(wid, NO_MATCH),
+                    in_sync=in_sync(wid),
                     inflight_requests=self.inflight[i],
                     inflight_prefill_tokens=self.inflight_prefill[i],
                     decode_streams=self.decode_streams[i],
                     engine_running=running,
                     engine_waiting=waiting,
                     kv_usage=usage,
-                    in_sync=in_sync(wid),
                 )
             )
         return views
