@@ -23,18 +23,44 @@ _TWO64 = float(2**64)
 
 @dataclass(frozen=True, slots=True)
 class Arm:
-    """One arm: ``policy_name`` built with ``params``, chosen with relative ``weight``."""
+    """One arm: ``policy`` built with ``params``, chosen with relative ``weight``."""
 
     name: str
-    policy_name: str
+    policy: str
     params: Mapping[str, Any] = field(default_factory=dict)
     weight: float = 1.0
 
 
+_ARM_KEYS = frozenset({"name", "policy", "weight", "params"})
+
+
+def parse_arm(raw: object, where: str) -> Arm:
+    """An arm from a plain table ``{"name", "policy", "weight" (1.0), "params" ({})}``, as
+    the router's TOML ``[[arms]]`` and ``Experiment.from_config`` give it; ValueError
+    naming ``where`` and the key otherwise."""
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{where}: expected a table/dict, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - _ARM_KEYS)
+    missing = sorted({"name", "policy"} - {k for k in raw if raw[k]})
+    if unknown or missing:
+        raise ValueError(
+            f"{where}: an arm needs name and policy: unknown key(s) {unknown}, missing "
+            f"key(s) {missing}; expected name, policy, weight, params"
+        )
+    params = raw.get("params") or {}
+    if not isinstance(params, Mapping):
+        raise ValueError(f"{where} {raw['name']!r}: params must be a table/dict")
+    try:
+        weight = float(raw.get("weight", 1.0))
+    except (TypeError, ValueError):
+        raise ValueError(f"{where} {raw['name']!r}: weight must be a number") from None
+    if not weight > 0:
+        raise ValueError(f"{where} {raw['name']!r}: weight must be > 0, got {weight}")
+    return Arm(str(raw["name"]), str(raw["policy"]), dict(params), weight)
+
+
 class Experiment:
     """Assigns requests to arms and owns one policy instance per arm."""
-
-    _CONFIG_KEYS = frozenset({"name", "policy", "weight", "params"})
 
     def __init__(
         self, arms: Sequence[Arm], rng: random.Random | None = None, *, salt: str = ""
@@ -60,7 +86,7 @@ class Experiment:
         self._bounds[-1] = 1.0  # float sums must not leave a gap at the top
         # built now, so a bad policy name or parameter fails at config load, not mid-traffic
         self._policies: dict[str, Policy] = {
-            a.name: make_policy(a.policy_name, random.Random(self.rng.getrandbits(64)), **a.params)
+            a.name: make_policy(a.policy, random.Random(self.rng.getrandbits(64)), **a.params)
             for a in arms
         }
 
@@ -72,27 +98,8 @@ class Experiment:
         *,
         salt: str = "",
     ) -> Experiment:
-        """Arms from plain dicts: ``{"name", "policy", "weight" (1.0), "params" ({})}``."""
-        parsed = []
-        for i, raw in enumerate(arms):
-            if not isinstance(raw, Mapping):
-                raise ValueError(f"arm #{i}: expected a table/dict, got {type(raw).__name__}")
-            unknown = sorted(set(raw) - cls._CONFIG_KEYS)
-            missing = sorted({"name", "policy"} - set(raw))
-            if unknown or missing:
-                raise ValueError(
-                    f"arm #{i}: unknown key(s) {unknown}, missing key(s) {missing}; "
-                    f"expected name, policy, weight, params"
-                )
-            params = raw.get("params") or {}
-            if not isinstance(params, Mapping):
-                raise ValueError(f"arm {raw['name']!r}: params must be a table/dict")
-            try:
-                weight = float(raw.get("weight", 1.0))
-            except (TypeError, ValueError):
-                raise ValueError(f"arm {raw['name']!r}: weight must be a number") from None
-            parsed.append(Arm(str(raw["name"]), str(raw["policy"]), dict(params), weight))
-        return cls(parsed, rng, salt=salt)
+        """Arms from plain dicts (see ``parse_arm``)."""
+        return cls([parse_arm(raw, f"arm #{i}") for i, raw in enumerate(arms)], rng, salt=salt)
 
     def assign(self, session_key: str | None) -> Arm:
         """The arm for a request: fixed per session key, weighted random without one."""

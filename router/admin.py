@@ -188,7 +188,7 @@ def admin_router(state: RouterState) -> APIRouter:
         arms = [
             {
                 "name": a.name,
-                "policy": a.policy_name,
+                "policy": a.policy,
                 "weight": a.weight,
                 "params": dict(a.params),
                 "metrics": live.get(a.name, {}),

@@ -54,9 +54,7 @@ log = logging.getLogger(__name__)
 
 def make_experiment(cfg: RouterConfig) -> Experiment:
     """The configured A/B arms, or one arm named after the policy."""
-    arms = [Arm(a.name, a.policy, a.params, a.weight) for a in cfg.arms] or [
-        Arm(cfg.policy, cfg.policy, cfg.policy_params)
-    ]
+    arms = list(cfg.arms) or [Arm(cfg.policy, cfg.policy, cfg.policy_params)]
     return Experiment(arms, salt=cfg.experiment)
 
 

@@ -43,6 +43,7 @@ from typing import Any, Literal, NamedTuple
 from urllib.parse import parse_qsl, urlsplit
 
 from index.wire import DEFAULT_PREFIX
+from policies.experiments import Arm, parse_arm
 
 ENV_PREFIX = "CACHE_ROUTER_"
 DEFAULT_POOL = "default"
@@ -94,14 +95,6 @@ class ModelSpec:
     # A LoRA adapter of this base model (vLLM --lora-modules NAME=PATH; SGLang --lora-paths):
     # served where the base is, hashed under the adapter's name, the base's tokenizer.
     base: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ArmSpec:
-    name: str
-    policy: str
-    weight: float = 1.0
-    params: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +162,7 @@ class RouterConfig:
     workers: list[WorkerSpec] = field(default_factory=list)
     discovery: list[DiscoverySpec] = field(default_factory=list)  # DNS names of engines
     models: dict[str, ModelSpec] = field(default_factory=dict)
-    arms: list[ArmSpec] = field(default_factory=list)
+    arms: list[Arm] = field(default_factory=list)  # A/B arms; empty: one, ``policy``
 
     def tokenizer_for(self, model: str) -> str | None:
         spec = self.models.get(model)
@@ -394,16 +387,11 @@ def _from_toml(data: Mapping[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
-def _arm_spec(raw: Any, where: str) -> ArmSpec:
-    if not isinstance(raw, Mapping) or not raw.get("name") or not raw.get("policy"):
-        raise ConfigError(f"{where}: an arm needs name and policy")
-    weight = raw.get("weight", 1.0)
-    if not isinstance(weight, int | float) or weight <= 0:
-        raise ConfigError(f"{where}: weight must be a positive number")
-    params = raw.get("params", {})
-    if not isinstance(params, Mapping):
-        raise ConfigError(f"{where}: params must be a table")
-    return ArmSpec(str(raw["name"]), str(raw["policy"]), float(weight), dict(params))
+def _arm_spec(raw: Any, where: str) -> Arm:
+    try:
+        return parse_arm(raw, where)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def load_config(

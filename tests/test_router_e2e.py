@@ -18,8 +18,9 @@ import orjson
 import pytest
 from router_double import EngineDouble, Served, until
 
+from policies.experiments import Arm
 from router.app import RouterApp
-from router.config import ArmSpec, RouterConfig, WorkerSpec
+from router.config import RouterConfig, WorkerSpec
 
 TOKEN = "s3cret"
 SYSTEM = "You are a careful assistant. " * 8  # shared by every conversation
@@ -428,7 +429,7 @@ async def test_explain_scores_every_worker_without_sending(make_stack):
 
 
 async def test_ab_arms_are_sticky_per_session_and_labelled(make_stack):
-    arms = [ArmSpec("rr", "round_robin", 1.0), ArmSpec("ll", "least_load", 1.0)]
+    arms = [Arm("rr", "round_robin"), Arm("ll", "least_load")]
     stack = await make_stack(2, arms=arms, experiment="exp1")
     experiment = stack.state.experiment
     sessions = [f"user-{i}" for i in range(12)]
