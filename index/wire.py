@@ -78,6 +78,14 @@ class Subjects:
     def all_routes(self) -> str:
         return f"{self.prefix}.route.*"
 
+    def responses(self, replica: str) -> str:
+        """Response ids and the worker that stored each (``router.affinity``)."""
+        return f"{self.prefix}.responses.{replica}"
+
+    @property
+    def all_responses(self) -> str:
+        return f"{self.prefix}.responses.*"
+
 
 class LoadReport(TypedDict):
     """``<prefix>.load.<worker>``: the engine's gauges; the router bounds each."""

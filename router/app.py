@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException
 from index.capacity import Sampling
 from policies.experiments import Arm, Experiment
 from router.admin import admin_router
+from router.affinity import ResponseAffinity
 from router.asgi import Receive, Scope, Send
 from router.auth import bearer_ok
 from router.bus import Bus, nats_options
@@ -40,9 +41,11 @@ from router.gateway import GatewayRouter
 from router.hints import HintPublisher
 from router.metrics import RouterMetrics, StateCollector
 from router.openapi import completion_paths
+from router.passthrough import PATHS as PASSTHROUGH_PATHS
+from router.passthrough import RESPONSES, Passthrough, ResponseLookup
 from router.pools import Pool
 from router.proxy import Proxy, send_error
-from router.replicas import ReplicaShare
+from router.replicas import ReplicaShare, default_replica_id
 from router.routing import Router
 from router.tokenize import TokenizerSet
 from router.tracing import Tracing
@@ -99,6 +102,11 @@ class RouterState:
             blind=self.feed.blind if self.feed is not None else None,
             on_predict=self.replicas.mark if self.replicas is not None else None,
         )
+        self.affinity = ResponseAffinity()
+        self.router.affinity = self.affinity
+        if self.bus is not None:
+            replica = self.replicas.id if self.replicas else cfg.replica_id or default_replica_id()
+            self.affinity.share(self.bus, cfg.subject_prefix, replica, cfg.share_interval)
         self.hints = HintPublisher(self.bus, cfg.subject_prefix)
         self.metrics = RouterMetrics()
         self.metrics.add_collector(StateCollector(self.registry, self.counts))
@@ -128,6 +136,7 @@ class RouterState:
             if self.replicas is not None:
                 self.bus.on_connect(self.replicas.attach)
                 self.bus.on_reconnect(self.replicas.on_reconnect)
+            self.bus.on_connect(self.affinity.attach)
             self.bus.start()
         # requests waiting on an engine that hangs (SIGSTOP, a wedged process) fail now
         stall = self.cfg.stall_after
@@ -152,7 +161,8 @@ class RouterState:
 
     def counts(self) -> dict[str, int]:
         """Event, stream and replica counters, for metrics."""
-        peers = self.replicas.counts if self.replicas is not None else {}
+        peers = {**(self.replicas.counts if self.replicas is not None else {}),
+                 **self.affinity.counts}  # fmt: skip
         return {**self.events.counts, **peers}
 
     def warn_fallbacks(self) -> None:
@@ -175,6 +185,7 @@ class RouterState:
         await self.registry.close()
         if self.replicas is not None:
             await self.replicas.close()
+        await self.affinity.close()
         if self.feed is not None:
             await self.feed.close()
         await self.events.close()
@@ -266,7 +277,10 @@ class RouterApp:
         self.hot = {
             "/v1/chat/completions": Proxy(self.state, "chat", "/v1/chat/completions"),
             "/v1/completions": Proxy(self.state, "completion", "/v1/completions"),
+            "/v1/responses": Proxy(self.state, "responses", "/v1/responses"),
+            **{path: Passthrough(self.state, path) for path in PASSTHROUGH_PATHS},
         }
+        self.lookup = ResponseLookup(self.state)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -280,6 +294,9 @@ class RouterApp:
                 if handler is not None:
                     await handler(scope, receive, send)
                     return
+            if scope["path"].startswith(RESPONSES):
+                await self.lookup(scope, receive, send)
+                return
         await self.api(scope, receive, send)
 
 

@@ -27,7 +27,8 @@ ErrorCode = Literal[
     # the engines
     "no_healthy_worker", "upstream_unreachable", "upstream_timeout", "upstream_error",
     "upstream_broken", "engine_error", "kv_cache_too_small", "unresolved_blocks",
-    "not_found",  # the mock engine's Responses API: no such stored response
+    # the Responses API: a stored response lives in one engine
+    "response_not_found", "previous_response_not_found", "previous_response_unavailable",
     # the router itself
     "internal_error",
 ]  # fmt: skip

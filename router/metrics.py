@@ -72,6 +72,13 @@ class RouterMetrics:
         self.retries = Counter(
             "cache_router_retries", "Sends retried on another worker", ["worker"], registry=r
         )
+        self.passthrough = Counter(
+            "cache_router_passthrough_requests",
+            "Requests sent on without a cache-aware decision (embeddings, score, rerank, "
+            "tokenize, stored responses), by endpoint",
+            ["endpoint", "worker"],
+            registry=r,
+        )
         self.prefetch_hints = Counter(
             "cache_router_prefetch_hints", "Prefetch hints published", aw, registry=r
         )

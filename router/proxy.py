@@ -18,6 +18,7 @@ import asyncio
 import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ from router.upstream import ConnectFailed, Response, UpstreamError, UpstreamTime
 
 if TYPE_CHECKING:
     from router.app import RouterState
+    from router.workers import Worker
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ _RESP_DROP = frozenset(
     (b"connection", b"keep-alive", b"transfer-encoding", b"date", b"server", b"trailer")
 )
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+HEAD_BYTES = 8192  # of a Responses answer kept to find its id (the first event holds it)
 _JSON = [(b"content-type", b"application/json")]
 
 
@@ -199,19 +202,7 @@ class Proxy:
         trace = None if tracing is None else tracing.begin("POST", self.path, scope["headers"])
         error: str | None = None
         try:
-            raw = await read_body(scope, receive, st.cfg.max_body_bytes, st.cfg.body_timeout)
-            wanted: dict[str, str] = {}
-            for key, value in scope["headers"]:
-                if key in (b"x-session-id", b"x-request-id"):
-                    wanted[key.decode()] = value.decode("latin-1")
-            t0 = 0 if trace is None else now_ns()
-            parsed = st.router.parse(self.kind, raw, wanted)
-            st.edge.check_sampling(parsed.body)
-            if trace is not None:
-                trace.span("parse", t0, now_ns(), {"gen_ai.request.model": parsed.model})
-            prep = await st.router.prepare(parsed, len(raw), trace)
-            ex.watch(receive)
-            await self._forward(scope, raw, prep, ex, trace)
+            await self._handle(scope, receive, ex, trace)
         except ClientGone:
             error = "client gone"
             return
@@ -241,6 +232,25 @@ class Proxy:
             ex.stop()
             if trace is not None:
                 trace.end(error)
+
+    async def _handle(
+        self, scope: Scope, receive: Receive, ex: Exchange, trace: Trace | None
+    ) -> None:
+        """Read, decide, forward; errors are answered by ``__call__``."""
+        st = self.state
+        raw = await read_body(scope, receive, st.cfg.max_body_bytes, st.cfg.body_timeout)
+        wanted: dict[str, str] = {}
+        for key, value in scope["headers"]:
+            if key in (b"x-session-id", b"x-request-id"):
+                wanted[key.decode()] = value.decode("latin-1")
+        t0 = 0 if trace is None else now_ns()
+        parsed = st.router.parse(self.kind, raw, wanted)
+        st.edge.check_sampling(parsed.body)
+        if trace is not None:
+            trace.span("parse", t0, now_ns(), {"gen_ai.request.model": parsed.model})
+        prep = await st.router.prepare(parsed, len(raw), trace)
+        ex.watch(receive)
+        await self._forward(scope, raw, prep, ex, trace)
 
     async def _forward(
         self, scope: Scope, raw: bytes, prep: Prepared, ex: Exchange, trace: Trace | None
@@ -286,16 +296,7 @@ class Proxy:
             if trace is not None:
                 trace.end_upstream(failure.reason)
             flight.finish()
-            st.registry.request_failed(worker, failure.reason)
-            if failure.suspect:
-                st.registry.suspect(worker)
-            st.metrics.error(arm, worker.id, failure.kind)
-            if failure.retry:
-                exclude.add(worker.id)
-            if not failure.retry or len(exclude) > st.cfg.connect_retries:
-                message = failure.message if failure.message is not None else str(error)
-                raise ApiError(failure.status, message, failure.code) from error
-            st.metrics.retries.labels(worker.id).inc()
+            self._failed(worker, failure, error, arm, exclude)
         if trace is not None:
             t_head = now_ns()
             trace.upstream_step("upstream connect", t_send, resp.written_ns)
@@ -321,7 +322,10 @@ class Proxy:
                     req.model, req.block_size, worker.id, req.block_hashes, req.num_tokens,
                     prefetched,
                 )  # fmt: skip
-            await self._stream(ex, resp, worker.id, flight, series, arm, hit)
+            remember = None
+            if self.kind == "responses" and prep.parsed.body.get("store") is not False:
+                remember = st.affinity.remembers(worker.id)
+            await self._stream(ex, resp, worker.id, flight, series, arm, hit, remember)
         finally:
             resp.close()
             flight.finish()
@@ -330,16 +334,41 @@ class Proxy:
                 trace.end_upstream(None if resp.complete else "stream cut", resp.status)
             st.experiment.policy_for(arm).on_finish(req, worker.id)
 
+    def _failed(
+        self,
+        worker: Worker,
+        failure: Failure,
+        error: UpstreamError | None,
+        arm: str,
+        exclude: set[str],
+    ) -> None:
+        """Count a send that failed; raise the client's error unless another worker may
+        take the request (then ``worker`` is in ``exclude``)."""
+        st = self.state
+        st.registry.request_failed(worker, failure.reason)
+        if failure.suspect:
+            st.registry.suspect(worker)
+        st.metrics.error(arm, worker.id, failure.kind)
+        if failure.retry:
+            exclude.add(worker.id)
+        if not failure.retry or len(exclude) > st.cfg.connect_retries:
+            message = failure.message if failure.message is not None else str(error)
+            raise ApiError(failure.status, message, failure.code) from error
+        st.metrics.retries.labels(worker.id).inc()
+
     async def _stream(
         self,
         ex: Exchange,
         resp: Response,
         worker_id: str,
         flight: Flight,
-        series: Series,
+        series: Series | None,
         arm: str,
         hit: int,
+        remember: Callable[[bytes], None] | None = None,
     ) -> None:
+        """Send the engine's answer on; ``remember`` gets the body's first bytes (a
+        response id is in them) once the answer is complete."""
         st = self.state
         send = ex.send
         worker = st.registry.get(worker_id)
@@ -360,11 +389,15 @@ class Proxy:
         sse = (resp.header(b"content-type") or b"").startswith(b"text/event-stream")
         cached = None
         tail = b""
+        head = b""
         try:
             async for chunk in resp.chunks(st.cfg.request_timeout):
                 if flight.state is WAITING:
-                    series.ttft.observe(time.perf_counter() - ex.t0)
+                    if series is not None:
+                        series.ttft.observe(time.perf_counter() - ex.t0)
                     flight.first_byte()
+                if remember is not None and len(head) < HEAD_BYTES:
+                    head += chunk
                 window = tail + chunk  # '"cached_tokens": 12' may be cut between chunks
                 if b"cached_tokens" in window:
                     found = _CACHED.findall(window)
@@ -389,5 +422,7 @@ class Proxy:
         if not ex.done:
             ex.done = True
             await send({"type": "http.response.body", "body": b""})
-        if cached is not None:
+        if cached is not None and series is not None:
             series.hit_tokens.inc(cached)
+        if remember is not None and status < 400:
+            remember(head)

@@ -22,16 +22,18 @@ import orjson
 from index.hashing import cacheable_blocks, request_block_hashes
 from policies.base import NO_MATCH, Decision, NoWorkerError, RouteRequest, WorkerView
 from policies.experiments import Experiment
+from router.affinity import ResponseAffinity
 from router.config import RouterConfig
 from router.errors import ApiError
 from router.pools import Pool
+from router.responses import as_messages, check_responses
 from router.tokenize import TokenizerSet, num_tokens
 from router.workers import Worker, WorkerRegistry
 
 if TYPE_CHECKING:
     from router.tracing import Trace
 
-Kind = Literal["chat", "completion"]
+Kind = Literal["chat", "completion", "responses"]
 
 
 @dataclass(slots=True)
@@ -53,6 +55,7 @@ class Prepared:
     workers: list[Worker]
     request: RouteRequest
     arm: str
+    pinned: str | None = None  # the worker holding ``previous_response_id`` (Responses API)
 
 
 def _bad(message: str, param: str | None = None, code: str = "invalid_request") -> ApiError:
@@ -82,6 +85,7 @@ class Router:
         self.blind = blind
         # who else hears of predict-on-route marks (peer replicas; None: no peers)
         self.on_predict = on_predict
+        self.affinity: ResponseAffinity | None = None  # response id -> worker (Responses API)
         self._ids = itertools.count()
         self._id_prefix = f"cr-{os.getpid():x}-{os.urandom(3).hex()}-"
 
@@ -106,6 +110,8 @@ class Router:
             for i, m in enumerate(messages):
                 if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                     raise _bad(f"messages[{i}] must be an object with a string role", "messages")
+        elif kind == "responses":
+            check_responses(body)
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str | list) or (isinstance(prompt, list) and not prompt):
@@ -154,7 +160,11 @@ class Router:
             session_key=parsed.session_key,
             max_tokens=max_tokens(parsed.body),
         )
-        return self.prepared(parsed, workers, request)
+        prep = self.prepared(parsed, workers, request)
+        previous = parsed.body.get("previous_response_id") if parsed.kind == "responses" else None
+        if previous is not None and self.affinity is not None:
+            prep.pinned = self.affinity.lookup(previous)
+        return prep
 
     def workers_for(self, model: str) -> list[Worker]:
         """The workers serving ``model``; ``ApiError`` 404 (OpenAI's wording) when none."""
@@ -174,6 +184,8 @@ class Router:
         tok = self.tokenizers.get(parsed.model)
         if parsed.kind == "chat":
             ids, _ = tok.chat(body)
+        elif parsed.kind == "responses":
+            ids, _ = tok.chat({"messages": as_messages(body)})
         else:
             ids, _ = tok.completion(body["prompt"], bool(body.get("add_special_tokens", True)))
         hashable: int | None = None
@@ -242,6 +254,8 @@ class Router:
         """The policy's decision among usable workers; ``ApiError`` 503 when there is none."""
         t0 = time.time_ns() if trace is not None else 0
         views = self.views(prep, exclude)
+        if prep.pinned is not None:
+            return self._pinned(prep, prep.pinned, exclude), views
         if trace is not None:
             t1 = time.time_ns()
             trace.span("match", t0, t1, {"cache_router.candidates": len(views)})
@@ -258,6 +272,30 @@ class Router:
                       "cache_router.reason": decision.reason}  # fmt: skip
             trace.span("decide", t1, time.time_ns(), chosen)
         return decision, views
+
+    def _pinned(
+        self, prep: Prepared, worker_id: str, exclude: frozenset[str] | set[str]
+    ) -> Decision:
+        """The engine that stored ``previous_response_id``: no other one can answer."""
+        rid = prep.parsed.body.get("previous_response_id")
+        worker = self.registry.get(worker_id)
+        if worker is None:
+            raise ApiError(
+                404,
+                f"Previous response with id '{rid}' was stored by engine {worker_id}, "
+                "which has left the pool: start the conversation again without it.",
+                "previous_response_not_found",
+                "previous_response_id",
+            )
+        if worker_id in exclude or not worker.usable(time.monotonic()):
+            raise ApiError(
+                503,
+                f"Previous response with id '{rid}' is stored by engine {worker_id}, "
+                "which is not reachable now; retry later.",
+                "previous_response_unavailable",
+                "previous_response_id",
+            )
+        return Decision(worker_id=worker_id, reason="response affinity")
 
     def predict(self, prep: Prepared, worker_id: str) -> None:
         """Predict-on-route: count the prompt's blocks as cached on ``worker_id`` for

@@ -299,17 +299,19 @@ class Upstream:
         headers: list[tuple[bytes, bytes]],
         body: bytes,
         timeout: float,
+        method: bytes = b"POST",
     ) -> Response:
-        """POST ``body`` and wait for the response headers (not the body)."""
+        """Send ``body`` (a POST unless ``method`` says otherwise) and wait for the
+        response headers (not the body)."""
         origin = self.origin(base_url)
         conn = self._reuse(origin)
         if conn is not None:
             try:
-                return await self._exchange(conn, path, headers, body, timeout)
+                return await self._exchange(conn, path, headers, body, timeout, method)
             except _Unread:
                 pass  # the engine closed it unread: nothing ran, a new connection may
         conn = await self._connect(origin)
-        return await self._exchange(conn, path, headers, body, timeout)
+        return await self._exchange(conn, path, headers, body, timeout, method)
 
     def _reuse(self, origin: Origin) -> _Connection | None:
         conn = None
@@ -337,12 +339,13 @@ class Upstream:
         headers: list[tuple[bytes, bytes]],
         body: bytes,
         timeout: float,
+        method: bytes,
     ) -> Response:
         origin = conn.origin
         resp = conn.response = Response(conn)
         conn.got_bytes = False
         origin.busy.add(conn)
-        head = [b"POST ", path.encode(), b" HTTP/1.1\r\nhost: ", origin.host_header]
+        head = [method, b" ", path.encode(), b" HTTP/1.1\r\nhost: ", origin.host_header]
         head.append(b"\r\ncontent-length: %d\r\n" % len(body))
         for key, value in headers:
             head += (key, b": ", value, b"\r\n")

@@ -329,7 +329,11 @@ class MockEngine:
     def _pooled(self, handler: Any) -> Any:
         async def endpoint(request: Request) -> Response:
             self.traceparents.append(request.headers.get("traceparent"))
-            return JSONResponse(handler(await _json(request)))
+            body = await _json(request)
+            try:
+                return JSONResponse(handler(body))
+            except (TypeError, ValueError, KeyError, IndexError) as exc:  # vLLM answers 400
+                raise ApiError(400, f"invalid request: {exc}", "invalid_value") from exc
 
         return endpoint
 

@@ -55,7 +55,7 @@ class ResponseStore:
 
 
 def not_found(rid: str) -> ApiError:
-    return ApiError(404, f"Response with id '{rid}' not found.", "not_found")
+    return ApiError(404, f"Response with id '{rid}' not found.", "response_not_found")
 
 
 def _content_text(content: Any) -> str:
