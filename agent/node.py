@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from agent.core import Accepted, AgentCore, Verdict
 from agent.engine_zmq import fetch_replay, parse_live
 from agent.load import parse_load
 from agent.prefetch import PrefetchForwarder
-from index.codec import hash_from_json
+from index.codec import AllBlocksCleared, EventBatch, encode, hash_from_json
 from index.replay import ReplayMessage, ReplayRequest
 from index.wire import (
     DEFAULT_MAX_AGE,
@@ -46,6 +47,7 @@ from index.wire import (
     DEFAULT_STREAM,
     DP_RANK_HEADER,
     EPOCH_HEADER,
+    EPOCH_START_SEQ,
     SEQ_HEADER,
     Subjects,
 )
@@ -264,6 +266,7 @@ class NodeAgent:
         if restarted:
             self.counters["restarts_found_by_replay"] += 1
             self.core.restart()
+            await self._publish_epoch_start()
 
     async def _on_batch(self, seq: int, payload: bytes) -> None:
         async with self._engine_lock:
@@ -315,6 +318,14 @@ class NodeAgent:
         if not complete:
             return None
         return not batches or batches[0] != (last, self.core.ring.get(last))
+
+    async def _publish_epoch_start(self) -> None:
+        """Tell routers now that the engine restarted (its next batch may be far off): an
+        ``AllBlocksCleared`` under the new epoch, ``Kv-Seq`` ``EPOCH_START_SEQ``."""
+        core = self.core
+        payload = encode(EventBatch(time.time(), [AllBlocksCleared()], core.dp_rank))
+        await self._publish(Accepted(EPOCH_START_SEQ, payload, core.epoch, core.dp_rank))
+        self.counters["epoch_starts_published"] += 1
 
     async def _publish(self, acc: Accepted | None) -> None:
         if acc is None:

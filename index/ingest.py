@@ -31,6 +31,7 @@ from index.codec import (
 )
 from index.hashing import BlockHasher, event_extras, lora_id_root
 from index.prefix_index import PrefixIndex, Tier
+from index.wire import EPOCH_START_SEQ
 
 _TIER_OF_MEDIUM: dict[str | None, Tier] = {
     None: "gpu",
@@ -214,6 +215,8 @@ class EventIngest:
         if w is None:
             w = self._workers[worker_id] = _Worker(epoch=epoch)
         rank = dp_rank
+        if seq == EPOCH_START_SEQ and epoch is not None:
+            return self._epoch_start(worker_id, w, rank, epoch)
         last = w.last_seq.get(rank)
         if rank not in w.seen and rank not in w.last_seq and len(w.seen) >= self.max_ranks:
             self.errors["too_many_ranks"] += 1
@@ -276,6 +279,22 @@ class EventIngest:
         # Batches newer than the dump that arrived meanwhile still need a replay.
         w.in_sync = seq >= high
         return result
+
+    def _epoch_start(
+        self, worker_id: str, w: _Worker, rank: int | None, epoch: object
+    ) -> IngestResult:
+        """The agent saw the engine restart before any batch of its new life: whatever
+        the worker held is gone now, and its next batch is seq 0."""
+        if epoch == w.epoch and w.last_seq.get(rank) is not None:
+            self.duplicates += 1
+            return IngestResult(SeqStatus.DUPLICATE, expected_seq=w.last_seq[rank] + 1)
+        if w.epoch is not None and epoch != w.epoch:
+            self.restarts += 1
+        self._reset(worker_id, w)
+        w.epoch = epoch
+        w.last_seq[rank] = w.seen[rank] = EPOCH_START_SEQ
+        w.in_sync = True
+        return IngestResult(SeqStatus.RESTART, expected_seq=0)
 
     def _gap(self, w: _Worker, expected: int) -> IngestResult:
         self.gaps += 1

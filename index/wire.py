@@ -32,6 +32,10 @@ DEFAULT_PREFIX = "kv"
 SEQ_HEADER = "Kv-Seq"
 EPOCH_HEADER = "Kv-Epoch"
 DP_RANK_HEADER = "Kv-Dp-Rank"
+# ``Kv-Seq`` of the batch (one ``AllBlocksCleared``) an agent publishes the moment it finds
+# its engine restarted, before the new life sent anything: routers clear the worker
+# now instead of at the engine's next batch, which expects seq 0.
+EPOCH_START_SEQ = -1
 
 # The JetStream stream on ``<prefix>.events.>`` that lets a late router catch up.
 DEFAULT_STREAM = "KV_EVENTS"

@@ -306,6 +306,33 @@ async def test_restart_with_rising_seqs_is_found_by_the_engine_replay(
     assert sorted(side.ingest.engine_blocks("w-rise")) == list(range(2, h))
 
 
+async def test_a_restart_found_on_reconnect_clears_the_router_at_once(
+    nats_url: str, nc: NATS
+) -> None:
+    """The new engine has published nothing yet (no traffic since it came back, which
+    health checks may never have noticed): the agent still tells routers right away."""
+    first = KvEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    first.start()
+    side = await RouterSide(nc, "w-quiet").start()
+    cfg = agent_config("w-quiet", None, nats_url, zmq_endpoint=first.endpoint)
+    cfg.replay_endpoint = first.replay_endpoint
+    async with NodeAgent(cfg) as agent:
+        await until(lambda: agent._sub is not None and agent.core.last_seq is None)
+        first.publish([BlockStored([1, 2], None, list(range(2 * BS)), BS, medium="GPU")])
+        await until(lambda: set(side.ingest.engine_blocks("w-quiet")) == {1, 2}, what="stored")
+        await first.close()
+        await until(lambda: agent._suspect_restart, what="disconnect seen")
+        second = KvEventPublisher(first.endpoint, first.replay_endpoint)
+        second.start()  # a new life that publishes nothing
+        await until(lambda: not side.ingest.engine_blocks("w-quiet"), what="router cleared")
+        assert len(side.epochs) == 2 and side.ingest.in_sync("w-quiet")
+        second.publish([BlockStored([3], None, list(range(BS)), BS, medium="GPU")])
+        await until(lambda: set(side.ingest.engine_blocks("w-quiet")) == {3}, what="new life")
+        stats = agent.stats()
+        await second.close()
+    assert stats["epoch_starts_published"] == 1 and side.replays == []
+
+
 async def test_agent_started_late_catches_up_from_the_engine_replay(
     nats_url: str, nc: NATS
 ) -> None:

@@ -21,6 +21,7 @@ from index import (
     encode,
     extra_key_bytes,
 )
+from index.wire import EPOCH_START_SEQ
 
 B = 4
 
@@ -327,3 +328,22 @@ def test_new_epoch_mid_stream_clears_and_asks_for_history() -> None:
     for seq in range(3):  # the replay from 0, in the new epoch
         assert ingest.apply("w", seq, eng.log[seq], epoch="b").status is SeqStatus.OK
     assert ingest.in_sync("w") and ingest.restarts == 1
+
+
+def test_an_epoch_start_clears_the_worker_and_expects_seq_0() -> None:
+    ingest = EventIngest(PrefixIndex(), BlockHasher(4))
+    stored = encode(EventBatch(0.0, [BlockStored([1], None, [1, 2, 3, 4], 4)]))
+    clear = encode(EventBatch(0.0, [AllBlocksCleared()]))
+    assert ingest.apply("w", 0, stored, epoch="a").status is SeqStatus.OK
+    assert ingest.engine_blocks("w")
+    result = ingest.apply("w", EPOCH_START_SEQ, clear, epoch="b")
+    assert result.status is SeqStatus.RESTART and result.expected_seq == 0
+    assert not ingest.engine_blocks("w") and ingest.in_sync("w") and ingest.restarts == 1
+    again = ingest.apply("w", EPOCH_START_SEQ, clear, epoch="b")  # re-delivered
+    assert again.status is SeqStatus.DUPLICATE
+    assert ingest.apply("w", 0, stored, epoch="b").status is SeqStatus.OK
+    assert ingest.engine_blocks("w") and ingest.in_sync("w")
+    # a router that never saw the worker takes the marker as the start of its stream
+    fresh = EventIngest(PrefixIndex(), BlockHasher(4))
+    assert fresh.apply("v", EPOCH_START_SEQ, clear, epoch="c").status is SeqStatus.RESTART
+    assert fresh.in_sync("v") and fresh.apply("v", 0, stored, epoch="c").status is SeqStatus.OK
