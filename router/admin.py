@@ -20,6 +20,7 @@ from policies.base import NO_MATCH
 from router.auth import bearer_ok
 from router.config import worker_spec
 from router.errors import ApiError
+from router.proxy import ClientGone, read_body
 
 if TYPE_CHECKING:
     from router.app import RouterState
@@ -38,9 +39,19 @@ def _default(obj: Any) -> Any:
     raise TypeError(type(obj).__name__)
 
 
+async def _raw(request: Request) -> bytes:
+    """The body, under the same size and time limits as a completion's (a 9 MiB explain
+    body was read whole)."""
+    cfg = request.app.state.router_state.cfg
+    try:
+        return await read_body(request.scope, request.receive, cfg.max_body_bytes, cfg.body_timeout)
+    except ClientGone:
+        raise ApiError(400, "the client left before its body was complete", "client_gone") from None
+
+
 async def _body(request: Request) -> dict[str, Any]:
     try:
-        body = orjson.loads(await request.body())
+        body = orjson.loads(await _raw(request))
     except orjson.JSONDecodeError as exc:
         raise ApiError(400, f"body is not valid JSON: {exc}", "invalid_json") from exc
     if not isinstance(body, dict):
@@ -127,7 +138,7 @@ def admin_router(state: RouterState) -> APIRouter:
     @api.post("/explain")
     async def explain(request: Request) -> Response:
         """The decision for a request body and every worker's numbers; nothing is sent."""
-        raw = await request.body()
+        raw = await _raw(request)
         kind = "chat" if b'"messages"' in raw else "completion"
         headers = {
             k: v for k, v in request.headers.items() if k in ("x-session-id", "x-request-id")

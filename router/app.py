@@ -211,7 +211,9 @@ def _fastapi(state: RouterState) -> FastAPI:
         finally:
             await state.stop()
 
-    app = FastAPI(title="cache-router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="cache-router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.router_state = state
 
     @app.get("/v1/models")
@@ -243,7 +245,11 @@ def _fastapi(state: RouterState) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(_req: Request, exc: ApiError) -> Response:
-        return Response(exc.body(), status_code=exc.status, media_type="application/json")
+        # a refused upload (413) or a stalled one (408) may still be arriving: end it
+        close = {"connection": "close"} if exc.status in (408, 413) else None
+        return Response(
+            exc.body(), status_code=exc.status, media_type="application/json", headers=close
+        )
 
     @app.exception_handler(HTTPException)
     async def http_error(_req: Request, exc: HTTPException) -> Response:
@@ -264,6 +270,18 @@ def _fastapi(state: RouterState) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    admin_token = [state.cfg.admin_token.encode()] if state.cfg.admin_token else []
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi_json(request: Request) -> Response:
+        """The schema; the admin API's paths only for a caller with the admin token (a map
+        of the admin surface is no business of the public port's clients)."""
+        schema = openapi()
+        if not (admin_token and bearer_ok(request.scope["headers"], admin_token)):
+            paths = {p: op for p, op in schema["paths"].items() if not p.startswith("/admin")}
+            schema = {**schema, "paths": paths}
+        return Response(orjson.dumps(schema), media_type="application/json")
+
     return app
 
 

@@ -137,6 +137,10 @@ class RouterConfig:
     api_keys: list[str] = field(default_factory=list)  # empty: the public API is open
     metrics_token: str | None = None  # None: /metrics is open (scrapers inside the network)
     max_n: int = 128  # largest "n" (choices per request) passed on to an engine
+    max_best_of: int = 128  # largest "best_of" (candidates an engine generates)
+    max_top_logprobs: int = 20  # largest "top_logprobs" / completions "logprobs" (vLLM's)
+    max_tokens: int = 1 << 20  # largest max_tokens / max_completion_tokens
+    forward_authorization: bool = False  # pass the client's Authorization to the engine
     max_header_count: int = 100
     max_header_bytes: int = 32 * 1024  # all request header names and values together
     body_timeout: float = 30.0  # seconds a client may take to send its request body
@@ -243,6 +247,9 @@ RANGES: dict[str, Range] = {
     "max_index_blocks": Range(1, 1 << 40),
     "forecast_tracked": Range(0, 1 << 20),
     "max_n": _COUNT,
+    "max_best_of": _COUNT,
+    "max_top_logprobs": Range(0, 1 << 20),
+    "max_tokens": Range(1, 1 << 31),
     "max_header_count": _COUNT,
     "max_header_bytes": Range(0, 1 << 30, low_open=True),
     "body_timeout": _DURATION,

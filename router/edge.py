@@ -21,13 +21,14 @@ _PUBLIC = "/v1/"  # the OpenAI API; /health stays open for probes, /metrics and 
 class Edge:
     """Header limits for every request, API keys for the public API."""
 
-    __slots__ = ("keys", "max_bytes", "max_count", "max_n")
+    __slots__ = ("keys", "limits", "max_bytes", "max_count")
 
     def __init__(self, cfg: RouterConfig) -> None:
         self.keys = [k.encode() for k in cfg.api_keys]
         self.max_count = cfg.max_header_count
         self.max_bytes = cfg.max_header_bytes
-        self.max_n = cfg.max_n
+        # body field -> (lowest, highest) allowed: what one request may make an engine do
+        self.limits = sampling_limits(cfg)
 
     def check(self, scope: Scope) -> ApiError | None:
         """The reason to refuse this request before reading its body, or None."""
@@ -47,14 +48,34 @@ class Edge:
 
     def check_sampling(self, body: dict[str, Any]) -> None:
         """Limits on what one request may ask an engine to generate (``ApiError`` 400)."""
-        n = body.get("n")
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-            raise ApiError(400, "n must be a positive integer", "invalid_value", "n")
-        if n is not None and n > self.max_n:
-            raise ApiError(
-                400, f"n is {n}; this router allows at most {self.max_n}", "invalid_value", "n"
-            )
-        for key in ("max_tokens", "max_completion_tokens"):
+        for key, (low, high) in self.limits.items():
             value = body.get(key)
-            if value is not None and value < 1:  # parse() checked it is an int
-                raise ApiError(400, f"{key} must be at least 1, got {value}", "invalid_value", key)
+            if value is None or (key == "logprobs" and isinstance(value, bool)):
+                continue  # chat's logprobs is a switch; its count is top_logprobs
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                kind = "positive" if low else "non-negative"
+                raise ApiError(
+                    400,
+                    f"{key} must be a {kind} integer: at least {low}, got {value!r}",
+                    "invalid_value",
+                    key,
+                )
+            if value > high:
+                raise ApiError(
+                    400,
+                    f"{key} is {value}; this router allows at most {high}",
+                    "invalid_value",
+                    key,
+                )
+
+
+def sampling_limits(cfg: RouterConfig) -> dict[str, tuple[int, int]]:
+    """The bounds ``check_sampling`` enforces (also what ``/openapi.json`` states)."""
+    return {
+        "n": (1, cfg.max_n),
+        "best_of": (1, cfg.max_best_of),
+        "max_tokens": (1, cfg.max_tokens),
+        "max_completion_tokens": (1, cfg.max_tokens),
+        "top_logprobs": (0, cfg.max_top_logprobs),
+        "logprobs": (0, cfg.max_top_logprobs),  # the completions API's count
+    }

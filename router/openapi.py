@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from router.config import RouterConfig
+from router.edge import sampling_limits
 
 _ERROR = {
     "type": "object",
@@ -35,9 +36,11 @@ def _sampling(cfg: RouterConfig) -> dict[str, Any]:
     return {
         "model": {"type": "string", "minLength": 1},
         "stream": {"type": "boolean"},
-        "max_tokens": {"type": "integer", "minimum": 1},
-        "max_completion_tokens": {"type": "integer", "minimum": 1},
-        "n": {"type": "integer", "minimum": 1, "maximum": cfg.max_n},
+        **{
+            key: {"type": "integer", "minimum": low, "maximum": high}
+            for key, (low, high) in sampling_limits(cfg).items()
+            if key != "logprobs"  # an int in completions, a bool in chat
+        },
         "temperature": {"type": "number", "minimum": 0, "maximum": 2},
         "top_p": {"type": "number", "minimum": 0, "maximum": 1},
         "user": {"type": "string", "description": "session key (or the x-session-id header)"},

@@ -192,6 +192,9 @@ class Proxy:
         # a gateway's workers are clusters; their routers name the engine themselves
         name = b"x-cache-router-cluster" if state.cfg.gateway else b"x-cache-router-worker"
         self.worker_header = name
+        # the client's credentials are for this router, not for every engine behind it
+        auth = () if state.cfg.forward_authorization else (b"authorization",)
+        self.drop = _REQ_DROP | frozenset(auth)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         st = self.state
@@ -258,7 +261,7 @@ class Proxy:
         st = self.state
         req = prep.request
         arm = prep.arm
-        headers = [(k, v) for k, v in scope["headers"] if k not in _REQ_DROP]
+        headers = [(k, v) for k, v in scope["headers"] if k not in self.drop]
         if not any(k == b"x-request-id" for k, _ in headers):
             headers.append((b"x-request-id", req.request_id.encode()))
         exclude: set[str] = set()

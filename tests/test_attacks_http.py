@@ -17,8 +17,10 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from router_double import EngineDouble, wait_healthy
+from router_double import EngineDouble, Served, wait_healthy
 
+from router.app import RouterApp
+from router.config import RouterConfig, WorkerSpec
 from router.natsd import free_port
 
 HEADER_TIMEOUT = 1.0
@@ -236,3 +238,84 @@ async def test_busy_connections_at_the_cap_get_503(start_router: Start) -> None:
         router.engine.gate.set()
         results: list[Any] = await asyncio.gather(*busy)
         assert [r.status_code for r in results] == [200] * 4
+
+
+# -- in-process: what a client may ask for, and what reaches the engine ------------------------
+
+
+@pytest.fixture
+async def inproc() -> AsyncIterator[Callable[..., Awaitable[tuple[str, EngineDouble]]]]:
+    running: list[Any] = []
+
+    async def make(**cfg_kw: Any) -> tuple[str, EngineDouble]:
+        engine = await EngineDouble("w0").start()
+        running.append(engine)
+        settings: dict[str, Any] = {"block_size": 4, "health_interval": 0.2, **cfg_kw}
+        app = RouterApp(RouterConfig(workers=[WorkerSpec("w0", engine.url, model="m")], **settings))
+        served = await Served(app).start()
+        running.append(served)
+        return served.url, engine
+
+    yield make
+    for item in reversed(running):
+        await item.stop()
+
+
+async def test_the_clients_authorization_does_not_reach_the_engine(inproc) -> None:
+    body = {"model": "m", "prompt": "hi"}
+    url, engine = await inproc(api_keys=["client-key"])
+    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+        r = await http.post(
+            "/v1/completions", json=body, headers={"authorization": "Bearer client-key"}
+        )
+        assert r.status_code == 200
+    assert "authorization" not in engine.requests[-1]["headers"]
+    url, engine = await inproc(api_keys=["client-key"], forward_authorization=True)
+    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+        r = await http.post(
+            "/v1/completions", json=body, headers={"authorization": "Bearer client-key"}
+        )
+        assert r.status_code == 200
+    assert engine.requests[-1]["headers"]["authorization"] == "Bearer client-key"
+
+
+async def test_best_of_top_logprobs_and_max_tokens_are_capped(inproc) -> None:
+    url, engine = await inproc(max_best_of=4, max_top_logprobs=5, max_tokens=100)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    done = {"model": "m", "prompt": "hi"}
+    cases = [
+        (done, {"best_of": 10**9}, "best_of", "at most 4"),
+        (done, {"best_of": 0}, "best_of", "positive"),
+        (done, {"logprobs": 6}, "logprobs", "at most 5"),
+        (chat, {"logprobs": True, "top_logprobs": 10**6}, "top_logprobs", "at most 5"),
+        (chat, {"top_logprobs": -1}, "top_logprobs", "non-negative"),
+        (done, {"max_tokens": 10**12}, "max_tokens", "at most 100"),
+        (chat, {"max_completion_tokens": 101}, "max_completion_tokens", "at most 100"),
+    ]
+    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+        for base, extra, param, words in cases:
+            path = "/v1/chat/completions" if "messages" in base else "/v1/completions"
+            r = await http.post(path, json={**base, **extra})
+            assert r.status_code == 400, (extra, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and words in err["message"], (extra, err)
+        ok = {"best_of": 4, "logprobs": 5, "max_tokens": 100}
+        assert (await http.post("/v1/completions", json={**done, **ok})).status_code == 200
+        ok_chat = {"logprobs": True, "top_logprobs": 5}
+        assert (
+            await http.post("/v1/chat/completions", json={**chat, **ok_chat})
+        ).status_code == 200
+    assert len(engine.requests) == 2
+
+
+async def test_admin_explain_body_is_capped(inproc) -> None:
+    # the 9 MiB went in whole; scaled down: 5 kB against a 1 kB limit
+    url, engine = await inproc(admin_token="adm", max_body_bytes=1000)
+    big = orjson.dumps({"model": "m", "prompt": "x" * 5000})
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        auth = {"authorization": "Bearer adm"}
+        r = await http.post("/admin/explain", content=big, headers=auth)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        r = await http.post("/admin/explain", json={"model": "m", "prompt": "hi"}, headers=auth)
+        assert r.status_code == 200
+    assert engine.requests == []

@@ -184,9 +184,12 @@ async def test_malformed_http_and_unknown_routes(make_router):
 
 
 async def test_openapi_describes_the_raw_completion_routes(make_router):
-    url, _, _ = await make_router(max_n=7)
+    url, _, _ = await make_router(max_n=7, admin_token="adm")
     async with httpx.AsyncClient(base_url=url, timeout=10) as http:
-        schema = (await http.get("/openapi.json")).json()
+        public = (await http.get("/openapi.json")).json()
+        schema = (await http.get("/openapi.json", headers={"authorization": "Bearer adm"})).json()
+    assert not any(p.startswith("/admin") for p in public["paths"])  # the admin API unlisted
+    assert public["paths"]["/v1/completions"] == schema["paths"]["/v1/completions"]
     for path in ("/v1/chat/completions", "/v1/completions"):
         op = schema["paths"][path]["post"]
         body = op["requestBody"]["content"]["application/json"]["schema"]
