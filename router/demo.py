@@ -79,17 +79,26 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
             p.wait()
 
 
-async def _wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+async def wait_healthy(
+    url: str, *procs: subprocess.Popen[bytes], timeout: float = 30.0
+) -> None:
+    """Poll ``url``/health until it answers 200; RuntimeError after ``timeout`` seconds,
+    or at once when one of ``procs`` exits (with its stderr, when that is a pipe).
+
+    The one start-up wait of the demo, the tests and the benches' async stacks."""
     deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient(timeout=1.0) as client:
-        while time.monotonic() < deadline:
-            if any(p.poll() is not None for p in procs):
-                raise RuntimeError("a demo process exited during start-up")
-            with contextlib.suppress(httpx.HTTPError):
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        while True:
+            for p in procs:
+                if p.poll() is not None:
+                    err = p.stderr.read().decode(errors="replace") if p.stderr else ""
+                    raise RuntimeError(f"{url}: a process exited with {p.returncode} {err}")
+            with contextlib.suppress(httpx.TransportError):
                 if (await client.get(url + "/health")).status_code == 200:
                     return
-            await asyncio.sleep(0.1)
-    raise RuntimeError(f"{url} did not become healthy in {timeout:.0f} s")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} did not become healthy in {timeout:g} s")
+            await asyncio.sleep(0.05)
 
 
 @contextlib.asynccontextmanager
@@ -155,7 +164,7 @@ async def stack(
         )
         router_url = f"http://127.0.0.1:{router_port}"
         for url in [*engines.values(), router_url]:
-            await _wait_healthy(url, procs, timeout=60)
+            await wait_healthy(url, *procs, timeout=60)
         yield Stack(router_url, engines, procs)
     finally:
         _stop(procs)

@@ -11,14 +11,12 @@ It tokenizes with the router's tokenizer classes, as a real engine uses the mode
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import httpx
 import nats
 import orjson
 import uvicorn
@@ -51,24 +49,6 @@ async def until(check: Callable[[], Any], timeout: float = 5.0, what: str = "con
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
-
-
-async def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
-    """Poll ``url``/health until it answers 200 (bounded); fail at once if ``proc`` exits."""
-    deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient(timeout=2) as http:
-        while True:
-            if proc.poll() is not None:
-                err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-                raise AssertionError(f"{url} exited with {proc.returncode} {err}")
-            try:
-                if (await http.get(url + "/health")).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{url} did not become healthy in {timeout:g} s")
-            await asyncio.sleep(0.05)
 
 
 class Served:

@@ -17,10 +17,11 @@ from typing import Any
 
 import httpx
 import pytest
-from router_double import Served, until, wait_healthy
+from router_double import Served, until
 
 from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
+from router.demo import wait_healthy
 from router.natsd import free_port
 from router.upstream import Upstream, UpstreamError
 

@@ -17,10 +17,11 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from router_double import EngineDouble, Served, wait_healthy
+from router_double import EngineDouble, Served
 
 from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
+from router.demo import wait_healthy
 from router.natsd import free_port
 
 HEADER_TIMEOUT = 1.0

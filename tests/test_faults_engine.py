@@ -20,11 +20,12 @@ from collections.abc import AsyncIterator, Awaitable
 import httpx
 import orjson
 import pytest
-from router_double import Served, until, wait_healthy
+from router_double import Served, until
 
 from agent.node import AgentConfig, NodeAgent
 from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
+from router.demo import wait_healthy
 from router.events import last_seq
 from router.natsd import free_ports
 

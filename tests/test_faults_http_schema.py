@@ -19,9 +19,9 @@ from collections.abc import Iterator
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
-from router_double import wait_healthy
 from schemathesis import GenerationMode
 
+from router.demo import wait_healthy
 from router.natsd import free_ports
 
 MODEL = "mock-model"

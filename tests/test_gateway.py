@@ -20,10 +20,11 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from router_double import EngineDouble, Served, until, wait_healthy
+from router_double import EngineDouble, Served, until
 
 from router.app import RouterApp
 from router.config import ConfigError, RouterConfig, WorkerSpec, load_config
+from router.demo import wait_healthy
 from router.natsd import free_port
 from sim.mock_engine import MockEngine, MockEngineConfig
 from sim.mock_scheduler import Timing
