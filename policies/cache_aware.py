@@ -8,6 +8,11 @@ Per healthy worker::
     cost = ttft + recompute_weight * prefill time of the blocks another worker holds
            that this one would compute again
 
+Every step (queued or the request's own) costs its fixed part, one token per decoding
+sequence and decode attention over the context of the requests in flight there
+(``decode_ms_per_kv_token``; the policy counts the context it routed until
+``on_finish``). On agent traces, 30-100K-token contexts, that is most of a step.
+
 Affinity and balance are one trade-off in one unit: a hit saves its tokens' prefill, a
 queue costs its tokens' prefill, so a worker holding the prefix wins while its queue is
 shorter than what it saves and loses once it is not. A prefix that every request shares
@@ -21,14 +26,26 @@ weight 1 a request leaves the holder when the holder's queue costs more than twi
 the saving. (In the trace-replay simulator this raised the hit rate by 1-2 points at
 no TTFT cost; weight 0 is the pure TTFT estimate.)
 
-Prefetch: when a worker ``S`` holds more leading blocks locally than the target can
-reach, and the transfer from ``S`` fits in ``prefetch_fraction`` of the target's
-expected wait before it admits the request, the target is estimated as if it held them
-(loaded from its host memory) and, if chosen, the decision carries a ``PrefetchHint``
-(tier "cpu", source ``S``, deadline = the expected admission). Blocks the target reaches
-only in the shared pool are hinted the same way (tier "shared"). The fraction is a
-safety factor: admission times scatter widely around the estimate (0.14x to 1.5x,
-p10 to p90, in the simulator) and a late prefetch is a wasted copy.
+Prefetch, only where it pays: when a worker ``S`` holds more leading blocks locally than
+the target can reach and the transfer from ``S`` fits in ``prefetch_fraction`` of the
+target's expected wait before it admits the request, the target may be estimated with
+those blocks in its host memory and, if chosen, the decision carries a ``PrefetchHint``
+(tier "cpu", source ``S``, deadline = the expected admission). Blocks the target
+reaches only in the shared pool are hinted the same way (tier "shared"). It must pay
+against the plain estimate, with three charges that the first version lacked and that
+together made a feedback loop near saturation (issue 13: 27 % of requests hinted,
+sessions moved turn after turn, engines computed 5x the prompt tokens, TTFT p90 108 s
+where ``sglang_cache_aware`` had 2.1 s):
+
+- a tier to land in: a copy to a worker never seen holding host-memory blocks lands
+  in its GPU memory and evicts other sessions' prefixes, so it is charged twice;
+- room: a target whose reported ``kv_usage`` is ``_KV_ROOM`` or more gets no hint;
+- risk and memory: the saving counts with ``landing_rate``, learned from what happened
+  to earlier hints (did the session's next request find the blocks on the target?),
+  and the copy pays ``copy_weight`` of its blocks' prefill, the memory it takes.
+
+The fraction is a safety factor: admission times scatter widely around the estimate
+(0.14x to 1.5x, p10 to p90, in the simulator) and a late prefetch is a wasted copy.
 A worker whose index is out of sync is estimated with no hit at all: a stale match
 promises a saving the engine may not deliver.
 
@@ -39,6 +56,7 @@ relies on a prefetch must win by more than ``tie_ms``: the hint may be dropped.
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -57,6 +75,12 @@ from .base import (
 from .cost_model import EngineCosts, admit_wait_ms, estimate_ttft_prefetched, prefetch_fits
 from .selection import argmin_random, healthy
 
+_MAX_TRACKED = 65_536  # requests (and hinted sessions) remembered at most
+_GPU_COPY_FACTOR = 2.0  # issue 13's collapse: GPU-landed copies evicted other sessions
+_KV_ROOM = 0.9  # a target fuller than this has no pages to spare for a copy
+_LANDING_PRIOR = 0.8  # optimistic: a hint that never goes out teaches nothing
+_LANDING_ALPHA = 0.05  # ~20 hints of memory
+
 
 class CacheAware(Policy):
     """Minimum estimated TTFT (plus the pool's recompute cost), with prefetch hints."""
@@ -71,6 +95,7 @@ class CacheAware(Policy):
         prefetch: bool = True,
         prefetch_fraction: float = 0.5,
         recompute_weight: float = 1.0,
+        copy_weight: float = 0.5,
         tie_ms: float = 0.25,
     ) -> None:
         super().__init__(rng)
@@ -82,11 +107,23 @@ class CacheAware(Policy):
             raise ValueError(f"cache_aware: recompute_weight must be >= 0, got {recompute_weight}")
         if not tie_ms >= 0:
             raise ValueError(f"cache_aware: tie_ms must be >= 0, got {tie_ms}")
+        if not copy_weight >= 0:
+            raise ValueError(f"cache_aware: copy_weight must be >= 0, got {copy_weight}")
         self.costs = EngineCosts.from_config(costs)
         self.prefetch = bool(prefetch)
         self.prefetch_fraction = prefetch_fraction
         self.recompute_weight = recompute_weight
+        self.copy_weight = copy_weight
         self.tie_ms = tie_ms
+        # Context tokens of the requests this policy routed and that are not finished, per
+        # worker: decode attention reads their KV every step (``decode_ms_per_kv_token``).
+        self._active: dict[str, int] = {}
+        self._routed: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        # Workers seen holding blocks in host memory: a prefetch has a tier to land in.
+        self._host_tier: set[str] = set()
+        # Hints by session: (target, blocks); the session's next request shows if it landed.
+        self._hinted: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        self.landing_rate = _LANDING_PRIOR
 
     def select(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
         cands = healthy(workers)
@@ -94,6 +131,7 @@ class CacheAware(Policy):
         ppt = c.prefill_ms_per_token
         attn = c.attn_ms_per_token_ctx
         step = c.decode_ms_per_step
+        kv_rate = c.decode_ms_per_kv_token
         inv_budget = 1.0 / c.max_batch_tokens
         bs = request.block_size
         cpu_r = c.cpu_ms_per_token * bs
@@ -102,6 +140,9 @@ class CacheAware(Policy):
         ntok = request.num_tokens
         nblocks = len(request.block_hashes)
         cacheable = cacheable_blocks(ntok, bs)
+        active = self._active
+        if self._hinted and request.session_key is not None:
+            self._learn_landing(request.session_key, cands)
         matches: list[TierMatch] = []
         queues: list[float] = []
         ranked: list[float] = []
@@ -117,6 +158,8 @@ class CacheAware(Policy):
             total = m.total
             if total > nblocks:  # a view built for another request: never trust more
                 m, total = NO_MATCH, 0
+            if m.cpu > m.gpu:
+                self._host_tier.add(w.worker_id)
             dec = w.decode_streams
             pending = w.inflight_requests - dec
             if pending < 0:
@@ -124,7 +167,7 @@ class CacheAware(Policy):
             running = w.engine_running
             if running is not None and running - pending > dec:
                 dec = min(running, MAX_ENGINE_COUNT) - pending
-            per_step = step + dec * ppt
+            per_step = step + dec * ppt + active.get(w.worker_id, 0) * kv_rate
             qt: float = w.inflight_prefill_tokens
             waiting: float | None = w.engine_waiting
             if waiting is not None and waiting > pending:
@@ -157,6 +200,7 @@ class CacheAware(Policy):
                 "hit_blocks": total,
                 "prefetch_blocks": 0,
                 "recompute_ms": 0.0,
+                "prefetch_risk_ms": 0.0,
             }
             if total > best_hit:
                 best_hit = total
@@ -190,17 +234,64 @@ class CacheAware(Policy):
                         options = {}
                     options[i] = option
                     # it relies on a hint landing: on a near-tie the worker that needs none wins
-                    ranked[i] = score["ttft_ms"] + score["recompute_ms"] + self.tie_ms
+                    ranked[i] = (
+                        score["ttft_ms"]
+                        + score["recompute_ms"]
+                        + score["prefetch_risk_ms"]
+                        + self.tie_ms
+                    )
 
         i = argmin_random(ranked, self.rng, self.tie_ms)
         chosen = cands[i].worker_id
+        self._track(request.request_id, chosen, ntok)
         reason = f"min cost: ttft {scores[chosen]['ttft_ms']:.1f} ms"
         option = options.get(i) if options else None
         if option is None:
             return Decision(chosen, scores=scores, reason=reason)
         source, blocks, tier, admit = option
+        if request.session_key is not None:
+            _put(self._hinted, request.session_key, (chosen, blocks))
         hint = PrefetchHint(source, chosen, blocks, tier, deadline_ms=admit)
         return Decision(chosen, hint, scores, f"{reason} with {tier} prefetch")
+
+    def active_tokens(self, worker_id: str) -> int:
+        """Context tokens of the requests routed to ``worker_id`` and not finished."""
+        return self._active.get(worker_id, 0)
+
+    def on_finish(self, request: RouteRequest, worker_id: str) -> None:
+        routed = self._routed.pop(request.request_id, None)
+        if routed is not None:
+            self._release(*routed)
+
+    def _track(self, request_id: str, worker_id: str, tokens: int) -> None:
+        """Count the request's context on its worker until ``on_finish``."""
+        old = self._routed.pop(request_id, None)
+        if old is not None:  # the same id routed again (a retry): count it once
+            self._release(*old)
+        self._routed[request_id] = (worker_id, tokens)
+        self._active[worker_id] = self._active.get(worker_id, 0) + tokens
+        if len(self._routed) > _MAX_TRACKED:  # finishes never reported: forget the oldest
+            _, lost = self._routed.popitem(last=False)
+            self._release(*lost)
+
+    def _release(self, worker_id: str, tokens: int) -> None:
+        left = self._active.get(worker_id, 0) - tokens
+        if left > 0:
+            self._active[worker_id] = left
+        else:
+            self._active.pop(worker_id, None)
+
+    def _learn_landing(self, session: str, cands: Sequence[WorkerView]) -> None:
+        """Did the session's last hint land? Its target holds the blocks now, or not."""
+        hinted = self._hinted.pop(session, None)
+        if hinted is None:
+            return
+        target, blocks = hinted
+        for w in cands:
+            if w.worker_id == target:
+                landed = 1.0 if w.in_sync and w.match.total >= blocks else 0.0
+                self.landing_rate += _LANDING_ALPHA * (landed - self.landing_rate)
+                return
 
     def _prefetch_option(
         self,
@@ -213,9 +304,14 @@ class CacheAware(Policy):
         best_hit: int,
         per_block: float,
     ) -> tuple[str | None, int, str, float] | None:
-        """(source, blocks, tier, deadline) if pulling blocks into ``w`` while it waits helps.
+        """(source, blocks, tier, deadline) if pulling blocks into ``w`` while it waits pays.
 
-        Updates ``score`` in place to the with-prefetch estimate when its cost is lower.
+        It pays when the expected cost is lower: the hint lands with the learned
+        ``landing_rate`` (else ``w`` computes what it would have), and the copy is charged
+        ``copy_weight`` of the moved blocks' prefill, the memory it takes from others.
+        A peer's blocks go to ``w``'s host memory, or to its GPU memory (charged twice)
+        when none was seen in the index; ``w`` needs room (``kv_usage`` below ``_KV_ROOM``).
+        Updates ``score`` in place to the with-prefetch estimate when it is chosen.
         """
         costs = self.costs
         bs = request.block_size
@@ -230,16 +326,34 @@ class CacheAware(Policy):
             source = src_id if src_local else None
         else:
             return None
+        usage = w.kv_usage
+        if usage is not None and not usage < _KV_ROOM:  # NaN counts as full
+            return None
         admit = admit_wait_ms(costs, w, request.num_tokens)
         if not prefetch_fits(costs, moved * bs, admit * self.prefetch_fraction, tier):
             return None
         queue, prefill, load = estimate_ttft_prefetched(
-            costs, w, m, request.num_tokens, bs, hit, moved
+            costs, w, m, request.num_tokens, bs, hit, moved, self.active_tokens(w.worker_id)
         )
         ttft = queue + prefill + load
         recompute = (best_hit - hit) * per_block if hit < best_hit else 0.0
-        if ttft + recompute >= score["ttft_ms"] + score["recompute_ms"]:
+        rate = self.landing_rate
+        base = score["ttft_ms"] + score["recompute_ms"]
+        # a hint that does not land leaves the plain estimate; the copy always costs memory
+        risk = (1.0 - rate) * max(base - ttft - recompute, 0.0)
+        if tier == "cpu":  # a second copy; a shared-pool load is what admission would do
+            copy = self.copy_weight * moved * bs * costs.prefill_ms_per_token
+            # with no host memory seen, it lands in GPU memory, evicting the hottest tier
+            risk += copy if w.worker_id in self._host_tier else _GPU_COPY_FACTOR * copy
+        if ttft + recompute + risk >= base:
             return None
         score.update(ttft_ms=ttft, prefill_ms=prefill, load_ms=load, hit_blocks=hit)
-        score.update(prefetch_blocks=moved, recompute_ms=recompute)
+        score.update(prefetch_blocks=moved, recompute_ms=recompute, prefetch_risk_ms=risk)
         return source, hit, tier, admit
+
+
+def _put(table: OrderedDict[str, tuple[str, int]], key: str, value: tuple[str, int]) -> None:
+    table.pop(key, None)
+    table[key] = value
+    if len(table) > _MAX_TRACKED:
+        table.popitem(last=False)

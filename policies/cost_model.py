@@ -145,19 +145,25 @@ def queue_tokens(view: WorkerView, fallback_tokens: float) -> float:
     return tokens
 
 
-def steps_ms(costs: EngineCosts, tokens: float, decode: int) -> float:
+def steps_ms(costs: EngineCosts, tokens: float, decode: int, kv_tokens: float = 0.0) -> float:
     """Fixed step costs while ``tokens`` prefill with ``decode`` sequences decoding.
 
-    Each step carries at most ``max_batch_tokens`` tokens and pays its fixed cost plus
-    one token per decoding sequence, so decoding neighbours slow a prefill down.
+    Each step carries at most ``max_batch_tokens`` tokens and pays its fixed cost, one
+    token per decoding sequence and decode attention over their ``kv_tokens`` of
+    context, so decoding neighbours slow a prefill down (on agent traces, with contexts
+    of 30-100K tokens, the KV term is the largest part of a step).
     """
     steps = tokens / costs.max_batch_tokens
     return (steps if steps > 1.0 else 1.0) * (
-        costs.decode_ms_per_step + decode * costs.prefill_ms_per_token
+        costs.decode_ms_per_step
+        + decode * costs.prefill_ms_per_token
+        + kv_tokens * costs.decode_ms_per_kv_token
     )
 
 
-def queue_wait_ms(costs: EngineCosts, view: WorkerView, fallback_tokens: float) -> float:
+def queue_wait_ms(
+    costs: EngineCosts, view: WorkerView, fallback_tokens: float, kv_tokens: float = 0.0
+) -> float:
     """Expected wait before a new request's prefill starts on ``view``.
 
     Linear in the queued tokens: their contexts are unknown, and charging the queue as
@@ -166,7 +172,8 @@ def queue_wait_ms(costs: EngineCosts, view: WorkerView, fallback_tokens: float) 
     tokens = queue_tokens(view, fallback_tokens)
     if tokens <= 0:
         return 0.0
-    return tokens * costs.prefill_ms_per_token + steps_ms(costs, tokens, decode_seqs(view))
+    steps = steps_ms(costs, tokens, decode_seqs(view), kv_tokens)
+    return tokens * costs.prefill_ms_per_token + steps
 
 
 def admit_wait_ms(costs: EngineCosts, view: WorkerView, fallback_tokens: float) -> float:
@@ -192,11 +199,16 @@ def uncached_tokens(num_tokens: int, hit_blocks: int, block_size: int) -> int:
 
 
 def prefill_time_ms(
-    costs: EngineCosts, num_tokens: int, hit_blocks: int, block_size: int, decode: int
+    costs: EngineCosts,
+    num_tokens: int,
+    hit_blocks: int,
+    block_size: int,
+    decode: int,
+    kv_tokens: float = 0.0,
 ) -> float:
     """Compute time of the request's uncached tokens, with its hits as attention context."""
     left = uncached_tokens(num_tokens, hit_blocks, block_size)
-    return costs.prefill_ms(left, num_tokens - left) + steps_ms(costs, left, decode)
+    return costs.prefill_ms(left, num_tokens - left) + steps_ms(costs, left, decode, kv_tokens)
 
 
 def load_time_ms(costs: EngineCosts, match: TierMatch, block_size: int) -> float:
@@ -220,12 +232,21 @@ def prefetch_fits(costs: EngineCosts, tokens: float, admit_ms: float, tier: str 
 
 
 def estimate_ttft(
-    costs: EngineCosts, view: WorkerView, match: TierMatch, num_tokens: int, block_size: int
+    costs: EngineCosts,
+    view: WorkerView,
+    match: TierMatch,
+    num_tokens: int,
+    block_size: int,
+    kv_tokens: float = 0.0,
 ) -> tuple[float, float, float]:
-    """(queue_ms, prefill_ms, load_ms) of a request on ``view`` without prefetch."""
+    """(queue_ms, prefill_ms, load_ms) of a request on ``view`` without prefetch.
+
+    ``kv_tokens``: context of the requests in flight on the worker (decode attention).
+    """
+    dec = decode_seqs(view)
     return (
-        queue_wait_ms(costs, view, num_tokens),
-        prefill_time_ms(costs, num_tokens, match.total, block_size, decode_seqs(view)),
+        queue_wait_ms(costs, view, num_tokens, kv_tokens),
+        prefill_time_ms(costs, num_tokens, match.total, block_size, dec, kv_tokens),
         load_time_ms(costs, match, block_size),
     )
 
@@ -238,6 +259,7 @@ def estimate_ttft_prefetched(
     block_size: int,
     hit_blocks: int,
     moved_blocks: int,
+    kv_tokens: float = 0.0,
 ) -> tuple[float, float, float]:
     """(queue_ms, prefill_ms, load_ms) when ``moved_blocks`` were pulled in while queued.
 
@@ -246,8 +268,9 @@ def estimate_ttft_prefetched(
     """
     own = TierMatch(match.gpu, match.cpu, match.disk, match.disk)
     load = load_time_ms(costs, own, block_size) + costs.load_ms("cpu", moved_blocks * block_size)
+    dec = decode_seqs(view)
     return (
-        queue_wait_ms(costs, view, num_tokens),
-        prefill_time_ms(costs, num_tokens, hit_blocks, block_size, decode_seqs(view)),
+        queue_wait_ms(costs, view, num_tokens, kv_tokens),
+        prefill_time_ms(costs, num_tokens, hit_blocks, block_size, dec, kv_tokens),
         load,
     )

@@ -28,6 +28,7 @@ SCORE_KEYS = (
     "hit_blocks",
     "prefetch_blocks",
     "recompute_ms",
+    "prefetch_risk_ms",
 )
 
 
@@ -241,9 +242,16 @@ def test_cache_aware_prefers_gpu_over_disk_hits_of_equal_depth() -> None:
     assert s["w1"]["load_ms"] == 0 < s["w2"]["load_ms"] < s["w0"]["load_ms"]
 
 
+def _seen_with_host_memory(policy, n: int) -> None:  # type: ignore[no-untyped-def]
+    """Show ``policy`` workers w0..w{n-1} holding host-memory blocks: a tier to land in."""
+    policy.select(req(chain(990, 2), rid="seen"), views(n, match=tm(cpu=1)))
+    policy.on_finish(req(chain(990, 2), rid="seen"), "")
+
+
 def test_cache_aware_spreads_at_high_load_with_a_prefetch_hint() -> None:
     hashes = chain(32, 10)
     policy = make_policy("cache_aware", random.Random(0))
+    _seen_with_host_memory(policy, 4)
     # every target has more than one step's budget queued: admission is a while away
     ws = views(4, inflight_requests=3, inflight_prefill_tokens=12_000)
     ws[1].match = tm(gpu=10)
@@ -457,7 +465,9 @@ def test_policy_scores_equal_the_reference_cost_model(
     for s in d.scores.values():
         missing = max(best_hit - s["hit_blocks"], 0)
         assert s["recompute_ms"] == pytest.approx(missing * BS * costs.prefill_ms_per_token)
-    cost = {w: s["ttft_ms"] + s["recompute_ms"] for w, s in d.scores.items()}
+    cost = {
+        w: s["ttft_ms"] + s["recompute_ms"] + s["prefetch_risk_ms"] for w, s in d.scores.items()
+    }
     assert cost[d.worker_id] <= min(cost.values()) + 2 * 0.25  # tie band + prefetch margin
 
 
@@ -477,3 +487,81 @@ def test_engine_costs_physics() -> None:
     with pytest.raises(ValueError, match="must be > 0"):
         EngineCosts(prefetch_gbps=0)
     assert EngineCosts.from_config({"prefill_ms_per_token": 0.1}).prefill_ms_per_token == 0.1
+
+
+# -- cache_aware: prefetch only where it pays, decode load (issue 13) ------------------
+def _hint_setup() -> list[WorkerView]:
+    """w1 holds the prefix behind a long queue; the others could take it with a hint."""
+    ws = views(4, inflight_requests=3, inflight_prefill_tokens=12_000)
+    ws[1].match = tm(gpu=10)
+    ws[1].inflight_requests, ws[1].inflight_prefill_tokens = 25, 50_000
+    return ws
+
+
+def test_cache_aware_a_copy_into_gpu_memory_costs_more_than_into_host_memory() -> None:
+    host = make_policy("cache_aware", random.Random(0))
+    _seen_with_host_memory(host, 4)
+    d = host.select(req(chain(50, 10)), _hint_setup())
+    assert d.prefetch is not None and d.worker_id != "w1"
+    copy = 0.5 * 10 * BS * EngineCosts().prefill_ms_per_token  # copy_weight 0.5
+    assert d.scores[d.worker_id]["prefetch_risk_ms"] > copy  # copy + the risk of a loss
+    # a copy that lands in GPU memory is charged twice
+    gpu_only = make_policy("cache_aware", random.Random(0))
+    e = gpu_only.select(req(chain(50, 10)), _hint_setup())
+    assert e.prefetch is not None and e.worker_id == d.worker_id
+    risk = e.scores[e.worker_id]["prefetch_risk_ms"]
+    assert risk == pytest.approx(d.scores[d.worker_id]["prefetch_risk_ms"] + copy)
+    # nor, with host memory, one whose landing rate is poor
+    host.landing_rate = 0.05
+    assert host.select(req(chain(50, 10), rid="x"), _hint_setup()).prefetch is None
+
+
+@pytest.mark.parametrize(("usage", "hinted"), [(0.5, True), (0.9, False), (math.nan, False)])
+def test_cache_aware_no_hint_to_a_target_without_kv_room(usage: float, hinted: bool) -> None:
+    policy = make_policy("cache_aware", random.Random(0))
+    _seen_with_host_memory(policy, 4)
+    ws = _hint_setup()
+    for w in ws:
+        w.kv_usage = usage
+    assert (policy.select(req(chain(51, 10)), ws).prefetch is not None) is hinted
+
+
+def test_cache_aware_learns_from_hints_that_do_not_land() -> None:
+    policy = make_policy("cache_aware", random.Random(0))
+    _seen_with_host_memory(policy, 4)
+    prior = policy.landing_rate
+    hinted = []
+    for turn in range(60):
+        r = RouteRequest(f"t{turn}", "m", 10 * BS, chain(52, 10), BS, session_key="s")
+        d = policy.select(r, _hint_setup())  # the target never shows the blocks: lost
+        hinted.append(d.prefetch is not None)
+        policy.on_finish(r, d.worker_id)
+    assert policy.landing_rate < prior
+    assert hinted[0] and not any(hinted[-20:])  # hints stop once they are known not to land
+    # hints that land bring the rate back up
+    policy.landing_rate = prior
+    r = RouteRequest("a", "m", 10 * BS, chain(53, 10), BS, session_key="t")
+    d = policy.select(r, _hint_setup())
+    assert d.prefetch is not None
+    ws = _hint_setup()
+    next(w for w in ws if w.worker_id == d.worker_id).match = tm(cpu=10)
+    policy.select(RouteRequest("b", "m", 12 * BS, chain(53, 12), BS, session_key="t"), ws)
+    assert policy.landing_rate > prior
+
+
+def test_cache_aware_charges_decode_attention_over_the_context_in_flight() -> None:
+    policy = make_policy("cache_aware", random.Random(0))
+    long = RouteRequest("long", "m", 100_000, chain(54, 4), BS)
+    only_w0 = [WorkerView("w0")]
+    assert policy.select(long, only_w0).worker_id == "w0"
+    assert policy.active_tokens("w0") == 100_000
+    d = policy.select(req(chain(55, 10), rid="next"), views(2))
+    # 100K tokens of KV in w0's steps: 4 ms more per step
+    extra = d.scores["w0"]["prefill_ms"] - d.scores["w1"]["prefill_ms"]
+    assert extra == pytest.approx(100_000 * EngineCosts().decode_ms_per_kv_token)
+    assert d.worker_id == "w1"
+    policy.on_finish(long, "w0")
+    policy.on_finish(req(chain(55, 10), rid="next"), "w1")
+    assert policy.active_tokens("w0") == policy.active_tokens("w1") == 0
+    policy.on_finish(long, "w0")  # a second finish changes nothing
+    assert policy.active_tokens("w0") == 0
