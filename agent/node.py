@@ -73,6 +73,7 @@ class AgentConfig:
     buffer: int = 10_000
     topic: str = ""
     replay_timeout: float = 1.0  # seconds without a reply before a replay gives up
+    connect_warn_after: float = 10.0  # seconds unconnected to the engine's PUB before a warning
     # NATS credentials and TLS, as the router's config has them (router.bus.nats_options)
     nats_user: str | None = None
     nats_password: str | None = None
@@ -101,6 +102,7 @@ class NodeAgent:
         self._tasks: list[asyncio.Task[None]] = []
         self._http: httpx.AsyncClient | None = None
         self._suspect_restart = False
+        self.engine_connected = False  # the SUB socket reaches the engine's PUB socket
         self._engine_lock = asyncio.Lock()  # one engine-event handler at a time
         self._stopping = False
         self._last: Accepted | None = None  # the newest batch, published or not
@@ -131,6 +133,7 @@ class NodeAgent:
         self._sub = sub
         self._spawn(self._zmq_loop(), "zmq-events")
         self._spawn(self._monitor_loop(monitor), "zmq-monitor")
+        self._spawn(self._watch_connection(), "zmq-watch")
         if self.cfg.engine_url and self.cfg.load_interval > 0:
             self._spawn(self._load_loop(), "load-report")
         return self
@@ -247,12 +250,36 @@ class NodeAgent:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_DISCONNECTED:
                     self._suspect_restart = True
+                    self.engine_connected = False
                 elif event["event"] == zmq.EVENT_CONNECTED:
+                    self.engine_connected = True
                     async with self._engine_lock:
                         await self._check_restart()
                         await self._catch_up()
         finally:
             monitor.close(linger=0)
+
+    async def _watch_connection(self) -> None:
+        """Say so when the engine's PUB socket cannot be reached: otherwise no event ever
+        arrives and nothing else tells. vLLM binds its PUB socket only for a wildcard
+        (``tcp://*:P``) or ``ipc://`` endpoint and *connects* to any other, so with
+        ``tcp://127.0.0.1:P`` on both sides nobody listens."""
+        wait = self.cfg.connect_warn_after
+        while True:
+            await asyncio.sleep(wait)
+            if self.engine_connected:
+                continue
+            self.counters["engine_unreachable_warnings"] += 1
+            log.warning(
+                "agent %s: no connection to the engine's KV-event endpoint %s after %.0f s; "
+                "no events will arrive. Is the engine up, with KV events on? vLLM binds "
+                "its publisher only for a wildcard endpoint (tcp://*:PORT) or ipc://: with "
+                "tcp://HOST:PORT it connects too, and nobody listens",
+                self.cfg.worker_id,
+                self.cfg.zmq_endpoint,
+                wait,
+            )
+            wait = min(wait * 2, 300.0)
 
     async def _check_restart(self) -> None:
         """After a reconnect: a new engine life starts a new epoch."""

@@ -182,6 +182,16 @@ def _token_ids(value: Any) -> list[int]:
     return list(value)
 
 
+def _medium(f: dict[str, Any]) -> str | None:
+    """The event's tier; vLLM 0.33's ``locality: "REMOTE"`` (a block in a store other
+    nodes reach, e.g. an offloading connector's) is the ``REMOTE`` medium, whatever
+    device it names, so stores, removals and dumps all keep it in the shared tier."""
+    locality = _opt_str(f.get("locality"))
+    if locality is not None and locality.upper() == "REMOTE":
+        return "REMOTE"
+    return _opt_str(f.get("medium"))
+
+
 def decode_event(raw: Any, hash_of: HashOf = norm_hash) -> Event | None:
     """One event, or None for a kind this codec does not know (future events).
 
@@ -190,6 +200,7 @@ def decode_event(raw: Any, hash_of: HashOf = norm_hash) -> Event | None:
     tag, body = _split(raw)
     if tag == "BlockStored":
         f = _named(body, _STORED_FIELDS)
+        medium = _medium(f)
         parent = f.get("parent_block_hash")
         block_size = f.get("block_size")
         if not isinstance(block_size, int) or block_size <= 0:
@@ -201,7 +212,7 @@ def decode_event(raw: Any, hash_of: HashOf = norm_hash) -> Event | None:
             token_ids=_token_ids(f.get("token_ids")),
             block_size=block_size,
             lora_id=_opt_int(f.get("lora_id")),
-            medium=_opt_str(f.get("medium")),
+            medium=medium,
             lora_name=_opt_str(f.get("lora_name")),
             extra_keys=list(extra) if isinstance(extra, list | tuple) else None,
             group_idx=_opt_int(f.get("group_idx")),
@@ -211,7 +222,7 @@ def decode_event(raw: Any, hash_of: HashOf = norm_hash) -> Event | None:
         f = _named(body, _REMOVED_FIELDS)
         return BlockRemoved(
             block_hashes=_hashes(f.get("block_hashes"), hash_of),
-            medium=_opt_str(f.get("medium")),
+            medium=_medium(f),
             group_idx=_opt_int(f.get("group_idx")),
         )
     if tag == "AllBlocksCleared":

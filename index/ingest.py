@@ -347,6 +347,7 @@ class EventIngest:
                 if entry is None or not entry[1] & bit:
                     continue
                 gone.append(entry[0])
+                gone.extend(entry[2:])  # a coarse block's other router blocks
                 entry[1] &= ~bit
                 if not entry[1]:
                     del w.blocks[eh]
@@ -365,11 +366,14 @@ class EventIngest:
         self, worker_id: str, w: _Worker, event: BlockStored, tier: Tier, bit: int
     ) -> str | None:
         hasher = self.hasher
-        if event.block_size != hasher.block_size:
+        # A block k times the router's (vLLM 0.33 reports a coarser KV group's blocks,
+        # one hash per span) is k router blocks; its hash names the last of them.
+        k, rest = divmod(event.block_size, hasher.block_size)
+        if rest or not k:
             return "block_size_mismatch"
         n = len(event.block_hashes)
         # Bigram (EAGLE) blocks cover one token past their end: n blocks need n*B + 1.
-        if n == 0 or len(event.token_ids) != n * hasher.block_size + hasher.bigram:
+        if n == 0 or len(event.token_ids) != n * event.block_size + hasher.bigram:
             return "token_count_mismatch"
         parent: int | None = None
         if event.parent_block_hash is not None:
@@ -404,15 +408,23 @@ class EventIngest:
                 self.errors["worker_quota"] += 1
                 if room == 0:
                     return "worker_quota"
-                router = router[:room]
+                router = router[: room * k]
                 event = dataclasses.replace(event, block_hashes=event.block_hashes[:room])
-        for eh, rh in zip(event.block_hashes, router, strict=True):
-            entry = w.blocks.get(eh)
-            if entry is None:
-                w.blocks[eh] = [rh, bit]
-            else:
-                entry[0] = rh
-                entry[1] |= bit
-            w.engine_of[rh] = eh
+        if k == 1:
+            for eh, rh in zip(event.block_hashes, router, strict=True):
+                entry = w.blocks.get(eh)
+                if entry is None:
+                    w.blocks[eh] = [rh, bit]
+                else:
+                    entry[0] = rh
+                    entry[1] |= bit
+                w.engine_of[rh] = eh
+        else:
+            for i, eh in enumerate(event.block_hashes):
+                span = router[i * k : (i + 1) * k]
+                entry = w.blocks.get(eh)
+                # [last router hash, tier bits, the span's other router hashes...]
+                w.blocks[eh] = [span[-1], bit | (entry[1] if entry else 0), *span[:-1]]
+                w.engine_of[span[-1]] = eh
         self.index.store(worker_id, router, tier, parent=parent)
         return None

@@ -490,3 +490,25 @@ def test_cli_processes_end_to_end(nats_server: EmbeddedNats) -> None:
             proc.send_signal(signal.SIGTERM)
         codes = [proc.wait(15) for proc in (agent, engine)]
     assert codes == [0, 0]
+
+
+async def test_an_endpoint_nobody_binds_is_reported(
+    nats_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM with ``tcp://127.0.0.1:P`` connects its PUB socket instead of binding: the
+    agent's SUB connects too, and without this warning nothing says no event will come."""
+    unbound = f"tcp://127.0.0.1:{free_port()}"
+    bound = KvEventPublisher("tcp://127.0.0.1:*")
+    try:
+        quiet = agent_config("w-unbound", None, nats_url, zmq_endpoint=unbound)
+        fine = agent_config("w-bound", None, nats_url, zmq_endpoint=bound.endpoint)
+        for cfg in (quiet, fine):
+            cfg.connect_warn_after = 0.2
+        async with NodeAgent(quiet) as lost, NodeAgent(fine) as ok:
+            await until(lambda: lost.stats()["engine_unreachable_warnings"] >= 1)
+            await until(lambda: ok.engine_connected, what="bound endpoint connected")
+            await asyncio.sleep(0.5)
+            assert ok.stats()["engine_unreachable_warnings"] == 0
+    finally:
+        await bound.close()
+    assert any("wildcard" in r.getMessage() and unbound in r.getMessage() for r in caplog.records)

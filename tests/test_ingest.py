@@ -234,7 +234,7 @@ def test_bad_events_are_counted_by_kind() -> None:
     hasher, index = BlockHasher(B), PrefixIndex()
     ingest = EventIngest(index, hasher)
     events = [
-        BlockStored([1], None, list(range(8)), 8),  # wrong block size
+        BlockStored([1], None, list(range(6)), 6),  # wrong block size (not a multiple)
         BlockStored([2, 3], None, list(range(4)), B),  # token count
         BlockStored([4], 999, list(range(4)), B),  # unknown parent
         BlockStored([5], None, list(range(4)), B, medium="NVME?"),  # unknown medium
@@ -347,3 +347,36 @@ def test_an_epoch_start_clears_the_worker_and_expects_seq_0() -> None:
     fresh = EventIngest(PrefixIndex(), BlockHasher(4))
     assert fresh.apply("v", EPOCH_START_SEQ, clear, epoch="c").status is SeqStatus.RESTART
     assert fresh.in_sync("v") and fresh.apply("v", 0, stored, epoch="c").status is SeqStatus.OK
+
+
+def test_blocks_a_multiple_of_the_block_size_are_split_and_removed_whole() -> None:
+    """vLLM 0.33 reports a coarser KV group's blocks (k router blocks, one hash each)."""
+    hasher, index = BlockHasher(B), PrefixIndex()
+    ingest = EventIngest(index, hasher)
+    toks = list(range(4 * B))
+    events = [
+        BlockStored([10], None, toks[: 2 * B], 2 * B, medium="GPU"),
+        BlockStored([11], 10, toks[2 * B :], 2 * B, medium="GPU"),
+    ]
+    assert ingest.apply("w", 0, encode(EventBatch(0.0, events, 0))).applied == 2
+    router = hasher.hash_tokens(toks)
+    assert index.match_tiers(router)["w"].gpu == 4
+    assert ingest.engine_blocks("w") == {10: router[1], 11: router[3]}
+    ingest.apply("w", 1, encode(EventBatch(0.0, [BlockRemoved([11], "GPU")], 0)))
+    assert index.match_tiers(router)["w"].gpu == 2
+
+
+def test_remote_locality_is_the_shared_tier() -> None:
+    """vLLM 0.33's ``locality: "REMOTE"``: held in a store other nodes reach."""
+    hasher, index = BlockHasher(B), PrefixIndex()
+    ingest = EventIngest(index, hasher)
+    toks = list(range(2 * B))
+    stored = {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
+              "token_ids": toks, "block_size": B, "lora_id": None, "medium": "CPU",
+              "lora_name": None, "locality": "REMOTE"}  # fmt: skip
+    ingest.apply("w", 0, msgpack.packb([0.0, [stored], None]))
+    match = index.match_tiers(hasher.hash_tokens(toks))["w"]
+    assert (match.gpu, match.cpu, match.disk, match.total) == (0, 0, 0, 2)
+    removed = {"type": "BlockRemoved", "block_hashes": [2], "medium": "CPU", "locality": "REMOTE"}
+    ingest.apply("w", 1, msgpack.packb([0.0, [removed], None]))
+    assert index.match_tiers(hasher.hash_tokens(toks))["w"].total == 1
