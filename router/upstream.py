@@ -23,7 +23,9 @@ Semantics the proxy relies on:
   overdue keep-alive timers first when it resumes and closes the connection under the
   waiting request). A *reused* connection that ends before one byte of the response is
   the engine closing it unread (an engine that read a request answers it, or dies with
-  its whole process), so that request is sent once more on a new connection;
+  its whole process), so that request is sent once more on a new connection; a reset
+  before any byte on a new connection (the engine killed with the request in its
+  socket buffer) is a ``ConnectFailed`` too: the proxy tries the next worker;
 - ``stalled(url)``: the health checker gave the engine up while requests wait for its
   response headers; if the engine sent no byte on any connection for ``stall_after``
   seconds (a hung process, not a slow one: a busy engine streams to somebody) they
@@ -60,8 +62,8 @@ class UpstreamStalled(UpstreamTimeout):
     """The engine is down by its health checks and silent on every connection."""
 
 
-class _Unread(UpstreamError):
-    """A reused connection ended before any response byte: the engine closed it unread."""
+class _Unread(ConnectFailed):
+    """The engine closed the connection with the request unread: nothing ran."""
 
 
 class Origin:
@@ -197,7 +199,11 @@ class _Connection(asyncio.Protocol):
         if self in self.origin.idle:
             self.origin.idle.remove(self)
         self.origin.busy.discard(self)
-        kind = _Unread if self.reused and not self.got_bytes else UpstreamError
+        # Before any response byte, a reset means the engine closed with our request still
+        # in its socket buffer (a full read leaves nothing to reset): it never ran; on a
+        # reused connection a plain EOF is the keep-alive race. Either may go elsewhere.
+        unread = not self.got_bytes and (self.reused or isinstance(exc, ConnectionResetError))
+        kind = _Unread if unread else UpstreamError
         self._fail(kind(f"the engine closed the connection ({exc or 'EOF'})"))
 
     # -- httptools callbacks -----------------------------------------------------

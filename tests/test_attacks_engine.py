@@ -23,7 +23,7 @@ from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
 from router.demo import wait_healthy
 from router.natsd import free_port
-from router.upstream import Upstream, UpstreamError
+from router.upstream import ConnectFailed, Upstream, UpstreamError
 
 RESPONSE = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-type: text/plain\r\n\r\nok"
 
@@ -160,3 +160,30 @@ async def test_requests_on_a_sigstopped_engine_fail_fast_or_go_elsewhere() -> No
             await served.stop()
         for e in engines:
             e.stop()
+
+
+async def test_a_reset_before_any_answer_is_a_connect_failure() -> None:
+    """An engine killed with the request still in its socket buffer resets the connection:
+    it never read the request, so the proxy may send it to another worker."""
+    import socket
+    import struct
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def reset_one() -> bytes:
+        conn, _ = listener.accept()
+        peeked = conn.recv(65536, socket.MSG_PEEK)  # arrived, never read by the "engine"
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()  # linger 0: a reset, as the kernel sends for a killed process's queue
+        return peeked
+
+    upstream = Upstream()
+    try:
+        peek = asyncio.get_running_loop().run_in_executor(None, reset_one)
+        with pytest.raises(ConnectFailed):
+            await upstream.send(f"http://127.0.0.1:{port}", "/v1/completions", [], b"{}", 5)
+        assert (await peek).startswith(b"POST /v1/completions")
+    finally:
+        upstream.close()
+        listener.close()
