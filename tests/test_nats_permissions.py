@@ -1,0 +1,130 @@
+"""deploy/nats.conf (what docker-compose.yml runs) on a real nats-server: each role may
+publish only its own subjects, and a router with the router user still gets its events
+through the JetStream stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+import yaml
+from router_double import Served, until
+
+from index.codec import BlockStored, EventBatch, encode
+from index.replay import ReplayMessage
+from router.app import RouterApp
+from router.config import RouterConfig, WorkerSpec
+from router.natsd import EmbeddedNats
+
+CONF = Path(__file__).resolve().parent.parent / "deploy" / "nats.conf"
+AGENT0 = {"user": "agent-engine-0", "password": "agent-0-demo-secret"}
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Any:
+    with EmbeddedNats(store=tmp_path, args=["-c", str(CONF)]) as srv:
+        yield srv
+
+
+async def connect(url: str, creds: dict[str, str], errors: list[Exception]) -> Any:
+    async def on_error(exc: Exception) -> None:
+        errors.append(exc)
+
+    return await nats.connect(url, error_cb=on_error, allow_reconnect=False, **creds)
+
+
+async def test_an_agent_cannot_speak_for_another_worker(server: EmbeddedNats) -> None:
+    errors: list[Exception] = []
+    router = await connect(server.url, {"user": "router", "password": "router-demo-secret"}, errors)
+    agent = await connect(server.url, AGENT0, errors)
+    got: list[str] = []
+
+    async def on_msg(msg: Any) -> None:
+        got.append(msg.subject)
+
+    try:
+        await router.subscribe("kv.events.>", cb=on_msg)
+        await router.subscribe("kv.load.*", cb=on_msg)
+        await router.flush()
+        await agent.publish("kv.events.engine-0", b"own")
+        await agent.publish("kv.events.engine-1", b"forged")  # another worker's events
+        await agent.publish("kv.load.engine-1", b"forged")
+        await agent.flush()
+        await router.publish("kv.events.engine-0", b"a router forging events")
+        await router.flush()
+        await until(lambda: len(errors) >= 3, what="three permission violations")
+        await asyncio.sleep(0.2)
+    finally:
+        await agent.close()
+        await router.close()
+    assert got == ["kv.events.engine-0"]
+    assert all("permissions violation" in str(e).lower() for e in errors), errors
+
+
+async def test_a_router_with_the_router_user_reads_the_event_stream(server: EmbeddedNats) -> None:
+    errors: list[Exception] = []
+    agent = await connect(server.url, AGENT0, errors)
+
+    async def on_replay(msg: Any) -> None:  # what the agent answers: nothing newer than 0
+        await agent.publish(msg.reply, ReplayMessage("end", 0, epoch="e1").encode())
+
+    await agent.subscribe("kv.replay.engine-0", cb=on_replay)
+    cfg = RouterConfig(
+        workers=[WorkerSpec("engine-0", "http://127.0.0.1:9", model="m")],
+        block_size=4,
+        nats_url=server.url,
+        nats_user="router",
+        nats_password="router-demo-secret",
+        events_transport="jetstream",
+    )
+    app = RouterApp(cfg)
+    served = await Served(app).start()
+    try:
+        await until(lambda: app.state.bus.connected, what="router on NATS")
+        ingest = app.state.registry.get("engine-0").pool.ingest
+        stored = BlockStored([11, 12], None, list(range(8)), 4, medium="GPU")
+        payload = encode(EventBatch(time.time(), [stored], None))
+
+        async def applied() -> bool:
+            await agent.publish(
+                "kv.events.engine-0", payload, headers={"Kv-Seq": "0", "Kv-Epoch": "e1"}
+            )
+            await agent.flush()
+            await asyncio.sleep(0.1)
+            return set(ingest.engine_blocks("engine-0")) == {11, 12}
+
+        await until(applied, timeout=15, what="the agent's batch through the stream")
+        assert app.state.feed.using == "jetstream"
+    finally:
+        await served.stop()
+        await agent.close()
+    assert not [e for e in errors if "permissions" in str(e).lower()], errors
+
+
+def test_compose_agents_use_users_limited_to_their_worker() -> None:
+    compose = yaml.safe_load((CONF.parent.parent / "docker-compose.yml").read_text())
+    text = CONF.read_text()
+    nats_cmd = compose["services"]["nats"]["command"]
+    assert nats_cmd[:2] == ["-c", "/etc/nats/nats.conf"]
+    checked = 0
+    for name, svc in compose["services"].items():
+        cmd = svc.get("command") or []
+        if not cmd or cmd[0] != "agent":
+            continue
+        flags = dict(a.removeprefix("--").split("=", 1) for a in cmd[1:] if "=" in a)
+        user = flags["nats-user"]
+        assert f"user: {user}," in text, name
+        if user == "region":
+            continue  # the region profile's shared user (see the comment in nats.conf)
+        block = text.split(f"user: {user},", 1)[1].split("user:", 1)[0]
+        wid = flags["worker-id"]
+        assert f'"kv.events.{wid}"' in block and f'"kv.replay.{wid}"' in block, name
+        assert "kv.events.*" not in block and "kv.events.>" not in block, name
+        checked += 1
+    assert checked == 4
+    env = compose["services"]["router"]["environment"]
+    assert f"user: {env['CACHE_ROUTER_NATS_USER']}," in text
