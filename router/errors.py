@@ -20,7 +20,7 @@ ErrorCode = Literal[
     "invalid_request", "invalid_json", "invalid_value", "missing_field", "invalid_body",
     "model_not_found", "chat_template_error", "context_length_exceeded",
     "request_too_large", "request_timeout", "too_many_headers", "headers_too_large",
-    "header_timeout", "too_many_connections", "upgrade",
+    "header_timeout", "too_many_connections", "upgrade", "client_gone",
     # credentials and the admin API
     "invalid_api_key", "unauthorized", "admin_disabled", "worker_not_found",
     "invalid_worker", "off",
