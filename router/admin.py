@@ -133,7 +133,7 @@ def admin_router(state: RouterState) -> APIRouter:
             "hints_published": state.hints.published,
             "hints_skipped": state.hints.skipped,
         }
-        return _json({"pools": pools, "nats": nats})
+        return _json({"pools": pools, "nats": nats, "audit": state.audit.snapshot()})
 
     @api.post("/explain")
     async def explain(request: Request) -> Response:

@@ -29,6 +29,7 @@ from policies.experiments import Arm, Experiment
 from router.admin import admin_router
 from router.affinity import ResponseAffinity
 from router.asgi import Receive, Scope, Send
+from router.audit import AuditCollector, HitAudit
 from router.auth import bearer_ok
 from router.bus import Bus, nats_options
 from router.capacity import CapacityCollector, CapacityWatch
@@ -110,6 +111,8 @@ class RouterState:
         self.hints = HintPublisher(self.bus, cfg.subject_prefix)
         self.metrics = RouterMetrics()
         self.metrics.add_collector(StateCollector(self.registry, self.counts))
+        self.audit = HitAudit(cfg.audit_bound, self._events_seen)
+        self.metrics.add_collector(AuditCollector(self.audit))
         self.capacity: CapacityWatch | None = None
         if cfg.forecast_tracked and not cfg.gateway:  # a gateway sees no block hashes
             self.capacity = CapacityWatch(self.registry, Sampling(max_tracked=cfg.forecast_tracked))
@@ -146,6 +149,10 @@ class RouterState:
             self._tasks.append(asyncio.create_task(source.run(self.client), name="discovery"))
         if self.capacity is not None:
             self._tasks.append(asyncio.create_task(self.capacity.run(), name="capacity"))
+
+    def _events_seen(self, worker_id: str) -> bool:
+        worker = self.registry.get(worker_id)
+        return worker is not None and bool(worker.pool.ingest.last_seqs(worker_id))
 
     def _tokenizer_path(self, model: str) -> str | None:
         """A model's tokenizer; a LoRA adapter learnt from an engine uses its base's."""

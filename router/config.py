@@ -118,6 +118,7 @@ class RouterConfig:
     request_timeout: float = 600.0  # seconds to wait for the engine's response headers
     stall_after: float = 5.0  # a down engine silent this long fails the requests it holds
     connect_retries: int = 2  # other workers tried when nothing reached the engine
+    audit_bound: float = 0.25  # hit audit: warn past this share of mismatched hit tokens
     predict_ttl: float = 0.0  # seconds a routed prefix counts as cached; 0 disables
     offload_chars: int = 4096  # prompts longer than this tokenize on the thread pool
     health_interval: float = 2.0
@@ -235,6 +236,7 @@ RANGES: dict[str, Range] = {
     "stall_after": _DURATION,
     "connect_retries": Range(0, 64),
     "predict_ttl": Range(0, 86_400.0),
+    "audit_bound": Range(0, 1.0, low_open=True),
     "offload_chars": Range(0, 1 << 34),
     "health_interval": _DURATION,
     "health_timeout": _DURATION,

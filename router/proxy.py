@@ -320,6 +320,7 @@ class Proxy:
             series.requests.inc()
             series.prompt_tokens.inc(req.num_tokens)
             series.routed_hit_tokens.inc(hit)
+            st.audit.routed(worker.id, req.block_hashes[0] if req.block_hashes else None)
             if st.capacity is not None and req.block_hashes:
                 st.capacity.record(
                     req.model, req.block_size, worker.id, req.block_hashes, req.num_tokens,
@@ -427,5 +428,7 @@ class Proxy:
             await send({"type": "http.response.body", "body": b""})
         if cached is not None and series is not None:
             series.hit_tokens.inc(cached)
+        if series is not None and status < 400 and not st.cfg.gateway:
+            st.audit.record(worker_id, hit, cached)
         if remember is not None and status < 400:
             remember(head)

@@ -7,12 +7,20 @@ engine's ``usage.prompt_tokens_details.cached_tokens``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 from replica_stack import BS, MODEL, MockStack, Replica
 from router_double import until
+
+from router.audit import MIN_SAMPLES, HitAudit
+from router.config import WorkerSpec
+from sim.mock_engine import MockEngine, MockEngineConfig
+from sim.mock_scheduler import Timing
+
+AUTH = {"authorization": "Bearer t"}
 
 
 @pytest.fixture
@@ -48,3 +56,54 @@ async def test_prompts_of_whole_blocks_never_count_their_last_block(
     assert all(pred == cached for _, pred, cached in seen), seen
     # the repeat of an exact multiple hit all blocks but the one holding the last token
     assert (3 * BS, 2 * BS, 2 * BS) in seen and (3 * BS + 5, 3 * BS, 3 * BS) in seen
+
+
+def test_the_audit_window_bound_and_warnings() -> None:
+    seen = {"good": True, "blind": False}
+    audit = HitAudit(0.25, lambda w: seen[w])
+    for i in range(MIN_SAMPLES):
+        audit.routed("good", 1)
+        audit.record("good", 32 * (i % 3), 32 * (i % 3))  # exact
+        audit.routed("blind", 1)
+        audit.record("blind", 0, 64)  # the engine hits, the router never predicts
+    snap = audit.snapshot()
+    assert snap["good"]["divergence"] == 0.0 and snap["good"]["warnings"] == {}
+    assert snap["blind"]["divergence"] == 1.0
+    assert set(snap["blind"]["warnings"]) == {"divergence", "no_events"}
+    assert snap["blind"]["mismatched_requests"] == MIN_SAMPLES
+    for _ in range(MIN_SAMPLES):
+        audit.record("quiet", 0, None)
+    assert set(audit.warnings("quiet")) == {"no_usage"}
+
+
+async def test_a_worker_without_events_is_flagged_in_admin_and_metrics(nats_url: str) -> None:
+    """One engine's agent runs, the other engine has none (as with vLLM's PUB socket on a
+    non-wildcard endpoint): the audit says which, and the healthy one audits exact."""
+    mocks = await MockStack(nats_url).start(1)
+    lonely = await MockEngine(
+        MockEngineConfig(worker_id="lonely", model=MODEL, block_size=BS, timing=Timing(speed=200.0))
+    ).start()
+    cfg = mocks.router_config("r0", policy="round_robin")
+    cfg = dataclasses.replace(
+        cfg, workers=[*cfg.workers, WorkerSpec("lonely", lonely.url, model=MODEL)]
+    )
+    replica = await Replica(cfg).start()
+    try:
+        async with httpx.AsyncClient(timeout=10) as http:
+            prompt = [7, *range(1, 3 * BS + 5)]
+            for _ in range(2 * MIN_SAMPLES + 2):
+                await complete(http, replica.url, prompt)
+                await until(lambda: mocks.synced(replica), what="events applied")
+            index = (await http.get(replica.url + "/admin/index", headers=AUTH)).json()
+            metrics = (await http.get(replica.url + "/metrics")).text
+    finally:
+        await replica.stop()
+        await lonely.stop()
+        await mocks.stop()
+    audit = index["audit"]
+    assert audit["m0"]["warnings"] == {} and audit["m0"]["divergence"] == 0.0
+    assert audit["m0"]["reported_hit_tokens"] > 0
+    assert set(audit["lonely"]["warnings"]) == {"divergence", "no_events"}
+    assert not audit["lonely"]["events_seen"] and audit["lonely"]["predicted_hit_tokens"] == 0
+    assert 'cache_router_audit_warning{kind="no_events",worker="lonely"} 1.0' in metrics
+    assert 'cache_router_audit_divergence{worker="m0"} 0.0' in metrics
