@@ -26,16 +26,25 @@ log = logging.getLogger(__name__)
 
 
 class NatsSettings(Protocol):
-    """The connection settings the router config and the agent config both carry."""
+    """The connection settings the router config and the agent config both carry (read
+    only: the router's config is frozen)."""
 
-    nats_url: str | None
-    nats_user: str | None
-    nats_password: str | None
-    nats_token: str | None
-    nats_credentials: str | None
-    nats_tls_ca: str | None
-    nats_tls_cert: str | None
-    nats_tls_key: str | None
+    @property
+    def nats_url(self) -> str | None: ...
+    @property
+    def nats_user(self) -> str | None: ...
+    @property
+    def nats_password(self) -> str | None: ...
+    @property
+    def nats_token(self) -> str | None: ...
+    @property
+    def nats_credentials(self) -> str | None: ...
+    @property
+    def nats_tls_ca(self) -> str | None: ...
+    @property
+    def nats_tls_cert(self) -> str | None: ...
+    @property
+    def nats_tls_key(self) -> str | None: ...
 
 
 def nats_options(cfg: NatsSettings) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from index.capacity import SHARES, CapacityForecast, Sampling, Tiers
+from index.prefix_index import Tier
 from router.metrics import RouterMetrics
 from router.workers import WorkerRegistry
 
@@ -99,7 +100,7 @@ class CapacityWatch:
     def capacities(self, model: str) -> dict[str, Tiers]:
         """Each worker serving ``model``: the blocks it holds in GPU and host memory."""
         out: dict[str, Tiers] = {}
-        held_by_pool: dict[str, dict[str, dict[str, int]]] = {}
+        held_by_pool: dict[str, dict[str, dict[Tier, int]]] = {}
         for w in self.registry.for_model(model):
             held = held_by_pool.get(w.pool.name)
             if held is None:
