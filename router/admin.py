@@ -181,6 +181,26 @@ def admin_router(state: RouterState) -> APIRouter:
             }
         )
 
+    @api.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        """The router's token ids for a request body, to hold against the engine's own
+        ``/tokenize`` (``cache-router doctor`` does): hashes match only if these agree."""
+        raw = await request.body()
+        kind = "chat" if b'"messages"' in raw else "completion"
+        parsed = state.router.parse(kind, raw, {})
+        tok = state.tokenizers.get(parsed.model)
+        body = parsed.body
+        if kind == "chat":
+            ids, _ = tok.chat(body)
+        else:
+            ids, _ = tok.completion(body["prompt"], bool(body.get("add_special_tokens", True)))
+        tokens = (
+            list(ids)
+            if not isinstance(ids, bytes)
+            else [int.from_bytes(ids[i : i + 4], "little") for i in range(0, len(ids), 4)]
+        )
+        return _json({"model": parsed.model, "tokenizer": tok.name, "tokens": tokens})
+
     @api.get("/capacity")
     async def capacity(model: str | None = None) -> Response:
         """The capacity forecast (router/capacity.py), per model or for ``?model=``."""

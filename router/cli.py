@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tune": ("sim.tune", "search cache_aware's parameters and the host tier size on a trace"),
     "mock-engine": ("sim.mock_engine", "run a mock vLLM-like engine"),
     "agent": ("agent.main", "run the node agent: engine ZMQ events -> NATS"),
+    "doctor": ("router.doctor", "check a running deployment: events, block size, tokenizer, hits"),
     "demo": ("router.demo", "run the whole stack on an embedded default and compare policies"),
     "streams": ("router.jetstream", "create the KV event stream or change its limits"),
 }

@@ -141,6 +141,14 @@ class _Metrics:
             c = CounterMetricFamily(name, _HELP.get(name, name), labels=list(labels))
             c.add_metric(list(labels.values()), value)
             yield c
+        if e.cfg.encoding != "sglang":  # vLLM's info gauge: its CacheConfig as labels
+            info = GaugeMetricFamily(
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                labels=["block_size", "enable_prefix_caching", "num_gpu_blocks"],
+            )
+            info.add_metric([str(e.cfg.block_size), "True", str(e.cfg.gpu_blocks)], 1.0)
+            yield info
 
 
 class MockEngine:

@@ -7,6 +7,7 @@ engine's ``usage.prompt_tokens_details.cached_tokens``.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 
@@ -107,3 +108,39 @@ async def test_a_worker_without_events_is_flagged_in_admin_and_metrics(nats_url:
     assert not audit["lonely"]["events_seen"] and audit["lonely"]["predicted_hit_tokens"] == 0
     assert 'cache_router_audit_warning{kind="no_events",worker="lonely"} 1.0' in metrics
     assert 'cache_router_audit_divergence{worker="m0"} 0.0' in metrics
+
+
+async def test_doctor_names_what_is_wrong(nats_url: str) -> None:
+    """On a stack with one healthy worker and one whose events never arrive, the doctor
+    passes the first and fails the second, in text and JSON, with exit status 1."""
+    from router.doctor import Check, diagnose, render
+
+    mocks = await MockStack(nats_url).start(1)
+    lonely = await MockEngine(
+        MockEngineConfig(worker_id="lonely", model=MODEL, block_size=BS, timing=Timing(speed=200.0))
+    ).start()
+    cfg = mocks.router_config("r0", policy="round_robin")
+    cfg = dataclasses.replace(
+        cfg, workers=[*cfg.workers, WorkerSpec("lonely", lonely.url, model=MODEL)]
+    )
+    replica = await Replica(cfg).start()
+    try:
+        async with httpx.AsyncClient(timeout=10) as http:
+            for _ in range(2 * MIN_SAMPLES + 2):
+                await complete(http, replica.url, [9, *range(1, 3 * BS + 5)])
+                await until(lambda: mocks.synced(replica), what="events applied")
+        with httpx.Client(timeout=10) as sync_http:
+            checks = await asyncio.to_thread(diagnose, sync_http, replica.url, "t")
+    finally:
+        await replica.stop()
+        await lonely.stop()
+        await mocks.stop()
+    by = {(c.worker, c.name): c for c in checks}
+    for name in ("events", "block_size", "tokenizer.completion", "tokenizer.chat", "hits"):
+        assert by[("m0", name)].status == "ok", by[("m0", name)]
+    assert by[("lonely", "events")].status == "fail"
+    assert by[("lonely", "hits.no_events")].status == "fail"
+    assert by[("lonely", "block_size")].status == "ok"  # it is the events, not the size
+    text = render(checks)
+    assert "FAIL lonely" in text and "problem(s)" in text
+    assert all(isinstance(c, Check) for c in checks)
