@@ -258,8 +258,12 @@ class StackDistance:
                 lead = 0  # every block is tracked: their depths are exact, use those
             elif lead:
                 buckets[self._hot_bucket] += lead * block_size
-        # Block hashes are xxh3 outputs (index.hashing), uniform already: no mixing.
-        picked = [(i, h) for i, h in enumerate(hashes) if h < threshold]
+        # Block hashes are xxh3 outputs (index.hashing), uniform already: no mixing. A
+        # plain filter, then the few positions, costs half of filtering (i, h) pairs.
+        if threshold == _FULL:
+            picked = list(enumerate(hashes))
+        else:
+            picked = [(hashes.index(h), h) for h in [h for h in hashes if h < threshold]]
         if not picked:
             return
         self.sampled += len(picked)
