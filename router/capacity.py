@@ -50,6 +50,7 @@ class CapacityWatch:
         self.queue_max = queue_max
         self.dropped = 0
         self.analysed = 0
+        self.errors = 0
         self._short: set[str] = set()  # models whose working set outgrows the pool
 
     # -- request path ---------------------------------------------------------------
@@ -90,11 +91,16 @@ class CapacityWatch:
         checked = time.monotonic()
         while True:
             await asyncio.sleep(POLL_S)
-            while self.drain(SLICE_S):
-                await asyncio.sleep(0)
-            if time.monotonic() - checked >= CHECK_S:
-                checked = time.monotonic()
-                self.check()
+            try:
+                while self.drain(SLICE_S):
+                    await asyncio.sleep(0)
+                if time.monotonic() - checked >= CHECK_S:
+                    checked = time.monotonic()
+                    self.check()
+            except Exception:  # a bug here must not end the forecast for good
+                self.errors += 1
+                if self.errors == 1 or self.errors % 1000 == 0:  # seen, not a flood
+                    log.exception("capacity forecast: analysis failed %d times", self.errors)
 
     # -- reading --------------------------------------------------------------------
     def capacities(self, model: str) -> dict[str, Tiers]:
@@ -122,6 +128,7 @@ class CapacityWatch:
             "queued": len(self._queue),
             "analysed_requests": self.analysed,
             "dropped_requests": self.dropped,
+            "errors": self.errors,
             "sampling": {
                 "max_tracked": self.sampling.max_tracked,
                 "hot_blocks": self.sampling.hot_blocks,
