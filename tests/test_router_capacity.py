@@ -114,3 +114,22 @@ def test_full_queue_drops_and_counts() -> None:
     assert watch.reports()["models"][MODEL]["requests"] == 2
     with pytest.raises(ConfigError):
         validate(RouterConfig(forecast_tracked=-1))
+
+
+async def test_a_bad_entry_does_not_stop_the_analysis() -> None:
+    import asyncio
+
+    from index.capacity import Sampling
+    from router.capacity import CapacityWatch
+    from router.workers import WorkerRegistry
+
+    watch = CapacityWatch(WorkerRegistry(RouterConfig()), Sampling())
+    task = asyncio.create_task(watch.run())
+    try:
+        watch.record(MODEL, 16, "w0", ["not a hash"], 40)  # type: ignore[list-item]
+        await until(lambda: watch.errors == 1, what="the error counted")
+        watch.record(MODEL, 16, "w0", [1, 2], 40)
+        await until(lambda: watch.analysed == 1, what="analysis goes on")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
