@@ -11,7 +11,7 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from index.prefix_index import TierMatch
 
@@ -79,6 +79,11 @@ class WorkerView:
         )
 
 
+# Where a prefetch target loads blocks from: the source's host memory over the network,
+# or the shared pool.
+HintTier = Literal["cpu", "shared"]
+
+
 @dataclass(slots=True)
 class PrefetchHint:
     """Ask ``target_worker`` to pull the request's first ``blocks`` blocks early."""
@@ -86,7 +91,7 @@ class PrefetchHint:
     source_worker: str | None  # who holds them (None: the shared pool)
     target_worker: str
     blocks: int
-    tier: str  # where the target loads them from: "cpu" (source host memory) or "shared"
+    tier: HintTier
     deadline_ms: float  # when the target's prefill is expected to start
 
 

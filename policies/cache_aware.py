@@ -67,6 +67,7 @@ from .base import (
     MAX_ENGINE_COUNT,
     NO_MATCH,
     Decision,
+    HintTier,
     Policy,
     PrefetchHint,
     RouteRequest,
@@ -218,7 +219,7 @@ class CacheAware(Policy):
                     ranked[i] += extra
                     scores[cands[i].worker_id]["recompute_ms"] = extra
 
-        options: dict[int, tuple[str | None, int, str, float]] | None = None
+        options: dict[int, tuple[str | None, int, HintTier, float]] | None = None
         if self.prefetch and (src_local or maybe_prefetch):
             # a worker whose queue alone exceeds the best cost cannot win with a prefetch
             bound = min(ranked) + self.tie_ms
@@ -303,7 +304,7 @@ class CacheAware(Policy):
         src_local: int,
         best_hit: int,
         per_block: float,
-    ) -> tuple[str | None, int, str, float] | None:
+    ) -> tuple[str | None, int, HintTier, float] | None:
         """(source, blocks, tier, deadline) if pulling blocks into ``w`` while it waits pays.
 
         It pays when the expected cost is lower: the hint lands with the learned
@@ -317,6 +318,7 @@ class CacheAware(Policy):
         bs = request.block_size
         local = m.disk
         source: str | None
+        tier: HintTier
         if src_id is not None and src_id != w.worker_id and src_local > m.total:
             # pull [local, src_local) from the source's host memory over the network
             moved, hit, tier, source = src_local - local, src_local, "cpu", src_id
