@@ -46,7 +46,8 @@ async def _raw(request: Request) -> bytes:
     try:
         return await read_body(request.scope, request.receive, cfg.max_body_bytes, cfg.body_timeout)
     except ClientGone:
-        raise ApiError(400, "the client left before its body was complete", "client_gone") from None
+        message = "the client left before its body was complete"
+        raise ApiError(400, message, "invalid_body") from None
 
 
 async def _body(request: Request) -> dict[str, Any]:
