@@ -21,11 +21,12 @@ Semantics the proxy relies on:
   it may have been sent, and so could not be retried;
 - that race still happens when the engine's clock jumps (a SIGSTOPped engine runs its
   overdue keep-alive timers first when it resumes and closes the connection under the
-  waiting request). A *reused* connection that ends before one byte of the response is
-  the engine closing it unread (an engine that read a request answers it, or dies with
-  its whole process), so that request is sent once more on a new connection; a reset
-  before any byte on a new connection (the engine killed with the request in its
-  socket buffer) is a ``ConnectFailed`` too: the proxy tries the next worker;
+  waiting request, which the kernel answers with a reset because the request is still
+  unread in its buffer). A reset before one byte of the response means exactly that:
+  the engine never read the request. On a reused connection it is sent once more on a
+  new one; on a new connection (the engine was killed with the request queued) it is a
+  ``ConnectFailed``: the proxy tries the next worker. An EOF is never retried: an engine
+  killed after reading a request ends the connection with one too;
 - ``stalled(url)``: the health checker gave the engine up while requests wait for its
   response headers; if the engine sent no byte on any connection for ``stall_after``
   seconds (a hung process, not a slow one: a busy engine streams to somebody) they
@@ -200,9 +201,9 @@ class _Connection(asyncio.Protocol):
             self.origin.idle.remove(self)
         self.origin.busy.discard(self)
         # Before any response byte, a reset means the engine closed with our request still
-        # in its socket buffer (a full read leaves nothing to reset): it never ran; on a
-        # reused connection a plain EOF is the keep-alive race. Either may go elsewhere.
-        unread = not self.got_bytes and (self.reused or isinstance(exc, ConnectionResetError))
+        # in its socket buffer (a full read leaves nothing to reset): it never ran. A plain
+        # EOF is not that: an engine killed after reading the request ends with one too.
+        unread = not self.got_bytes and isinstance(exc, ConnectionResetError)
         kind = _Unread if unread else UpstreamError
         self._fail(kind(f"the engine closed the connection ({exc or 'EOF'})"))
 
