@@ -26,7 +26,14 @@ from nats.errors import TimeoutError as NatsTimeout
 from index.codec import CodecError, DecodedBatch, decode
 from index.ingest import EventIngest, SeqStatus
 from index.replay import ReplayMessage, ReplayRequest
-from index.wire import DEFAULT_PREFIX, DP_RANK_HEADER, EPOCH_HEADER, SEQ_HEADER, Subjects
+from index.wire import (
+    DEFAULT_PREFIX,
+    DP_RANK_HEADER,
+    EPOCH_HEADER,
+    EPOCH_START_SEQ,
+    SEQ_HEADER,
+    Subjects,
+)
 from router.load import parse_load_report
 from router.ratelog import RateLimitedLog
 from router.tracing import Tracing
@@ -140,7 +147,8 @@ class EventSync:
             seq = int(headers[SEQ_HEADER])
             rank_text = headers.get(DP_RANK_HEADER)
             rank = int(rank_text) if rank_text else None
-            if not 0 <= seq < 1 << 63 or not (rank is None or 0 <= rank < 1 << 16):
+            # EPOCH_START_SEQ (-1): the agent's "new engine life" announcement
+            if not EPOCH_START_SEQ <= seq < 1 << 63 or not (rank is None or 0 <= rank < 1 << 16):
                 raise ValueError("seq or dp rank out of range")
             live = Live(seq, msg.data, rank, headers.get(EPOCH_HEADER))
         except (KeyError, ValueError):
