@@ -260,14 +260,28 @@ class NodeAgent:
             monitor.close(linger=0)
 
     async def _watch_connection(self) -> None:
-        """Say so when the engine's PUB socket cannot be reached: otherwise no event ever
-        arrives and nothing else tells. vLLM binds its PUB socket only for a wildcard
+        """Two things a quiet engine would never bring up by itself, checked each second.
+
+        A restart suspected at a reconnect whose replay check got no answer (the new
+        engine's replay socket was not serving yet) is asked again until it is answered.
+        And an engine PUB socket that cannot be reached is reported: otherwise no event
+        ever arrives and nothing tells. vLLM binds its PUB socket only for a wildcard
         (``tcp://*:P``) or ``ipc://`` endpoint and *connects* to any other, so with
         ``tcp://127.0.0.1:P`` on both sides nobody listens."""
         wait = self.cfg.connect_warn_after
+        unconnected = 0.0
         while True:
-            await asyncio.sleep(wait)
+            await asyncio.sleep(1.0)
             if self.engine_connected:
+                unconnected = 0.0
+                wait = self.cfg.connect_warn_after
+                if self._suspect_restart:
+                    async with self._engine_lock:
+                        await self._check_restart()
+                        await self._catch_up()
+                continue
+            unconnected += 1.0
+            if unconnected < wait:
                 continue
             self.counters["engine_unreachable_warnings"] += 1
             log.warning(
@@ -277,7 +291,7 @@ class NodeAgent:
                 "tcp://HOST:PORT it connects too, and nobody listens",
                 self.cfg.worker_id,
                 self.cfg.zmq_endpoint,
-                wait,
+                unconnected,
             )
             wait = min(wait * 2, 300.0)
 

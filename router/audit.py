@@ -5,7 +5,7 @@ The most common failure in the field is silent: a wrong tokenizer or chat templa
 block size that differs from the engine's, events that never arrive (vLLM's publisher
 connects instead of binding unless its endpoint is a wildcard), and the router just
 predicts zero hits while the engine hits. The two counts agree request for request
-when all is well (vLLM CPU: 63 of 63 requests in ``tests/real_engines``), so the audit
+when all is well (every request of ``tests/real_engines`` against vLLM), so the audit
 keeps a sliding window per worker and warns when they drift apart beyond a bound, or
 when a worker serves prefix traffic but has sent no KV event at all.
 """

@@ -503,7 +503,7 @@ async def test_an_endpoint_nobody_binds_is_reported(
         quiet = agent_config("w-unbound", None, nats_url, zmq_endpoint=unbound)
         fine = agent_config("w-bound", None, nats_url, zmq_endpoint=bound.endpoint)
         for cfg in (quiet, fine):
-            cfg.connect_warn_after = 0.2
+            cfg.connect_warn_after = 1.0
         async with NodeAgent(quiet) as lost, NodeAgent(fine) as ok:
             await until(lambda: lost.stats()["engine_unreachable_warnings"] >= 1)
             await until(lambda: ok.engine_connected, what="bound endpoint connected")
