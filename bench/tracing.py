@@ -7,8 +7,8 @@ spans batched to an OTLP/HTTP endpoint, the canned server answering 200),
 ``on_otlp_sampled_1pct`` (the same with ``parentbased_traceidratio`` at 0.01) and, with
 ``--baseline-rev REV``, ``baseline``: the router as of that git revision (extracted with
 ``git archive``), to show that ``off`` costs nothing against code with no tracing hooks.
-Latency at concurrency 1, then throughput and router CPU per request; rounds alternate
-targets and medians are reported.
+Latency at concurrency 1, then throughput and router CPU per request; each round runs
+every target, starting with a different one, and medians are reported.
 
     python bench/tracing.py [--requests 4000] [--rounds 3] [--baseline-rev REV]
 
@@ -96,8 +96,11 @@ def main() -> None:
         engine = [sys.executable, str(ROOT / "bench" / "proxy.py"), "--engine", str(engine_port)]
         with started(engine, ROOT, {}):
             wait_http(engine_port, "/health")
-            for _ in range(args.rounds):
-                for name, (cmd, cwd, env) in targets.items():
+            names = list(targets)
+            for r in range(args.rounds):
+                # each round starts with another target: no target always runs first
+                for name in names[r % len(names) :] + names[: r % len(names)]:
+                    cmd, cwd, env = targets[name]
                     port = free_port()
                     with started([a.format(port=port) for a in cmd], cwd, env) as proc:
                         wait_http(port, "/health")

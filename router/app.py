@@ -303,6 +303,7 @@ class RouterApp:
             "/v1/chat/completions": Proxy(self.state, "chat", "/v1/chat/completions"),
             "/v1/completions": Proxy(self.state, "completion", "/v1/completions"),
             "/v1/responses": Proxy(self.state, "responses", "/v1/responses"),
+            "/v1/messages": Proxy(self.state, "messages", "/v1/messages"),
             **{path: Passthrough(self.state, path) for path in PASSTHROUGH_PATHS},
         }
         self.lookup = ResponseLookup(self.state)

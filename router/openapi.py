@@ -129,6 +129,29 @@ def _responses_create(cfg: RouterConfig) -> dict[str, Any]:
     }
 
 
+def _anthropic(cfg: RouterConfig) -> dict[str, Any]:
+    block = {"type": "object", "required": ["type"],
+             "properties": {"type": {"type": "string"}, "text": {"type": "string"}}}  # fmt: skip
+    text = {"oneOf": [{"type": "string"}, {"type": "array", "items": block}]}
+    message = {
+        "type": "object",
+        "required": ["role", "content"],
+        "properties": {"role": {"type": "string", "enum": ["user", "assistant"]}, "content": text},
+    }
+    return {
+        "type": "object",
+        "required": ["model", "messages", "max_tokens"],
+        "properties": {
+            "model": {"type": "string", "minLength": 1},
+            "messages": {"type": "array", "minItems": 1, "items": message},
+            "system": text,
+            "max_tokens": {"type": "integer", "minimum": 1},
+            "stream": {"type": "boolean"},
+            "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+        },
+    }
+
+
 def _texts() -> dict[str, Any]:
     return {"oneOf": [{"type": "string", "minLength": 1},
                       {"type": "array", "minItems": 1, "items": {"type": "string"}}]}  # fmt: skip
@@ -228,6 +251,7 @@ def completion_paths(cfg: RouterConfig) -> dict[str, Any]:
         "/v1/completions": _operation("Text completion (OpenAI)", _completion(cfg)),
         "/v1/responses": _operation("Create a response (OpenAI Responses API)",
                                     _responses_create(cfg)),
+        "/v1/messages": _operation("Create a message (Anthropic Messages API)", _anthropic(cfg)),
         "/v1/responses/{response_id}": _stored("Retrieve a stored response", "get"),
         "/v1/responses/{response_id}/cancel": _stored("Cancel a background response", "post"),
         **{path: _operation(summary, _passthrough(fields))

@@ -25,6 +25,8 @@ from policies.experiments import Experiment
 from router.affinity import ResponseAffinity
 from router.config import RouterConfig
 from router.errors import ApiError
+from router.messages import as_messages as anthropic_messages
+from router.messages import check_messages
 from router.pools import Pool
 from router.responses import as_messages, check_responses
 from router.tokenize import TokenizerSet, num_tokens
@@ -33,7 +35,7 @@ from router.workers import Worker, WorkerRegistry
 if TYPE_CHECKING:
     from router.tracing import Trace
 
-Kind = Literal["chat", "completion", "responses"]
+Kind = Literal["chat", "completion", "responses", "messages"]
 
 
 @dataclass(slots=True)
@@ -112,6 +114,8 @@ class Router:
                     raise _bad(f"messages[{i}] must be an object with a string role", "messages")
         elif kind == "responses":
             check_responses(body)
+        elif kind == "messages":
+            check_messages(body)
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str | list) or (isinstance(prompt, list) and not prompt):
@@ -186,6 +190,8 @@ class Router:
             ids, _ = tok.chat(body)
         elif parsed.kind == "responses":
             ids, _ = tok.chat({"messages": as_messages(body)})
+        elif parsed.kind == "messages":
+            ids, _ = tok.chat({"messages": anthropic_messages(body)})
         else:
             ids, _ = tok.completion(body["prompt"], bool(body.get("add_special_tokens", True)))
         hashable: int | None = None

@@ -38,6 +38,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from index.codec import hash_from_json
 from router.cli import serve_until_signalled
 from router.errors import ApiError, error_body
+from sim import mock_messages as anthropic
 from sim.cache import PrefixCache
 from sim.mock_openai import (
     DONE,
@@ -315,6 +316,10 @@ class MockEngine:
         async def responses(request: Request) -> Response:
             return await self._respond(request)
 
+        @app.post("/v1/messages")
+        async def messages(request: Request) -> Response:
+            return await self._messages(request)
+
         @app.get("/v1/responses/{rid}")
         async def retrieve(rid: str) -> Response:
             stored = self.responses.get(rid)
@@ -391,6 +396,41 @@ class MockEngine:
         async for _ in pieces():
             pass
         return JSONResponse(finish())
+
+    async def _messages(self, request: Request) -> Response:
+        """``POST /v1/messages`` (Anthropic's Messages API, see ``sim.mock_messages``)."""
+        self.traceparents.append(request.headers.get("traceparent"))
+        chat = anthropic.chat_body(await _json(request))
+        p = parse_params("chat", chat, self.cfg.model)
+        prompt = self.text.chat(chat)
+        seq = self._sequence(p, prompt)
+        self.scheduler.submit(seq)
+        mid = anthropic.new_id()
+        out: list[str] = []
+
+        def use() -> dict[str, int]:
+            return anthropic.usage(len(prompt), seq.generated, seq.cached_tokens)
+
+        async def pieces() -> AsyncIterator[str]:
+            try:
+                while (step := await seq.out.get()) is not None:
+                    for piece in step:
+                        out.append(piece)
+                        yield piece
+            finally:
+                self.scheduler.abort(seq)
+            if seq.error:
+                raise RuntimeError(seq.error)  # cuts the stream, as a dying engine does
+
+        stop = anthropic.stop_reason(seq.finish_reason)
+        if p.stream:
+            events = anthropic.stream_events(
+                mid, p.model, len(prompt), pieces(), lambda: (stop, use())
+            )
+            return StreamingResponse(events, media_type="text/event-stream")
+        async for _ in pieces():
+            pass
+        return JSONResponse(anthropic.message(mid, p.model, "".join(out), stop, use()))
 
     async def _generate(self, kind: Kind, request: Request) -> Response:
         self.traceparents.append(request.headers.get("traceparent"))
