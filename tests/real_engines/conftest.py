@@ -1,0 +1,46 @@
+"""Fixtures of the real-engine tests: the tiny model and two vLLM engines.
+
+Not part of the main suite (``norecursedirs`` in pyproject.toml): ``.ci/real_engines.sh``
+makes the engine venv and runs ``python3 -m pytest tests/real_engines``. The engine
+venv's python comes from ``CACHE_ROUTER_VLLM_PYTHON``; without it these tests fail
+(never skip), saying how to make one.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from vllm_engine import HERE, Engine, engine_python
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("model")
+    subprocess.run([engine_python(), str(HERE / "make_model.py"), str(out)], check=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Engine]]:
+    """Two engines: e0 with vLLM's bytes (sha256) block hashes, e1 with its int form."""
+    work = tmp_path_factory.mktemp("vllm")
+    base = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+    python = engine_python()
+    ints = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
+    out = [
+        Engine("e0", python, model_dir, work, {**base, ints: "0"}),
+        Engine("e1", python, model_dir, work, {**base, ints: "1"}),
+    ]
+    try:
+        for e in out:
+            e.start()
+        for e in out:
+            e.wait_ready()
+        yield out
+    finally:
+        for e in out:
+            e.stop()

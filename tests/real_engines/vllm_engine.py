@@ -1,0 +1,116 @@
+"""A real vLLM (PyPI's CPU build) engine as a subprocess, for the real-engine tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from router.natsd import free_port
+
+HERE = Path(__file__).parent
+BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
+GPU_BLOCKS = 64  # 2048 tokens per engine: a few long prompts evict
+MAX_LEN = 1024
+MODEL = "tiny"
+LORA = "my-lora"
+START_TIMEOUT = 600.0  # seconds; a cold vLLM CPU start takes 1-3 min on 2 busy cores
+
+
+def engine_python() -> str:
+    python = os.environ.get("CACHE_ROUTER_VLLM_PYTHON")
+    if not python or not Path(python).exists():
+        pytest.fail(
+            "CACHE_ROUTER_VLLM_PYTHON must name the python of a venv with vLLM's CPU "
+            "build (bash .ci/real_engines.sh makes one)",
+            pytrace=False,
+        )
+    return python
+
+
+@dataclass
+class Engine:
+    """One ``vllm.entrypoints.openai.api_server`` process and its endpoints."""
+
+    name: str
+    python: str
+    model_dir: Path
+    workdir: Path
+    env: dict[str, str]
+    port: int = field(default_factory=free_port)
+    replay_port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def events(self) -> str:
+        # vLLM binds its PUB socket only for a wildcard or ipc:// endpoint; ipc keeps
+        # everything on this machine (tcp://*:P would listen on every interface)
+        return f"ipc://{self.workdir}/{self.name}.events"
+
+    @property
+    def replay(self) -> str:
+        return f"tcp://127.0.0.1:{self.replay_port}"
+
+    def command(self) -> list[str]:
+        kv_events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": self.events,
+            "replay_endpoint": self.replay,
+        }
+        return [
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir), "--served-model-name", MODEL,
+            "--load-format", "dummy", "--dtype", "float32",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(GPU_BLOCKS),
+            "--max-model-len", str(MAX_LEN), "--max-num-seqs", "8",
+            "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--enable-lora", "--max-lora-rank", "8",
+            "--lora-modules", f"{LORA}={self.model_dir / 'lora'}",
+            "--kv-events-config", orjson.dumps(kv_events).decode(),
+        ]  # fmt: skip
+
+    def start(self) -> None:
+        log = (self.workdir / f"{self.name}.log").open("ab")
+        self.proc = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir
+        )
+
+    def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise AssertionError(f"vLLM {self.name} exited: see {self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise AssertionError(f"vLLM {self.name} not up after {timeout} s: {self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None
+
+    def log_tail(self) -> str:
+        text = (self.workdir / f"{self.name}.log").read_text(errors="replace")
+        return text[-3000:]
