@@ -1,11 +1,14 @@
 # One image for every part: router, node agent, mock engine, demo.
 FROM python:3.11-slim
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY index ./index
 COPY policies ./policies
 COPY router ./router
 COPY sim ./sim
 COPY agent ./agent
-RUN pip install --no-cache-dir '.[demo,sim]'
+# g++ builds the native core (index._native) and leaves again.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && pip install --no-cache-dir '.[demo,sim]' \
+    && apt-get purge -y g++ && apt-get autoremove -y && rm -rf /var/lib/apt/lists/*
 ENTRYPOINT ["cache-router"]

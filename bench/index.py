@@ -51,6 +51,10 @@ from index import (  # noqa: E402
     PrefixIndex,
     encode,
 )
+from index.backend import NativePrefixIndex  # noqa: E402
+
+# The index under test (--index): the native core when built, else the Python one.
+INDEX: type = NativePrefixIndex or PrefixIndex
 
 os.environ.setdefault("DYN_LOG", "error")  # Dynamo logs every skipped store otherwise
 try:
@@ -318,7 +322,7 @@ def bench_hash(reps: int) -> dict[str, Any]:
 
 
 def ingest_ours(batches: list[tuple[str, int, bytes]]) -> tuple[float, EventIngest]:
-    ingest = EventIngest(PrefixIndex(), BlockHasher(BLOCK))
+    ingest = EventIngest(INDEX(), BlockHasher(BLOCK))
     apply = ingest.apply
     t0 = time.perf_counter()
     for worker, seq, payload in batches:
@@ -432,14 +436,16 @@ def index_memory(data: Dataset, hasher: BlockHasher) -> tuple[int, int]:
     router = router_hashes(data, hasher)
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    index = PrefixIndex()
+    index = INDEX()
     for s in data.stores:
         parent = None if s.parent is None else router[s.parent]
         keys = hasher.hash_tokens(data.tokens[s.blocks].tobytes(), parent=parent)
         index.store(worker_name(s.worker), keys, s.tier, parent=parent)
     used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
-    return used, len(index)
+    # tracemalloc sees Python's allocator only; the native core counts its own heap.
+    native = index.core.bytes()[0] if hasattr(index, "core") else 0
+    return used + native, len(index)
 
 
 def ingest_memory(batches: list[tuple[str, int, bytes]]) -> int:
@@ -449,8 +455,10 @@ def ingest_memory(batches: list[tuple[str, int, bytes]]) -> int:
     _, ingest = ingest_ours(batches)
     used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
-    del ingest
-    return used
+    index = ingest.index
+    native = sum(index.core.bytes()) if hasattr(index, "core") else 0
+    del ingest, index
+    return used + native
 
 
 def dynamo_hash_seconds(data: Dataset) -> float:
@@ -526,6 +534,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "query_kinds": dict(Counter(kinds)),
             "mean_match_depth_blocks": statistics.mean(depths),
             "python": sys.version.split()[0],
+            "index": INDEX.__name__,
             "dynamo": metadata.version("ai-dynamo-runtime") if have_dynamo else None,
         },
         "hash": bench_hash(args.hash_reps),
@@ -603,6 +612,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hash-reps", type=int, help="timed hash calls (default 50)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
+    p.add_argument(
+        "--index",
+        choices=("native", "python"),
+        default="native" if NativePrefixIndex is not None else "python",
+        help="the index under test (default: native when built)",
+    )
     args = p.parse_args(argv)
     # Explicit flags win over the preset.
     for name, value in (_QUICK if args.quick else _FULL).items():
@@ -612,7 +627,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    print(json.dumps(run(parse_args(argv)), indent=2))
+    global INDEX
+    args = parse_args(argv)
+    if args.index == "native" and NativePrefixIndex is None:
+        raise SystemExit("--index native: the native core is not built (see README)")
+    INDEX = NativePrefixIndex if args.index == "native" else PrefixIndex
+    print(json.dumps(run(args), indent=2))
     return 0
 
 

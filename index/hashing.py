@@ -31,6 +31,11 @@ from typing import NewType, TypeAlias, cast
 import msgpack
 import xxhash
 
+try:  # the native core (built by the package; see index/backend.py)
+    from index._native import rolling_hashes as _native_rolling
+except ImportError:
+    _native_rolling = None  # type: ignore[assignment]
+
 _xxh3 = xxhash.xxh3_64_intdigest
 _LITTLE = sys.byteorder == "little"
 
@@ -105,11 +110,15 @@ class BlockHasher:
         ``block_extras`` maps a block index to bytes mixed into that block only (see
         ``extra_key_bytes``).
         """
+        h = self.root(lora_name) if parent is None else parent
+        if not block_extras and _native_rolling is not None:
+            # The same chain in one native call: ~6x faster at 128K tokens (5.2 -> 0.9 ms)
+            ids = token_ids if isinstance(token_ids, list) else token_bytes(token_ids)
+            return cast(list[RouterHash], _native_rolling(ids, self.block_size, self.bigram, h))
         buf = token_bytes(token_ids)
         step = self._step
         n = self.num_blocks(len(buf) // 4)
         window = step + 4 if self.bigram else step
-        h = self.root(lora_name) if parent is None else parent
         out: list[int] = []
         append = out.append
         if not block_extras:

@@ -19,6 +19,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from xxhash import xxh3_64_intdigest
+
 from index.codec import (
     AllBlocksCleared,
     BlockRemoved,
@@ -29,9 +31,15 @@ from index.codec import (
     Event,
     decode,
 )
-from index.hashing import BlockHasher, event_extras, lora_id_root
-from index.prefix_index import PrefixIndex, Tier
+from index.hashing import BlockHasher, event_extras, lora_id_root, token_bytes
+from index.prefix_index import TIERS, PrefixIndex, Tier
 from index.wire import EPOCH_START_SEQ
+
+try:
+    from index._native import Core, ParsedBatch
+    from index.native_index import NativePrefixIndex
+except ImportError:  # the native core is not built
+    NativePrefixIndex = None  # type: ignore[assignment,misc]
 
 _TIER_OF_MEDIUM: dict[str | None, Tier] = {
     None: "gpu",
@@ -47,6 +55,10 @@ _TIER_OF_MEDIUM: dict[str | None, Tier] = {
     "EXTERNAL": "shared",
 }
 _TIER_BIT: dict[Tier, int] = {"gpu": 1, "cpu": 2, "disk": 4, "shared": 8}
+_TIER_NUM = {name: pos for pos, name in enumerate(TIERS)}
+# Seeds the 64-bit key of a bytes engine hash, so it does not equal the int hash with
+# the same value by construction.
+_BYTES_KEY_SEED = 0x62797465735F6B79
 
 
 def tier_of_medium(medium: str | None) -> Tier | None:
@@ -87,11 +99,19 @@ class _Worker:
 
 
 class EventIngest:
-    """Applies event batches from many workers to one ``PrefixIndex``."""
+    """Applies event batches from many workers to one ``PrefixIndex``.
+
+    With a ``NativePrefixIndex`` the per-block work (msgpack decode, rehash, the engine
+    hash map, the worker quota, the index update) is one native call per batch with the
+    GIL released, so a thread can run it beside the event loop; sequence tracking stays
+    here. Batches the native decoder leaves to Python (LoRA, extra keys, cache salt,
+    EAGLE pairs, bytes hashes) are decoded by ``index.codec`` and hashed with
+    ``index.hashing``'s rules, then applied natively in one call as well.
+    """
 
     def __init__(
         self,
-        index: PrefixIndex,
+        index: PrefixIndex | NativePrefixIndex,
         hasher: BlockHasher,
         *,
         max_seq_jump: int = 100_000,
@@ -114,12 +134,30 @@ class EventIngest:
         self.restarts = 0
         self.duplicates = 0
         self._workers: dict[str, _Worker] = {}
+        self._native: NativePrefixIndex | None = None
+        self._core: Core | None = None
+        if NativePrefixIndex is not None and isinstance(index, NativePrefixIndex):
+            self._native, self._core = index, index.core
+            tiers = {m: _TIER_NUM[t] for m, t in _TIER_OF_MEDIUM.items() if m is not None}
+            self._core.configure_events(hasher.block_size, hasher.bigram, hasher.seed, tiers)
+        self._wide: dict[str, dict[int, bytes]] = {}  # per worker: bytes hashes by key
 
     # -- state -------------------------------------------------------------------
     def in_sync(self, worker_id: str) -> bool:
         """False between a detected gap and the replay or dump that closes it."""
         w = self._workers.get(worker_id)
         return w is None or w.in_sync
+
+    @property
+    def native(self) -> bool:
+        """Whether batches are applied by the native core (GIL released, whole batch
+        under the index's lock: safe to run on a thread beside matches)."""
+        return self._core is not None
+
+    def mark_out_of_sync(self, worker_id: str) -> None:
+        """Batches of ``worker_id`` were lost in transport (detected outside the seq
+        numbers): untrusted until the next replay or dump brings it up to date."""
+        self._workers.setdefault(worker_id, _Worker()).in_sync = False
 
     def last_seq(self, worker_id: str, dp_rank: int | None = None) -> int | None:
         w = self._workers.get(worker_id)
@@ -132,6 +170,12 @@ class EventIngest:
 
     def engine_blocks(self, worker_id: str) -> dict[EngineHash, int]:
         """Engine hash -> router hash for every block the worker is known to hold."""
+        if self._native is not None and self._core is not None:
+            slot = self._native.slot_of(worker_id)
+            if slot is None:
+                return {}
+            wide = self._wide.get(worker_id, {})
+            return {wide.get(e, e): r for e, r in self._core.engine_blocks(slot).items()}
         w = self._workers.get(worker_id)
         return {} if w is None else {e: v[0] for e, v in w.blocks.items()}
 
@@ -141,6 +185,12 @@ class EventIngest:
         Prefetch hints name blocks in the source engine's terms; this stops at the
         first block the worker is not known to hold.
         """
+        if self._native is not None and self._core is not None:
+            slot = self._native.slot_of(worker_id)
+            if slot is None:
+                return []
+            wide = self._wide.get(worker_id, {})
+            return [wide.get(e, e) for e in self._core.engine_hashes(slot, router_hashes)]
         w = self._workers.get(worker_id)
         out: list[EngineHash] = []
         if w is None:
@@ -169,6 +219,7 @@ class EventIngest:
 
     def remove_worker(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
+        self._wide.pop(worker_id, None)
         self.index.remove_worker(worker_id)
 
     # -- ingest ------------------------------------------------------------------
@@ -187,7 +238,7 @@ class EventIngest:
         a new epoch clears the worker before the batch is applied.
         """
         try:
-            batch = decode(payload)
+            batch = self._decode(payload)
         except CodecError:
             self.errors["malformed_batch"] += 1
             w = self._workers.setdefault(worker_id, _Worker())
@@ -202,11 +253,21 @@ class EventIngest:
             return result
         return self.apply_batch(worker_id, seq, batch, dp_rank=dp_rank, epoch=epoch)
 
+    def _decode(self, payload: bytes) -> DecodedBatch | ParsedBatch:
+        if self._core is None:
+            return decode(payload)
+        try:
+            parsed = self._core.parse(payload)
+        except ValueError as exc:
+            raise CodecError(str(exc)) from exc
+        # The rare batch the native decoder leaves to Python (see the class docstring).
+        return decode(payload) if parsed.slow else parsed
+
     def apply_batch(
         self,
         worker_id: str,
         seq: int,
-        batch: DecodedBatch,
+        batch: DecodedBatch | ParsedBatch,
         *,
         dp_rank: int | None = None,
         epoch: object = None,
@@ -249,9 +310,13 @@ class EventIngest:
             return self._gap(w, last + 1)
         if epoch is not None:
             w.epoch = epoch
-        w.last_seq[rank] = seq
         result = IngestResult(status, expected_seq=seq + 1)
-        self._apply_events(worker_id, w, batch, result)
+        try:
+            self._apply_events(worker_id, w, batch, result)
+        finally:
+            # After the events: a reader on another thread that sees this seq applied
+            # also sees its blocks (the native path applies off the event loop).
+            w.last_seq[rank] = seq
         w.in_sync = all(w.last_seq.get(r, -1) >= s for r, s in w.seen.items())
         return result
 
@@ -311,11 +376,21 @@ class EventIngest:
         w.engine_of.clear()
         w.last_seq.clear()
         w.seen.clear()
-        self.index.clear(worker_id)
+        if self._native is not None and self._core is not None:
+            slot = self._native.slot_of(worker_id)
+            if slot is not None:
+                self._core.reset_worker(slot)
+            self._wide.pop(worker_id, None)
+        else:
+            self.index.clear(worker_id)
 
     def _apply_events(
-        self, worker_id: str, w: _Worker, batch: DecodedBatch, result: IngestResult
+        self, worker_id: str, w: _Worker, batch: DecodedBatch | ParsedBatch, result: IngestResult
     ) -> None:
+        if self._native is not None and self._core is not None:
+            self._apply_native(self._native.slot(worker_id), worker_id, batch, result)
+            return
+        assert isinstance(batch, DecodedBatch)  # only the native core parses otherwise
         result.errors.update(batch.errors)
         for event in batch.events:
             error = self._apply_event(worker_id, w, event)
@@ -355,6 +430,98 @@ class EventIngest:
             self.index.remove(worker_id, gone, tier)
             return None
         return self._store(worker_id, w, event, tier, bit)
+
+    # -- the native path's Python half ---------------------------------------------
+    def _apply_native(
+        self, slot: int, worker_id: str, batch: DecodedBatch | ParsedBatch, result: IngestResult
+    ) -> None:
+        assert self._core is not None
+        quota = self._quota()
+        limit = -1 if quota is None else quota
+        if isinstance(batch, DecodedBatch):
+            result.errors.update(batch.errors)
+            wide = self._wide.setdefault(worker_id, {})
+            prepared = [self._prepare(wide, e) for e in batch.events]
+            applied, errors, cuts = self._core.apply_events(slot, prepared, limit)
+            if wide:
+                self._forget_wide(slot, wide, batch)
+        else:  # natively parsed: its decode errors come back with the result
+            applied, errors, cuts = self._core.apply_parsed(slot, batch, limit)
+        if cuts:
+            self.errors["worker_quota"] += cuts
+        result.applied += applied
+        result.errors.update(errors)
+        self.errors.update(result.errors)
+        self.events_applied += result.applied
+        self.batches_applied += 1
+
+    def _forget_wide(self, slot: int, wide: dict[int, bytes], batch: DecodedBatch) -> None:
+        """Drop the bytes of the blocks the worker no longer holds."""
+        assert self._core is not None
+        if any(isinstance(e, AllBlocksCleared) for e in batch.events):
+            check = list(wide)
+        else:
+            check = [
+                k
+                for e in batch.events
+                if isinstance(e, BlockRemoved)
+                for k in map(self._key_of, e.block_hashes)
+                if k in wide
+            ]
+        for key, known in zip(check, self._core.known_engine(slot, check), strict=True):
+            if not known:
+                wide.pop(key, None)
+
+    @staticmethod
+    def _key_of(engine_hash: EngineHash) -> int:
+        """The 64-bit key the native maps use for an engine hash: an int as itself,
+        bytes (a sha256) by their XXH3-64."""
+        if isinstance(engine_hash, int):
+            return engine_hash
+        return xxh3_64_intdigest(engine_hash, _BYTES_KEY_SEED)
+
+    @classmethod
+    def _key(cls, wide: dict[int, bytes], engine_hash: EngineHash) -> int:
+        """``_key_of``, keeping bytes hashes in ``wide`` to give them back."""
+        key = cls._key_of(engine_hash)
+        if isinstance(engine_hash, bytes):
+            wide[key] = engine_hash
+        return key
+
+    def _prepare(self, wide: dict[int, bytes], event: Event) -> tuple[object, ...]:
+        """One decoded event as the native applier takes it, hashed by index.hashing's
+        rules (LoRA roots, extra keys, cache salt) exactly as ``_store`` does."""
+        if isinstance(event, AllBlocksCleared):
+            return ("cleared",)
+        tier = tier_of_medium(event.medium)
+        tier_num = -1 if tier is None else _TIER_NUM[tier]
+        keys = [self._key(wide, h) for h in event.block_hashes]
+        if isinstance(event, BlockRemoved):
+            return ("removed", tier_num, bool(event.group_idx), keys)
+        parent = event.parent_block_hash
+        extras = event_extras(
+            event.extra_keys,
+            lora_name=event.lora_name,
+            cache_salt=event.cache_salt,
+            chain_start=parent is None,
+        )
+        root = None
+        if parent is None:
+            if event.lora_name or event.lora_id is None:
+                root = self.hasher.root(event.lora_name)
+            else:
+                root = lora_id_root(self.hasher, event.lora_id)
+        return (
+            "stored",
+            tier_num,
+            bool(event.group_idx),
+            keys,
+            None if parent is None else self._key(wide, parent),
+            bytes(token_bytes(event.token_ids)),
+            event.block_size,
+            root,
+            extras or None,
+        )
 
     def _quota(self) -> int | None:
         if self.max_worker_blocks is not None:

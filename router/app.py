@@ -110,7 +110,7 @@ class RouterState:
             self.affinity.share(self.bus, cfg.subject_prefix, replica, cfg.share_interval)
         self.hints = HintPublisher(self.bus, cfg.subject_prefix)
         self.metrics = RouterMetrics()
-        self.metrics.add_collector(StateCollector(self.registry, self.counts))
+        self.metrics.add_collector(StateCollector(self.registry, self.counts, self.events.lag))
         self.audit = HitAudit(cfg.audit_bound, self._events_seen)
         self.metrics.add_collector(AuditCollector(self.audit))
         self.capacity: CapacityWatch | None = None
@@ -136,6 +136,7 @@ class RouterState:
                 self.bus.on_connect(self.feed.on_connect)
                 self.bus.on_reconnect(self.feed.on_reconnect)
                 self.bus.on_disconnect(self.feed.on_disconnect)
+                self.bus.on_error(self.events.on_nats_error)
             if self.replicas is not None:
                 self.bus.on_connect(self.replicas.attach)
                 self.bus.on_reconnect(self.replicas.on_reconnect)

@@ -68,6 +68,7 @@ def nats_options(cfg: NatsSettings) -> dict[str, Any]:
 
 Hook = Callable[[Client], Awaitable[None]]
 LostHook = Callable[[], Awaitable[None]]
+ErrorHook = Callable[[Exception], Awaitable[None]]
 
 
 class Bus:
@@ -89,6 +90,7 @@ class Bus:
         self._on_connect: list[Hook] = []  # run on every new client (subscribe there)
         self._on_reconnect: list[Hook] = []  # run after the client reconnected by itself
         self._on_disconnect: list[LostHook] = []  # run when the connection drops
+        self._on_error: list[ErrorHook] = []  # run on every async error the client reports
         self._task: asyncio.Task[None] | None = None
         self._closing = False  # close() called: a closed client is no loss
 
@@ -104,6 +106,10 @@ class Bus:
 
     def on_disconnect(self, hook: LostHook) -> None:
         self._on_disconnect.append(hook)
+
+    def on_error(self, hook: ErrorHook) -> None:
+        """E.g. a slow-consumer drop: the client lost a message it had no room for."""
+        self._on_error.append(hook)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._connect_loop(), name="nats-connect")
@@ -161,6 +167,8 @@ class Bus:
 
     async def _error(self, exc: Exception) -> None:
         log.debug("NATS error: %s", exc)
+        for hook in self._on_error:
+            await hook(exc)
 
     async def publish(self, subject: str, data: bytes) -> bool:
         """Publish if connected; otherwise drop and count (a stale hint is worse than none)."""

@@ -10,21 +10,31 @@ subscription's callbacks one at a time, so the live path needs no lock.
 Batches arrive either from a core subscription or from the JetStream stream reader
 (``router.feed`` picks); both hand the same NATS messages, headers intact, to
 ``on_event``.
+
+With the native index, live batches are applied on ``router.ingest_thread`` (decode,
+rehash and apply release the GIL), so the event loop only queues them; one lock keeps
+that thread and the resync path (which stays on the loop) from applying at once, and a
+resync queues behind the batches already on the thread, so their gaps are seen first.
+Nothing is lost silently: a full ingest queue, a slow-consumer drop in the NATS client
+or a skip in the event stream marks the workers concerned out of sync at once and
+resyncs them; ``lag()`` is exported as a metric.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections import Counter
 from typing import NamedTuple
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import SlowConsumerError
 from nats.errors import TimeoutError as NatsTimeout
 
 from index.codec import CodecError, DecodedBatch, decode
-from index.ingest import EventIngest, SeqStatus
+from index.ingest import EventIngest, IngestResult, SeqStatus
 from index.replay import ReplayMessage, ReplayRequest
 from index.wire import (
     DEFAULT_PREFIX,
@@ -34,6 +44,7 @@ from index.wire import (
     SEQ_HEADER,
     Subjects,
 )
+from router.ingest_thread import IngestThread
 from router.load import parse_load_report
 from router.ratelog import RateLimitedLog
 from router.tracing import Tracing
@@ -70,6 +81,7 @@ class EventSync:
         max_pending: int = 10_000,
         max_pending_bytes: int = 64 << 20,
         max_backoff: float = 5.0,
+        max_queued: int = 100_000,
     ) -> None:
         self.registry = registry
         self.prefix = prefix
@@ -89,6 +101,9 @@ class EventSync:
         self.subjects = Subjects(prefix)
         self._events_prefix = self.subjects.events("")
         self._load_prefix = self.subjects.load("")
+        self.max_queued = max_queued  # live batches waiting for the ingest thread
+        self._thread: IngestThread | None = None  # started with the first native batch
+        self._apply_lock = threading.Lock()  # the ingest thread vs the resync path
 
     # -- wiring ------------------------------------------------------------------
     async def attach(self, nc: Client) -> None:
@@ -112,6 +127,15 @@ class EventSync:
         Ends after one round when nothing was missing or no agent answers; keeps trying
         only while the worker is out of sync.
         """
+        # Behind the batches already queued for the ingest thread: what they show (a
+        # gap, a restart) is known before the replay is asked for, as without a thread.
+        if self._thread is not None and self._thread.submit(
+            lambda: None, lambda _: self._resync_now(worker_id)
+        ):
+            return
+        self._resync_now(worker_id)
+
+    def _resync_now(self, worker_id: str) -> None:
         worker = self.registry.get(worker_id)
         if worker is not None:
             last = last_seq(worker.pool.ingest, worker_id)
@@ -122,6 +146,43 @@ class EventSync:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._thread is not None:
+            self._thread.close()
+
+    def lag(self) -> tuple[int, float]:
+        """(live batches queued for the ingest thread, seconds the oldest has waited)."""
+        return (0, 0.0) if self._thread is None else self._thread.lag()
+
+    async def drain(self, timeout: float = 10.0) -> bool:
+        """Wait (bounded) until the batches queued so far are applied."""
+        return True if self._thread is None else await self._thread.drain(timeout)
+
+    # -- loss ----------------------------------------------------------------------
+    def lost(self, worker_id: str, why: str) -> None:
+        """Batches of ``worker_id`` were lost on the way: stop trusting its index at once
+        and fetch what it missed."""
+        worker = self.registry.get(worker_id)
+        if worker is None:
+            return
+        self.counts[f"lost_{why}"] += 1
+        worker.pool.ingest.mark_out_of_sync(worker_id)
+        self.resync(worker_id)
+
+    def lost_all(self, why: str) -> None:
+        """Batches of unknown workers were lost (the event stream skipped): all of them."""
+        for worker in list(self.registry):
+            self.lost(worker.id, why)
+
+    async def on_nats_error(self, exc: Exception) -> None:
+        """The NATS client dropped a message it had no room for (slow consumer)."""
+        if not isinstance(exc, SlowConsumerError):
+            return
+        subject = exc.subject or ""
+        if subject.startswith(self._events_prefix):
+            self.lost(subject[len(self._events_prefix) :], "slow_consumer")
+        elif subject:
+            # A stream delivery (its inbox names no worker): any worker may miss one.
+            self.lost_all("slow_consumer")
 
     # -- live path ---------------------------------------------------------------
     async def _on_load(self, msg: Msg) -> None:
@@ -167,16 +228,57 @@ class EventSync:
             self._hold(worker_id, live)
             self._start_resync(worker_id, 0)
             return
-        if self.tracing is None:
-            result = ingest.apply(
-                worker_id, live.seq, live.payload, dp_rank=live.dp_rank, epoch=live.epoch
+        if ingest.native:
+            thread = self._ingest_thread()
+            if not thread.submit(
+                lambda: self._apply_live(ingest, worker_id, live),
+                lambda result: self._applied(worker_id, live, result),
+            ):
+                self._hold(worker_id, live)  # fed after the resync's replay
+                self.lost(worker_id, "ingest_queue_full")
+            return
+        self._applied(worker_id, live, self._apply(ingest, worker_id, live))
+
+    def _ingest_thread(self) -> IngestThread:
+        if self._thread is None:
+            self._thread = IngestThread(
+                asyncio.get_running_loop(), max_batches=self.max_queued, on_error=self._failed
             )
-        else:
+        return self._thread
+
+    def _failed(self, exc: BaseException) -> None:
+        self.counts["ingest_errors"] += 1
+        log.error("applying a KV-event batch failed", exc_info=exc)
+
+    def _apply(self, ingest: EventIngest, worker_id: str, live: Live) -> IngestResult:
+        with self._apply_lock:
+            if self.tracing is None:
+                return ingest.apply(
+                    worker_id, live.seq, live.payload, dp_rank=live.dp_rank, epoch=live.epoch
+                )
             with self.tracing.ingest(worker_id, live.seq, len(live.payload)) as span:
                 result = ingest.apply(
                     worker_id, live.seq, live.payload, dp_rank=live.dp_rank, epoch=live.epoch
                 )
                 span.set_attribute("cache_router.seq_status", str(result.status))
+                return result
+
+    def _apply_live(self, ingest: EventIngest, worker_id: str, live: Live) -> IngestResult | None:
+        """On the ingest thread; None (not applied) when a resync began meanwhile."""
+        if worker_id in self._resync:
+            return None
+        return self._apply(ingest, worker_id, live)
+
+    def _applied(self, worker_id: str, live: Live, result: IngestResult | None) -> None:
+        """On the loop: what a live batch's ingest said."""
+        if result is None:
+            if worker_id in self._resync:
+                self._hold(worker_id, live)
+                return
+            worker = self.registry.get(worker_id)
+            if worker is None:
+                return
+            result = self._apply(worker.pool.ingest, worker_id, live)
         if result.status in _APPLIED:
             self._rank[worker_id] = live.dp_rank
         elif result.status in _RETRY:
@@ -236,9 +338,7 @@ class EventSync:
             for i, live in enumerate(pending):
                 if replied and self._forged(ingest, worker_id, live):
                     continue
-                result = ingest.apply(
-                    worker_id, live.seq, live.payload, dp_rank=live.dp_rank, epoch=live.epoch
-                )
+                result = self._apply(ingest, worker_id, live)
                 if result.status in _APPLIED:
                     self._rank[worker_id] = live.dp_rank
                 if result.status in (SeqStatus.GAP, SeqStatus.MALFORMED):
@@ -311,11 +411,15 @@ class EventSync:
                         dump_seq = m.seq
                     else:
                         self._rank[worker_id] = rank  # the seq space the agent just filled
-                        for seq, payload in batches:
-                            ingest.apply(worker_id, seq, payload, dp_rank=rank, epoch=m.epoch)
+                        with self._apply_lock:
+                            for seq, payload in batches:
+                                ingest.apply(worker_id, seq, payload, dp_rank=rank, epoch=m.epoch)
+                            if m.dump:
+                                seq = m.seq if dump_seq is None else dump_seq
+                                ingest.load_dump(
+                                    worker_id, seq, dump, dp_rank=rank, epoch=m.epoch
+                                )
                         if m.dump:
-                            seq = m.seq if dump_seq is None else dump_seq
-                            ingest.load_dump(worker_id, seq, dump, dp_rank=rank, epoch=m.epoch)
                             self.counts["dumps_loaded"] += 1
                         return True
             finally:

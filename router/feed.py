@@ -58,6 +58,7 @@ class EventFeed:
             events.on_event,
             on_caught_up=self._caught_up,
             on_lost=self._lost,
+            on_skip=lambda _n: events.lost_all("stream_skipped"),
             counts=events.counts,
             heartbeat=heartbeat,
         )

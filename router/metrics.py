@@ -132,10 +132,14 @@ class StateCollector(Collector):
     """Index, event and worker state, read at scrape time."""
 
     def __init__(
-        self, registry: WorkerRegistry, event_counts: Callable[[], dict[str, int]]
+        self,
+        registry: WorkerRegistry,
+        event_counts: Callable[[], dict[str, int]],
+        event_lag: Callable[[], tuple[int, float]] = lambda: (0, 0.0),
     ) -> None:
         self.workers = registry
         self.event_counts = event_counts
+        self.event_lag = event_lag
 
     def collect(self) -> Iterator[Metric]:
         blocks = GaugeMetricFamily(
@@ -185,6 +189,17 @@ class StateCollector(Collector):
         for kind, n in self.event_counts().items():
             nats.add_metric([kind], n)
         yield nats
+        queued, age = self.event_lag()
+        yield GaugeMetricFamily(
+            "cache_router_events_queued_batches",
+            "Live KV-event batches waiting for the ingest thread",
+            value=queued,
+        )
+        yield GaugeMetricFamily(
+            "cache_router_events_lag_seconds",
+            "How long the oldest waiting KV-event batch has waited",
+            value=age,
+        )
         gauges = {
             key: GaugeMetricFamily(
                 f"cache_router_worker_{key}", key.replace("_", " "), labels=["worker"]

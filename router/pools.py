@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from index.backend import NativePrefixIndex, use_native
 from index.hashing import BlockHasher
 from index.ingest import EventIngest
 from index.prefix_index import PrefixIndex
@@ -24,5 +25,12 @@ class Pool:
     @classmethod
     def create(cls, name: str, block_size: int, max_blocks: int | None = None) -> Pool:
         hasher = BlockHasher(block_size)
-        index = PrefixIndex(max_blocks=max_blocks)
+        # The native index when built (a fraction of the memory, events applied with the
+        # GIL released). It holds at most 64 workers: a bigger pool needs
+        # CACHE_ROUTER_INDEX=python (adding the 65th worker says so).
+        index = (
+            NativePrefixIndex(max_blocks=max_blocks)
+            if use_native() and NativePrefixIndex is not None
+            else PrefixIndex(max_blocks=max_blocks)
+        )
         return cls(name, block_size, hasher, index, EventIngest(index, hasher))

@@ -51,6 +51,7 @@ class StreamReader:
         *,
         on_caught_up: Callable[[], None],
         on_lost: Callable[[], None],
+        on_skip: Callable[[int], None] = lambda _n: None,
         counts: Counter[str],
         heartbeat: float = 1.0,
         max_backoff: float = 5.0,
@@ -59,6 +60,9 @@ class StreamReader:
         self.deliver = deliver
         self.on_caught_up = on_caught_up
         self.on_lost = on_lost
+        self.on_skip = on_skip
+        self.pending = 0  # messages the stream holds past the last delivered one (lag)
+        self._exclusive = False  # the stream holds our event subjects only
         self.counts = counts
         self.heartbeat = heartbeat
         self.max_backoff = max_backoff
@@ -128,6 +132,8 @@ class StreamReader:
             self.caught_up = False
             await self._unsubscribe()
             info = await ensure_stream(nc, self.spec)
+            # Only then is a jump in stream seq a lost batch (not another subject's).
+            self._exclusive = list(info.config.subjects or []) == [self.spec.subject]
             if (info.config.name, info.created) != (self._stream, self._created):
                 if self._created is not None:
                     self.counts["stream_new"] += 1
@@ -188,7 +194,14 @@ class StreamReader:
             self._lost("consumer seq skipped")
             return
         self._dseq += 1
+        skipped = meta.sequence.stream - self._sseq - 1
+        if self._exclusive and self._sseq and skipped > 0:
+            # The stream let batches go (limits) before this reader got them: whose is
+            # unknown, so every worker is out of sync until its agent fills the gap.
+            self.counts["stream_skipped"] += skipped
+            self.on_skip(skipped)
         self._sseq = meta.sequence.stream
+        self.pending = meta.num_pending
         await self.deliver(msg)
         if not self.caught_up and (
             meta.num_pending == 0 or time.time() - meta.timestamp.timestamp() < LIVE_AGE

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 
 import msgpack
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,7 +22,12 @@ from index import (
     encode,
     extra_key_bytes,
 )
+from index.backend import IMPLEMENTATIONS
 from index.wire import EPOCH_START_SEQ
+
+# Every test runs against the Python index and the native one (when built): with the
+# native one, decode -> rehash -> apply happens in index._native.
+pytestmark = pytest.mark.parametrize("Index", IMPLEMENTATIONS)
 
 B = 4
 
@@ -111,9 +117,9 @@ def held(index: PrefixIndex, worker: str, hashes: set[int]) -> bool:
 
 @settings(max_examples=150, deadline=None)
 @given(engine_ops)
-def test_index_mirrors_the_engine_cache(ops: list) -> None:
+def test_index_mirrors_the_engine_cache(Index, ops: list) -> None:
     eng = run_engine(ops)
-    hasher, index = BlockHasher(B), PrefixIndex()
+    hasher, index = BlockHasher(B), Index()
     ingest = EventIngest(index, hasher)
     for seq, payload in enumerate(eng.log):
         assert ingest.apply("w", seq, payload).status in (SeqStatus.OK,)
@@ -125,12 +131,12 @@ def test_index_mirrors_the_engine_cache(ops: list) -> None:
 
 @settings(max_examples=150, deadline=None)
 @given(engine_ops, st.data())
-def test_faulty_delivery_with_replay_converges(ops: list, data: st.DataObject) -> None:
+def test_faulty_delivery_with_replay_converges(Index, ops: list, data: st.DataObject) -> None:
     """Drop, duplicate and reorder batches; replaying from expected_seq must converge."""
     eng = run_engine(ops)
     n = len(eng.log)
     deliveries = data.draw(st.lists(st.integers(0, max(n - 1, 0)), max_size=2 * n)) if n else []
-    hasher, index = BlockHasher(B), PrefixIndex()
+    hasher, index = BlockHasher(B), Index()
     ingest = EventIngest(index, hasher)
     replays = 0
     for seq in [*deliveries, n - 1] if n else []:
@@ -147,20 +153,20 @@ def test_faulty_delivery_with_replay_converges(ops: list, data: st.DataObject) -
         assert held(index, "w", expected) and len(index) == len(expected)
 
 
-def test_duplicate_batch_changes_nothing() -> None:
+def test_duplicate_batch_changes_nothing(Index) -> None:
     eng = Engine()
     eng.store(list(range(8)))
-    ingest = EventIngest(PrefixIndex(), BlockHasher(B))
+    ingest = EventIngest(Index(), BlockHasher(B))
     assert ingest.apply("w", 0, eng.log[0]).status is SeqStatus.OK
     assert ingest.apply("w", 0, eng.log[0]).status is SeqStatus.DUPLICATE
     assert ingest.duplicates == 1 and ingest.events_applied == 1
 
 
-def test_gap_is_not_applied_and_marks_out_of_sync() -> None:
+def test_gap_is_not_applied_and_marks_out_of_sync(Index) -> None:
     eng = Engine()
     eng.store(list(range(8)))
     eng.store([9] * 8)
-    ingest = EventIngest(PrefixIndex(), BlockHasher(B))
+    ingest = EventIngest(Index(), BlockHasher(B))
     ingest.apply("w", 0, eng.log[0])
     eng.store([7] * 8)
     result = ingest.apply("w", 2, eng.log[2])
@@ -172,17 +178,17 @@ def test_gap_is_not_applied_and_marks_out_of_sync() -> None:
     assert ingest.in_sync("w")
 
 
-def test_joining_mid_stream_asks_for_history_from_zero() -> None:
+def test_joining_mid_stream_asks_for_history_from_zero(Index) -> None:
     eng = Engine()
     for i in range(3):
         eng.store([i] * 8)
-    ingest = EventIngest(PrefixIndex(), BlockHasher(B))
+    ingest = EventIngest(Index(), BlockHasher(B))
     result = ingest.apply("w", 2, eng.log[2])
     assert result.status is SeqStatus.GAP and result.expected_seq == 0
 
 
-def test_restart_by_seq_zero_or_new_epoch_clears_the_worker() -> None:
-    hasher, index = BlockHasher(B), PrefixIndex()
+def test_restart_by_seq_zero_or_new_epoch_clears_the_worker(Index) -> None:
+    hasher, index = BlockHasher(B), Index()
     ingest = EventIngest(index, hasher)
     old = Engine()
     old.store(list(range(8)))
@@ -203,8 +209,8 @@ def test_restart_by_seq_zero_or_new_epoch_clears_the_worker() -> None:
     assert ingest.restarts == 2
 
 
-def test_dump_replaces_state_and_reports_newer_batches_missing() -> None:
-    hasher, index = BlockHasher(B), PrefixIndex()
+def test_dump_replaces_state_and_reports_newer_batches_missing(Index) -> None:
+    hasher, index = BlockHasher(B), Index()
     ingest = EventIngest(index, hasher)
     eng = Engine()
     for i in range(4):
@@ -223,15 +229,15 @@ def test_dump_replaces_state_and_reports_newer_batches_missing() -> None:
         assert index.match(hasher.hash_tokens([i] * 8)) == {"w": 2}
 
 
-def test_malformed_batch_is_counted_and_asks_for_replay() -> None:
-    ingest = EventIngest(PrefixIndex(), BlockHasher(B))
+def test_malformed_batch_is_counted_and_asks_for_replay(Index) -> None:
+    ingest = EventIngest(Index(), BlockHasher(B))
     result = ingest.apply("w", 0, b"\x93garbage")
     assert result.status is SeqStatus.MALFORMED and result.expected_seq == 0
     assert ingest.errors["malformed_batch"] == 1 and not ingest.in_sync("w")
 
 
-def test_bad_events_are_counted_by_kind() -> None:
-    hasher, index = BlockHasher(B), PrefixIndex()
+def test_bad_events_are_counted_by_kind(Index) -> None:
+    hasher, index = BlockHasher(B), Index()
     ingest = EventIngest(index, hasher)
     events = [
         BlockStored([1], None, list(range(6)), 6),  # wrong block size (not a multiple)
@@ -252,8 +258,8 @@ def test_bad_events_are_counted_by_kind() -> None:
     }
 
 
-def test_tiers_lora_and_extra_keys_follow_the_request_side_hashes() -> None:
-    hasher, index = BlockHasher(B), PrefixIndex()
+def test_tiers_lora_and_extra_keys_follow_the_request_side_hashes(Index) -> None:
+    hasher, index = BlockHasher(B), Index()
     ingest = EventIngest(index, hasher)
     toks = list(range(8))
     events = [
@@ -272,8 +278,8 @@ def test_tiers_lora_and_extra_keys_follow_the_request_side_hashes() -> None:
     assert ingest.engine_hashes("w", hasher.hash_tokens(toks)) == [1, 2]
 
 
-def test_sglang_bigram_pairs_match_a_bigram_hasher() -> None:
-    hasher, index = BlockHasher(B, bigram=True), PrefixIndex()
+def test_sglang_bigram_pairs_match_a_bigram_hasher(Index) -> None:
+    hasher, index = BlockHasher(B, bigram=True), Index()
     ingest = EventIngest(index, hasher)
     pairs = [[t, t + 1] for t in range(8)]
     payload = msgpack.packb(
@@ -296,15 +302,15 @@ def test_sglang_bigram_pairs_match_a_bigram_hasher() -> None:
     assert index.match(hasher.hash_tokens(list(range(9)))) == {"w": 2}
 
 
-def test_garbage_never_escapes_the_ingest_loop() -> None:
-    ingest = EventIngest(PrefixIndex(), BlockHasher(B))
+def test_garbage_never_escapes_the_ingest_loop(Index) -> None:
+    ingest = EventIngest(Index(), BlockHasher(B))
     for seq, junk in enumerate([b"", b"\xff" * 9, msgpack.packb([1, [[None]], 0]), b"[]"]):
         ingest.apply("w", seq, junk)
     assert sum(ingest.errors.values()) >= 3
 
 
-def test_with_epochs_a_late_seq_zero_is_a_duplicate_not_a_restart() -> None:
-    hasher, index = BlockHasher(B), PrefixIndex()
+def test_with_epochs_a_late_seq_zero_is_a_duplicate_not_a_restart(Index) -> None:
+    hasher, index = BlockHasher(B), Index()
     ingest = EventIngest(index, hasher)
     eng = Engine()
     eng.store(list(range(8)))
@@ -315,8 +321,8 @@ def test_with_epochs_a_late_seq_zero_is_a_duplicate_not_a_restart() -> None:
     assert index.match(hasher.hash_tokens([5] * 8)) == {"w": 2}
 
 
-def test_new_epoch_mid_stream_clears_and_asks_for_history() -> None:
-    hasher, index = BlockHasher(B), PrefixIndex()
+def test_new_epoch_mid_stream_clears_and_asks_for_history(Index) -> None:
+    hasher, index = BlockHasher(B), Index()
     ingest = EventIngest(index, hasher)
     eng = Engine()
     for i in range(3):
@@ -330,8 +336,8 @@ def test_new_epoch_mid_stream_clears_and_asks_for_history() -> None:
     assert ingest.in_sync("w") and ingest.restarts == 1
 
 
-def test_an_epoch_start_clears_the_worker_and_expects_seq_0() -> None:
-    ingest = EventIngest(PrefixIndex(), BlockHasher(4))
+def test_an_epoch_start_clears_the_worker_and_expects_seq_0(Index) -> None:
+    ingest = EventIngest(Index(), BlockHasher(4))
     stored = encode(EventBatch(0.0, [BlockStored([1], None, [1, 2, 3, 4], 4)]))
     clear = encode(EventBatch(0.0, [AllBlocksCleared()]))
     assert ingest.apply("w", 0, stored, epoch="a").status is SeqStatus.OK
@@ -344,14 +350,14 @@ def test_an_epoch_start_clears_the_worker_and_expects_seq_0() -> None:
     assert ingest.apply("w", 0, stored, epoch="b").status is SeqStatus.OK
     assert ingest.engine_blocks("w") and ingest.in_sync("w")
     # a router that never saw the worker takes the marker as the start of its stream
-    fresh = EventIngest(PrefixIndex(), BlockHasher(4))
+    fresh = EventIngest(Index(), BlockHasher(4))
     assert fresh.apply("v", EPOCH_START_SEQ, clear, epoch="c").status is SeqStatus.RESTART
     assert fresh.in_sync("v") and fresh.apply("v", 0, stored, epoch="c").status is SeqStatus.OK
 
 
-def test_blocks_a_multiple_of_the_block_size_are_split_and_removed_whole() -> None:
+def test_blocks_a_multiple_of_the_block_size_are_split_and_removed_whole(Index) -> None:
     """vLLM 0.33 reports a coarser KV group's blocks (k router blocks, one hash each)."""
-    hasher, index = BlockHasher(B), PrefixIndex()
+    hasher, index = BlockHasher(B), Index()
     ingest = EventIngest(index, hasher)
     toks = list(range(4 * B))
     events = [
@@ -366,9 +372,9 @@ def test_blocks_a_multiple_of_the_block_size_are_split_and_removed_whole() -> No
     assert index.match_tiers(router)["w"].gpu == 2
 
 
-def test_remote_locality_is_the_shared_tier() -> None:
+def test_remote_locality_is_the_shared_tier(Index) -> None:
     """vLLM 0.33's ``locality: "REMOTE"``: held in a store other nodes reach."""
-    hasher, index = BlockHasher(B), PrefixIndex()
+    hasher, index = BlockHasher(B), Index()
     ingest = EventIngest(index, hasher)
     toks = list(range(2 * B))
     stored = {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,

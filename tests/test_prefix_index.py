@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from index import TIERS, PrefixIndex, TierMatch
+from index.backend import IMPLEMENTATIONS
+
+# Every test runs against the Python index and the native one (when built).
+pytestmark = pytest.mark.parametrize("Index", IMPLEMENTATIONS)
 
 WORKERS = ["w0", "w1", "w2", "w3"]
 # A small universe of chains: blocks are (chain, depth) so chains share prefixes.
@@ -103,8 +108,8 @@ def apply(index: PrefixIndex, ref: Reference, steps: list[tuple]) -> None:
 
 @settings(max_examples=400, deadline=None)
 @given(st.lists(ops, max_size=40), st.sampled_from([1, 24]))
-def test_match_equals_reference(steps: list[tuple], bisect_min: int) -> None:
-    index, ref = PrefixIndex(bisect_min_blocks=bisect_min), Reference()
+def test_match_equals_reference(Index, steps: list[tuple], bisect_min: int) -> None:
+    index, ref = Index(bisect_min_blocks=bisect_min), Reference()
     apply(index, ref, steps)
     for chain in CHAINS:
         for cut in range(len(chain) + 1):
@@ -117,15 +122,15 @@ def test_match_equals_reference(steps: list[tuple], bisect_min: int) -> None:
         assert counts[w] == {t: len(s) for t, s in tiers.items()}
 
 
-def test_hole_ends_the_match() -> None:
-    index = PrefixIndex()
+def test_hole_ends_the_match(Index) -> None:
+    index = Index()
     index.store("a", [1, 2, 3, 4])
     index.remove("a", [2])
     assert index.match([1, 2, 3, 4]) == {"a": 1}
 
 
-def test_lower_tiers_count_in_match_and_split_in_match_tiers() -> None:
-    index = PrefixIndex()
+def test_lower_tiers_count_in_match_and_split_in_match_tiers(Index) -> None:
+    index = Index()
     index.store("a", [1, 2])
     index.store("a", [3], "cpu")
     index.store("a", [4], "disk")
@@ -135,8 +140,8 @@ def test_lower_tiers_count_in_match_and_split_in_match_tiers() -> None:
     assert tiers["a"] == TierMatch(gpu=2, cpu=3, disk=4, total=5)
 
 
-def test_memory_bound_drops_least_recently_matched() -> None:
-    index = PrefixIndex(max_blocks=100)
+def test_memory_bound_drops_least_recently_matched(Index) -> None:
+    index = Index(max_blocks=100)
     index.store("a", list(range(60)))
     index.match(list(range(10)))  # the first ten are now the most recently used
     index.store("b", list(range(1000, 1060)))
@@ -154,9 +159,9 @@ class Clock:
         return self.now
 
 
-def test_predictions_expire_or_are_confirmed() -> None:
+def test_predictions_expire_or_are_confirmed(Index) -> None:
     clock = Clock()
-    index = PrefixIndex(clock=clock)
+    index = Index(clock=clock)
     index.add_worker("a")
     index.predict("a", [1, 2, 3], ttl=2.0)
     assert index.match([1, 2, 3]) == {"a": 3}
@@ -172,9 +177,9 @@ def test_predictions_expire_or_are_confirmed() -> None:
     assert index.stats().speculative == 0
 
 
-def test_re_prediction_extends_the_ttl() -> None:
+def test_re_prediction_extends_the_ttl(Index) -> None:
     clock = Clock()
-    index = PrefixIndex(clock=clock)
+    index = Index(clock=clock)
     index.predict("a", [1], ttl=1.0)
     clock.now = 0.5
     index.predict("a", [1], ttl=1.0)
@@ -184,8 +189,8 @@ def test_re_prediction_extends_the_ttl() -> None:
     assert index.match([1]) == {}
 
 
-def test_removed_worker_slot_is_reused_cleanly() -> None:
-    index = PrefixIndex()
+def test_removed_worker_slot_is_reused_cleanly(Index) -> None:
+    index = Index()
     index.store("a", [1, 2])
     index.remove_worker("a")
     index.store("b", [7])
@@ -217,8 +222,8 @@ LONG = [long_chain(b, 64) for b in range(4)]
         max_size=30,
     )
 )
-def test_bisection_equals_linear_walk_with_holes(steps: list[tuple]) -> None:
-    fast, slow = PrefixIndex(bisect_min_blocks=1), PrefixIndex(bisect_min_blocks=10**9)
+def test_bisection_equals_linear_walk_with_holes(Index, steps: list[tuple]) -> None:
+    fast, slow = Index(bisect_min_blocks=1), Index(bisect_min_blocks=10**9)
     ref = Reference()
     for op, worker, branch, start, length in steps:
         chain = LONG[branch]
@@ -243,8 +248,8 @@ def test_bisection_equals_linear_walk_with_holes(steps: list[tuple]) -> None:
             assert fast.match_tiers(chain[:cut]) == slow.match_tiers(chain[:cut])
 
 
-def test_holes_are_counted_and_healed() -> None:
-    index = PrefixIndex(bisect_min_blocks=1)
+def test_holes_are_counted_and_healed(Index) -> None:
+    index = Index(bisect_min_blocks=1)
     chain = list(range(1, 41))
     index.store("a", chain)
     assert index.stats().workers_with_holes == 0
@@ -258,8 +263,8 @@ def test_holes_are_counted_and_healed() -> None:
     assert index.stats().workers_with_holes == 0 and len(index) == 0
 
 
-def test_memory_bound_evicts_leaves_first_and_makes_no_holes() -> None:
-    index = PrefixIndex(max_blocks=50, bisect_min_blocks=1)
+def test_memory_bound_evicts_leaves_first_and_makes_no_holes(Index) -> None:
+    index = Index(max_blocks=50, bisect_min_blocks=1)
     index.store("a", list(range(1, 41)))
     index.match(list(range(1, 41)))
     index.store("b", list(range(100, 140)))

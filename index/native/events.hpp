@@ -1,0 +1,575 @@
+// KV-event batches in native code: msgpack EventBatch -> events -> the router's own
+// rolling hashes -> the index, with the engine hash -> router hash map per worker.
+//
+// Decoding follows index/codec.py rule for rule (array- or map-encoded events and
+// batches, signed / unsigned / bytes hashes, unknown fields ignored, a bad event counted
+// and skipped, an unreadable envelope rejected whole). What the native path does not
+// hash itself — LoRA roots, extra keys, cache salts, EAGLE token pairs, bytes hashes (kept
+// as bytes end to end) — marks the batch ``slow``: Python decodes it with index/codec.py and hands the
+// prepared events back (index/hashing.py keeps those semantics in one place).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "flat_map.hpp"
+#include "msgpack_reader.hpp"
+#include "prefix_index.hpp"
+#include "xxh3.hpp"
+
+namespace cr {
+
+enum EventKind : uint8_t { STORED = 0, REMOVED = 1, CLEARED = 2 };
+
+struct PEvent {
+    uint8_t kind = STORED;
+    int tier = GPU;  // -1: unknown medium
+    bool other_group = false;
+    bool has_parent = false;
+    bool has_root = false;
+    uint64_t parent = 0;
+    uint64_t root = 0;
+    int64_t block_size = 0;
+    std::vector<uint64_t> hashes;
+    std::vector<uint32_t> tokens;
+    std::vector<std::pair<int64_t, std::string>> extras;  // block index -> extra bytes
+};
+
+struct ParsedBatch {
+    double ts = 0;
+    bool has_dp = false;
+    int64_t dp = 0;
+    bool slow = false;
+    int64_t bad_event = 0, unknown_event = 0;
+    std::vector<PEvent> events;
+};
+
+// Rolling hashes of every full block; ``window`` is block_size (+1 for bigram blocks).
+inline void rolling_hashes(const uint32_t* tokens, size_t n_tokens, size_t block_size,
+                           bool bigram, uint64_t h, std::vector<uint64_t>& out) {
+    const size_t n = bigram ? (n_tokens ? (n_tokens - 1) / block_size : 0) : n_tokens / block_size;
+    const size_t window = (block_size + (bigram ? 1 : 0)) * 4;
+    const auto* bytes = reinterpret_cast<const uint8_t*>(tokens);
+    out.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+        h = xxh3_64(bytes + i * block_size * 4, window, h);
+        out[i] = h;
+    }
+}
+
+using TierTable = std::unordered_map<std::string, int>;
+
+// One parse: the payload as a flat preorder array of nodes, then read as a batch.
+class BatchParser {
+   public:
+    explicit BatchParser(const TierTable& tiers) : tiers_(tiers) {}
+
+    // Throws DecodeError when the payload is not an EventBatch at all.
+    void parse(const uint8_t* p, size_t n, ParsedBatch& out) {
+        nodes_.reserve(64);
+        ints_.reserve(n / 2 + 4);
+        Reader r(p, n);
+        build(r, 0);
+        if (!r.done()) throw DecodeError("extra bytes after the batch");
+        out = ParsedBatch{};
+        envelope(out);
+    }
+
+   private:
+    struct Node {
+        Value v;
+        uint32_t size;    // nodes in this subtree, itself included
+        int32_t packed;   // an array of unsigned ints only: its values start at ints_[packed]
+    };
+
+    void build(Reader& r, int depth) {
+        if (depth > 256) throw DecodeError("nested too deep");
+        const size_t at = nodes_.size();
+        nodes_.push_back(Node{r.next(), 1, -1});
+        const Value v = nodes_[at].v;
+        if (v.kind == Kind::Str && !utf8_ok(v.bytes)) throw DecodeError("invalid utf-8");
+        if (v.kind == Kind::Array && pack(r, v.n)) {
+            nodes_[at].packed = static_cast<int32_t>(ints_.size() - v.n);
+            return;
+        }
+        uint64_t kids = v.kind == Kind::Array ? v.n : v.kind == Kind::Map ? 2ULL * v.n : 0;
+        for (uint64_t i = 0; i < kids; ++i) build(r, depth + 1);
+        nodes_[at].size = static_cast<uint32_t>(nodes_.size() - at);
+    }
+
+    // Token ids and hashes are arrays of unsigned ints: keep them as plain numbers, not
+    // one node each (4x faster decoding of a 1K-token event).
+    bool pack(Reader& r, uint32_t n) {
+        const uint8_t* start = r.pos();
+        const size_t mark = ints_.size();
+        uint64_t x;
+        for (uint32_t i = 0; i < n; ++i) {
+            if (!r.next_uint(x)) {
+                r.seek(start);
+                ints_.resize(mark);
+                return false;
+            }
+            ints_.push_back(x);
+        }
+        return true;
+    }
+
+    static bool utf8_ok(std::string_view s) {
+        const auto* p = reinterpret_cast<const uint8_t*>(s.data());
+        const auto* e = p + s.size();
+        while (p < e) {
+            uint8_t c = *p;
+            if (c < 0x80) {
+                ++p;
+                continue;
+            }
+            int n;
+            uint32_t cp;
+            if ((c & 0xe0) == 0xc0) n = 1, cp = c & 0x1f;
+            else if ((c & 0xf0) == 0xe0) n = 2, cp = c & 0x0f;
+            else if ((c & 0xf8) == 0xf0) n = 3, cp = c & 0x07;
+            else return false;
+            if (e - p <= n) return false;
+            for (int i = 1; i <= n; ++i) {
+                if ((p[i] & 0xc0) != 0x80) return false;
+                cp = (cp << 6) | (p[i] & 0x3f);
+            }
+            if ((n == 1 && cp < 0x80) || (n == 2 && cp < 0x800) || (n == 3 && cp < 0x10000) ||
+                cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff))
+                return false;
+            p += n + 1;
+        }
+        return true;
+    }
+
+    // Children of the container at ``i``.
+    std::vector<size_t> children(size_t i) const {
+        std::vector<size_t> out;
+        const Node& c = nodes_[i];
+        if (c.packed >= 0) return out;
+        size_t count = c.v.kind == Kind::Array ? c.v.n : 2ULL * c.v.n;
+        size_t j = i + 1;
+        for (size_t k = 0; k < count; ++k) {
+            out.push_back(j);
+            j += nodes_[j].size;
+        }
+        return out;
+    }
+
+    bool is_str(size_t i, std::string_view s) const {
+        return nodes_[i].v.kind == Kind::Str && nodes_[i].v.bytes == s;
+    }
+
+    // Value node of ``key`` in the map at ``i`` (the last one wins, as in a Python
+    // dict), or 0 when absent.
+    size_t field(const std::vector<size_t>& kv, std::string_view key) const {
+        size_t found = 0;
+        for (size_t k = 0; k + 1 < kv.size(); k += 2)
+            if (is_str(kv[k], key)) found = kv[k + 1];
+        return found;
+    }
+
+    Kind kind(size_t i) const { return i ? nodes_[i].v.kind : Kind::Nil; }
+
+    void envelope(ParsedBatch& out) {
+        const Node& top = nodes_[0];
+        size_t ts = 0, events = 0, dp = 0;
+        if (top.v.kind == Kind::Array && top.v.n >= 2) {
+            if (top.packed >= 0) throw DecodeError("EventBatch.events is not a list");
+            auto c = children(0);
+            ts = c[0], events = c[1];
+            dp = c.size() > 2 ? c[2] : 0;
+        } else if (top.v.kind == Kind::Map) {
+            auto kv = children(0);
+            events = field(kv, "events");
+            bool has_events = false;
+            for (size_t k = 0; k + 1 < kv.size(); k += 2) has_events |= is_str(kv[k], "events");
+            if (!has_events) throw DecodeError("not an EventBatch");
+            ts = field(kv, "ts");
+            for (const char* name : {"data_parallel_rank", "dp_rank", "attn_dp_rank"}) {
+                size_t d = field(kv, name);
+                if (kind(d) != Kind::Nil) {
+                    dp = d;
+                    break;
+                }
+            }
+        } else {
+            throw DecodeError("not an EventBatch");
+        }
+        if (kind(events) != Kind::Array) throw DecodeError("EventBatch.events is not a list");
+        switch (kind(ts)) {
+            case Kind::Nil:
+                if (ts) throw DecodeError("EventBatch.ts is not a number");
+                out.ts = 0;  // a map without "ts"
+                break;
+            case Kind::UInt: out.ts = static_cast<double>(nodes_[ts].v.u); break;
+            case Kind::Int: out.ts = static_cast<double>(nodes_[ts].v.i); break;
+            case Kind::Float: out.ts = nodes_[ts].v.f; break;
+            default: throw DecodeError("EventBatch.ts is not a number");
+        }
+        switch (kind(dp)) {
+            case Kind::Nil: break;
+            case Kind::UInt:
+                out.has_dp = true;
+                out.dp = static_cast<int64_t>(nodes_[dp].v.u);
+                if (nodes_[dp].v.u > static_cast<uint64_t>(INT64_MAX)) out.slow = true;
+                break;
+            case Kind::Int: out.has_dp = true, out.dp = nodes_[dp].v.i; break;
+            default: throw DecodeError("EventBatch dp rank is not an int");
+        }
+        if (nodes_[events].packed >= 0) out.bad_event += nodes_[events].v.n;  // ints
+        for (size_t e : children(events)) {
+            PEvent ev;
+            switch (event(e, ev, out.slow)) {
+                case 0: out.events.push_back(std::move(ev)); break;
+                case 1: ++out.bad_event; break;
+                default: ++out.unknown_event; break;
+            }
+        }
+    }
+
+    struct Bad {};
+
+    uint64_t hash(size_t i, bool& slow) const {
+        if (!i) throw Bad{};
+        const Value& v = nodes_[i].v;
+        if (v.kind == Kind::UInt) return v.u;
+        if (v.kind == Kind::Int) return static_cast<uint64_t>(v.i);
+        if (v.kind == Kind::Bin) {
+            slow = true;  // bytes hashes stay bytes (index.codec): Python keeps them
+            return 0;
+        }
+        throw Bad{};
+    }
+
+    void hashes(size_t i, std::vector<uint64_t>& out, bool& slow) const {
+        if (kind(i) != Kind::Array) throw Bad{};
+        if (nodes_[i].packed >= 0) {
+            const uint64_t* p = ints_.data() + nodes_[i].packed;
+            out.assign(p, p + nodes_[i].v.n);
+            return;
+        }
+        for (size_t c : children(i)) out.push_back(hash(c, slow));
+    }
+
+    // None, or the int's value (nonzero-ness is all the callers need).
+    bool opt_int_nonzero(size_t i) const {
+        switch (kind(i)) {
+            case Kind::Nil: return false;
+            case Kind::UInt: return nodes_[i].v.u != 0;
+            case Kind::Int: return true;
+            default: throw Bad{};
+        }
+    }
+
+    // True when present; ``out`` gets the text.
+    bool opt_str(size_t i, std::string_view& out) const {
+        switch (kind(i)) {
+            case Kind::Nil: return false;
+            case Kind::Str: out = nodes_[i].v.bytes; return true;
+            case Kind::Bin:
+                if (!utf8_ok(nodes_[i].v.bytes)) throw Bad{};
+                out = nodes_[i].v.bytes;
+                return true;
+            default: throw Bad{};
+        }
+    }
+
+    int tier_of(size_t i) const {
+        std::string_view medium;
+        if (!opt_str(i, medium)) return GPU;
+        std::string up(medium);
+        for (char& c : up)
+            if (c >= 'a' && c <= 'z') c = static_cast<char>(c - 'a' + 'A');
+        auto it = tiers_.find(up);
+        return it == tiers_.end() ? -1 : it->second;
+    }
+
+    // 0: decoded, 1: bad event, 2: unknown kind.
+    int event(size_t e, PEvent& ev, bool& slow) {
+        try {
+            return event_or_throw(e, ev, slow);
+        } catch (const Bad&) {
+            return 1;
+        }
+    }
+
+    int event_or_throw(size_t e, PEvent& ev, bool& slow) {
+        std::vector<size_t> body;
+        bool as_map = false;
+        std::string_view tag;
+        if (kind(e) == Kind::Array && nodes_[e].packed < 0 && nodes_[e].v.n &&
+            (kind(e + 1) == Kind::Str || kind(e + 1) == Kind::Bin)) {
+            body = children(e);
+            body.erase(body.begin());
+            if (!opt_str(e + 1, tag)) throw Bad{};
+        } else if (kind(e) == Kind::Map) {
+            as_map = true;
+            body = children(e);
+            size_t t = field(body, "type");
+            if (kind(t) != Kind::Str && kind(t) != Kind::Bin) throw Bad{};
+            opt_str(t, tag);
+        } else {
+            throw Bad{};
+        }
+        static constexpr std::array<std::string_view, 9> stored_fields = {
+            "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+            "medium",       "lora_name",         "extra_keys", "group_idx"};
+        static constexpr std::array<std::string_view, 3> removed_fields = {
+            "block_hashes", "medium", "group_idx"};
+        auto get = [&](auto& names, size_t pos) -> size_t {
+            if (as_map) return field(body, names[pos]);
+            return pos < body.size() ? body[pos] : 0;
+        };
+        if (tag == "BlockStored") {
+            ev.kind = STORED;
+            size_t bs = get(stored_fields, 3);
+            if (kind(bs) != Kind::UInt || nodes_[bs].v.u == 0) throw Bad{};
+            ev.block_size = nodes_[bs].v.u > (1ULL << 40) ? -1 : static_cast<int64_t>(nodes_[bs].v.u);
+            hashes(get(stored_fields, 0), ev.hashes, slow);
+            size_t parent = get(stored_fields, 1);
+            if (kind(parent) != Kind::Nil) {
+                ev.has_parent = true;
+                ev.parent = hash(parent, slow);
+            }
+            size_t toks = get(stored_fields, 2);
+            if (kind(toks) != Kind::Array) throw Bad{};
+            if (nodes_[toks].packed >= 0) {
+                const uint64_t* p = ints_.data() + nodes_[toks].packed;
+                const uint32_t n = nodes_[toks].v.n;
+                ev.tokens.resize(n);
+                uint64_t high = 0;
+                for (uint32_t k = 0; k < n; ++k) {
+                    high |= p[k];
+                    ev.tokens[k] = static_cast<uint32_t>(p[k]);
+                }
+                if (high > 0xFFFFFFFFULL) throw Bad{};
+            }
+            auto tc = children(toks);
+            ev.tokens.reserve(tc.size());
+            for (size_t t : tc) {
+                Kind k = kind(t);
+                if (k == Kind::Array) {
+                    slow = true;  // EAGLE token pairs
+                    continue;
+                }
+                if (k != Kind::UInt || nodes_[t].v.u > 0xFFFFFFFFULL) throw Bad{};
+                ev.tokens.push_back(static_cast<uint32_t>(nodes_[t].v.u));
+            }
+            if (kind(get(stored_fields, 4)) != Kind::Nil) {
+                opt_int_nonzero(get(stored_fields, 4));  // validated
+                slow = true;  // an adapter by number: its root is index.hashing's
+            }
+            ev.tier = tier_of(get(stored_fields, 5));
+            std::string_view s;
+            if (opt_str(get(stored_fields, 6), s)) slow = true;  // lora_name
+            size_t extra = get(stored_fields, 7);
+            if (kind(extra) == Kind::Array && nodes_[extra].v.n) slow = true;
+            ev.other_group = opt_int_nonzero(get(stored_fields, 8));
+            if (as_map && opt_str(field(body, "cache_salt"), s)) slow = true;
+            return 0;
+        }
+        if (tag == "BlockRemoved") {
+            ev.kind = REMOVED;
+            hashes(get(removed_fields, 0), ev.hashes, slow);
+            ev.tier = tier_of(get(removed_fields, 1));
+            ev.other_group = opt_int_nonzero(get(removed_fields, 2));
+            return 0;
+        }
+        if (tag == "AllBlocksCleared") {
+            ev.kind = CLEARED;
+            return 0;
+        }
+        return 2;
+    }
+
+    const TierTable& tiers_;
+    std::vector<Node> nodes_;
+    std::vector<uint64_t> ints_;
+};
+
+class EventDecoder {
+   public:
+    explicit EventDecoder(TierTable tiers) : tiers_(std::move(tiers)) {}
+    void set_tiers(TierTable tiers) { tiers_ = std::move(tiers); }
+
+    // Thread-safe (parse runs without the GIL, on any thread): all state is per call.
+    void parse(const uint8_t* p, size_t n, ParsedBatch& out) const {
+        BatchParser(tiers_).parse(p, n, out);
+    }
+
+   private:
+    TierTable tiers_;
+};
+
+struct BlockRef {
+    uint64_t router;
+    uint64_t tiers;  // bit per tier the worker holds the block in
+};
+
+struct WorkerBlocks {
+    FlatMap<BlockRef> blocks;    // engine hash -> (last) router hash, tiers
+    FlatMap<uint64_t> engine_of;  // router hash -> engine hash (prefetch hints)
+    // A block k times the router's (a coarser KV group) is k router blocks: the ones
+    // before its last, by engine hash. Rare, so not in BlockRef.
+    std::unordered_map<uint64_t, std::vector<uint64_t>> spans;
+    void clear() {
+        blocks.clear();
+        engine_of.clear();
+        spans.clear();
+    }
+};
+
+// Error names match index/ingest.py's.
+struct ApplyResult {
+    int64_t applied = 0;
+    std::unordered_map<std::string, int64_t> errors;
+    int64_t quota_cuts = 0;  // stores cut short by the worker's quota (ingest.py counts them)
+};
+
+class EventApplier {
+   public:
+    EventApplier(PrefixCore& index, int64_t block_size, bool bigram, uint64_t seed)
+        : index_(index), block_size_(block_size), bigram_(bigram), seed_(seed) {}
+
+    void configure(int64_t block_size, bool bigram, uint64_t seed) {
+        block_size_ = block_size, bigram_ = bigram, seed_ = seed;
+    }
+
+    WorkerBlocks& worker(int slot) { return workers_[slot]; }
+
+    // ``quota``: the most blocks the worker may hold (< 0: no bound).
+    void apply(int slot, const std::vector<PEvent>& events, int64_t quota, ApplyResult& res) {
+        quota_ = quota;
+        res_ = &res;
+        for (const PEvent& ev : events) {
+            const char* err = one(slot, ev);
+            if (err)
+                ++res.errors[err];
+            else
+                ++res.applied;
+        }
+    }
+
+    size_t bytes() const {
+        size_t n = 0;
+        for (const auto& w : workers_) n += w.blocks.bytes() + w.engine_of.bytes();
+        return n;
+    }
+
+   private:
+    const char* one(int slot, const PEvent& ev) {
+        WorkerBlocks& w = workers_[slot];
+        if (ev.kind == CLEARED) {
+            w.clear();
+            index_.clear(slot);
+            return nullptr;
+        }
+        if (ev.other_group) return "other_kv_group";
+        if (ev.tier < 0) return "unknown_medium";
+        const uint64_t tbit = uint64_t{1} << ev.tier;
+        if (ev.kind == REMOVED) {
+            gone_.clear();
+            for (uint64_t eh : ev.hashes) {
+                BlockRef* ref = w.blocks.find(eh);
+                if (!ref || !(ref->tiers & tbit)) continue;
+                gone_.push_back(ref->router);
+                auto span = w.spans.find(eh);
+                if (span != w.spans.end())
+                    gone_.insert(gone_.end(), span->second.begin(), span->second.end());
+                ref->tiers &= ~tbit;
+                if (!ref->tiers) {
+                    const uint64_t rh = ref->router;
+                    w.blocks.erase(eh);
+                    w.engine_of.erase(rh);
+                    if (span != w.spans.end()) w.spans.erase(span);
+                }
+            }
+            index_.remove(slot, gone_.data(), gone_.size(), ev.tier);
+            return nullptr;
+        }
+        if (ev.block_size <= 0 || ev.block_size % block_size_) return "block_size_mismatch";
+        const size_t k = static_cast<size_t>(ev.block_size / block_size_);
+        size_t n = ev.hashes.size();
+        if (n == 0 || ev.tokens.size() != n * ev.block_size + (bigram_ ? 1 : 0))
+            return "token_count_mismatch";
+        bool has_parent = false;
+        uint64_t h = ev.has_root ? ev.root : seed_;
+        if (ev.has_parent) {
+            const BlockRef* p = w.blocks.find(ev.parent);
+            if (!p) return "unknown_parent";
+            has_parent = true;
+            h = p->router;
+        }
+        const uint64_t parent = h;
+        if (ev.extras.empty()) {
+            rolling_hashes(ev.tokens.data(), ev.tokens.size(), block_size_, bigram_, h, router_);
+        } else {
+            hash_with_extras(ev, h);
+        }
+        if (quota_ >= 0 && static_cast<int64_t>(w.blocks.size() + n) > quota_) {
+            // Keep the leading blocks that fit: a chain's prefix is still a true prefix.
+            size_t room = 0, fresh = 0;
+            for (uint64_t eh : ev.hashes) {
+                fresh += w.blocks.find(eh) == nullptr;
+                if (static_cast<int64_t>(w.blocks.size() + fresh) > quota_) break;
+                ++room;
+            }
+            if (room < n) {
+                ++res_->quota_cuts;
+                if (room == 0) return "worker_quota";
+                n = room;
+                router_.resize(room * k);
+            }
+        }
+        for (size_t i = 0; i < n; ++i) {
+            const uint64_t eh = ev.hashes[i];
+            const uint64_t last = router_[(i + 1) * k - 1];
+            bool inserted;
+            BlockRef& ref = w.blocks.get_or_insert(eh, inserted);
+            ref.router = last;
+            ref.tiers |= tbit;
+            if (k > 1) w.spans[eh].assign(router_.begin() + i * k, router_.begin() + (i + 1) * k - 1);
+            bool ins2;
+            w.engine_of.get_or_insert(last, ins2) = eh;
+        }
+        index_.store(slot, router_.data(), router_.size(), ev.tier, has_parent, parent);
+        return nullptr;
+    }
+
+    void hash_with_extras(const PEvent& ev, uint64_t h) {
+        const size_t n = ev.hashes.size();
+        const size_t step = block_size_ * 4, window = step + (bigram_ ? 4 : 0);
+        const auto* bytes = reinterpret_cast<const uint8_t*>(ev.tokens.data());
+        router_.resize(n);
+        for (size_t i = 0; i < n; ++i) {
+            const std::string* extra = nullptr;
+            for (const auto& [idx, b] : ev.extras)
+                if (idx == static_cast<int64_t>(i) && !b.empty()) extra = &b;
+            if (extra) {
+                buf_.assign(bytes + i * step, bytes + i * step + window);
+                buf_.insert(buf_.end(), extra->begin(), extra->end());
+                h = xxh3_64(buf_.data(), buf_.size(), h);
+            } else {
+                h = xxh3_64(bytes + i * step, window, h);
+            }
+            router_[i] = h;
+        }
+    }
+
+    PrefixCore& index_;
+    int64_t quota_ = -1;
+    ApplyResult* res_ = nullptr;
+    int64_t block_size_;
+    bool bigram_;
+    uint64_t seed_;
+    WorkerBlocks workers_[MAX_SLOTS];
+    std::vector<uint64_t> router_, gone_;
+    std::vector<uint8_t> buf_;
+};
+
+}  // namespace cr

@@ -1,0 +1,535 @@
+// The bigram-keyed prefix index in native code: the same semantics as
+// index/prefix_index.py (its property tests run against both), in far fewer bytes per
+// (block, worker) pair.
+//
+// Layout: one FlatMap key -> Entry{parent, held mask, tick, flags} (32 B a slot). Most
+// blocks live in one tier (GPU), so per-tier masks are kept only for blocks that sit in
+// another tier too (``split_``). Child counts for the hole accounting are one mask per
+// parent key (slots holding >= 1 child), with exact counts kept only where a slot holds
+// two or more children of one parent (branch points, rare).
+//
+// Not thread-safe by itself: the binding holds one mutex per index around each call,
+// so a match never sees a half-applied batch.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "flat_map.hpp"
+
+namespace cr {
+
+using Mask = uint64_t;
+constexpr int MAX_SLOTS = 64;
+enum Tier : int { GPU = 0, CPU = 1, DISK = 2, SHARED = 3, NTIERS = 4 };
+
+struct Entry {
+    uint64_t parent;
+    Mask held;  // slots holding the block in any tier
+    uint32_t tick;
+    uint32_t flags;
+};
+constexpr uint32_t HAS_PARENT = 1, SPLIT = 2, IN_SHARED = 4;
+
+struct TierMasks {
+    Mask t[NTIERS];
+};
+
+struct PairHash {
+    size_t operator()(const std::pair<uint64_t, int>& p) const {
+        return static_cast<size_t>((p.first ^ (static_cast<uint64_t>(p.second) << 58)) *
+                                   0x9E3779B97F4A7C15ULL);
+    }
+};
+
+struct Depths {
+    Mask found = 0;
+    int depth[MAX_SLOTS];
+    void record(Mask m, int d) {
+        found |= m;
+        while (m) {
+            depth[__builtin_ctzll(m)] = d;
+            m &= m - 1;
+        }
+    }
+};
+
+struct TierDepths {
+    int gpu[MAX_SLOTS], cpu[MAX_SLOTS], disk[MAX_SLOTS];
+};
+
+class PrefixCore {
+   public:
+    PrefixCore(uint64_t max_blocks, int bisect_min_blocks)
+        : max_blocks_(max_blocks), bisect_min_(bisect_min_blocks) {
+        for (auto& c : counts_) std::fill(c, c + NTIERS, 0);
+        std::fill(orphans_, orphans_ + MAX_SLOTS, 0);
+    }
+
+    uint64_t dropped = 0, spec_confirmed = 0, spec_expired = 0;
+
+    // -- slots -------------------------------------------------------------------
+    void add_slot(int slot) {
+        live_ |= bit(slot);
+        std::fill(counts_[slot], counts_[slot] + NTIERS, 0);
+        set_orphans(slot, 0);
+    }
+    void drop_slot(int slot) {
+        clear(slot);
+        live_ &= ~bit(slot);
+    }
+
+    // -- events --------------------------------------------------------------------
+    void store(int slot, const uint64_t* hashes, size_t n, int tier, bool has_parent,
+               uint64_t parent) {
+        const Mask b = bit(slot);
+        int64_t added = 0, orphans = 0;
+        bool parent_held = !has_parent || held_by(parent, b);
+        for (size_t i = 0; i < n; ++i) {
+            const uint64_t h = hashes[i];
+            bool inserted;
+            Entry& e = entries_.get_or_insert(h, inserted);
+            if (inserted) {
+                e = Entry{has_parent ? parent : 0, 0, tick_, has_parent ? HAS_PARENT : 0u};
+            } else if (tier_mask(h, e, tier) & b) {
+                parent = h, has_parent = true, parent_held = true;
+                continue;
+            }
+            const bool was_held = e.held & b;
+            set_tier(h, e, tier, b);
+            ++added;
+            if (!was_held) {
+                orphans -= kid_count(slot, h);
+                if (e.flags & HAS_PARENT) {
+                    const uint64_t p = e.parent;
+                    kid_inc(slot, p);
+                    if (!((has_parent && p == parent) ? parent_held : held_by(p, b))) ++orphans;
+                }
+                if (spec_.size()) {
+                    const Mask* s = spec_.find(h);
+                    if (s && (*s & b)) ++spec_confirmed;
+                }
+            }
+            parent = h, has_parent = true, parent_held = true;
+        }
+        if (orphans) set_orphans(slot, orphans_[slot] + orphans);
+        counts_[slot][tier] += added;
+        if (tier == SHARED) shared_total_ += added;
+        if (max_blocks_ && entries_.size() > max_blocks_)
+            evict(static_cast<size_t>(max_blocks_ * 0.9));
+    }
+
+    void remove(int slot, const uint64_t* hashes, size_t n, int tier) {
+        const Mask b = bit(slot);
+        int64_t removed = 0;
+        for (size_t i = 0; i < n; ++i) {
+            const uint64_t h = hashes[i];
+            Entry* e = entries_.find(h);
+            if (!e || !(tier_mask(h, *e, tier) & b)) continue;
+            clear_tier(h, *e, tier, b);
+            ++removed;
+            if (!(e->held & b)) unhold(h, *e, slot);
+            if (!e->held) entries_.erase(h);
+        }
+        counts_[slot][tier] -= removed;
+        if (tier == SHARED) shared_total_ -= removed;
+    }
+
+    bool holds(int slot, uint64_t h, int tier) {
+        Entry* e = entries_.find(h);
+        if (!e) return false;
+        return (tier < 0 ? e->held : tier_mask(h, *e, tier)) & bit(slot);
+    }
+
+    void clear(int slot) {
+        const Mask b = bit(slot);
+        std::vector<uint64_t> dead;
+        entries_.for_each([&](uint64_t key, Entry& e) {
+            if (!(e.held & b)) return;
+            if (e.flags & SPLIT) {
+                TierMasks* t = split_.find(key);
+                for (Mask& m : t->t) m &= ~b;
+                settle(key, e, *t);
+            } else {
+                e.held &= ~b;
+            }
+            if (!e.held) dead.push_back(key);
+        });
+        for (uint64_t k : dead) entries_.erase(k);
+        dead.clear();
+        kids_.for_each([&](uint64_t key, Mask& m) {
+            m &= ~b;
+            if (!m) dead.push_back(key);
+        });
+        for (uint64_t k : dead) kids_.erase(k);
+        for (auto it = kid_counts_.begin(); it != kid_counts_.end();)
+            it = it->first.second == slot ? kid_counts_.erase(it) : std::next(it);
+        dead.clear();
+        spec_.for_each([&](uint64_t key, Mask& m) {
+            if (m & b) dead.push_back(key);
+        });
+        for (uint64_t k : dead) drop_spec(k, slot);
+        shared_total_ -= counts_[slot][SHARED];
+        std::fill(counts_[slot], counts_[slot] + NTIERS, 0);
+        set_orphans(slot, 0);
+    }
+
+    // -- predict-on-route ------------------------------------------------------------
+    void predict(int slot, const uint64_t* hashes, size_t n, double expiry) {
+        const Mask b = bit(slot);
+        for (size_t i = 0; i < n; ++i) {
+            bool inserted;
+            spec_.get_or_insert(hashes[i], inserted) |= b;
+            spec_expiry_[{hashes[i], slot}] = expiry;
+            heap_.push_back(SpecMark{expiry, hashes[i], slot});
+            std::push_heap(heap_.begin(), heap_.end(), later);
+        }
+    }
+
+    // -- matching --------------------------------------------------------------------
+    void depths(const uint64_t* hashes, size_t n, bool speculative, double now, Depths& out) {
+        if (speculative && !heap_.empty()) expire(now);
+        const FlatMap<Mask>* spec = speculative && spec_.size() ? &spec_ : nullptr;
+        ++tick_;
+        const Mask live = live_;
+        if (static_cast<int64_t>(n) < bisect_min_ || shared_total_) {
+            walk(hashes, n, live, spec, out);
+            return;
+        }
+        const Mask fast = live & ~holey_;
+        if (fast) bisect(hashes, n, fast, spec, out);
+        if (live & holey_) walk(hashes, n, live & holey_, spec, out);
+    }
+
+    // Slots in ``out.found`` whose hit may span tiers get their per-tier depths in
+    // ``tiers``; the mask of those slots is returned (the rest are all-GPU).
+    Mask split_tiers(const uint64_t* hashes, size_t n, bool speculative, const Depths& d,
+                     TierDepths& tiers) {
+        Mask split = 0;
+        int limit = 0;
+        for (Mask m = d.found; m; m &= m - 1) {
+            const int s = __builtin_ctzll(m);
+            if (shared_total_ || counts_[s][CPU] || counts_[s][DISK]) {
+                split |= bit(s);
+                limit = std::max(limit, d.depth[s]);
+            }
+        }
+        if (split) {
+            const FlatMap<Mask>* spec = speculative && spec_.size() ? &spec_ : nullptr;
+            walk_tiers(hashes, std::min(n, static_cast<size_t>(limit)), split, spec, tiers);
+        }
+        return split;
+    }
+
+    // -- stats -------------------------------------------------------------------------
+    size_t size() const { return entries_.size(); }
+    size_t speculative() const { return spec_.size(); }
+    const int64_t* counts(int slot) const { return counts_[slot]; }
+    int holey_count() const { return __builtin_popcountll(holey_); }
+    size_t bytes() const {
+        return entries_.bytes() + split_.bytes() + kids_.bytes() + spec_.bytes() +
+               kid_counts_.size() * 48 + spec_expiry_.size() * 48 + heap_.capacity() * 24;
+    }
+
+   private:
+    struct SpecMark {
+        double expiry;
+        uint64_t key;
+        int slot;
+    };
+    static bool later(const SpecMark& a, const SpecMark& b) { return a.expiry > b.expiry; }
+    static Mask bit(int slot) { return Mask{1} << slot; }
+
+    Mask any(const Entry& e) const { return (e.flags & IN_SHARED) ? ~Mask{0} : e.held; }
+
+    Mask tier_mask(uint64_t key, const Entry& e, int tier) {
+        if (!(e.flags & SPLIT)) return tier == GPU ? e.held : 0;
+        return split_.find(key)->t[tier];
+    }
+
+    // Recompute ``held`` and the flags from the per-tier masks; fold back to the
+    // GPU-only layout when no other tier is left.
+    void settle(uint64_t key, Entry& e, TierMasks& t) {
+        e.held = t.t[GPU] | t.t[CPU] | t.t[DISK] | t.t[SHARED];
+        e.flags &= ~IN_SHARED;
+        if (t.t[SHARED]) e.flags |= IN_SHARED;
+        if (!(t.t[CPU] | t.t[DISK] | t.t[SHARED])) {
+            e.flags &= ~SPLIT;
+            split_.erase(key);
+        }
+    }
+
+    void set_tier(uint64_t key, Entry& e, int tier, Mask b) {
+        if (tier == GPU && !(e.flags & SPLIT)) {
+            e.held |= b;
+            return;
+        }
+        bool inserted;
+        TierMasks& t = split_.get_or_insert(key, inserted);
+        if (!(e.flags & SPLIT)) {
+            t = TierMasks{{e.held, 0, 0, 0}};
+            e.flags |= SPLIT;
+        }
+        t.t[tier] |= b;
+        settle(key, e, t);
+    }
+
+    void clear_tier(uint64_t key, Entry& e, int tier, Mask b) {
+        if (!(e.flags & SPLIT)) {
+            if (tier == GPU) e.held &= ~b;
+            return;
+        }
+        TierMasks* t = split_.find(key);
+        t->t[tier] &= ~b;
+        settle(key, e, *t);
+    }
+
+    bool held_by(uint64_t key, Mask b) {
+        const Entry* e = entries_.find(key);
+        return e && (e->held & b);
+    }
+
+    // -- child counts --------------------------------------------------------------
+    int64_t kid_count(int slot, uint64_t key) {
+        const Mask* m = kids_.find(key);
+        if (!m || !(*m & bit(slot))) return 0;
+        auto it = kid_counts_.find({key, slot});
+        return it == kid_counts_.end() ? 1 : it->second;
+    }
+    void kid_inc(int slot, uint64_t key) {
+        bool inserted;
+        Mask& m = kids_.get_or_insert(key, inserted);
+        if (!(m & bit(slot))) {
+            m |= bit(slot);
+            return;
+        }
+        auto [it, fresh] = kid_counts_.try_emplace({key, slot}, 1);
+        ++it->second;
+    }
+    void kid_dec(int slot, uint64_t key) {
+        Mask* m = kids_.find(key);
+        if (!m || !(*m & bit(slot))) return;
+        auto it = kid_counts_.find({key, slot});
+        if (it != kid_counts_.end()) {
+            if (--it->second <= 1) kid_counts_.erase(it);
+            return;
+        }
+        *m &= ~bit(slot);
+        if (!*m) kids_.erase(key);
+    }
+
+    // ``slot`` no longer holds ``key`` in any tier: its held children become orphans and
+    // it stops being one.
+    void unhold(uint64_t key, const Entry& e, int slot) {
+        int64_t delta = kid_count(slot, key);
+        if (e.flags & HAS_PARENT) {
+            kid_dec(slot, e.parent);
+            if (!held_by(e.parent, bit(slot))) --delta;
+        }
+        if (delta) set_orphans(slot, orphans_[slot] + delta);
+    }
+
+    void set_orphans(int slot, int64_t n) {
+        orphans_[slot] = n;
+        if (n)
+            holey_ |= bit(slot);
+        else
+            holey_ &= ~bit(slot);
+    }
+
+    // -- predictions -----------------------------------------------------------------
+    void expire(double now) {
+        while (!heap_.empty() && heap_.front().expiry <= now) {
+            std::pop_heap(heap_.begin(), heap_.end(), later);
+            SpecMark m = heap_.back();
+            heap_.pop_back();
+            auto it = spec_expiry_.find({m.key, m.slot});
+            if (it != spec_expiry_.end() && it->second == m.expiry) {
+                if (!held_by(m.key, bit(m.slot))) ++spec_expired;
+                drop_spec(m.key, m.slot);
+            }
+        }
+    }
+
+    void drop_spec(uint64_t key, int slot) {
+        Mask* m = spec_.find(key);
+        if (m) {
+            *m &= ~bit(slot);
+            if (!*m) spec_.erase(key);
+        }
+        spec_expiry_.erase({key, slot});
+    }
+
+    // -- walks -------------------------------------------------------------------------
+    Mask probe(uint64_t h, const FlatMap<Mask>* spec) {
+        Mask m = 0;
+        Entry* e = entries_.find(h);
+        if (e) {
+            m = any(*e);
+            e->tick = tick_;
+        }
+        if (spec) {
+            const Mask* s = spec->find(h);
+            if (s) m |= *s;
+        }
+        return m;
+    }
+
+    void walk(const uint64_t* hashes, size_t n, Mask active, const FlatMap<Mask>* spec,
+              Depths& out) {
+        int depth = 0;
+        for (size_t i = 0; i < n; ++i) {
+            const Mask nxt = active & probe(hashes[i], spec);
+            if (nxt != active) {
+                if (depth) out.record(active ^ nxt, depth);
+                active = nxt;
+                if (!active) return;
+            }
+            ++depth;
+        }
+        out.record(active, depth);
+    }
+
+    // Gallop (probe 0, 1, 3, 7, ...) then bisect: for hole-free slots the holders of
+    // block i only shrink as i grows, so an interval whose ends agree needs no probe.
+    void bisect(const uint64_t* hashes, size_t n, Mask active, const FlatMap<Mask>* spec,
+                Depths& out) {
+        struct Span {
+            int64_t lo, hi;
+            Mask at_lo, at_hi;
+        };
+        std::vector<Span> pending;
+        int64_t lo = -1, pos = 0, step = 1;
+        Mask at_lo = active;
+        const int64_t len = static_cast<int64_t>(n);
+        while (at_lo) {
+            if (pos >= len) {
+                pending.push_back({lo, len, at_lo, 0});
+                break;
+            }
+            const Mask m = probe(hashes[pos], spec) & at_lo;
+            if (m != at_lo) pending.push_back({lo, pos, at_lo, m});
+            lo = pos, at_lo = m, pos += step, step *= 2;
+        }
+        while (!pending.empty()) {
+            Span s = pending.back();
+            pending.pop_back();
+            if (s.hi - s.lo == 1) {
+                if (s.hi) out.record(s.at_lo & ~s.at_hi, static_cast<int>(s.hi));
+                continue;
+            }
+            const int64_t mid = (s.lo + s.hi) >> 1;
+            const Mask m = probe(hashes[mid], spec) & s.at_lo;
+            if (m != s.at_hi) pending.push_back({mid, s.hi, m, s.at_hi});
+            if (m != s.at_lo) pending.push_back({s.lo, mid, s.at_lo, m});
+        }
+    }
+
+    void walk_tiers(const uint64_t* hashes, size_t n, Mask active, const FlatMap<Mask>* spec,
+                    TierDepths& out) {
+        Mask a_gpu = active, a_cpu = active, a_disk = active;
+        Depths d_gpu, d_cpu, d_disk;
+        int depth = 0;
+        for (size_t i = 0; i < n; ++i) {
+            const uint64_t h = hashes[i];
+            Entry* e = entries_.find(h);
+            Mask s = 0;
+            if (spec) {
+                const Mask* sp = spec->find(h);
+                if (sp) s = *sp;
+            }
+            if (!e && !s) break;
+            Mask m_gpu, m_cpu, m_disk;
+            if (!e) {
+                m_gpu = m_cpu = m_disk = s;
+            } else {
+                m_gpu = tier_mask(h, *e, GPU) | s;
+                m_cpu = m_gpu | tier_mask(h, *e, CPU);
+                m_disk = m_cpu | tier_mask(h, *e, DISK);
+            }
+            if ((a_disk & m_disk) != a_disk) {
+                if (depth) d_disk.record(a_disk & ~m_disk, depth);
+                a_disk &= m_disk;
+                if (!a_disk) break;
+            }
+            if ((a_cpu & m_cpu) != a_cpu) {
+                if (depth) d_cpu.record(a_cpu & ~m_cpu, depth);
+                a_cpu &= m_cpu;
+            }
+            if ((a_gpu & m_gpu) != a_gpu) {
+                if (depth) d_gpu.record(a_gpu & ~m_gpu, depth);
+                a_gpu &= m_gpu;
+            }
+            ++depth;
+        }
+        if (depth) {
+            d_gpu.record(a_gpu, depth);
+            d_cpu.record(a_cpu, depth);
+            d_disk.record(a_disk, depth);
+        }
+        for (Mask m = active; m; m &= m - 1) {
+            const int sl = __builtin_ctzll(m);
+            const Mask b = bit(sl);
+            out.gpu[sl] = (d_gpu.found & b) ? d_gpu.depth[sl] : 0;
+            out.cpu[sl] = (d_cpu.found & b) ? d_cpu.depth[sl] : 0;
+            out.disk[sl] = (d_disk.found & b) ? d_disk.depth[sl] : 0;
+        }
+    }
+
+    // -- memory --------------------------------------------------------------------------
+    bool is_leaf(uint64_t key, const Entry& e) {
+        const Mask* k = kids_.find(key);
+        return !k || !(*k & e.held);
+    }
+
+    void evict(size_t target) {
+        std::vector<std::pair<uint32_t, uint64_t>> pool;
+        while (entries_.size() > target) {
+            const size_t excess = entries_.size() - target;
+            pool.clear();
+            entries_.for_each([&](uint64_t key, Entry& e) {
+                if (is_leaf(key, e)) pool.emplace_back(e.tick, key);
+            });
+            if (pool.empty())
+                entries_.for_each([&](uint64_t key, Entry& e) { pool.emplace_back(e.tick, key); });
+            const size_t take = std::min(excess, pool.size());
+            std::nth_element(pool.begin(), pool.begin() + (take - 1), pool.end());
+            std::sort(pool.begin(), pool.begin() + take);
+            for (size_t i = 0; i < take; ++i) {
+                const uint64_t key = pool[i].second;
+                Entry* e = entries_.find(key);
+                for (int t = 0; t < NTIERS; ++t) {
+                    for (Mask m = tier_mask(key, *e, t); m; m &= m - 1) {
+                        --counts_[__builtin_ctzll(m)][t];
+                        if (t == SHARED) --shared_total_;
+                    }
+                }
+                const Entry copy = *e;
+                for (Mask m = copy.held; m; m &= m - 1) unhold(key, copy, __builtin_ctzll(m));
+                if (copy.flags & SPLIT) split_.erase(key);
+                entries_.erase(key);
+            }
+            dropped += take;
+        }
+    }
+
+    uint64_t max_blocks_;
+    int64_t bisect_min_;
+    uint32_t tick_ = 0;
+    Mask live_ = 0, holey_ = 0;
+    int64_t counts_[MAX_SLOTS][NTIERS];
+    int64_t orphans_[MAX_SLOTS];
+    int64_t shared_total_ = 0;
+    FlatMap<Entry> entries_;
+    FlatMap<TierMasks> split_;
+    FlatMap<Mask> kids_;  // parent key -> slots holding >= 1 of its children
+    std::unordered_map<std::pair<uint64_t, int>, int64_t, PairHash> kid_counts_;  // when >= 2
+    FlatMap<Mask> spec_;
+    std::unordered_map<std::pair<uint64_t, int>, double, PairHash> spec_expiry_;
+    std::vector<SpecMark> heap_;
+};
+
+}  // namespace cr

@@ -1,0 +1,26 @@
+"""Builds the native core (index._native) with the rest of the package.
+
+Everything else is declared in pyproject.toml; setup.py exists only because a C++
+extension needs pybind11's include path at build time.
+"""
+
+from pybind11.setup_helpers import Pybind11Extension
+from setuptools import setup
+
+setup(
+    ext_modules=[
+        Pybind11Extension(
+            "index._native",
+            ["index/native/module.cpp"],
+            depends=[
+                "index/native/xxh3.hpp",
+                "index/native/flat_map.hpp",
+                "index/native/prefix_index.hpp",
+                "index/native/msgpack_reader.hpp",
+                "index/native/events.hpp",
+            ],
+            cxx_std=17,
+            extra_compile_args=["-O3"],
+        )
+    ],
+)

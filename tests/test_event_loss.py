@@ -1,0 +1,104 @@
+"""No silent event loss: a batch the router could not take (ingest queue full, dropped by
+the NATS client as a slow consumer) marks its worker out of sync at once, and a resync
+from the agent's replay brings the index back to the engine's.
+
+Uses the engine double, router and real NATS of test_faults_events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from nats.errors import SlowConsumerError
+from router_double import until
+from test_faults_events import Feed, feed
+
+from index.backend import NATIVE
+from router.ingest_thread import IngestThread
+
+__all__ = ["feed"]  # the fixture, shared
+
+
+async def test_a_slow_consumer_drop_is_out_of_sync_at_once_then_resynced(feed: Feed) -> None:
+    ingest = feed.pool.ingest
+    events = feed.app.state.events
+    [s0] = await feed.make_batches(1)
+    await feed.deliver(s0)
+    await until(feed.index_is_engine, what="clean start")
+
+    # The client dropped the next batch (what nats-py reports then): nothing after it
+    # shows the gap, yet the worker must not read "in sync".
+    await feed.make_batches(1)
+    await events.on_nats_error(SlowConsumerError(subject="kv.events.w0", reply="", sid=1, sub=None))
+    assert not ingest.in_sync("w0")
+    assert events.counts["lost_slow_consumer"] == 1
+    await until(feed.index_is_engine, what="resynced from the agent")
+
+
+async def test_a_full_ingest_queue_loses_nothing(feed: Feed) -> None:
+    ingest = feed.pool.ingest
+    events = feed.app.state.events
+    [s0] = await feed.make_batches(1)
+    await feed.deliver(s0)
+    await until(feed.index_is_engine, what="clean start")
+    if not ingest.native:
+        return  # the Python index applies on the loop: there is no queue to fill
+    thread = events._ingest_thread()  # started by the first live batch, if not yet
+    thread.max_batches = 0  # every batch is refused from here
+    [s1] = await feed.make_batches(1)
+    await feed.deliver(s1)
+    await until(lambda: events.counts["lost_ingest_queue_full"] >= 1, what="refusal counted")
+    thread.max_batches = 100
+    await until(feed.index_is_engine, what="refused batch fed after the resync")
+    assert ingest.last_seq("w0") == s1
+
+
+async def test_pools_get_the_native_index_when_it_is_built(feed: Feed) -> None:
+    assert feed.pool.ingest.native == NATIVE
+
+
+# -- the thread itself -------------------------------------------------------------------
+
+
+async def test_ingest_thread_runs_in_order_and_reports_on_the_loop() -> None:
+    loop = asyncio.get_running_loop()
+    thread = IngestThread(loop, max_batches=1000)
+    seen: list[int] = []
+    done: list[tuple[int, bool]] = []
+    try:
+        for i in range(200):
+            assert thread.submit(
+                lambda i=i: seen.append(i) or i,
+                lambda r: done.append((r, asyncio.get_running_loop() is loop)),
+            )
+        assert await thread.drain(10)
+        await until(lambda: len(done) == 200, what="results on the loop")
+        assert seen == list(range(200))
+        assert [r for r, _ in done] == list(range(200)) and all(on for _, on in done)
+        assert thread.lag() == (0, 0.0)
+    finally:
+        thread.close()
+
+
+async def test_ingest_thread_is_bounded_and_reports_errors() -> None:
+    loop = asyncio.get_running_loop()
+    errors: list[BaseException] = []
+    release, started = threading.Event(), threading.Event()
+    thread = IngestThread(loop, max_batches=2, on_error=errors.append)
+    try:
+        assert thread.submit(lambda: (started.set(), release.wait()))  # blocks the thread
+        await until(started.is_set, what="first call running")
+        assert thread.submit(lambda: 1 / 0)
+        assert thread.submit(lambda: None)
+        assert not thread.submit(lambda: None)  # full: refused, the caller must act
+        queued, age = thread.lag()
+        assert queued == 3 and age >= 0
+        release.set()
+        assert await thread.drain(10)
+        await until(lambda: len(errors) == 1, what="the error reported")
+        assert isinstance(errors[0], ZeroDivisionError)
+    finally:
+        release.set()
+        thread.close()
+    assert not thread.submit(lambda: None)  # closed

@@ -1,0 +1,211 @@
+"""The native core against the Python it replaces: XXH3-64 and the rolling block hashes
+bit for bit, the hash map under heavy churn, and a build check for CI."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from index import BlockHasher
+from index.backend import IMPLEMENTATIONS, NATIVE
+from index.prefix_index import PrefixIndex
+
+native = pytest.importorskip("index._native") if NATIVE else None
+needs_native = pytest.mark.skipif(not NATIVE, reason="native core not built")
+
+
+def test_native_core_is_built_where_ci_requires_it() -> None:
+    # .ci/run sets this: on a fresh `pip install -e .` the extension must exist.
+    if os.environ.get("CACHE_ROUTER_REQUIRE_NATIVE") == "1":
+        assert NATIVE, "pip install -e . did not build index._native"
+    assert IMPLEMENTATIONS[0] is PrefixIndex
+
+
+@needs_native
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=2100), st.integers(0, 2**64 - 1))
+def test_xxh3_equals_the_xxhash_package(data: bytes, seed: int) -> None:
+    assert native.xxh3_64(data, seed) == xxhash.xxh3_64_intdigest(data, seed)
+
+
+@needs_native
+def test_xxh3_every_length_class() -> None:
+    rng = random.Random(7)
+    for n in [*range(0, 260), 1023, 1024, 1025, 2047, 2048, 4096, 10_000]:
+        data = rng.randbytes(n)
+        for seed in (0, 1, 2**63, 2**64 - 1, rng.getrandbits(64)):
+            assert native.xxh3_64(data, seed) == xxhash.xxh3_64_intdigest(data, seed), (n, seed)
+
+
+def python_chain(tokens: list[int], block_size: int, bigram: bool, seed: int) -> list[int]:
+    """The rolling hash exactly as index/hashing.py's loop computes it."""
+    buf = b"".join(t.to_bytes(4, "little") for t in tokens)
+    n = max(0, (len(tokens) - 1) // block_size) if bigram else len(tokens) // block_size
+    window = (block_size + bigram) * 4
+    out, h = [], seed
+    for i in range(n):
+        h = xxhash.xxh3_64_intdigest(buf[i * block_size * 4 : i * block_size * 4 + window], h)
+        out.append(h)
+    return out
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 2**32 - 1), max_size=300),
+    st.sampled_from([1, 2, 16, 32, 64, 128]),
+    st.booleans(),
+    st.integers(0, 2**64 - 1),
+)
+def test_rolling_hashes_equal_the_python_chain(
+    tokens: list[int], block_size: int, bigram: bool, seed: int
+) -> None:
+    expected = python_chain(tokens, block_size, bigram, seed)
+    assert native.rolling_hashes(tokens, block_size, bigram, seed) == expected
+    hasher = BlockHasher(block_size, seed, bigram=bigram)
+    assert hasher.hash_tokens(tokens) == expected  # the path the router takes
+
+
+@needs_native
+def test_bad_token_ids_are_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="token id"):
+        native.rolling_hashes([1, -1], 1, False, 0)
+    with pytest.raises(ValueError, match="token id"):
+        native.rolling_hashes([2**32], 1, False, 0)
+
+
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32))
+def test_hash_map_under_churn_equals_a_set(seed: int) -> None:
+    # Many keys, deletions interleaved with growth, and the edge keys (0, 2**64 - 1,
+    # the map's empty marker): what the index holds equals a plain set.
+    from index.native_index import NativePrefixIndex
+
+    rng = random.Random(seed)
+    index = NativePrefixIndex()
+    held: set[int] = set()
+    edge = [0, 2**64 - 1, 0x8F3A71C59D2E4B61, 1]
+    universe = edge + [rng.getrandbits(64) for _ in range(400)] + list(range(2, 300))
+    for _ in range(30):
+        batch = rng.sample(universe, rng.randint(1, 120))
+        if rng.random() < 0.6:
+            index.store("w", batch)
+            held.update(batch)
+        else:
+            index.remove("w", batch)
+            held.difference_update(batch)
+        assert len(index) == len(held)
+    for key in universe:
+        assert index.holds("w", key) == (key in held)
+
+
+# -- event ingest: native decode -> rehash -> apply equals the Python path --------------
+
+TOKEN_BLOCKS = [[i, i + 1, i + 2, i + 3] for i in range(0, 40, 4)]
+ENGINE: list[int | bytes] = [*range(1, 9), 2**64 - 1, 2**63, b"\x00\x07", bytes(range(32))]
+
+
+def stored_event(draw: st.DrawFn) -> object:
+    from index import BlockStored
+
+    n = draw(st.integers(0, 3))
+    tokens = [t for _ in range(n) for t in draw(st.sampled_from(TOKEN_BLOCKS))]
+    if draw(st.integers(0, 9)) == 0:
+        tokens = tokens[:-1]  # token_count_mismatch
+    return BlockStored(
+        block_hashes=[draw(st.sampled_from(ENGINE)) for _ in range(n)],
+        parent_block_hash=draw(st.none() | st.sampled_from(ENGINE)),
+        token_ids=tokens,
+        block_size=draw(st.sampled_from([4, 4, 4, 8])),
+        medium=draw(st.sampled_from([None, "GPU", "cpu", "DISK", "shared", "TAPE"])),
+        lora_name=draw(st.sampled_from([None, None, None, "ada"])),
+        extra_keys=draw(st.sampled_from([None, None, [["salt-1"]], [None, [7]]])),
+        group_idx=draw(st.sampled_from([None, None, 0, 1])),
+    )
+
+
+@st.composite
+def event_batches(draw: st.DrawFn) -> list[bytes]:
+    from index import AllBlocksCleared, BlockRemoved, EventBatch, encode
+
+    out = []
+    for i in range(draw(st.integers(1, 12))):
+        events = []
+        for _ in range(draw(st.integers(0, 4))):
+            kind = draw(st.integers(0, 9))
+            if kind < 6:
+                events.append(stored_event(draw))
+            elif kind < 9:
+                hashes = draw(st.lists(st.sampled_from(ENGINE), max_size=3))
+                medium = draw(st.sampled_from([None, "GPU", "CPU"]))
+                events.append(BlockRemoved(hashes, medium))
+            else:
+                events.append(AllBlocksCleared())
+        batch = EventBatch(float(i), events, draw(st.none() | st.integers(0, 3)))
+        out.append(
+            encode(batch, events_as_map=draw(st.booleans()), batch_as_map=draw(st.booleans()))
+        )
+    return out
+
+
+@needs_native
+@settings(max_examples=150, deadline=None)
+@given(event_batches())
+def test_native_ingest_equals_the_python_ingest(payloads: list[bytes]) -> None:
+    from index import EventIngest
+    from index.native_index import NativePrefixIndex
+
+    ingests = [EventIngest(make(), BlockHasher(4)) for make in (PrefixIndex, NativePrefixIndex)]
+    for seq, payload in enumerate(payloads):
+        results = [ing.apply("w", seq, payload) for ing in ingests]
+        assert results[0] == results[1], seq
+    py, nat = ingests
+    blocks = py.engine_blocks("w")
+    assert nat.engine_blocks("w") == blocks
+    # The native path gives a worker its slot at its first batch, the Python one at its
+    # first stored block: both report the same blocks.
+    stats = [ing.index.stats() for ing in ingests]
+    held = [{w: c for w, c in st.workers.items() if any(c.values())} for st in stats]
+    assert held[0] == held[1]
+    assert stats[0].blocks == stats[1].blocks
+    assert stats[0].workers_with_holes == stats[1].workers_with_holes
+    chain = sorted(set(blocks.values()))
+    for rh in chain:
+        assert nat.index.match([rh]) == py.index.match([rh])
+        assert nat.engine_hashes("w", [rh]) == py.engine_hashes("w", [rh])
+
+
+@needs_native
+@settings(max_examples=100, deadline=None)
+@given(event_batches(), st.data())
+def test_native_ingest_survives_damaged_payloads(
+    payloads: list[bytes], data: st.DataObject
+) -> None:
+    from index import EventIngest
+    from index.native_index import NativePrefixIndex
+
+    py = EventIngest(PrefixIndex(), BlockHasher(4))
+    nat = EventIngest(NativePrefixIndex(), BlockHasher(4))
+    for seq, payload in enumerate(payloads):
+        raw = bytearray(payload)
+        for _ in range(data.draw(st.integers(0, 3))):
+            if raw:
+                raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+        raw = raw[: data.draw(st.integers(0, len(raw)))] if data.draw(st.booleans()) else raw
+        got = nat.apply("w", seq, bytes(raw))  # never raises
+        try:
+            want = py.apply("w", seq, bytes(raw))
+        except (TypeError, ValueError, OverflowError):
+            return  # the Python path has no answer to compare with (a non-int token id)
+        assert got.status == want.status
+        if got.errors != want.errors or got.applied != want.applied:
+            # A damaged token id that Python accepts as an int but not as u32 is the one
+            # place they may differ; everything else must agree.
+            assert got.errors.get("bad_event", 0) > want.errors.get("bad_event", 0)
+            return
