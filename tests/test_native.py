@@ -115,14 +115,16 @@ def stored_event(draw: st.DrawFn) -> object:
     from index import BlockStored
 
     n = draw(st.integers(0, 3))
-    tokens = [t for _ in range(n) for t in draw(st.sampled_from(TOKEN_BLOCKS))]
+    size = draw(st.sampled_from([4, 4, 4, 8]))  # 8: a coarse block, two router blocks
+    tokens = [t for _ in range(n * size // 4) for t in draw(st.sampled_from(TOKEN_BLOCKS))]
     if draw(st.integers(0, 9)) == 0:
         tokens = tokens[:-1]  # token_count_mismatch
     return BlockStored(
         block_hashes=[draw(st.sampled_from(ENGINE)) for _ in range(n)],
         parent_block_hash=draw(st.none() | st.sampled_from(ENGINE)),
         token_ids=tokens,
-        block_size=draw(st.sampled_from([4, 4, 4, 8])),
+        block_size=size,
+        lora_id=draw(st.sampled_from([None, None, None, 3])),
         medium=draw(st.sampled_from([None, "GPU", "cpu", "DISK", "shared", "TAPE"])),
         lora_name=draw(st.sampled_from([None, None, None, "ada"])),
         extra_keys=draw(st.sampled_from([None, None, [["salt-1"]], [None, [7]]])),
@@ -156,16 +158,20 @@ def event_batches(draw: st.DrawFn) -> list[bytes]:
 
 @needs_native
 @settings(max_examples=150, deadline=None)
-@given(event_batches())
-def test_native_ingest_equals_the_python_ingest(payloads: list[bytes]) -> None:
+@given(event_batches(), st.sampled_from([None, None, 6]))
+def test_native_ingest_equals_the_python_ingest(payloads: list[bytes], quota: int | None) -> None:
     from index import EventIngest
     from index.native_index import NativePrefixIndex
 
-    ingests = [EventIngest(make(), BlockHasher(4)) for make in (PrefixIndex, NativePrefixIndex)]
+    ingests = [
+        EventIngest(make(), BlockHasher(4), max_worker_blocks=quota)
+        for make in (PrefixIndex, NativePrefixIndex)
+    ]
     for seq, payload in enumerate(payloads):
         results = [ing.apply("w", seq, payload) for ing in ingests]
         assert results[0] == results[1], seq
     py, nat = ingests
+    assert nat.errors == py.errors
     blocks = py.engine_blocks("w")
     assert nat.engine_blocks("w") == blocks
     # The native path gives a worker its slot at its first batch, the Python one at its
@@ -198,11 +204,11 @@ def test_native_ingest_survives_damaged_payloads(
             if raw:
                 raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
         raw = raw[: data.draw(st.integers(0, len(raw)))] if data.draw(st.booleans()) else raw
-        got = nat.apply("w", seq, bytes(raw))  # never raises
         try:
             want = py.apply("w", seq, bytes(raw))
         except (TypeError, ValueError, OverflowError):
             return  # the Python path has no answer to compare with (a non-int token id)
+        got = nat.apply("w", seq, bytes(raw))  # raises nothing where Python does not
         assert got.status == want.status
         if got.errors != want.errors or got.applied != want.applied:
             # A damaged token id that Python accepts as an int but not as u32 is the one

@@ -279,14 +279,25 @@ class BatchParser {
         }
     }
 
-    int tier_of(size_t i) const {
-        std::string_view medium;
-        if (!opt_str(i, medium)) return GPU;
-        std::string up(medium);
+    static std::string upper(std::string_view s) {
+        std::string up(s);
         for (char& c : up)
             if (c >= 'a' && c <= 'z') c = static_cast<char>(c - 'a' + 'A');
-        auto it = tiers_.find(up);
+        return up;
+    }
+
+    int lookup(const std::string& medium) const {
+        auto it = tiers_.find(medium);
         return it == tiers_.end() ? -1 : it->second;
+    }
+
+    // vLLM 0.33's ``locality: "REMOTE"`` is the REMOTE medium whatever device it names
+    // (index/codec.py ``_medium``); otherwise the medium, GPU when absent.
+    int tier_of(size_t medium_node, size_t locality_node) const {
+        std::string_view text;
+        if (opt_str(locality_node, text) && upper(text) == "REMOTE") return lookup("REMOTE");
+        if (!opt_str(medium_node, text)) return GPU;
+        return lookup(upper(text));
     }
 
     // 0: decoded, 1: bad event, 2: unknown kind.
@@ -364,7 +375,7 @@ class BatchParser {
                 opt_int_nonzero(get(stored_fields, 4));  // validated
                 slow = true;  // an adapter by number: its root is index.hashing's
             }
-            ev.tier = tier_of(get(stored_fields, 5));
+            ev.tier = tier_of(get(stored_fields, 5), as_map ? field(body, "locality") : 0);
             std::string_view s;
             if (opt_str(get(stored_fields, 6), s)) slow = true;  // lora_name
             size_t extra = get(stored_fields, 7);
@@ -376,7 +387,7 @@ class BatchParser {
         if (tag == "BlockRemoved") {
             ev.kind = REMOVED;
             hashes(get(removed_fields, 0), ev.hashes, slow);
-            ev.tier = tier_of(get(removed_fields, 1));
+            ev.tier = tier_of(get(removed_fields, 1), as_map ? field(body, "locality") : 0);
             ev.other_group = opt_int_nonzero(get(removed_fields, 2));
             return 0;
         }
@@ -541,8 +552,11 @@ class EventApplier {
         return nullptr;
     }
 
+    // index.hashing's loop with extras: per router block (a coarse event's n engine
+    // blocks are n * k router blocks), ``extras`` keyed by router block index.
     void hash_with_extras(const PEvent& ev, uint64_t h) {
-        const size_t n = ev.hashes.size();
+        const size_t nt = ev.tokens.size();
+        const size_t n = bigram_ ? (nt ? (nt - 1) / block_size_ : 0) : nt / block_size_;
         const size_t step = block_size_ * 4, window = step + (bigram_ ? 4 : 0);
         const auto* bytes = reinterpret_cast<const uint8_t*>(ev.tokens.data());
         router_.resize(n);
