@@ -505,6 +505,10 @@ class EventIngest:
             cache_salt=event.cache_salt,
             chain_start=parent is None,
         )
+        try:
+            tokens: bytes | None = bytes(token_bytes(event.token_ids))
+        except (TypeError, ValueError, OverflowError):
+            tokens = None  # not u32 token ids: a bad event, once its earlier checks pass
         root = None
         if parent is None:
             if event.lora_name or event.lora_id is None:
@@ -517,7 +521,8 @@ class EventIngest:
             bool(event.group_idx),
             keys,
             None if parent is None else self._key(wide, parent),
-            bytes(token_bytes(event.token_ids)),
+            tokens,
+            len(event.token_ids),
             event.block_size,
             root,
             extras or None,

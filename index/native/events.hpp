@@ -31,6 +31,7 @@ struct PEvent {
     bool other_group = false;
     bool has_parent = false;
     bool has_root = false;
+    bool bad_tokens = false;  // token ids that are no u32s (the Python-prepared path)
     uint64_t parent = 0;
     uint64_t root = 0;
     int64_t block_size = 0;
@@ -517,6 +518,7 @@ class EventApplier {
             h = p->router;
         }
         const uint64_t parent = h;
+        if (ev.bad_tokens) return "bad_event";
         if (ev.extras.empty()) {
             rolling_hashes(ev.tokens.data(), ev.tokens.size(), block_size_, bigram_, h, router_);
         } else {

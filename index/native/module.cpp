@@ -152,14 +152,19 @@ PEvent event_from_tuple(const py::tuple& t) {
     if (kind != "stored") throw py::value_error("event kind must be stored/removed/cleared");
     ev.kind = STORED;
     if (!t[4].is_none()) ev.has_parent = true, ev.parent = t[4].cast<uint64_t>();
-    py::buffer_info info;
-    std::string_view tb = bytes_of(t[5].cast<py::buffer>(), info);
-    ev.tokens.resize(tb.size() / 4);
-    std::memcpy(ev.tokens.data(), tb.data(), ev.tokens.size() * 4);
-    ev.block_size = t[6].cast<int64_t>();
-    if (!t[7].is_none()) ev.has_root = true, ev.root = t[7].cast<uint64_t>();
-    if (!t[8].is_none()) {
-        for (auto [k, v] : t[8].cast<py::dict>())
+    if (t[5].is_none()) {
+        ev.bad_tokens = true;  // counted as in Python: the length checks come first
+        ev.tokens.resize(t[6].cast<size_t>());
+    } else {
+        py::buffer_info info;
+        std::string_view tb = bytes_of(t[5].cast<py::buffer>(), info);
+        ev.tokens.resize(tb.size() / 4);
+        std::memcpy(ev.tokens.data(), tb.data(), ev.tokens.size() * 4);
+    }
+    ev.block_size = t[7].cast<int64_t>();
+    if (!t[8].is_none()) ev.has_root = true, ev.root = t[8].cast<uint64_t>();
+    if (!t[9].is_none()) {
+        for (auto [k, v] : t[9].cast<py::dict>())
             ev.extras.emplace_back(k.cast<int64_t>(), v.cast<std::string>());
     }
     return ev;
