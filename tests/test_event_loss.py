@@ -25,7 +25,7 @@ async def test_a_slow_consumer_drop_is_out_of_sync_at_once_then_resynced(feed: F
     events = feed.app.state.events
     [s0] = await feed.make_batches(1)
     await feed.deliver(s0)
-    await until(feed.index_is_engine, what="clean start")
+    await until(feed.index_is_engine, timeout=15, what="clean start")
 
     # The client dropped the next batch (what nats-py reports then): nothing after it
     # shows the gap, yet the worker must not read "in sync".
@@ -33,7 +33,7 @@ async def test_a_slow_consumer_drop_is_out_of_sync_at_once_then_resynced(feed: F
     await events.on_nats_error(SlowConsumerError(subject="kv.events.w0", reply="", sid=1, sub=None))
     assert not ingest.in_sync("w0")
     assert events.counts["lost_slow_consumer"] == 1
-    await until(feed.index_is_engine, what="resynced from the agent")
+    await until(feed.index_is_engine, timeout=15, what="resynced from the agent")
 
 
 async def test_a_full_ingest_queue_loses_nothing(feed: Feed) -> None:
@@ -41,7 +41,7 @@ async def test_a_full_ingest_queue_loses_nothing(feed: Feed) -> None:
     events = feed.app.state.events
     [s0] = await feed.make_batches(1)
     await feed.deliver(s0)
-    await until(feed.index_is_engine, what="clean start")
+    await until(feed.index_is_engine, timeout=15, what="clean start")
     if not ingest.native:
         return  # the Python index applies on the loop: there is no queue to fill
     thread = events._ingest_thread()  # started by the first live batch, if not yet
@@ -50,7 +50,7 @@ async def test_a_full_ingest_queue_loses_nothing(feed: Feed) -> None:
     await feed.deliver(s1)
     await until(lambda: events.counts["lost_ingest_queue_full"] >= 1, what="refusal counted")
     thread.max_batches = 100
-    await until(feed.index_is_engine, what="refused batch fed after the resync")
+    await until(feed.index_is_engine, timeout=15, what="refused batch fed after the resync")
     assert ingest.last_seq("w0") == s1
 
 
