@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -83,8 +85,15 @@ class Engine:
 
     def start(self) -> None:
         log = (self.workdir / f"{self.name}.log").open("ab")
+        # its own process group: stop() must end the engine core too, or the old core,
+        # exiting late, unlinks the ipc socket file the restarted engine just bound
         self.proc = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir
+            self.command(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            cwd=self.workdir,
+            start_new_session=True,
         )
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
@@ -102,13 +111,22 @@ class Engine:
         raise AssertionError(f"vLLM {self.name} not up after {timeout} s: {self.log_tail()}")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            group = self.proc.pid  # start_new_session: the group id is the leader's pid
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                try:
+                    os.killpg(group, 0)
+                except ProcessLookupError:
+                    break  # every process of the engine is gone
+                self.proc.poll()
+                time.sleep(0.2)
+            else:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(group, signal.SIGKILL)
+            self.proc.wait(10)
         self.proc = None
 
     def log_tail(self) -> str:
