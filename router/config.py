@@ -132,7 +132,7 @@ class RouterConfig:
     max_index_blocks: int | None = None
     tracing: bool = False  # OpenTelemetry spans, exported as OTEL_* says (router/tracing.py)
     experiment: str = "default"
-    forecast_tracked: int = 8192  # blocks per stack the capacity forecast samples; 0: off
+    forecast_tracked: int = 2048  # blocks per stack the online forecast samples; 0: off
     # -- the edge: gateway mode, limits, credentials --
     gateway: bool = False  # workers are cluster routers: no tokenizer, no index, no NATS
     api_keys: list[str] = field(default_factory=list)  # empty: the public API is open
