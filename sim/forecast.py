@@ -15,13 +15,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
-
-import orjson
 
 from index.capacity import CapacityForecast, Sampling, Tiers
 from policies import POLICY_NAMES, Decision, Policy, RouteRequest, WorkerView
+from sim.report import write_json
 from sim.simulator import SimConfig, Simulation
 from sim.traces import Trace, TraceError, load_trace
 
@@ -254,11 +252,7 @@ def run(args: argparse.Namespace) -> int:
         **forecast(trace, config, policy=args.policy, samples=sampling(args.tracked)),
     }
     if args.json:
-        payload = orjson.dumps(result, option=orjson.OPT_INDENT_2)
-        if args.json == "-":
-            sys.stdout.write(payload.decode() + "\n")
-        else:
-            Path(args.json).write_bytes(payload + b"\n")
+        write_json(result, args.json)
     if args.json != "-":
         print(table(str(args.trace), result))
     if args.plot:

@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 
 from policies import POLICY_NAMES, EngineCosts
-from sim.report import PolicyReport
+from sim.report import PolicyReport, write_json
 from sim.simulator import SimConfig, Simulation
 from sim.traces import Trace, TraceError, load_trace
 
@@ -292,11 +292,7 @@ def run(args: argparse.Namespace) -> int:
         "results": results,
     }
     if args.json:
-        payload = orjson.dumps(result, option=orjson.OPT_INDENT_2)
-        if args.json == "-":
-            sys.stdout.write(payload.decode() + "\n")
-        else:
-            Path(args.json).write_bytes(payload + b"\n")
+        write_json(result, args.json)
     if args.json != "-":
         print(_table(result))
     if args.plot:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import orjson
 
 if TYPE_CHECKING:
     from sim.simulator import Simulation
@@ -100,3 +103,12 @@ def summarize(sim: Simulation, wall_s: float) -> PolicyReport:
         "sim_duration_s": span_s,
         "wall_s": wall_s,
     }
+
+
+def write_json(result: dict[str, Any], dest: str) -> None:
+    """``--json -`` prints the result, ``--json PATH`` writes it: one rule for every sim command."""
+    payload = orjson.dumps(result, option=orjson.OPT_INDENT_2)
+    if dest == "-":
+        sys.stdout.write(payload.decode() + "\n")
+    else:
+        Path(dest).write_bytes(payload + b"\n")

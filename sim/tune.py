@@ -23,13 +23,10 @@ import dataclasses
 import multiprocessing as mp
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
-import orjson
-
 from index.capacity import CapacityForecast, Sampling, Tiers
-from sim.report import PolicyReport
+from sim.report import PolicyReport, write_json
 from sim.simulator import SimConfig, Simulation
 from sim.traces import Trace, TraceError, load_trace
 
@@ -194,11 +191,7 @@ def run(args: argparse.Namespace) -> int:
         **search(trace, config, hosts, weights, fractions, args.jobs),
     }
     if args.json:
-        payload = orjson.dumps(result, option=orjson.OPT_INDENT_2)
-        if args.json == "-":
-            sys.stdout.write(payload.decode() + "\n")
-        else:
-            Path(args.json).write_bytes(payload + b"\n")
+        write_json(result, args.json)
     if args.json != "-":
         print(table(result))
     return 0
