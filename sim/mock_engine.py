@@ -376,24 +376,13 @@ class MockEngine:
                 self.responses.put(rid, Stored(messages, resp))
             return resp
 
-        async def pieces() -> AsyncIterator[str]:
-            try:
-                while (step := await seq.out.get()) is not None:
-                    for piece in step:
-                        out.append(piece)
-                        yield piece
-            finally:
-                self.scheduler.abort(seq)
-            if seq.error:
-                raise RuntimeError(seq.error)  # cuts the stream, as a dying engine does
-
         if p.stream:
             def final() -> tuple[str, Any]:
                 return "".join(out), finish()["usage"]
 
-            events = stream_events(rid, mid, body, p.model, created, pieces(), final)
+            events = stream_events(rid, mid, body, p.model, created, self._pieces(seq, out), final)
             return StreamingResponse(events, media_type="text/event-stream")
-        async for _ in pieces():
+        async for _ in self._pieces(seq, out):
             pass
         return JSONResponse(finish())
 
@@ -411,24 +400,13 @@ class MockEngine:
         def use() -> dict[str, int]:
             return anthropic.usage(len(prompt), seq.generated, seq.cached_tokens)
 
-        async def pieces() -> AsyncIterator[str]:
-            try:
-                while (step := await seq.out.get()) is not None:
-                    for piece in step:
-                        out.append(piece)
-                        yield piece
-            finally:
-                self.scheduler.abort(seq)
-            if seq.error:
-                raise RuntimeError(seq.error)  # cuts the stream, as a dying engine does
-
         stop = anthropic.stop_reason(seq.finish_reason)
         if p.stream:
             events = anthropic.stream_events(
-                mid, p.model, len(prompt), pieces(), lambda: (stop, use())
+                mid, p.model, len(prompt), self._pieces(seq, out), lambda: (stop, use())
             )
             return StreamingResponse(events, media_type="text/event-stream")
-        async for _ in pieces():
+        async for _ in self._pieces(seq, out):
             pass
         return JSONResponse(anthropic.message(mid, p.model, "".join(out), stop, use()))
 
@@ -451,6 +429,18 @@ class MockEngine:
             raise ApiError(500, seq.error, "engine_error")
         use = usage(len(prompt), seq.generated, seq.cached_tokens)
         return JSONResponse(full_response(p, "".join(pieces), seq.finish_reason, use))
+
+    async def _pieces(self, seq: Sequence, out: list[str]) -> AsyncIterator[str]:
+        """The Responses and Messages APIs' text: each piece kept in ``out`` as it is yielded."""
+        try:
+            while (step := await seq.out.get()) is not None:
+                for piece in step:
+                    out.append(piece)
+                    yield piece
+        finally:
+            self.scheduler.abort(seq)
+        if seq.error:
+            raise RuntimeError(seq.error)  # cuts the stream, as a dying engine does
 
     def _sequence(self, p: Params, prompt: list[int]) -> Sequence:
         natural = self.text.natural_length(prompt)
