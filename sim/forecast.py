@@ -21,14 +21,13 @@ from index.capacity import CapacityForecast, Sampling, Tiers
 from policies import POLICY_NAMES, Decision, Policy, RouteRequest, WorkerView
 from sim.report import write_json
 from sim.simulator import SimConfig, Simulation
-from sim.traces import Trace, TraceError, load_trace
+from sim.traces import Trace, TraceError, add_trace_arguments, trace_from
 
 _DEFAULTS = SimConfig()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", required=True, help="Mooncake or plain JSONL trace file")
-    parser.add_argument("--block-size", type=int, default=64, help="engine page size (tokens)")
+    add_trace_arguments(parser)
     parser.add_argument("--workers", type=int, default=_DEFAULTS.workers, help="engines")
     parser.add_argument("--l1-blocks", type=int, default=_DEFAULTS.l1_blocks, help="GPU pages")
     parser.add_argument("--l2-blocks", type=int, default=0, help="host pages (0: none)")
@@ -41,9 +40,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=Sampling().max_tracked,
         help="blocks each stack samples (0: exact, every block)",
     )
-    parser.add_argument("--limit", type=int, help="only the first N requests")
-    parser.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by X")
-    parser.add_argument("--seed", type=int, default=0, help="token synthesis and policy RNG")
     parser.add_argument("--json", metavar="PATH|-", help="write the forecast as JSON")
     parser.add_argument("--plot", metavar="PATH", help="PNG of the hit-rate curves")
 
@@ -227,14 +223,7 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             return _fail("--plot needs matplotlib: pip install 'cache-router[plot]'")
     try:
-        trace = load_trace(
-            args.trace,
-            args.block_size,
-            seed=args.seed,
-            engine_seed=args.seed,
-            speedup=args.speedup,
-            limit=args.limit,
-        )
+        trace = trace_from(args)
     except TraceError as exc:
         return _fail(str(exc))
     config = SimConfig(

@@ -23,7 +23,7 @@ import orjson
 from policies import POLICY_NAMES, EngineCosts
 from sim.report import PolicyReport, write_json
 from sim.simulator import SimConfig, Simulation
-from sim.traces import Trace, TraceError, load_trace
+from sim.traces import Trace, TraceError, add_trace_arguments, trace_from
 
 # Set before the worker processes fork, so they inherit the trace instead of a pickle.
 _TRACE: Trace | None = None
@@ -46,21 +46,17 @@ _TABLE = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", required=True, help="Mooncake or plain JSONL trace file")
+    add_trace_arguments(parser)
     parser.add_argument("--workers", type=int, default=8, help="engines in the pool")
     parser.add_argument(
         "--policies",
         default=",".join(POLICY_NAMES),
         help=f"comma-separated, from: {', '.join(POLICY_NAMES)} (default: all)",
     )
-    parser.add_argument("--block-size", type=int, default=64, help="engine page size (tokens)")
     parser.add_argument("--l1-blocks", type=int, default=_DEFAULTS.l1_blocks, help="GPU pages")
     parser.add_argument("--l2-blocks", type=int, default=0, help="host pages (0: none)")
-    parser.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by X")
-    parser.add_argument("--seed", type=int, default=0, help="policy RNG and token synthesis")
     parser.add_argument("--json", metavar="PATH|-", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="PNG of hit rate and TTFT per policy")
-    parser.add_argument("--limit", type=int, help="replay only the first N requests")
     parser.add_argument(
         "--event-lag-ms", type=float, default=_DEFAULTS.event_lag_ms, help="KV event delay"
     )
@@ -244,14 +240,7 @@ def run(args: argparse.Namespace) -> int:
     if sys.stderr.isatty():
         sys.stderr.write(f"replay: reading and hashing {args.trace} ...\n")
     try:
-        trace = load_trace(
-            args.trace,
-            args.block_size,
-            seed=args.seed,
-            engine_seed=args.seed,
-            speedup=args.speedup,
-            limit=args.limit,
-        )
+        trace = trace_from(args)
     except TraceError as exc:
         return _fail(str(exc))
     try:

@@ -23,6 +23,7 @@ hashes), so each policy run only regenerates tokens when a request arrives.
 
 from __future__ import annotations
 
+import argparse
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -277,4 +278,25 @@ def _plain(obj: dict[str, Any], where: str) -> TraceRequest:
         router_hashes=array("Q"),
         engine_hashes=array("Q"),
         token_ids=tokens,
+    )
+
+
+def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags every trace command (replay, forecast, tune) reads its trace with."""
+    parser.add_argument("--trace", required=True, help="Mooncake or plain JSONL trace file")
+    parser.add_argument("--block-size", type=int, default=64, help="engine page size (tokens)")
+    parser.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by X")
+    parser.add_argument("--seed", type=int, default=0, help="token synthesis and policy RNG")
+    parser.add_argument("--limit", type=int, help="only the first N requests")
+
+
+def trace_from(args: argparse.Namespace) -> Trace:
+    """The trace ``add_trace_arguments``' flags name; TraceError when it cannot be read."""
+    return load_trace(
+        args.trace,
+        args.block_size,
+        seed=args.seed,
+        engine_seed=args.seed,
+        speedup=args.speedup,
+        limit=args.limit,
     )

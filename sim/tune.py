@@ -28,7 +28,7 @@ from typing import Any
 from index.capacity import CapacityForecast, Sampling, Tiers
 from sim.report import PolicyReport, write_json
 from sim.simulator import SimConfig, Simulation
-from sim.traces import Trace, TraceError, load_trace
+from sim.traces import Trace, TraceError, add_trace_arguments, trace_from
 
 _DEFAULTS = SimConfig()
 _TRACE: Trace | None = None  # set before the pool forks
@@ -36,8 +36,7 @@ POLICY = "cache_aware"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", required=True, help="Mooncake or plain JSONL trace file")
-    parser.add_argument("--block-size", type=int, default=64, help="engine page size (tokens)")
+    add_trace_arguments(parser)
     parser.add_argument("--workers", type=int, default=_DEFAULTS.workers, help="engines")
     parser.add_argument("--l1-blocks", type=int, default=_DEFAULTS.l1_blocks, help="GPU pages")
     parser.add_argument(
@@ -45,9 +44,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--weights", default="0,2", help="recompute_weight values besides 1")
     parser.add_argument("--fractions", default="0.25,1", help="prefetch_fraction besides 0.5")
-    parser.add_argument("--limit", type=int, help="only the first N requests")
-    parser.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by X")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, help="parallel processes (default: one per core)")
     parser.add_argument("--json", metavar="PATH|-", help="write the search as JSON")
 
@@ -171,10 +167,7 @@ def run(args: argparse.Namespace) -> int:
     if any(w < 0 for w in weights) or any(not 0 < f <= 1 for f in fractions):
         return _fail("--weights must be >= 0 and --fractions in (0, 1]")
     try:
-        trace = load_trace(
-            args.trace, args.block_size, seed=args.seed, engine_seed=args.seed,
-            speedup=args.speedup, limit=args.limit,
-        )  # fmt: skip
+        trace = trace_from(args)
     except TraceError as exc:
         return _fail(str(exc))
     if hosts is None:
