@@ -11,16 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from router.errors import ApiError
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(
-            str(b.get("text", "")) for b in content if isinstance(b, dict) and "text" in b
-        )
-    return ""
+from router.responses import content_text
 
 
 def check_messages(body: dict[str, Any]) -> None:
@@ -45,8 +36,8 @@ def as_messages(body: dict[str, Any]) -> list[dict[str, str]]:
     out = []
     system = body.get("system")
     if system is not None:
-        out.append({"role": "system", "content": _text(system)})
+        out.append({"role": "system", "content": content_text(system)})
     for m in body.get("messages") or []:
         if isinstance(m, dict) and isinstance(m.get("role"), str):
-            out.append({"role": m["role"], "content": _text(m.get("content"))})
+            out.append({"role": m["role"], "content": content_text(m.get("content"))})
     return out

@@ -47,7 +47,9 @@ def check_responses(body: dict[str, Any]) -> None:
         raise _bad("max_output_tokens must be an integer", "max_output_tokens")
 
 
-def _text(content: Any) -> str:
+def content_text(content: Any) -> str:
+    """The text of a content value, a string or a list of text parts (Responses input items
+    and Anthropic blocks alike); other parts carry no text to tokenize."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -69,7 +71,8 @@ def as_messages(body: dict[str, Any]) -> list[dict[str, str]]:
     elif isinstance(given, list):
         for item in given:
             if isinstance(item, dict) and isinstance(item.get("role"), str):
-                messages.append({"role": item["role"], "content": _text(item.get("content"))})
+                text = content_text(item.get("content"))
+                messages.append({"role": item["role"], "content": text})
             elif isinstance(item, dict):  # a tool call or its output: its text, if any
-                messages.append({"role": "user", "content": _text(item.get("output"))})
+                messages.append({"role": "user", "content": content_text(item.get("output"))})
     return messages
