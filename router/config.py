@@ -5,6 +5,11 @@ The TOML file holds everything (workers, per-model tokenizers, experiment arms);
 settings, so containers and scripts can change one knob without writing a file. The
 defaults run the demo with no file at all.
 
+Settings are grouped in typed frozen sections (``HttpSettings``, ``NatsSettings``...);
+each field carries its default, its bounds and its flag (``setting``), so the types,
+the range checks and the ``--flags`` come from one place. ``RouterConfig`` is every
+section at once, because the names stay flat where users meet them.
+
 Example ``router.toml``::
 
     port = 8000
@@ -36,10 +41,10 @@ import os
 import re
 import tomllib
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 from index.wire import DEFAULT_PREFIX
@@ -97,77 +102,124 @@ class ModelSpec:
     base: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class RouterConfig:
-    """Every setting; built once by ``load_config`` (or directly, in tests), then read-only.
+class Range(NamedTuple):
+    low: float
+    high: float
+    low_open: bool = False  # the bound itself is not allowed (e.g. a timeout of 0)
 
-    The scalar fields' type hints are what TOML values, env text and flags are converted
-    to (``Literal`` ones are choices); ``RANGES`` bounds the numbers.
-    """
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    nats_url: str | None = None  # None: no KV events, route on load alone
-    subject_prefix: str = DEFAULT_PREFIX
-    block_size: int = 16
-    policy: str = "cache_aware"
-    policy_params: dict[str, Any] = field(default_factory=dict)
-    tokenizer: str | None = None  # default for models without their own
-    admin_token: str | None = None  # None: the admin API is disabled
-    max_body_bytes: int = 8 * 1024 * 1024
-    request_timeout: float = 600.0  # seconds to wait for the engine's response headers
-    stall_after: float = 5.0  # a down engine silent this long fails the requests it holds
-    connect_retries: int = 2  # other workers tried when nothing reached the engine
-    audit_bound: float = 0.25  # hit audit: warn past this share of mismatched hit tokens
-    predict_ttl: float = 0.0  # seconds a routed prefix counts as cached; 0 disables
-    offload_chars: int = 4096  # prompts longer than this tokenize on the thread pool
-    health_interval: float = 2.0
-    health_timeout: float = 1.0
-    unhealthy_after: int = 2  # consecutive failed checks before a worker is down
-    healthy_after: int = 1  # consecutive good checks before it is back
-    breaker_failures: int = 3  # consecutive request failures that open the breaker
-    breaker_cooldown: float = 5.0  # seconds before a half-open trial request
-    load_stale_after: float = 5.0  # engine load older than this is ignored (and scraped)
-    drain_timeout: float = 30.0  # graceful shutdown: seconds in-flight requests may take
-    max_index_blocks: int | None = None
-    tracing: bool = False  # OpenTelemetry spans, exported as OTEL_* says (router/tracing.py)
-    experiment: str = "default"
-    forecast_tracked: int = 2048  # blocks per stack the online forecast samples; 0: off
-    # -- the edge: gateway mode, limits, credentials --
-    gateway: bool = False  # workers are cluster routers: no tokenizer, no index, no NATS
-    api_keys: list[str] = field(default_factory=list)  # empty: the public API is open
-    metrics_token: str | None = None  # None: /metrics is open (scrapers inside the network)
-    max_n: int = 128  # largest "n" (choices per request) passed on to an engine
-    max_best_of: int = 128  # largest "best_of" (candidates an engine generates)
-    max_top_logprobs: int = 20  # largest "top_logprobs" / completions "logprobs" (vLLM's)
-    max_tokens: int = 1 << 20  # largest max_tokens / max_completion_tokens
-    forward_authorization: bool = False  # pass the client's Authorization to the engine
-    max_header_count: int = 100
-    max_header_bytes: int = 32 * 1024  # all request header names and values together
-    body_timeout: float = 30.0  # seconds a client may take to send its request body
-    header_timeout: float = 10.0  # seconds from a request's first byte to its last header
-    idle_timeout: float = 5.0  # seconds an idle keep-alive client connection stays open
-    max_connections: int | None = None  # client connections; None: from the fd limit
-    nats_user: str | None = None
-    nats_password: str | None = None
-    nats_token: str | None = None
-    nats_credentials: str | None = None  # a .creds file (JWT + nkey seed; needs nkeys)
-    nats_tls_ca: str | None = None  # CA bundle; a tls:// url or any nats_tls_* turns TLS on
-    nats_tls_cert: str | None = None  # client certificate (mutual TLS), with nats_tls_key
-    nats_tls_key: str | None = None
-    # -- replicas: the event stream and shared load --
-    events_transport: Transport = "auto"  # "auto": the stream if the server has it
-    events_stream: str = "KV_EVENTS"  # JetStream stream on <subject_prefix>.events.>
-    events_max_age: float = 900.0  # seconds of history kept (when this router creates it)
-    events_max_bytes: int = 256 << 20  # bytes of history kept (when this router creates it)
-    blind_after: float = 2.0  # seconds without the event feed before routing ignores hits
-    replica_id: str | None = None  # None: <host>-<pid>-<random>
-    share_interval: float = 0.005  # seconds between load/prediction messages to peers; 0: off
-    peer_ttl: float = 3.0  # a peer silent this long has its load dropped
-    workers: list[WorkerSpec] = field(default_factory=list)
-    discovery: list[DiscoverySpec] = field(default_factory=list)  # DNS names of engines
-    models: dict[str, ModelSpec] = field(default_factory=dict)
-    arms: list[Arm] = field(default_factory=list)  # A/B arms; empty: one, ``policy``
+S = TypeVar("S")
+_DURATION = Range(0, 86_400.0, low_open=True)  # seconds; a day bounds every wait
+_SECONDS = Range(0, 86_400.0)  # a duration where 0 means "off" or "at once"
+_COUNT = Range(1, 1_000_000)
+
+
+def setting(default: Any, bounds: Range | None = None, *, flag: str | None = None) -> Any:
+    """A scalar setting: its default, the bounds of a number, and the ``--flag`` help if
+    it has a flag (the flag names are a contract: scripts pass them)."""
+    return field(default=default, metadata={"range": bounds, "flag": flag})
+
+
+def table(factory: Callable[[], Any]) -> Any:
+    """A table setting (workers, arms...): TOML only, parsed by its own function."""
+    return field(default_factory=factory, metadata={"table": True})
+
+
+# The sections: one concern each, frozen, typed. ``RouterConfig`` is all of them at once,
+# since TOML keys, ``CACHE_ROUTER_*`` variables and flags are one flat namespace users
+# script against (``port``, not ``http.port``); a module states the section it reads
+# (``Upstream(cfg: UpstreamSettings)``) and mypy holds it to that.
+
+
+@dataclass(frozen=True, kw_only=True)
+class HttpSettings:
+    """The client-facing listener: where, how much a client may send, how long it may
+    take, and how long a shutdown waits for requests in flight."""
+
+    host: str = setting("127.0.0.1", flag="listen address (default 127.0.0.1)")
+    port: int = setting(8000, Range(1, 65_535), flag="listen port (default 8000)")
+    max_body_bytes: int = setting(8 * 1024 * 1024, Range(0, 1 << 34, low_open=True))
+    max_header_count: int = setting(100, _COUNT)
+    # all request header names and values together
+    max_header_bytes: int = setting(32 * 1024, Range(0, 1 << 30, low_open=True))
+    body_timeout: float = setting(30.0, _DURATION)  # seconds a client may take to send a body
+    header_timeout: float = setting(10.0, _DURATION)  # a request's first byte to its last header
+    idle_timeout: float = setting(5.0, _DURATION)  # an idle keep-alive client connection
+    max_connections: int | None = setting(None, Range(1, 1 << 20))  # None: from the fd limit
+    drain_timeout: float = setting(30.0, _SECONDS)  # graceful shutdown: in-flight requests' time
+
+
+@dataclass(frozen=True, kw_only=True)
+class SecuritySettings:
+    """Who may call what, and which credentials travel on to the engines."""
+
+    admin_token: str | None = setting(None, flag="bearer token for /admin/* (off without it)")
+    metrics_token: str | None = setting(None, flag="bearer token for /metrics (open without it)")
+    api_keys: list[str] = table(list)  # empty: the public API is open
+    forward_authorization: bool = setting(False)  # pass the client's Authorization to the engine
+
+
+@dataclass(frozen=True, kw_only=True)
+class LimitSettings:
+    """Router-side caps on what one request may ask an engine for."""
+
+    max_n: int = setting(128, _COUNT)  # largest "n" (choices per request)
+    max_best_of: int = setting(128, _COUNT)  # largest "best_of" (candidates generated)
+    # largest "top_logprobs" / completions "logprobs" (vLLM's)
+    max_top_logprobs: int = setting(20, Range(0, 1 << 20))
+    max_tokens: int = setting(1 << 20, Range(1, 1 << 31))  # largest max_(completion_)tokens
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpstreamSettings:
+    """Sending to engines: how long to wait, when to retry, when to stop trying one."""
+
+    request_timeout: float = setting(600.0, _DURATION)  # for the engine's response headers
+    stall_after: float = setting(5.0, _DURATION)  # a down engine this silent fails its requests
+    connect_retries: int = setting(2, Range(0, 64))  # other workers tried when nothing reached one
+    breaker_failures: int = setting(3, _COUNT)  # consecutive failures that open the breaker
+    breaker_cooldown: float = setting(5.0, _SECONDS)  # seconds before a half-open trial request
+
+
+@dataclass(frozen=True, kw_only=True)
+class HealthSettings:
+    """The health checker and the engines' load reports."""
+
+    health_interval: float = setting(2.0, _DURATION)
+    health_timeout: float = setting(1.0, _DURATION)
+    unhealthy_after: int = setting(2, _COUNT)  # consecutive failed checks before a worker is down
+    healthy_after: int = setting(1, _COUNT)  # consecutive good checks before it is back
+    load_stale_after: float = setting(5.0, _DURATION)  # older engine load is ignored (and scraped)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoutingSettings:
+    """How a request becomes a decision: blocks, the policy and its experiment arms."""
+
+    block_size: int = setting(
+        16, Range(0, 1 << 16, low_open=True), flag="engine KV block size in tokens (16)"
+    )
+    policy: str = setting("cache_aware", flag="routing policy (default cache_aware)")
+    policy_params: dict[str, Any] = table(dict)
+    experiment: str = setting("default")  # the salt of the arms' request split
+    arms: list[Arm] = table(list)  # A/B arms; empty: one, ``policy``
+    predict_ttl: float = setting(0.0, _SECONDS)  # a routed prefix counts as cached; 0: off
+    max_index_blocks: int | None = setting(None, Range(1, 1 << 40))
+    gateway: bool = setting(
+        False,
+        flag="region gateway: workers are cluster routers, policy session_affinity by default",
+    )  # workers are cluster routers: no tokenizer, no index, no NATS
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerSettings:
+    """Where each model's tokenizer is, and when tokenizing leaves the event loop."""
+
+    tokenizer: str | None = setting(
+        None, flag="tokenizer.json or its directory, for every model"
+    )  # the default for models without their own
+    models: dict[str, ModelSpec] = table(dict)
+    offload_chars: int = setting(4096, Range(0, 1 << 34))  # longer prompts go to the thread pool
 
     def tokenizer_for(self, model: str) -> str | None:
         spec = self.models.get(model)
@@ -176,6 +228,89 @@ class RouterConfig:
         if spec and spec.base and spec.base != model:
             return self.tokenizer_for(spec.base)
         return self.tokenizer
+
+
+@dataclass(frozen=True, kw_only=True)
+class NatsSettings:
+    """The NATS connection: where, under which prefix, with which credentials."""
+
+    nats_url: str | None = setting(
+        None, flag="NATS for KV events; omit to route on load alone"
+    )  # None: no KV events, route on load alone
+    subject_prefix: str = setting(DEFAULT_PREFIX, flag="NATS subject prefix (default kv)")
+    nats_user: str | None = setting(None)
+    nats_password: str | None = setting(None)
+    nats_token: str | None = setting(None)
+    nats_credentials: str | None = setting(None)  # a .creds file (JWT + nkey seed; needs nkeys)
+    nats_tls_ca: str | None = setting(None)  # CA bundle; a tls:// url or any nats_tls_*: TLS on
+    nats_tls_cert: str | None = setting(None)  # client certificate (mutual TLS), with nats_tls_key
+    nats_tls_key: str | None = setting(None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaSettings:
+    """Replicas: the event stream they all read and the load they share."""
+
+    events_transport: Transport = setting(
+        "auto",
+        flag="KV events from the JetStream stream or live core NATS (auto: the stream if there)",
+    )
+    events_stream: str = setting("KV_EVENTS")  # JetStream stream on <subject_prefix>.events.>
+    events_max_age: float = setting(900.0, _DURATION)  # history kept (when this router creates it)
+    events_max_bytes: int = setting(256 << 20, Range(0, 1 << 50, low_open=True))  # likewise
+    blind_after: float = setting(2.0, _SECONDS)  # without the event feed, routing ignores hits
+    replica_id: str | None = setting(
+        None, flag="this replica's name among its peers (random)"
+    )  # None: <host>-<pid>-<random>
+    share_interval: float = setting(0.005, Range(0, 3_600.0))  # between messages to peers; 0: off
+    peer_ttl: float = setting(3.0, _DURATION)  # a peer silent this long has its load dropped
+
+
+@dataclass(frozen=True, kw_only=True)
+class ObserveSettings:
+    """What the router tells about itself beyond metrics."""
+
+    tracing: bool = setting(
+        False, flag="OpenTelemetry spans, exported as the OTEL_* variables say (tracing extra)"
+    )  # exported as OTEL_* says (router/tracing.py)
+    audit_bound: float = setting(0.25, Range(0, 1.0, low_open=True))  # warn past this mismatch
+    forecast_tracked: int = setting(2048, Range(0, 1 << 20))  # blocks the forecast samples; 0: off
+
+
+@dataclass(frozen=True, kw_only=True)
+class FleetSettings:
+    """The engines: listed, or found behind DNS names."""
+
+    workers: list[WorkerSpec] = table(list)
+    discovery: list[DiscoverySpec] = table(list)  # DNS names of engines
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterConfig(
+    HttpSettings,
+    SecuritySettings,
+    LimitSettings,
+    UpstreamSettings,
+    HealthSettings,
+    RoutingSettings,
+    TokenizerSettings,
+    NatsSettings,
+    ReplicaSettings,
+    ObserveSettings,
+    FleetSettings,
+):
+    """Every setting; built once by ``load_config`` (or directly, in tests), then read-only.
+
+    The scalar fields' type hints are what TOML values, env text and flags are converted
+    to (``Literal`` ones are choices); each field's ``setting`` bounds its number.
+    """
+
+    def section(self, kind: type[S]) -> S:
+        """Only the settings of section ``kind``, for a part that needs nothing else."""
+        return kind(**{f.name: getattr(self, f.name) for f in dataclasses.fields(kind)})  # type: ignore[arg-type]
+
+
+SECTIONS: tuple[type, ...] = RouterConfig.__bases__
 
 
 def _model_spec(spec: Any, where: str) -> ModelSpec:
@@ -209,61 +344,21 @@ def _scalar(hint: Any) -> Scalar:
     return Scalar(kind, optional)
 
 
-_TABLES = ("workers", "models", "arms", "policy_params", "api_keys", "discovery")
+_FIELDS = {f.name: f for f in dataclasses.fields(RouterConfig)}
 _HINTS = typing.get_type_hints(RouterConfig)
-SCALARS: dict[str, Scalar] = {
-    f.name: _scalar(_HINTS[f.name])
-    for f in dataclasses.fields(RouterConfig)
-    if f.name not in _TABLES
-}
-
-
-class Range(NamedTuple):
-    low: float
-    high: float
-    low_open: bool = False  # the bound itself is not allowed (e.g. a timeout of 0)
-
-
-_DURATION = Range(0, 86_400.0, low_open=True)  # seconds; a day bounds every wait
-_COUNT = Range(1, 1_000_000)
-
+TABLES = frozenset(name for name, f in _FIELDS.items() if f.metadata.get("table"))
+SCALARS: dict[str, Scalar] = {name: _scalar(_HINTS[name]) for name in _FIELDS if name not in TABLES}
 # Bounds of every numeric setting; None-valued ones (unset) are not checked.
 RANGES: dict[str, Range] = {
-    "port": Range(1, 65_535),
-    "block_size": Range(0, 1 << 16, low_open=True),
-    "max_body_bytes": Range(0, 1 << 34, low_open=True),
-    "request_timeout": _DURATION,
-    "stall_after": _DURATION,
-    "connect_retries": Range(0, 64),
-    "predict_ttl": Range(0, 86_400.0),
-    "audit_bound": Range(0, 1.0, low_open=True),
-    "offload_chars": Range(0, 1 << 34),
-    "health_interval": _DURATION,
-    "health_timeout": _DURATION,
-    "unhealthy_after": _COUNT,
-    "healthy_after": _COUNT,
-    "breaker_failures": _COUNT,
-    "breaker_cooldown": Range(0, 86_400.0),
-    "load_stale_after": _DURATION,
-    "drain_timeout": Range(0, 86_400.0),
-    "max_index_blocks": Range(1, 1 << 40),
-    "forecast_tracked": Range(0, 1 << 20),
-    "max_n": _COUNT,
-    "max_best_of": _COUNT,
-    "max_top_logprobs": Range(0, 1 << 20),
-    "max_tokens": Range(1, 1 << 31),
-    "max_header_count": _COUNT,
-    "max_header_bytes": Range(0, 1 << 30, low_open=True),
-    "body_timeout": _DURATION,
-    "header_timeout": _DURATION,
-    "idle_timeout": _DURATION,
-    "max_connections": Range(1, 1 << 20),
-    "events_max_age": _DURATION,
-    "events_max_bytes": Range(0, 1 << 50, low_open=True),
-    "blind_after": Range(0, 86_400.0),
-    "share_interval": Range(0, 3_600.0),
-    "peer_ttl": _DURATION,
+    name: f.metadata["range"] for name, f in _FIELDS.items() if f.metadata.get("range")
 }
+# The settings with a ``--name-with-dashes`` flag and its help, section by section.
+FLAGS: tuple[tuple[str, str], ...] = tuple(
+    (f.name, f.metadata["flag"])
+    for section in SECTIONS
+    for f in dataclasses.fields(section)
+    if f.metadata.get("flag")
+)
 
 
 # A worker id is one NATS subject token (``kv.events.<id>``): no ``.``, ``*``, ``>`` or
@@ -363,34 +458,61 @@ def worker_spec(raw: Any, where: str) -> WorkerSpec:
     return check_worker(spec, where)
 
 
+def _policy_params(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: policy_params must be a table")
+    return dict(value)
+
+
+def _workers(value: Any, where: str) -> list[WorkerSpec]:
+    if not isinstance(value, list):
+        raise ConfigError(f"{where}: workers must be an array of tables")
+    return [worker_spec(w, f"{where} workers[{i}]") for i, w in enumerate(value)]
+
+
+def _models(value: Any, where: str) -> dict[str, ModelSpec]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: models must be a table of tables")
+    return {name: _model_spec(spec, f"{where} models.{name}") for name, spec in value.items()}
+
+
+def _arms(value: Any, where: str) -> list[Arm]:
+    if not isinstance(value, list):
+        raise ConfigError(f"{where}: arms must be an array of tables")
+    return [_arm_spec(a, f"{where} arms[{i}]") for i, a in enumerate(value)]
+
+
+def _discovery(value: Any, where: str) -> list[DiscoverySpec]:
+    if not isinstance(value, list):
+        raise ConfigError(f"{where}: discovery must be an array (strings or tables)")
+    return [discovery_spec(d, f"{where} discovery[{i}]") for i, d in enumerate(value)]
+
+
+def _api_keys(value: Any, where: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(k, str) and k for k in value):
+        raise ConfigError(f"{where}: api_keys must be a list of non-empty strings")
+    return list(value)
+
+
+# How each table setting is read from TOML (``where`` names the file in errors).
+TABLE_PARSERS: dict[str, Callable[[Any, str], Any]] = {
+    "policy_params": _policy_params,
+    "workers": _workers,
+    "models": _models,
+    "arms": _arms,
+    "discovery": _discovery,
+    "api_keys": _api_keys,
+}
+
+
 def _from_toml(data: Mapping[str, Any], where: str) -> dict[str, Any]:
     """The settings a TOML document sets, converted and checked one by one."""
     out: dict[str, Any] = {}
     for key, value in data.items():
         if key in SCALARS:
             out[key] = _coerce(key, value)
-        elif key == "policy_params":
-            if not isinstance(value, Mapping):
-                raise ConfigError(f"{where}: policy_params must be a table")
-            out[key] = dict(value)
-        elif key == "workers":
-            out[key] = [worker_spec(w, f"{where} workers[{i}]") for i, w in enumerate(value)]
-        elif key == "models":
-            if not isinstance(value, Mapping):
-                raise ConfigError(f"{where}: models must be a table of tables")
-            out[key] = {
-                name: _model_spec(spec, f"{where} models.{name}") for name, spec in value.items()
-            }
-        elif key == "arms":
-            out[key] = [_arm_spec(a, f"{where} arms[{i}]") for i, a in enumerate(value)]
-        elif key == "discovery":
-            if not isinstance(value, list):
-                raise ConfigError(f"{where}: discovery must be an array (strings or tables)")
-            out[key] = [discovery_spec(d, f"{where} discovery[{i}]") for i, d in enumerate(value)]
-        elif key == "api_keys":
-            if not isinstance(value, list) or not all(isinstance(k, str) and k for k in value):
-                raise ConfigError(f"{where}: api_keys must be a list of non-empty strings")
-            out[key] = list(value)
+        elif key in TABLE_PARSERS:
+            out[key] = TABLE_PARSERS[key](value, where)
         else:
             raise ConfigError(f"{where}: unknown setting {key!r}")
     return out

@@ -13,30 +13,10 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from router.config import SCALARS, ConfigError, RouterConfig, load_config
+from router.config import FLAGS, SCALARS, ConfigError, RouterConfig, load_config
 
 if TYPE_CHECKING:
     import uvicorn
-
-# The settings with a flag, ``--name-with-dashes``; these names are a contract other tools
-# script against. Types and choices come from ``RouterConfig``'s hints, values are
-# checked by ``load_config`` like the TOML's and the environment's.
-FLAGS: tuple[tuple[str, str], ...] = (
-    ("host", "listen address (default 127.0.0.1)"),
-    ("port", "listen port (default 8000)"),
-    ("nats_url", "NATS for KV events; omit to route on load alone"),
-    ("block_size", "engine KV block size in tokens (16)"),
-    ("policy", "routing policy (default cache_aware)"),
-    ("tokenizer", "tokenizer.json or its directory, for every model"),
-    ("admin_token", "bearer token for /admin/* (off without it)"),
-    ("subject_prefix", "NATS subject prefix (default kv)"),
-    ("gateway", "region gateway: workers are cluster routers, policy session_affinity by default"),
-    ("metrics_token", "bearer token for /metrics (open without it)"),
-    ("replica_id", "this replica's name among its peers (random)"),
-    ("events_transport",
-     "KV events from the JetStream stream or live core NATS (auto: the stream if there)"),
-    ("tracing", "OpenTelemetry spans, exported as the OTEL_* variables say (tracing extra)"),
-)  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -170,3 +170,81 @@ def test_a_gateway_without_a_policy_routes_on_sessions(tmp_path):
     assert load_config(path, env={}).policy == "session_affinity"
     assert load_config(env={"CACHE_ROUTER_GATEWAY": "1"}).policy == "session_affinity"
     assert load_config(path, env={"CACHE_ROUTER_POLICY": "least_load"}).policy == "least_load"
+
+
+# The settings' names as users spell them (TOML keys; CACHE_ROUTER_<NAME> variables):
+# a contract, written out so a rename or a lost setting fails here.
+SCALAR_NAMES = """
+admin_token audit_bound blind_after block_size body_timeout breaker_cooldown
+breaker_failures connect_retries drain_timeout events_max_age events_max_bytes events_stream
+events_transport experiment forecast_tracked forward_authorization gateway header_timeout
+health_interval health_timeout healthy_after host idle_timeout load_stale_after max_best_of
+max_body_bytes max_connections max_header_bytes max_header_count max_index_blocks max_n
+max_tokens max_top_logprobs metrics_token nats_credentials nats_password nats_tls_ca
+nats_tls_cert nats_tls_key nats_token nats_url nats_user offload_chars peer_ttl policy port
+predict_ttl replica_id request_timeout share_interval stall_after subject_prefix tokenizer
+tracing unhealthy_after
+""".split()  # noqa: SIM905
+FLAG_NAMES = """
+--host --port --nats-url --block-size --policy --tokenizer --admin-token --subject-prefix
+--gateway --metrics-token --replica-id --events-transport --tracing
+""".split()  # noqa: SIM905
+
+
+def _sample(name: str):
+    """A value of setting ``name``'s type that its checks accept (not its default)."""
+    from router.config import RANGES, SCALARS
+
+    scalar = SCALARS[name]
+    if scalar.choices:
+        return scalar.choices[-1]
+    if scalar.kind is bool:
+        return True
+    if scalar.kind is str:
+        return "x1" if name not in ("nats_url",) else "nats://127.0.0.1:1"
+    low, high, _ = RANGES[name]
+    return scalar.kind(min(high, max(low, 0) + 1))
+
+
+def test_every_setting_keeps_its_toml_key_and_env_variable(tmp_path):
+    from router.config import SCALARS, TABLES
+
+    assert sorted(SCALARS) == sorted(SCALAR_NAMES)
+    assert sorted(TABLES) == ["api_keys", "arms", "discovery", "models", "policy_params", "workers"]
+    for name in SCALAR_NAMES:
+        if name.startswith("nats_tls_") or name == "nats_credentials":
+            continue  # must name a file: covered by tests/test_security.py
+        value = _sample(name)
+        path = tmp_path / "one.toml"
+        text = str(value).lower() if isinstance(value, bool) else repr(value)
+        path.write_text(f"{name} = {text}\n".replace("'", '"'))
+        assert getattr(load_config(path, env={}), name) == value, name
+        env = {"CACHE_ROUTER_" + name.upper(): str(value)}
+        assert getattr(load_config(env=env), name) == value, name
+
+
+def test_every_flag_keeps_its_spelling():
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    spelled = {s for a in parser._actions for s in a.option_strings}
+    assert set(FLAG_NAMES) <= spelled
+    for flag in FLAG_NAMES:
+        name = flag[2:].replace("-", "_")
+        value = _sample(name)
+        argv = [flag] if isinstance(value, bool) else [flag, str(value)]
+        cfg = serve.config_from_args(parser.parse_args(argv), env={})
+        assert getattr(cfg, name) == value, flag
+
+
+def test_sections_partition_the_settings():
+    """Each setting lives in exactly one typed section, and a section can be taken out."""
+    from router.config import SECTIONS, HealthSettings, RouterConfig
+
+    names = [f.name for s in SECTIONS for f in dataclasses.fields(s)]
+    assert len(names) == len(set(names))
+    assert set(names) == {f.name for f in dataclasses.fields(RouterConfig)}
+    cfg = RouterConfig(health_interval=3.0, port=81)
+    assert isinstance(cfg, HealthSettings)
+    assert cfg.section(HealthSettings) == HealthSettings(health_interval=3.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.section(HealthSettings).health_interval = 1.0  # type: ignore[misc]
