@@ -24,6 +24,13 @@ Example ``router.toml``::
     pool = "default"
     block_size = 16
 
+    [[workers]]                       # a disaggregated pool: prefill and decode engines
+    id = "p0"
+    url = "http://127.0.0.1:9100"
+    pool = "pd"
+    role = "prefill"                  # or "decode"; "mixed" (the default) does both
+    bootstrap_port = 8998             # SGLang prefill engines (pd_protocol = "sglang")
+
     [models.llama]
     tokenizer = "/models/llama"      # dir with tokenizer.json (+ tokenizer_config.json)
 
@@ -63,6 +70,11 @@ class ConfigError(ValueError):
 
 
 Transport = Literal["auto", "jetstream", "core"]
+# What an engine does in its pool: everything (today's engines), or one side of a
+# prefill/decode-disaggregated pool (``router.pd``).
+Role = Literal["mixed", "prefill", "decode"]
+ROLES: tuple[str, ...] = typing.get_args(Role)
+PdProtocol = Literal["vllm", "sglang"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +84,8 @@ class WorkerSpec:
     model: str | None = None  # None: learnt from the engine's /v1/models
     pool: str = DEFAULT_POOL
     block_size: int | None = None  # None: the router's block_size
+    role: Role = "mixed"
+    bootstrap_port: int | None = None  # SGLang prefill engines; None: pd_bootstrap_port
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +226,26 @@ class RoutingSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PdSettings:
+    """Prefill/decode-disaggregated pools (``router.pd``): the engines' wire protocol and
+    the decode side's choice; pools of mixed workers never read these."""
+
+    pd_protocol: PdProtocol = setting(
+        "vllm", flag="disaggregated pools: vllm (KV-connector params) or sglang (bootstrap)"
+    )
+    pd_bootstrap_port: int = setting(8998, Range(1, 65_535))  # SGLang's default bootstrap port
+    pd_local_prefill_tokens: int = setting(
+        0,
+        Range(0, 1 << 24),
+        flag="disaggregated pools: the decode engine prefills itself below this many "
+        "uncached tokens",
+    )
+    decode_policy: str = setting(
+        "decode_load", flag="disaggregated pools: the decode side's policy (decode_load)"
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
 class TokenizerSettings:
     """Where each model's tokenizer is, and when tokenizing leaves the event loop."""
 
@@ -293,6 +327,7 @@ class RouterConfig(
     UpstreamSettings,
     HealthSettings,
     RoutingSettings,
+    PdSettings,
     TokenizerSettings,
     NatsSettings,
     ReplicaSettings,
@@ -393,11 +428,19 @@ def check_worker(spec: WorkerSpec, where: str) -> WorkerSpec:
 
 
 def parse_worker(text: str) -> WorkerSpec:
-    """``ID=URL`` (the ``--worker`` flag and ``CACHE_ROUTER_WORKERS`` entries)."""
+    """``ID=URL`` or ``ROLE:ID=URL`` (the ``--worker`` flag and ``CACHE_ROUTER_WORKERS``
+    entries); ROLE is prefill, decode or mixed (a worker id cannot hold a ``:``)."""
     wid, sep, url = text.partition("=")
-    if not sep or not wid.strip() or not url.strip():
-        raise ConfigError(f"worker {text!r}: expected ID=URL")
-    return check_worker(WorkerSpec(id=wid.strip(), url=url.strip().rstrip("/")), "--worker")
+    role, colon, name = wid.partition(":")
+    if not colon:
+        role, name = "mixed", wid
+    if not sep or not name.strip() or not url.strip():
+        raise ConfigError(f"worker {text!r}: expected ID=URL or ROLE:ID=URL")
+    role = role.strip()
+    if role not in ROLES:
+        raise ConfigError(f"worker {text!r}: role must be {', '.join(ROLES)}, not {role!r}")
+    spec = WorkerSpec(id=name.strip(), url=url.strip().rstrip("/"), role=role)  # type: ignore[arg-type]
+    return check_worker(spec, "--worker")
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -439,12 +482,20 @@ def worker_spec(raw: Any, where: str) -> WorkerSpec:
     """A worker from a TOML table or an admin API body."""
     if not isinstance(raw, Mapping) or not raw.get("id") or not raw.get("url"):
         raise ConfigError(f"{where}: a worker needs id and url")
-    unknown = set(raw) - {"id", "url", "model", "pool", "block_size"}
+    unknown = set(raw) - {"id", "url", "model", "pool", "block_size", "role", "bootstrap_port"}
     if unknown:
         raise ConfigError(f"{where}: unknown worker keys {sorted(unknown)}")
     block = raw.get("block_size")
     if block is not None and (not isinstance(block, int) or block <= 0):
         raise ConfigError(f"{where}: block_size must be a positive int")
+    role = raw.get("role", "mixed")
+    if role not in ROLES:
+        raise ConfigError(f"{where}: role must be {', '.join(ROLES)}, not {role!r}")
+    port = raw.get("bootstrap_port")
+    if port is not None and (
+        not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536
+    ):
+        raise ConfigError(f"{where}: bootstrap_port must be a port number (1-65535)")
     for key in ("id", "url"):
         if not isinstance(raw[key], str):
             raise ConfigError(f"{where}: worker {key} must be a string")
@@ -454,6 +505,8 @@ def worker_spec(raw: Any, where: str) -> WorkerSpec:
         model=raw.get("model"),
         pool=str(raw.get("pool") or DEFAULT_POOL),
         block_size=block,
+        role=role,
+        bootstrap_port=port,
     )
     return check_worker(spec, where)
 
@@ -596,6 +649,7 @@ def validate(cfg: RouterConfig) -> None:
         size = w.block_size or cfg.block_size
         if block_of.setdefault(w.pool, size) != size:
             raise ConfigError(f"pool {w.pool} mixes block sizes {block_of[w.pool]} and {size}")
+    _validate_roles(cfg)
     if cfg.gateway:
         policies = {cfg.policy, *(a.policy for a in cfg.arms)} if cfg.arms else {cfg.policy}
         index_bound = sorted(policies - GATEWAY_POLICIES)
@@ -616,6 +670,29 @@ def validate(cfg: RouterConfig) -> None:
     if len(names) != len(set(names)):
         raise ConfigError("experiment arm names must be unique")
     _validate_replicas(cfg)
+
+
+def pool_roles_error(pool: str, roles: set[str]) -> str | None:
+    """Why a pool with workers of ``roles`` cannot work, or None: a pool is mixed or
+    disaggregated (prefill and decode engines), never both, since a mixed engine takes
+    neither side's wire protocol."""
+    if "mixed" in roles and len(roles) > 1:
+        return f"pool {pool} mixes mixed workers with {'/'.join(sorted(roles - {'mixed'}))} ones"
+    return None
+
+
+def _validate_roles(cfg: RouterConfig) -> None:
+    roles: dict[str, set[str]] = {}
+    for w in cfg.workers:
+        roles.setdefault(w.pool, set()).add(w.role)
+    for pool, found in roles.items():
+        error = pool_roles_error(pool, found)
+        if error is None and found == {"prefill"}:
+            error = f"pool {pool} has prefill workers but no decode worker to answer"
+        if error is not None:
+            raise ConfigError(error)
+    if cfg.gateway and any(w.role != "mixed" for w in cfg.workers):
+        raise ConfigError("gateway mode routes to clusters: workers cannot have roles")
 
 
 def check_range(name: str, value: float | None, bounds: Range) -> None:

@@ -22,7 +22,11 @@ if TYPE_CHECKING:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML config file (see router/config.py)")
     parser.add_argument(
-        "--worker", action="append", default=[], metavar="ID=URL", help="an engine (repeatable)"
+        "--worker",
+        action="append",
+        default=[],
+        metavar="[ROLE:]ID=URL",
+        help="an engine (repeatable); ROLE prefill or decode for a disaggregated pool",
     )
     parser.add_argument(
         "--discover",

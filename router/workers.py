@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from router.config import RouterConfig, WorkerSpec
+from router.config import RouterConfig, WorkerSpec, pool_roles_error
 from router.load import WorkerLoad, parse_engine_metrics
 from router.pools import Pool
 
@@ -37,6 +37,7 @@ class Worker:
     """One engine endpoint as the router knows it."""
 
     __slots__ = (
+        "bootstrap_port",
         "breaker_until",
         "draining",
         "fail_streak",
@@ -48,6 +49,7 @@ class Worker:
         "ok_streak",
         "pool",
         "request_failures",
+        "role",
         "url",
     )
 
@@ -56,6 +58,8 @@ class Worker:
         self.url = spec.url
         self.models: set[str] = {spec.model} if spec.model else set()
         self.pool = pool
+        self.role = spec.role  # "mixed", or one side of a disaggregated pool (router.pd)
+        self.bootstrap_port = spec.bootstrap_port
         self.load = WorkerLoad()
         self.healthy = True  # until a check says otherwise; failed sends trip the breaker
         self.draining = False
@@ -74,6 +78,7 @@ class Worker:
             "url": self.url,
             "models": sorted(self.models),
             "pool": self.pool.name,
+            "role": self.role,
             "block_size": self.pool.block_size,
             "healthy": self.healthy,
             "draining": self.draining,
@@ -118,6 +123,10 @@ class WorkerRegistry:
             other = self.pool_of_model(spec.model)
             if other is not None and other is not pool:
                 raise ValueError(f"model {spec.model} is served by pool {other.name}")
+        roles = {w.role for w in self._workers.values() if w.pool is pool} | {spec.role}
+        error = pool_roles_error(pool.name, roles)
+        if error is not None:
+            raise ValueError(error)
         worker = self._workers[spec.id] = Worker(spec, pool)
         pool.index.add_worker(spec.id)
         return worker

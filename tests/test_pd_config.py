@@ -1,0 +1,105 @@
+"""Pools with roles: prefill, decode and mixed workers in the TOML, env, flags and admin API."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from router import serve
+from router.config import ConfigError, RouterConfig, WorkerSpec, load_config
+from router.workers import WorkerRegistry
+
+PD_TOML = """
+pd_protocol = "sglang"
+pd_local_prefill_tokens = 64
+
+[[workers]]
+id = "p0"
+url = "http://127.0.0.1:9001"
+pool = "pd"
+role = "prefill"
+bootstrap_port = 9998
+
+[[workers]]
+id = "d0"
+url = "http://127.0.0.1:9002"
+pool = "pd"
+role = "decode"
+
+[[workers]]
+id = "m0"
+url = "http://127.0.0.1:9003"
+"""
+
+
+def test_roles_from_toml_with_pd_settings(tmp_path):
+    path = tmp_path / "router.toml"
+    path.write_text(PD_TOML)
+    cfg = load_config(path, env={})
+    roles = {w.id: (w.pool, w.role, w.bootstrap_port) for w in cfg.workers}
+    assert roles == {
+        "p0": ("pd", "prefill", 9998),
+        "d0": ("pd", "decode", None),
+        "m0": ("default", "mixed", None),
+    }
+    assert cfg.pd_protocol == "sglang" and cfg.pd_local_prefill_tokens == 64
+    assert cfg.decode_policy == "decode_load" and cfg.pd_bootstrap_port == 8998
+
+
+def test_roles_from_env_and_flags():
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(
+        ["--worker", "prefill:p1=http://127.0.0.1:9101", "--pd-protocol", "vllm",
+         "--pd-local-prefill-tokens", "32", "--decode-policy", "power_of_two"]
+    )  # fmt: skip
+    env = {
+        "CACHE_ROUTER_WORKERS": "decode:d1=http://127.0.0.1:9201,prefill:p0=http://127.0.0.1:9100",
+        "CACHE_ROUTER_PD_PROTOCOL": "sglang",
+    }
+    cfg = serve.config_from_args(args, env=env)
+    assert {w.id: w.role for w in cfg.workers} == {"d1": "decode", "p0": "prefill", "p1": "prefill"}
+    assert cfg.pd_protocol == "vllm"  # the flag beats the env
+    assert cfg.pd_local_prefill_tokens == 32 and cfg.decode_policy == "power_of_two"
+    plain = load_config(env={"CACHE_ROUTER_WORKERS": "w0=http://127.0.0.1:9000"})
+    assert plain.workers[0].role == "mixed"  # today's form is unchanged
+
+
+@pytest.mark.parametrize(
+    ("workers", "env", "message"),
+    [
+        ("chef:p0=http://127.0.0.1:1", {}, "role must be"),
+        ("prefill:p0=http://127.0.0.1:1", {}, "no decode worker"),
+        ("prefill:p0=http://127.0.0.1:1,w0=http://127.0.0.1:2", {}, "mixes mixed workers"),
+        ("decode:d0=http://127.0.0.1:1", {"CACHE_ROUTER_PD_PROTOCOL": "nixl"}, "pd_protocol"),
+        
+        ("decode:d0=http://127.0.0.1:1", {"CACHE_ROUTER_PD_BOOTSTRAP_PORT": "0"}, "bootstrap"),
+        ("decode:d0=http://127.0.0.1:1", {"CACHE_ROUTER_PD_LOCAL_PREFILL_TOKENS": "-1"}, "local"),
+        ("decode:d0=http://127.0.0.1:1", {"CACHE_ROUTER_GATEWAY": "1"}, "gateway"),
+    ],
+)
+def test_bad_roles_say_what_is_wrong(workers, env, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(env={"CACHE_ROUTER_WORKERS": workers, **env})
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [('role = "both"', "role must be"), ("bootstrap_port = 70000", "bootstrap_port")],
+)
+def test_bad_worker_tables(tmp_path, extra, message):
+    path = tmp_path / "r.toml"
+    path.write_text(f'[[workers]]\nid = "d"\nurl = "http://127.0.0.1:1"\n{extra}\n')
+    with pytest.raises(ConfigError, match=message):
+        load_config(path, env={})
+
+
+def test_registry_keeps_a_pool_mixed_or_disaggregated():
+    reg = WorkerRegistry(RouterConfig())
+    reg.add(WorkerSpec("p0", "http://127.0.0.1:1", pool="pd", role="prefill"))
+    reg.add(WorkerSpec("d0", "http://127.0.0.1:2", pool="pd", role="decode"))
+    with pytest.raises(ValueError, match="mixes mixed workers"):
+        reg.add(WorkerSpec("m0", "http://127.0.0.1:3", pool="pd"))
+    reg.add(WorkerSpec("m0", "http://127.0.0.1:3"))  # another pool is free to be mixed
+    assert [w.describe(0.0)["role"] for w in reg] == ["prefill", "decode", "mixed"]
