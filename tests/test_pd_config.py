@@ -73,7 +73,6 @@ def test_roles_from_env_and_flags():
         ("prefill:p0=http://127.0.0.1:1", {}, "no decode worker"),
         ("prefill:p0=http://127.0.0.1:1,w0=http://127.0.0.1:2", {}, "mixes mixed workers"),
         ("decode:d0=http://127.0.0.1:1", {"CACHE_ROUTER_PD_PROTOCOL": "nixl"}, "pd_protocol"),
-        
         ("decode:d0=http://127.0.0.1:1", {"CACHE_ROUTER_PD_BOOTSTRAP_PORT": "0"}, "bootstrap"),
         ("decode:d0=http://127.0.0.1:1", {"CACHE_ROUTER_PD_LOCAL_PREFILL_TOKENS": "-1"}, "local"),
         ("decode:d0=http://127.0.0.1:1", {"CACHE_ROUTER_GATEWAY": "1"}, "gateway"),
