@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 from fastapi import APIRouter, Depends, Request
@@ -23,8 +25,53 @@ from router.errors import ApiError
 from router.proxy import ClientGone, read_body
 
 if TYPE_CHECKING:
-    from router.app import RouterState
-    from router.workers import Worker
+    import httpx
+
+    from policies.experiments import Experiment
+    from router.audit import HitAudit
+    from router.bus import Bus
+    from router.capacity import CapacityWatch
+    from router.events import EventSync
+    from router.feed import EventFeed
+    from router.hints import HintPublisher
+    from router.metrics import RouterMetrics
+    from router.pools import Pool
+    from router.routing import Router
+    from router.tokenize import TokenizerSet
+    from router.workers import Worker, WorkerRegistry
+
+
+class AdminSettings(Protocol):
+    """The settings the admin API reads (a ``RouterConfig`` has them)."""
+
+    @property
+    def admin_token(self) -> str | None: ...
+    @property
+    def max_body_bytes(self) -> int: ...
+    @property
+    def body_timeout(self) -> float: ...
+    @property
+    def experiment(self) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class AdminDeps:
+    """What the admin API reads and changes (``RouterState.admin_deps`` fills it)."""
+
+    cfg: AdminSettings
+    registry: WorkerRegistry
+    router: Router
+    tokenizers: TokenizerSet
+    experiment: Experiment
+    events: EventSync
+    hints: HintPublisher
+    audit: HitAudit
+    metrics: RouterMetrics
+    client: httpx.AsyncClient  # health checks of an added worker
+    in_sync: Callable[[str, Pool], bool]  # what operators are told (``RouterState.in_sync``)
+    bus: Bus | None = None
+    feed: EventFeed | None = None
+    capacity: CapacityWatch | None = None
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -39,28 +86,28 @@ def _default(obj: Any) -> Any:
     raise TypeError(type(obj).__name__)
 
 
-async def _raw(request: Request) -> bytes:
-    """The body, under the same size and time limits as a completion's (a 9 MiB explain
-    body was read whole)."""
-    cfg = request.app.state.router_state.cfg
-    try:
-        return await read_body(request.scope, request.receive, cfg.max_body_bytes, cfg.body_timeout)
-    except ClientGone:
-        message = "the client left before its body was complete"
-        raise ApiError(400, message, "invalid_body") from None
+def admin_router(state: AdminDeps) -> APIRouter:
+    async def _raw(request: Request) -> bytes:
+        """The body, under the same size and time limits as a completion's (a 9 MiB
+        explain body was read whole)."""
+        cfg = state.cfg
+        try:
+            return await read_body(
+                request.scope, request.receive, cfg.max_body_bytes, cfg.body_timeout
+            )
+        except ClientGone:
+            message = "the client left before its body was complete"
+            raise ApiError(400, message, "invalid_body") from None
 
+    async def _body(request: Request) -> dict[str, Any]:
+        try:
+            body = orjson.loads(await _raw(request))
+        except orjson.JSONDecodeError as exc:
+            raise ApiError(400, f"body is not valid JSON: {exc}", "invalid_json") from exc
+        if not isinstance(body, dict):
+            raise ApiError(400, "body must be a JSON object", "invalid_json")
+        return body
 
-async def _body(request: Request) -> dict[str, Any]:
-    try:
-        body = orjson.loads(await _raw(request))
-    except orjson.JSONDecodeError as exc:
-        raise ApiError(400, f"body is not valid JSON: {exc}", "invalid_json") from exc
-    if not isinstance(body, dict):
-        raise ApiError(400, "body must be a JSON object", "invalid_json")
-    return body
-
-
-def admin_router(state: RouterState) -> APIRouter:
     def authorize(request: Request) -> None:
         token = state.cfg.admin_token
         if not token:

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 
 from index.capacity import Sampling
 from policies.experiments import Arm, Experiment
-from router.admin import admin_router
+from router.admin import AdminDeps, admin_router
 from router.affinity import ResponseAffinity
 from router.asgi import Receive, Scope, Send
 from router.audit import AuditCollector, HitAudit
@@ -45,7 +45,7 @@ from router.openapi import completion_paths
 from router.passthrough import PATHS as PASSTHROUGH_PATHS
 from router.passthrough import RESPONSES, Passthrough, ResponseLookup
 from router.pools import Pool
-from router.proxy import Proxy, send_error
+from router.proxy import Proxy, ProxyDeps, send_error
 from router.replicas import ReplicaShare, default_replica_id
 from router.routing import Router
 from router.tokenize import TokenizerSet
@@ -89,10 +89,10 @@ class RouterState:
         self.experiment = make_experiment(cfg)
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         self.bus = Bus(cfg.nats_url, options=nats_options(cfg)) if cfg.nats_url else None
-        self.events = EventSync(self.registry, cfg.subject_prefix)
-        self.events.tracing = self.tracing
+        self.events = EventSync(self.registry, cfg.subject_prefix, tracing=self.tracing)
         self.feed = EventFeed.from_config(cfg, self.events) if self.bus else None
         self.replicas = ReplicaShare.from_config(cfg, self.registry, self.bus)
+        self.affinity = ResponseAffinity()
         router_class = GatewayRouter if cfg.gateway else Router
         self.router = router_class(
             cfg,
@@ -102,9 +102,8 @@ class RouterState:
             self.executor,
             blind=self.feed.blind if self.feed is not None else None,
             on_predict=self.replicas.mark if self.replicas is not None else None,
+            affinity=self.affinity,
         )
-        self.affinity = ResponseAffinity()
-        self.router.affinity = self.affinity
         if self.bus is not None:
             replica = self.replicas.id if self.replicas else cfg.replica_id or default_replica_id()
             self.affinity.share(self.bus, cfg.subject_prefix, replica, cfg.share_interval)
@@ -120,6 +119,42 @@ class RouterState:
         self.client: httpx.AsyncClient = _client(cfg)  # cold paths: health, scrapes
         self.upstream = Upstream()  # the hot path's engine connections
         self._tasks: list[asyncio.Task[Any]] = []
+
+    def proxy_deps(self) -> ProxyDeps:
+        """The part of this state the hot path works with."""
+        return ProxyDeps(
+            cfg=self.cfg,
+            router=self.router,
+            registry=self.registry,
+            upstream=self.upstream,
+            metrics=self.metrics,
+            edge=self.edge,
+            hints=self.hints,
+            audit=self.audit,
+            experiment=self.experiment,
+            affinity=self.affinity,
+            capacity=self.capacity,
+            tracing=self.tracing,
+        )
+
+    def admin_deps(self) -> AdminDeps:
+        """The part of this state the admin API reads and changes."""
+        return AdminDeps(
+            cfg=self.cfg,
+            registry=self.registry,
+            router=self.router,
+            tokenizers=self.tokenizers,
+            experiment=self.experiment,
+            events=self.events,
+            hints=self.hints,
+            audit=self.audit,
+            metrics=self.metrics,
+            client=self.client,
+            in_sync=self.in_sync,
+            bus=self.bus,
+            feed=self.feed,
+            capacity=self.capacity,
+        )
 
     async def start(self) -> None:
         if self.cfg.gateway:
@@ -222,7 +257,6 @@ def _fastapi(state: RouterState) -> FastAPI:
     app = FastAPI(
         title="cache-router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
-    app.state.router_state = state
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -268,7 +302,7 @@ def _fastapi(state: RouterState) -> FastAPI:
     async def invalid(_req: Request, exc: RequestValidationError) -> Response:
         return Response(error_body(400, str(exc.errors()), "invalid_request"), 400)
 
-    app.include_router(admin_router(state))
+    app.include_router(admin_router(state.admin_deps()))
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -300,14 +334,15 @@ class RouterApp:
         self.state = RouterState(cfg, tracing)
         self.edge = self.state.edge
         self.api = _fastapi(self.state)
+        deps = self.state.proxy_deps()
         self.hot = {
-            "/v1/chat/completions": Proxy(self.state, "chat", "/v1/chat/completions"),
-            "/v1/completions": Proxy(self.state, "completion", "/v1/completions"),
-            "/v1/responses": Proxy(self.state, "responses", "/v1/responses"),
-            "/v1/messages": Proxy(self.state, "messages", "/v1/messages"),
-            **{path: Passthrough(self.state, path) for path in PASSTHROUGH_PATHS},
+            "/v1/chat/completions": Proxy(deps, "chat", "/v1/chat/completions"),
+            "/v1/completions": Proxy(deps, "completion", "/v1/completions"),
+            "/v1/responses": Proxy(deps, "responses", "/v1/responses"),
+            "/v1/messages": Proxy(deps, "messages", "/v1/messages"),
+            **{path: Passthrough(deps, path) for path in PASSTHROUGH_PATHS},
         }
-        self.lookup = ResponseLookup(self.state)
+        self.lookup = ResponseLookup(deps)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

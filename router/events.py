@@ -82,6 +82,7 @@ class EventSync:
         max_pending_bytes: int = 64 << 20,
         max_backoff: float = 5.0,
         max_queued: int = 100_000,
+        tracing: Tracing | None = None,
     ) -> None:
         self.registry = registry
         self.prefix = prefix
@@ -91,7 +92,7 @@ class EventSync:
         self._pending_bytes: Counter[str] = Counter()
         self.max_backoff = max_backoff
         self.counts: Counter[str] = Counter()
-        self.tracing: Tracing | None = None  # set by the app when tracing is on
+        self.tracing = tracing  # None: off
         self._nc: Client | None = None
         self._pending: dict[str, list[Live]] = {}
         self._resync: dict[str, asyncio.Task[None]] = {}

@@ -24,11 +24,10 @@ from typing import TYPE_CHECKING
 import orjson
 
 from router.errors import ApiError
-from router.proxy import _REQ_DROP, Exchange, Proxy, read_body, send_failure
+from router.proxy import _REQ_DROP, Exchange, Proxy, ProxyDeps, read_body, send_failure
 from router.upstream import UpstreamError
 
 if TYPE_CHECKING:
-    from router.app import RouterState
     from router.asgi import Receive, Scope
     from router.tracing import Trace
     from router.workers import Worker
@@ -44,14 +43,14 @@ _RESPONSE_PATH = re.compile(r"/v1/responses/([A-Za-z0-9_-]{1,256})(/cancel)?")
 class Passthrough(Proxy):
     """One load-routed endpoint (``PATHS``)."""
 
-    def __init__(self, state: RouterState, path: str) -> None:
-        super().__init__(state, "completion", path)
+    def __init__(self, deps: ProxyDeps, path: str) -> None:
+        super().__init__(deps, "completion", path)
         self.endpoint = path
 
     async def _handle(
         self, scope: Scope, receive: Receive, ex: Exchange, trace: Trace | None
     ) -> None:
-        st = self.state
+        st = self.deps
         raw = await read_body(scope, receive, st.cfg.max_body_bytes, st.cfg.body_timeout)
         workers = self.candidates(scope, raw)
         ex.watch(receive)
@@ -66,21 +65,21 @@ class Passthrough(Proxy):
             raise ApiError(400, "request body must be a JSON object", "invalid_json")
         model = body.get("model")
         if model is None:
-            models = self.state.registry.models()
+            models = self.deps.registry.models()
             if len(models) > 1:
                 raise ApiError(400, "model is required: the router serves several models",
                                "missing_field", "model")  # fmt: skip
             if not models:
-                return list(self.state.registry)
+                return list(self.deps.registry)
             (model,) = models
         if not isinstance(model, str) or not model:
             raise ApiError(400, "model must be a non-empty string", "invalid_value", "model")
-        return self.state.router.workers_for(model)
+        return self.deps.router.workers_for(model)
 
     async def _relay(
         self, scope: Scope, raw: bytes, workers: list[Worker], ex: Exchange
     ) -> None:
-        st = self.state
+        st = self.deps
         method = scope["method"].encode()
         query = scope.get("query_string") or b""
         path = scope["path"] + ("?" + query.decode("latin-1") if query else "")
@@ -111,8 +110,8 @@ class Passthrough(Proxy):
 class ResponseLookup(Passthrough):
     """``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``."""
 
-    def __init__(self, state: RouterState) -> None:
-        super().__init__(state, RESPONSES)
+    def __init__(self, deps: ProxyDeps) -> None:
+        super().__init__(deps, RESPONSES)
         self.endpoint = "/v1/responses/{id}"
 
     def candidates(self, scope: Scope, raw: bytes) -> list[Worker]:
@@ -123,8 +122,8 @@ class ResponseLookup(Passthrough):
         if scope["method"] != wanted:
             raise ApiError(405, f"use {wanted} on {scope['path']}", "invalid_request")
         rid = found.group(1)
-        registry = self.state.registry
-        worker_id = self.state.affinity.lookup(rid)
+        registry = self.deps.registry
+        worker_id = self.deps.affinity.lookup(rid)
         if worker_id is None:
             return list(registry)
         worker = registry.get(worker_id)

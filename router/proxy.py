@@ -20,7 +20,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from router.asgi import Receive, Scope, Send
 from router.errors import ApiError, ErrorCode, ErrorKind, sse_error
@@ -31,8 +31,17 @@ from router.tracing import Trace, now_ns
 from router.upstream import ConnectFailed, Response, UpstreamError, UpstreamTimeout
 
 if TYPE_CHECKING:
-    from router.app import RouterState
-    from router.workers import Worker
+    from policies.experiments import Experiment
+    from router.affinity import ResponseAffinity
+    from router.audit import HitAudit
+    from router.capacity import CapacityWatch
+    from router.edge import Edge
+    from router.hints import HintPublisher
+    from router.metrics import RouterMetrics
+    from router.routing import Router
+    from router.tracing import Tracing
+    from router.upstream import Upstream
+    from router.workers import Worker, WorkerRegistry
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +59,44 @@ _JSON = [(b"content-type", b"application/json")]
 
 
 HIT_HEADER = b"x-cache-router-hit-tokens"  # prompt tokens the router predicted cached
+
+
+class ProxySettings(Protocol):
+    """The settings the hot path reads (a ``RouterConfig`` has them)."""
+
+    @property
+    def max_body_bytes(self) -> int: ...
+    @property
+    def body_timeout(self) -> float: ...
+    @property
+    def request_timeout(self) -> float: ...
+    @property
+    def connect_retries(self) -> int: ...
+    @property
+    def load_stale_after(self) -> float: ...
+    @property
+    def gateway(self) -> bool: ...
+    @property
+    def forward_authorization(self) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyDeps:
+    """What the hot path works with, and nothing more: the parts of the router state
+    a request reads or counts into (``RouterState.proxy_deps`` fills it)."""
+
+    cfg: ProxySettings
+    router: Router
+    registry: WorkerRegistry
+    upstream: Upstream
+    metrics: RouterMetrics
+    edge: Edge
+    hints: HintPublisher
+    audit: HitAudit
+    experiment: Experiment
+    affinity: ResponseAffinity
+    capacity: CapacityWatch | None = None
+    tracing: Tracing | None = None  # None: off, and free
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,19 +232,19 @@ class Exchange:
 class Proxy:
     """ASGI app for one endpoint (``/v1/chat/completions`` or ``/v1/completions``)."""
 
-    def __init__(self, state: RouterState, kind: Kind, path: str) -> None:
-        self.state = state
+    def __init__(self, deps: ProxyDeps, kind: Kind, path: str) -> None:
+        self.deps = deps
         self.kind = kind
         self.path = path
         # a gateway's workers are clusters; their routers name the engine themselves
-        name = b"x-cache-router-cluster" if state.cfg.gateway else b"x-cache-router-worker"
+        name = b"x-cache-router-cluster" if deps.cfg.gateway else b"x-cache-router-worker"
         self.worker_header = name
         # the client's credentials are for this router, not for every engine behind it
-        auth = () if state.cfg.forward_authorization else (b"authorization",)
+        auth = () if deps.cfg.forward_authorization else (b"authorization",)
         self.drop = _REQ_DROP | frozenset(auth)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        st = self.state
+        st = self.deps
         task = asyncio.current_task()
         assert task is not None
         ex = Exchange(task, send)
@@ -240,7 +287,7 @@ class Proxy:
         self, scope: Scope, receive: Receive, ex: Exchange, trace: Trace | None
     ) -> None:
         """Read, decide, forward; errors are answered by ``__call__``."""
-        st = self.state
+        st = self.deps
         raw = await read_body(scope, receive, st.cfg.max_body_bytes, st.cfg.body_timeout)
         wanted: dict[str, str] = {}
         for key, value in scope["headers"]:
@@ -258,7 +305,7 @@ class Proxy:
     async def _forward(
         self, scope: Scope, raw: bytes, prep: Prepared, ex: Exchange, trace: Trace | None
     ) -> None:
-        st = self.state
+        st = self.deps
         req = prep.request
         arm = prep.arm
         headers = [(k, v) for k, v in scope["headers"] if k not in self.drop]
@@ -348,7 +395,7 @@ class Proxy:
     ) -> None:
         """Count a send that failed; raise the client's error unless another worker may
         take the request (then ``worker`` is in ``exclude``)."""
-        st = self.state
+        st = self.deps
         st.registry.request_failed(worker, failure.reason)
         if failure.suspect:
             st.registry.suspect(worker)
@@ -373,7 +420,7 @@ class Proxy:
     ) -> None:
         """Send the engine's answer on; ``remember`` gets the body's first bytes (a
         response id is in them) once the answer is complete."""
-        st = self.state
+        st = self.deps
         send = ex.send
         worker = st.registry.get(worker_id)
         status = resp.status

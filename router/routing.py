@@ -77,6 +77,7 @@ class Router:
         *,
         blind: Callable[[float], bool] | None = None,
         on_predict: Callable[[str, Sequence[int], float], None] | None = None,
+        affinity: ResponseAffinity | None = None,
     ) -> None:
         self.cfg = cfg
         self.registry = registry
@@ -87,7 +88,7 @@ class Router:
         self.blind = blind
         # who else hears of predict-on-route marks (peer replicas; None: no peers)
         self.on_predict = on_predict
-        self.affinity: ResponseAffinity | None = None  # response id -> worker (Responses API)
+        self.affinity = affinity  # response id -> worker (Responses API; None: no pinning)
         self._ids = itertools.count()
         self._id_prefix = f"cr-{os.getpid():x}-{os.urandom(3).hex()}-"
 
