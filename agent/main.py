@@ -39,6 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
     if args.buffer <= 0:
         raise SystemExit("--buffer must be positive")
+    try:
+        return _config(args)
+    except ValueError as exc:
+        raise SystemExit(f"--worker-id: {exc}") from None
+
+
+def _config(args: argparse.Namespace) -> AgentConfig:
     return AgentConfig(
         worker_id=args.worker_id,
         zmq_endpoint=args.zmq_endpoint,

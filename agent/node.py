@@ -50,6 +50,7 @@ from index.wire import (
     EPOCH_START_SEQ,
     SEQ_HEADER,
     Subjects,
+    worker_id_error,
 )
 from router.bus import nats_options
 from router.jetstream import StreamSpec
@@ -85,6 +86,13 @@ class AgentConfig:
     events_stream: str | None = DEFAULT_STREAM  # created if missing; None: leave streams alone
     events_max_age: float = DEFAULT_MAX_AGE
     events_max_bytes: int = DEFAULT_MAX_BYTES
+
+    def __post_init__(self) -> None:
+        # the router refuses such an id (router.config): an agent publishing under it would
+        # speak on other workers' subjects or be cut off by the server's control-line limit
+        problem = worker_id_error(self.worker_id)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 class NodeAgent:

@@ -22,10 +22,27 @@ Subjects, under a prefix (``kv`` unless configured):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TypedDict
 
 DEFAULT_PREFIX = "kv"
+
+# A worker id is one subject token (``kv.events.<id>``): no ``.``, ``*``, ``>`` or space,
+# which would subscribe on (or publish as) other workers' subjects, and short, since the
+# server closes a client whose control line exceeds 4 KiB. Router and agent both check it.
+WORKER_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+def worker_id_error(worker_id: str) -> str | None:
+    """Why ``worker_id`` cannot name a worker on the wire, or None if it can."""
+    if WORKER_ID.fullmatch(worker_id):
+        return None
+    shown = worker_id if len(worker_id) <= 40 else worker_id[:40] + "..."
+    return (
+        f"worker id {shown!r} must be 1 to 128 letters, digits, - or _ "
+        "(it is a NATS subject token)"
+    )
 
 # Headers of each ``events`` batch: the agent's per-worker sequence number (gaps are
 # detected on it), the engine life it belongs to, and the data-parallel rank if any.

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
-from index.wire import DEFAULT_PREFIX
+from index.wire import DEFAULT_PREFIX, worker_id_error
 from policies.experiments import Arm, parse_arm
 
 ENV_PREFIX = "CACHE_ROUTER_"
@@ -396,20 +396,11 @@ FLAGS: tuple[tuple[str, str], ...] = tuple(
 )
 
 
-# A worker id is one NATS subject token (``kv.events.<id>``): no ``.``, ``*``, ``>`` or
-# space, which would subscribe on other workers' subjects, and short, since the server
-# closes a client whose control line exceeds 4 KiB.
-WORKER_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
-
-
 def check_worker(spec: WorkerSpec, where: str) -> WorkerSpec:
     """``spec`` if its id is subject-safe and its url a plain http(s) origin."""
-    if not WORKER_ID.fullmatch(spec.id):
-        shown = spec.id if len(spec.id) <= 40 else spec.id[:40] + "..."
-        raise ConfigError(
-            f"{where}: worker id {shown!r} must be 1 to 128 letters, digits, - or _ "
-            "(it is a NATS subject token)"
-        )
+    problem = worker_id_error(spec.id)
+    if problem is not None:
+        raise ConfigError(f"{where}: {problem}")
     try:
         url = urlsplit(spec.url)
         url.port  # noqa: B018 - raises ValueError on a port that is not a number

@@ -274,6 +274,27 @@ async def test_worker_ids_and_urls_are_validated(nats_url, make_stack) -> None:
             load_config(env={"CACHE_ROUTER_WORKERS": f"w0={url}"})
 
 
+def test_the_agent_refuses_the_worker_ids_the_router_refuses() -> None:
+    """One grammar (index.wire.WORKER_ID): an agent started as ``a.b`` would publish on
+    subjects no router reads (or another worker's, with ``*``); it stops at once instead."""
+    import subprocess
+    import sys
+
+    from agent.node import AgentConfig
+
+    for wid in BAD_IDS:
+        with pytest.raises(ValueError, match="worker id"):
+            AgentConfig(worker_id=wid, zmq_endpoint="tcp://127.0.0.1:1", nats_url="nats://x:1")
+    assert AgentConfig("w-9_x", "tcp://127.0.0.1:1", "nats://127.0.0.1:1").worker_id == "w-9_x"
+    argv = ["--worker-id", "a.b", "--zmq-endpoint", "tcp://127.0.0.1:1"]
+    done = subprocess.run(
+        [sys.executable, "-m", "router.cli", "agent", *argv],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "--worker-id: worker id 'a.b' must be 1 to 128 letters" in done.stderr, done.stderr
+
+
 # -- forged KV-event headers -------------------------------------------------------------
 
 
