@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from agent.node import AgentConfig, NodeAgent
-from index.wire import DEFAULT_PREFIX
+from index.wire import DEFAULT_PREFIX, DEFAULT_STREAM
 from router.cli import serve_until_signalled
 
 NATS_AUTH = (
@@ -30,6 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-interval", type=float, default=1.0, help="seconds; 0 disables")
     parser.add_argument("--buffer", type=int, default=10_000, help="batches kept for replay")
     parser.add_argument("--topic", default="", help="ZMQ topic the engine publishes under")
+    parser.add_argument(
+        "--events-stream",
+        default=DEFAULT_STREAM,
+        help=f"JetStream stream of the events, created if missing ({DEFAULT_STREAM})",
+    )
     auth = parser.add_argument_group("NATS credentials and TLS (as the router's nats_* settings)")
     for name in NATS_AUTH:
         auth.add_argument("--" + name.replace("_", "-"))
@@ -57,6 +62,7 @@ def _config(args: argparse.Namespace) -> AgentConfig:
         load_interval=args.load_interval,
         buffer=args.buffer,
         topic=args.topic,
+        events_stream=args.events_stream,
         **{name: getattr(args, name) for name in NATS_AUTH},
     )
 

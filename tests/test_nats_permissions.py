@@ -118,13 +118,116 @@ def test_compose_agents_use_users_limited_to_their_worker() -> None:
         flags = dict(a.removeprefix("--").split("=", 1) for a in cmd[1:] if "=" in a)
         user = flags["nats-user"]
         assert f"user: {user}," in text, name
-        if user == "region":
-            continue  # the region profile's shared user (see the comment in nats.conf)
         block = text.split(f"user: {user},", 1)[1].split("user:", 1)[0]
-        wid = flags["worker-id"]
-        assert f'"kv.events.{wid}"' in block and f'"kv.replay.{wid}"' in block, name
-        assert "kv.events.*" not in block and "kv.events.>" not in block, name
+        wid, prefix = flags["worker-id"], flags.get("subject-prefix", "kv")
+        stream = flags.get("events-stream", "KV_EVENTS")
+        assert f'"{prefix}.events.{wid}"' in block and f'"{prefix}.replay.{wid}"' in block, name
+        assert f"{prefix}.events.*" not in block and f"{prefix}.events.>" not in block, name
+        assert f'"$JS.API.STREAM.CREATE.{stream}"' in block, name
         checked += 1
-    assert checked == 4
-    env = compose["services"]["router"]["environment"]
-    assert f"user: {env['CACHE_ROUTER_NATS_USER']}," in text
+    assert checked == 8  # the default profile's four and the region profile's four
+    for name in ("router", "cluster-a-0", "cluster-b-0"):
+        env = compose["services"][name]["environment"]
+        assert f"user: {env['CACHE_ROUTER_NATS_USER']}, password: " in text, name
+    assert "user: region," not in text  # the region profile's old unlimited user
+
+
+REGION_A = {"user": "region-router-a", "password": "region-a-demo-secret"}
+AGENT_A0 = {"user": "agent-a-engine-0", "password": "agent-a0-demo-secret"}
+
+
+async def test_the_region_profile_users_are_held_to_their_cluster(server: EmbeddedNats) -> None:
+    """The region profile's users (docker compose --profile region): an agent of cluster a
+    speaks only for its worker under ``cluster-a``, its router only as a router there."""
+    errors: list[Exception] = []
+    router = await connect(server.url, REGION_A, errors)
+    agent = await connect(server.url, AGENT_A0, errors)
+    watcher = await connect(server.url, {"user": "router", "password": "router-demo-secret"}, [])
+    got: list[str] = []
+
+    async def on_msg(msg: Any) -> None:
+        got.append(msg.subject)
+
+    forged = [
+        (agent, "cluster-a.events.a-engine-1"),  # another worker of its cluster
+        (agent, "cluster-b.events.b-engine-0"),  # another cluster
+        (agent, "kv.events.engine-0"),  # the default profile
+        (agent, "cluster-a.load.a-engine-1"),
+        (router, "cluster-a.events.a-engine-0"),  # a router forging events
+        (router, "cluster-b.replay.b-engine-0"),  # the other cluster's agents
+        (router, "kv.prefetch.engine-0"),
+        (router, "$JS.API.STREAM.DELETE.KV_EVENTS"),  # another cluster's (or profile's) stream
+    ]
+    try:
+        await router.subscribe("cluster-a.events.>", cb=on_msg)
+        await watcher.subscribe("kv.>", cb=on_msg)
+        await watcher.subscribe("cluster-b.>", cb=on_msg)
+        await router.flush()
+        await watcher.flush()
+        await agent.publish("cluster-a.events.a-engine-0", b"own")
+        for client, subject in forged:
+            await client.publish(subject, b"forged")
+        await agent.flush()
+        await router.flush()
+        await router.subscribe("cluster-b.events.>")  # reading the other cluster
+        await router.flush()
+        await until(lambda: len(errors) > len(forged), what="every forgery refused")
+        await asyncio.sleep(0.2)
+    finally:
+        await agent.close()
+        await router.close()
+        await watcher.close()
+    assert got == ["cluster-a.events.a-engine-0"]
+    assert all("permissions violation" in str(e).lower() for e in errors), errors
+    assert any('subscription to "cluster-b.events.>"' in str(e).lower() for e in errors), errors
+
+
+async def test_a_region_router_reads_its_clusters_stream(server: EmbeddedNats) -> None:
+    errors: list[Exception] = []
+    agent = await connect(server.url, AGENT_A0, errors)
+
+    async def on_replay(msg: Any) -> None:
+        await agent.publish(msg.reply, ReplayMessage("end", 0, epoch="e1").encode())
+
+    await agent.subscribe("cluster-a.replay.a-engine-0", cb=on_replay)
+    cfg = RouterConfig(
+        workers=[WorkerSpec("a-engine-0", "http://127.0.0.1:9", model="m")],
+        block_size=4,
+        nats_url=server.url,
+        subject_prefix="cluster-a",
+        events_stream="KV_EVENTS_CLUSTER_A",
+        events_transport="jetstream",
+        nats_user=REGION_A["user"],
+        nats_password=REGION_A["password"],
+    )
+    app = RouterApp(cfg)
+    router_errors: list[Exception] = []
+
+    async def on_router_error(exc: Exception) -> None:
+        router_errors.append(exc)
+
+    app.state.bus.on_error(on_router_error)
+    served = await Served(app).start()
+    try:
+        await until(lambda: app.state.bus.connected, what="router on NATS")
+        ingest = app.state.registry.get("a-engine-0").pool.ingest
+        stored = BlockStored([21, 22], None, list(range(8)), 4, medium="GPU")
+        payload = encode(EventBatch(time.time(), [stored], None))
+
+        async def applied() -> bool:
+            await agent.publish(
+                "cluster-a.events.a-engine-0", payload, headers={"Kv-Seq": "0", "Kv-Epoch": "e1"}
+            )
+            await agent.flush()
+            await asyncio.sleep(0.1)
+            return set(ingest.engine_blocks("a-engine-0")) == {21, 22}
+
+        await until(applied, timeout=15, what="the agent's batch through the cluster's stream")
+        assert app.state.feed.using == "jetstream"
+        info = await agent.jsm().stream_info("KV_EVENTS_CLUSTER_A")
+        assert info.config.subjects == ["cluster-a.events.>"]
+    finally:
+        await served.stop()
+        await agent.close()
+    assert not [e for e in errors if "permissions" in str(e).lower()], errors
+    assert not router_errors, router_errors  # no JetStream call the router user may not make
