@@ -121,7 +121,8 @@ def admin_router(state: AdminDeps) -> APIRouter:
     registry = state.registry
 
     def describe(worker: Worker, now: float) -> dict[str, object]:
-        return {**worker.describe(now), "in_sync": state.in_sync(worker.id, worker.pool)}
+        in_sync = all(state.in_sync(t, worker.pool) for t in worker.targets)
+        return {**worker.describe(now), "in_sync": in_sync}
 
     def worker_or_404(worker_id: str) -> Any:
         worker = registry.get(worker_id)
@@ -199,18 +200,22 @@ def admin_router(state: AdminDeps) -> APIRouter:
         now = time.monotonic()
         workers = []
         for w in prep.workers:
-            view = by_id.get(w.id)
-            workers.append(
-                {
-                    "worker_id": w.id,
-                    "usable": view is not None,
-                    "in_sync": state.in_sync(w.id, prep.pool),
-                    "match": matches.get(w.id, NO_MATCH),
-                    "view": view,
-                    "scores": decision.scores.get(w.id, {}),
-                    "state": describe(w, now),
-                }
-            )
+            for rank, tid in enumerate(w.targets):  # one row per DP rank (router/dp.py)
+                view = by_id.get(tid)
+                workers.append(
+                    {
+                        "worker_id": tid,
+                        "worker": w.id,
+                        "dp_rank": rank if w.dp_size > 1 else None,
+                        "usable": view is not None,
+                        "in_sync": state.in_sync(tid, prep.pool),
+                        "match": matches.get(tid, NO_MATCH),
+                        "view": view,
+                        "scores": decision.scores.get(tid, {}),
+                        "state": describe(w, now),
+                    }
+                )
+        chosen = registry.target(decision.worker_id)
         return _json(
             {
                 "request_id": prep.request.request_id,
@@ -222,6 +227,8 @@ def admin_router(state: AdminDeps) -> APIRouter:
                 "blocks": len(prep.request.block_hashes),
                 "decision": {
                     "worker_id": decision.worker_id,
+                    "worker": chosen[0].id if chosen is not None else decision.worker_id,
+                    "dp_rank": chosen[1] if chosen is not None else None,
                     "reason": decision.reason,
                     "prefetch": decision.prefetch,
                 },

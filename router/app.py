@@ -51,7 +51,7 @@ from router.routing import Router
 from router.tokenize import TokenizerSet
 from router.tracing import Tracing
 from router.upstream import Upstream
-from router.workers import WorkerRegistry
+from router.workers import Worker, WorkerRegistry
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class RouterState:
                 log.warning("no NATS url: KV events are off, routing on load alone")
         else:
             # a worker back from the dead resyncs from its agent (its engine restarted)
-            self.registry.on_up.append(lambda w: self.events.resync(w.id))
+            self.registry.on_up.append(self._resync_worker)
             if self.feed is not None:
                 self.bus.on_connect(self.feed.on_connect)
                 self.bus.on_reconnect(self.feed.on_reconnect)
@@ -186,8 +186,12 @@ class RouterState:
         if self.capacity is not None:
             self._tasks.append(asyncio.create_task(self.capacity.run(), name="capacity"))
 
+    def _resync_worker(self, worker: Worker) -> None:
+        for tid in worker.targets:  # each DP rank is its own event source
+            self.events.resync(tid)
+
     def _events_seen(self, worker_id: str) -> bool:
-        worker = self.registry.get(worker_id)
+        worker = self.registry.source(worker_id)  # a worker or one of its DP ranks
         return worker is not None and bool(worker.pool.ingest.last_seqs(worker_id))
 
     def _tokenizer_path(self, model: str) -> str | None:

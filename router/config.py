@@ -56,6 +56,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from index.wire import DEFAULT_PREFIX, worker_id_error
 from policies.experiments import Arm, parse_arm
+from router.dp import DP_FIELDS, MAX_DP_SIZE, DpField
 
 ENV_PREFIX = "CACHE_ROUTER_"
 DEFAULT_POOL = "default"
@@ -86,6 +87,8 @@ class WorkerSpec:
     block_size: int | None = None  # None: the router's block_size
     role: Role = "mixed"
     bootstrap_port: int | None = None  # SGLang prefill engines; None: pd_bootstrap_port
+    dp_size: int = 1  # data-parallel ranks, each its own KV cache (router/dp.py)
+    dp_field: DpField = "header"  # how the chosen rank reaches the engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -473,7 +476,10 @@ def worker_spec(raw: Any, where: str) -> WorkerSpec:
     """A worker from a TOML table or an admin API body."""
     if not isinstance(raw, Mapping) or not raw.get("id") or not raw.get("url"):
         raise ConfigError(f"{where}: a worker needs id and url")
-    unknown = set(raw) - {"id", "url", "model", "pool", "block_size", "role", "bootstrap_port"}
+    unknown = set(raw) - {
+        "id", "url", "model", "pool", "block_size", "role", "bootstrap_port", "dp_size",
+        "dp_field",
+    }  # fmt: skip
     if unknown:
         raise ConfigError(f"{where}: unknown worker keys {sorted(unknown)}")
     block = raw.get("block_size")
@@ -487,6 +493,12 @@ def worker_spec(raw: Any, where: str) -> WorkerSpec:
         not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536
     ):
         raise ConfigError(f"{where}: bootstrap_port must be a port number (1-65535)")
+    dp_size = raw.get("dp_size", 1)
+    if not isinstance(dp_size, int) or isinstance(dp_size, bool) or not 1 <= dp_size <= MAX_DP_SIZE:
+        raise ConfigError(f"{where}: dp_size must be an int in [1, {MAX_DP_SIZE}]")
+    dp_field = raw.get("dp_field", "header")
+    if dp_field not in DP_FIELDS:
+        raise ConfigError(f"{where}: dp_field must be {' or '.join(DP_FIELDS)}, not {dp_field!r}")
     for key in ("id", "url"):
         if not isinstance(raw[key], str):
             raise ConfigError(f"{where}: worker {key} must be a string")
@@ -498,6 +510,8 @@ def worker_spec(raw: Any, where: str) -> WorkerSpec:
         block_size=block,
         role=role,
         bootstrap_port=port,
+        dp_size=dp_size,
+        dp_field=dp_field,
     )
     return check_worker(spec, where)
 

@@ -119,8 +119,8 @@ class EventSync:
 
     def resync_all(self) -> None:
         """Once events flow again: ask every worker's agent for what this router has not seen."""
-        for worker in self.registry:
-            self.resync(worker.id)
+        for source in self.registry.sources():
+            self.resync(source)
 
     def resync(self, worker_id: str) -> None:
         """Fetch a worker's batches after the last one applied (all of them if none was).
@@ -137,7 +137,7 @@ class EventSync:
         self._resync_now(worker_id)
 
     def _resync_now(self, worker_id: str) -> None:
-        worker = self.registry.get(worker_id)
+        worker = self.registry.source(worker_id)
         if worker is not None:
             last = last_seq(worker.pool.ingest, worker_id)
             self._start_resync(worker_id, 0 if last is None else last + 1)
@@ -162,7 +162,7 @@ class EventSync:
     def lost(self, worker_id: str, why: str) -> None:
         """Batches of ``worker_id`` were lost on the way: stop trusting its index at once
         and fetch what it missed."""
-        worker = self.registry.get(worker_id)
+        worker = self.registry.source(worker_id)
         if worker is None:
             return
         self.counts[f"lost_{why}"] += 1
@@ -171,8 +171,8 @@ class EventSync:
 
     def lost_all(self, why: str) -> None:
         """Batches of unknown workers were lost (the event stream skipped): all of them."""
-        for worker in list(self.registry):
-            self.lost(worker.id, why)
+        for source in self.registry.sources():
+            self.lost(source, why)
 
     async def on_nats_error(self, exc: Exception) -> None:
         """The NATS client dropped a message it had no room for (slow consumer)."""
@@ -200,7 +200,7 @@ class EventSync:
         """One batch on ``<prefix>.events.<worker>`` with its ``Kv-Seq``/``Kv-Epoch`` headers."""
         self.counts["messages"] += 1
         worker_id = msg.subject[len(self._events_prefix) :]
-        worker = self.registry.get(worker_id)
+        worker = self.registry.source(worker_id)
         if worker is None:
             self.counts["unknown_worker"] += 1
             return
@@ -276,7 +276,7 @@ class EventSync:
             if worker_id in self._resync:
                 self._hold(worker_id, live)
                 return
-            worker = self.registry.get(worker_id)
+            worker = self.registry.source(worker_id)
             if worker is None:
                 return
             result = self._apply(worker.pool.ingest, worker_id, live)
@@ -321,7 +321,7 @@ class EventSync:
     async def _resync_loop(self, worker_id: str, from_seq: int) -> None:
         delay = 0.1
         while True:
-            worker = self.registry.get(worker_id)
+            worker = self.registry.source(worker_id)
             if worker is None:
                 self._pending.pop(worker_id, None)
                 return
@@ -329,7 +329,7 @@ class EventSync:
             before = last_seq(ingest, worker_id)
             replied = await self._replay(worker_id, from_seq)
             # No await from here to the end of the feed: live batches cannot interleave.
-            worker = self.registry.get(worker_id)
+            worker = self.registry.source(worker_id)
             if worker is None:
                 self._take_pending(worker_id)
                 return
@@ -377,7 +377,7 @@ class EventSync:
         """Fetch and apply batches from ``from_seq`` (or a dump); False if no full answer."""
         nc = self._nc
         assert nc is not None
-        worker = self.registry.get(worker_id)
+        worker = self.registry.source(worker_id)
         if worker is None:
             return False
         ingest = worker.pool.ingest

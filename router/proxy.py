@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from router.asgi import Receive, Scope, Send
+from router.dp import forward_rank
 from router.errors import ApiError, ErrorCode, ErrorKind, sse_error
 from router.load import WAITING, Flight
 from router.metrics import Series
@@ -314,15 +315,17 @@ class Proxy:
         exclude: set[str] = set()
         while True:
             decision, views = st.router.decide(prep, exclude, trace)
-            worker = st.registry.get(decision.worker_id)
+            tid = decision.worker_id  # the worker, or one of its DP ranks (router/dp.py)
+            found = st.registry.target(tid)
+            worker, rank = found if found is not None else (st.registry.get(tid), None)
             if worker is None:  # removed between the views and now
-                exclude.add(decision.worker_id)
+                exclude.add(tid)
                 continue
-            hit = hit_blocks(views, worker.id) * req.block_size
-            flight = worker.load.begin(max(0, req.num_tokens - hit))
+            hit = hit_blocks(views, tid) * req.block_size
+            flight = worker.rank_load(rank).begin(max(0, req.num_tokens - hit))
             failure: Failure | None = None
             error: UpstreamError | None = None
-            sent = headers
+            sent, body = forward_rank(headers, raw, prep.parsed.body, rank, worker.dp_field)
             if trace is not None:
                 sent = [h for h in headers if h[0] not in (b"traceparent", b"tracestate")]
                 parent = trace.begin_upstream(worker.id, worker.url, self.path)
@@ -330,7 +333,7 @@ class Proxy:
                 t_send = now_ns()
             try:
                 resp = await st.upstream.send(
-                    worker.url, self.path, sent, raw, st.cfg.request_timeout
+                    worker.url, self.path, sent, body, st.cfg.request_timeout
                 )
             except UpstreamError as exc:
                 failure, error = send_failure(exc), exc
@@ -352,7 +355,7 @@ class Proxy:
             trace.upstream_step("upstream connect", t_send, resp.written_ns)
             trace.upstream_step("first byte", resp.written_ns, t_head)
             trace.status = resp.status
-            trace.attrs(worker=worker.id, arm=arm, prompt_tokens=req.num_tokens,
+            trace.attrs(worker=tid, arm=arm, prompt_tokens=req.num_tokens,
                         routed_hit_tokens=hit, reason=decision.reason)  # fmt: skip
         try:
             prefetched = 0  # blocks a published hint pulls into the chosen worker
@@ -360,30 +363,30 @@ class Proxy:
                 decision.prefetch, req, prep.pool
             ):
                 st.metrics.prefetch_hints.labels(arm, decision.prefetch.target_worker).inc()
-                if decision.prefetch.target_worker == worker.id:
+                if decision.prefetch.target_worker == tid:
                     prefetched = decision.prefetch.blocks
-            st.router.predict(prep, worker.id)
-            series = st.metrics.series(arm, worker.id)
+            st.router.predict(prep, tid)
+            series = st.metrics.series(arm, tid)
             series.requests.inc()
             series.prompt_tokens.inc(req.num_tokens)
             series.routed_hit_tokens.inc(hit)
-            st.audit.routed(worker.id, req.block_hashes[0] if req.block_hashes else None)
+            st.audit.routed(tid, req.block_hashes[0] if req.block_hashes else None)
             if st.capacity is not None and req.block_hashes:
                 st.capacity.record(
-                    req.model, req.block_size, worker.id, req.block_hashes, req.num_tokens,
+                    req.model, req.block_size, tid, req.block_hashes, req.num_tokens,
                     prefetched,
                 )  # fmt: skip
             remember = None
             if self.kind == "responses" and prep.parsed.body.get("store") is not False:
                 remember = st.affinity.remembers(worker.id)
-            await self._stream(ex, resp, worker.id, flight, series, arm, hit, remember)
+            await self._stream(ex, resp, tid, flight, series, arm, hit, remember)
         finally:
             resp.close()
             flight.finish()
             if trace is not None:
                 trace.upstream_step("stream end", t_head, now_ns())
                 trace.end_upstream(None if resp.complete else "stream cut", resp.status)
-            st.experiment.policy_for(arm).on_finish(req, worker.id)
+            st.experiment.policy_for(arm).on_finish(req, tid)
 
     def _failed(
         self,
@@ -422,7 +425,8 @@ class Proxy:
         response id is in them) once the answer is complete."""
         st = self.deps
         send = ex.send
-        worker = st.registry.get(worker_id)
+        found = st.registry.target(worker_id)  # ``worker_id``: the target (router/dp.py)
+        worker = found[0] if found is not None else st.registry.get(worker_id)
         status = resp.status
         if worker is not None:
             if status >= 500:

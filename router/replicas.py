@@ -203,11 +203,14 @@ class ReplicaShare:
         rows: list[list[Any]] = []
         present = set()
         for worker in self.registry:
-            present.add(worker.id)
-            own = worker.load.own()
-            if full or self._sent.get(worker.id) != own:
-                self._sent[worker.id] = own
-                rows.append([worker.id, *own])
+            # a DP worker's load is per rank (router/dp.py), each row one target
+            loads = zip(worker.targets, worker.rank_loads or [worker.load], strict=True)
+            for tid, load in loads:
+                present.add(tid)
+                own = load.own()
+                if full or self._sent.get(tid) != own:
+                    self._sent[tid] = own
+                    rows.append([tid, *own])
         for wid in [w for w in self._sent if w not in present]:
             del self._sent[wid]
             if not full:
@@ -248,14 +251,15 @@ class ReplicaShare:
         old = peer.rows.pop(wid, None)
         if old is not None:
             old[0].add_peer(-old[1], -old[2], -old[3])
-        worker = self.registry.get(wid)
-        if worker is not None and any(counts):
-            worker.load.add_peer(*counts)
-            peer.rows[wid] = (worker.load, *counts)
+        found = self.registry.target(wid)
+        if found is not None and any(counts):
+            load = found[0].rank_load(found[1])
+            load.add_peer(*counts)
+            peer.rows[wid] = (load, *counts)
 
     def _apply_marks(self, marks: list[tuple[str, float, list[int]]]) -> None:
         for wid, ttl, hashes in marks:
-            worker = self.registry.get(wid)
+            worker = self.registry.source(wid)
             if worker is None or not hashes:
                 self.counts["route_marks_unknown_worker"] += 1
                 continue

@@ -234,22 +234,28 @@ class Router:
         for w in prep.workers:
             if w.id in exclude or not w.usable(now):
                 continue
-            in_sync = not blind and ingest.in_sync(w.id)
-            load = w.load
-            engine = load.engine_fresh(stale, now)
-            views.append(
-                WorkerView.of(
-                    w.id,
-                    matches.get(w.id, NO_MATCH),
-                    in_sync=in_sync,
-                    inflight_requests=load.inflight_requests,
-                    inflight_prefill_tokens=load.inflight_prefill_tokens,
-                    decode_streams=load.decode_streams,
-                    engine_running=engine.running if engine else None,
-                    engine_waiting=engine.waiting if engine else None,
-                    kv_usage=engine.kv_usage if engine else None,
+            engine = w.load.engine_fresh(stale, now)
+            ranks = len(w.rank_loads)
+            for rank, tid in enumerate(w.targets):
+                if tid in exclude:
+                    continue
+                # a DP rank counts this router's requests on it; the engine reports the
+                # sum over its ranks, shared out evenly
+                load = w.rank_loads[rank] if ranks else w.load
+                share = max(ranks, 1)
+                views.append(
+                    WorkerView.of(
+                        tid,
+                        matches.get(tid, NO_MATCH),
+                        in_sync=not blind and ingest.in_sync(tid),
+                        inflight_requests=load.inflight_requests,
+                        inflight_prefill_tokens=load.inflight_prefill_tokens,
+                        decode_streams=load.decode_streams,
+                        engine_running=_share(engine.running, share) if engine else None,
+                        engine_waiting=_share(engine.waiting, share) if engine else None,
+                        kv_usage=engine.kv_usage if engine else None,
+                    )
                 )
-            )
         return views
 
     def decide(
@@ -318,6 +324,10 @@ class Router:
 def max_tokens(body: dict[str, Any]) -> Any:
     """The completion budget: the newer field wins, as in the OpenAI API."""
     return body.get("max_completion_tokens") or body.get("max_tokens")
+
+
+def _share(count: int | None, ranks: int) -> int | None:
+    return count if count is None or ranks == 1 else -(-count // ranks)
 
 
 def hit_blocks(views: list[WorkerView], worker_id: str) -> int:

@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 
 from router.config import RouterConfig, WorkerSpec, pool_roles_error
+from router.dp import DpField, split_target, target_ids
 from router.load import WorkerLoad, parse_engine_metrics
 from router.pools import Pool
 
@@ -39,6 +40,8 @@ class Worker:
     __slots__ = (
         "bootstrap_port",
         "breaker_until",
+        "dp_field",
+        "dp_size",
         "draining",
         "fail_streak",
         "healthy",
@@ -48,8 +51,10 @@ class Worker:
         "models",
         "ok_streak",
         "pool",
+        "rank_loads",
         "request_failures",
         "role",
+        "targets",
         "url",
     )
 
@@ -61,6 +66,12 @@ class Worker:
         self.role = spec.role  # "mixed", or one side of a disaggregated pool (router.pd)
         self.bootstrap_port = spec.bootstrap_port
         self.load = WorkerLoad()
+        self.dp_size = spec.dp_size
+        self.dp_field: DpField = spec.dp_field
+        # the (worker, rank) pairs the index and the policies see (router/dp.py); each rank
+        # counts this router's own requests on it, the engine reports the ranks' sum
+        self.targets = target_ids(spec.id, spec.dp_size)
+        self.rank_loads = [WorkerLoad() for _ in self.targets] if spec.dp_size > 1 else []
         self.healthy = True  # until a check says otherwise; failed sends trip the breaker
         self.draining = False
         self.fail_streak = 0
@@ -72,6 +83,15 @@ class Worker:
     def usable(self, now: float) -> bool:
         return self.healthy and not self.draining and now >= self.breaker_until
 
+    def rank_load(self, rank: int | None) -> WorkerLoad:
+        """The load a request on ``rank`` counts against (the worker's own without ranks)."""
+        return self.load if rank is None else self.rank_loads[rank]
+
+    def forget_blocks(self) -> None:
+        """Drop every target's blocks and event state (its engine's caches are gone)."""
+        for tid in self.targets:
+            self.pool.ingest.remove_worker(tid)
+
     def describe(self, now: float) -> dict[str, object]:
         return {
             "id": self.id,
@@ -80,10 +100,11 @@ class Worker:
             "pool": self.pool.name,
             "role": self.role,
             "block_size": self.pool.block_size,
+            "dp_size": self.dp_size,
             "healthy": self.healthy,
             "draining": self.draining,
             "breaker_open": now < self.breaker_until,
-            "in_sync": self.pool.ingest.in_sync(self.id),
+            "in_sync": all(self.pool.ingest.in_sync(t) for t in self.targets),
             "last_error": self.last_error,
             "load": self.load.snapshot(),
         }
@@ -98,6 +119,7 @@ class WorkerRegistry:
         self.on_up: list[Callable[[Worker], None]] = []  # run when a worker is healthy again
         self.on_failing: list[Callable[[Worker], None]] = []  # each failed check while down
         self._workers: dict[str, Worker] = {}
+        self._sources: dict[str, Worker] = {}  # target name -> its worker (router/dp.py)
         self._client: httpx.AsyncClient | None = None
         self._probes: dict[str, asyncio.Task[Any]] = {}
         # LoRA adapter -> base model: from the config, and learnt from engines' /v1/models
@@ -127,14 +149,22 @@ class WorkerRegistry:
         error = pool_roles_error(pool.name, roles)
         if error is not None:
             raise ValueError(error)
-        worker = self._workers[spec.id] = Worker(spec, pool)
-        pool.index.add_worker(spec.id)
+        worker = Worker(spec, pool)
+        taken = [t for t in worker.targets if t in self._sources]
+        if taken:
+            raise ValueError(f"worker {spec.id}: target name {taken[0]} is taken")
+        self._workers[spec.id] = worker
+        for tid in worker.targets:
+            self._sources[tid] = worker
+            pool.index.add_worker(tid)
         return worker
 
     def remove(self, worker_id: str) -> Worker:
         """Forget the worker and its blocks; requests already on it run to the end."""
         worker = self._workers.pop(worker_id)
-        worker.pool.ingest.remove_worker(worker_id)
+        worker.forget_blocks()
+        for tid in worker.targets:
+            self._sources.pop(tid, None)
         return worker
 
     def drain(self, worker_id: str) -> Worker:
@@ -144,6 +174,22 @@ class WorkerRegistry:
 
     def get(self, worker_id: str) -> Worker | None:
         return self._workers.get(worker_id)
+
+    def source(self, target: str) -> Worker | None:
+        """The worker whose KV events (and index rows) ``target`` names: the worker itself,
+        or one of its DP ranks."""
+        return self._sources.get(target)
+
+    def target(self, target: str) -> tuple[Worker, int | None] | None:
+        """``(worker, rank)`` of a routing target (rank None: a worker without ranks)."""
+        worker = self._sources.get(target)
+        if worker is None:
+            return None
+        return worker, (None if worker.dp_size <= 1 else split_target(target)[1])
+
+    def sources(self) -> list[str]:
+        """Every event source: each worker, or each of its DP ranks."""
+        return list(self._sources)
 
     def __iter__(self) -> Iterator[Worker]:
         return iter(list(self._workers.values()))
@@ -265,8 +311,9 @@ class WorkerRegistry:
         if worker.healthy and worker.fail_streak >= self.cfg.unhealthy_after:
             worker.healthy = False
             # Its engine may restart empty: forget its blocks; events resync it on return.
-            worker.pool.ingest.remove_worker(worker.id)
-            worker.pool.index.add_worker(worker.id)
+            worker.forget_blocks()
+            for tid in worker.targets:
+                worker.pool.index.add_worker(tid)
             log.warning("worker %s is down (%s)", worker.id, error)
         if not worker.healthy:
             for hook in self.on_failing:

@@ -90,6 +90,9 @@ class MockEngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     timing: Timing | None = None
+    # data-parallel ranks, each its own cache, scheduler and KV-event publisher (its
+    # endpoints' ports offset by the rank, as vLLM's ``offset_endpoint_port``)
+    dp_size: int = 1
 
 
 _HELP = {
@@ -111,37 +114,43 @@ class _Metrics:
 
     def collect(self) -> Iterator[Metric]:
         e = self.engine
-        s = e.scheduler
-        labels = {"model_name": e.cfg.model, "engine": "0"}
-        if e.cfg.encoding == "sglang":
-            hit_rate = s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0
-            gauges = {
-                "sglang:num_running_reqs": len(s.running),
-                "sglang:num_queue_reqs": len(s.waiting),
-                "sglang:token_usage": e.cache.usage,
-                "sglang:cache_hit_rate": hit_rate,
-            }
-            counters: dict[str, int] = {}
-        else:
-            gauges = {
-                "vllm:num_requests_running": len(s.running),
-                "vllm:num_requests_waiting": len(s.waiting),
-                "vllm:kv_cache_usage_perc": e.cache.usage,
-            }
-            counters = {
-                "vllm:prefix_cache_queries": s.prefix_queries,
-                "vllm:prefix_cache_hits": s.prefix_hits,
-                "vllm:prompt_tokens": s.prompt_tokens,
-                "vllm:generation_tokens": s.generation_tokens,
-            }
-        for name, value in gauges.items():
-            g = GaugeMetricFamily(name, _HELP.get(name, name), labels=list(labels))
-            g.add_metric(list(labels.values()), value)
-            yield g
-        for name, value in counters.items():
-            c = CounterMetricFamily(name, _HELP.get(name, name), labels=list(labels))
-            c.add_metric(list(labels.values()), value)
-            yield c
+        names = ["model_name", "engine"]  # vLLM: one series per DP engine (rank)
+        gauges: dict[str, GaugeMetricFamily] = {}
+        counters: dict[str, CounterMetricFamily] = {}
+        for rank in e.ranks:
+            s = rank.scheduler
+            labels = [e.cfg.model, str(rank.rank)]
+            if e.cfg.encoding == "sglang":
+                hit_rate = s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0
+                values: dict[str, float] = {
+                    "sglang:num_running_reqs": len(s.running),
+                    "sglang:num_queue_reqs": len(s.waiting),
+                    "sglang:token_usage": rank.cache.usage,
+                    "sglang:cache_hit_rate": hit_rate,
+                }
+                counts: dict[str, int] = {}
+            else:
+                values = {
+                    "vllm:num_requests_running": len(s.running),
+                    "vllm:num_requests_waiting": len(s.waiting),
+                    "vllm:kv_cache_usage_perc": rank.cache.usage,
+                }
+                counts = {
+                    "vllm:prefix_cache_queries": s.prefix_queries,
+                    "vllm:prefix_cache_hits": s.prefix_hits,
+                    "vllm:prompt_tokens": s.prompt_tokens,
+                    "vllm:generation_tokens": s.generation_tokens,
+                }
+            for name, value in values.items():
+                if name not in gauges:
+                    gauges[name] = GaugeMetricFamily(name, _HELP.get(name, name), labels=names)
+                gauges[name].add_metric(labels, value)
+            for name, count in counts.items():
+                if name not in counters:
+                    counters[name] = CounterMetricFamily(name, _HELP.get(name, name), labels=names)
+                counters[name].add_metric(labels, count)
+        yield from gauges.values()
+        yield from counters.values()
         if e.cfg.encoding != "sglang":  # vLLM's info gauge: its CacheConfig as labels
             info = GaugeMetricFamily(
                 "vllm:cache_config_info",
@@ -152,22 +161,69 @@ class _Metrics:
             yield info
 
 
-class MockEngine:
-    def __init__(self, cfg: MockEngineConfig) -> None:
-        self.cfg = cfg
-        self.timing = cfg.timing or Timing()
+def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
+    """Rank ``rank``'s endpoint, as vLLM offsets its publishers: the port plus the rank
+    (a wildcard or zero port stays: each rank binds a free one)."""
+    if not endpoint or rank == 0:
+        return endpoint
+    head, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit() or int(port) == 0:
+        return endpoint
+    return f"{head}:{int(port) + rank}"
+
+
+class Rank:
+    """One data-parallel rank: its own KV cache, scheduler and event publisher."""
+
+    def __init__(self, engine: MockEngine, rank: int) -> None:
+        cfg = engine.cfg
+        self.rank = rank
         self.cache = PrefixCache(cfg.block_size, cfg.gpu_blocks, cfg.host_blocks, cfg.seed)
-        self.text = MockText(cfg.tokenizer)
-        self.pooling = Pooling(self.text, cfg.model, cfg.max_model_len)
-        self.responses = ResponseStore()
         self.publisher: KvEventPublisher | None = None
         self.scheduler = Scheduler(
             self.cache,
-            self.timing,
+            engine.timing,
             self._publish,
             max_num_seqs=cfg.max_num_seqs,
             max_batched_tokens=cfg.max_num_batched_tokens,
         )
+
+    def start(self, cfg: MockEngineConfig) -> None:
+        if cfg.zmq_endpoint:
+            endpoint = offset_endpoint(cfg.zmq_endpoint, self.rank)
+            assert endpoint is not None
+            self.publisher = KvEventPublisher(
+                endpoint,
+                offset_endpoint(cfg.replay_endpoint, self.rank),
+                topic=cfg.topic,
+                buffer_steps=cfg.buffer_steps,
+                encoding=cfg.encoding,
+                dp_rank=self.rank,
+            )
+            self.publisher.start()
+
+    def _publish(self, events: list[Any]) -> None:
+        if self.publisher is not None:
+            self.publisher.publish(events)
+
+    @property
+    def load(self) -> int:
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
+
+
+class MockEngine:
+    def __init__(self, cfg: MockEngineConfig) -> None:
+        if not 1 <= cfg.dp_size <= 64:
+            raise ValueError(f"dp_size must be in [1, 64], got {cfg.dp_size}")
+        self.cfg = cfg
+        self.timing = cfg.timing or Timing()
+        self.ranks = [Rank(self, r) for r in range(cfg.dp_size)]
+        # rank 0 under the names a one-rank engine has always had
+        self.cache = self.ranks[0].cache
+        self.scheduler = self.ranks[0].scheduler
+        self.text = MockText(cfg.tokenizer)
+        self.pooling = Pooling(self.text, cfg.model, cfg.max_model_len)
+        self.responses = ResponseStore()
         self.prefetched_blocks = 0
         # W3C trace context of recent requests (vLLM continues the trace it is handed)
         self.traceparents: deque[str | None] = deque(maxlen=1024)
@@ -176,13 +232,17 @@ class MockEngine:
         self.app = self._build_app()
         self._server: uvicorn.Server | None = None
         self._serve_task: asyncio.Task[None] | None = None
-        self._scheduler_task: asyncio.Task[None] | None = None
+        self._scheduler_tasks: list[asyncio.Task[None]] = []
         self._tasks: set[asyncio.Task[Any]] = set()  # prefetches in flight
         self.port = cfg.port
 
     @property
     def url(self) -> str:
         return f"http://{self.cfg.host}:{self.port}"
+
+    @property
+    def publisher(self) -> KvEventPublisher | None:
+        return self.ranks[0].publisher
 
     @property
     def zmq_endpoint(self) -> str | None:
@@ -192,18 +252,28 @@ class MockEngine:
     def replay_endpoint(self) -> str | None:
         return self.publisher.replay_endpoint if self.publisher else None
 
+    def pick_rank(self, headers: Any, body: Any) -> Rank:
+        """The rank a request runs on: the one the router named (vLLM's
+        ``X-data-parallel-rank`` header, SGLang's ``routed_dp_rank`` / ``data_parallel_rank``
+        field), else the least loaded, as vLLM's internal balancer does."""
+        named: Any = headers.get("x-data-parallel-rank")
+        if named is None and isinstance(body, dict):
+            named = body.get("routed_dp_rank", body.get("data_parallel_rank"))
+        if named is None:
+            return min(self.ranks, key=lambda r: (r.load, r.rank))
+        try:
+            rank = int(named)
+        except (TypeError, ValueError):
+            rank = -1
+        if not 0 <= rank < len(self.ranks):
+            raise ApiError(400, f"data parallel rank {named!r} is out of range", "invalid_value")
+        return self.ranks[rank]
+
     # -- lifecycle ----------------------------------------------------------------
     async def start(self) -> MockEngine:
         cfg = self.cfg
-        if cfg.zmq_endpoint:
-            self.publisher = KvEventPublisher(
-                cfg.zmq_endpoint,
-                cfg.replay_endpoint,
-                topic=cfg.topic,
-                buffer_steps=cfg.buffer_steps,
-                encoding=cfg.encoding,
-            )
-            self.publisher.start()
+        for rank in self.ranks:
+            rank.start(cfg)
         sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((cfg.host, cfg.port))
@@ -217,7 +287,7 @@ class MockEngine:
         )
         self._server = uvicorn.Server(config)
         self._serve_task = asyncio.create_task(self._server.serve(sockets=[sock]))
-        self._scheduler_task = asyncio.create_task(self.scheduler.run())
+        self._scheduler_tasks = [asyncio.create_task(r.scheduler.run()) for r in self.ranks]
         for _ in range(500):
             if self._server.started:
                 break
@@ -231,7 +301,7 @@ class MockEngine:
         return self
 
     async def stop(self) -> None:
-        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+        for seq in [s for r in self.ranks for s in (*r.scheduler.running, *r.scheduler.waiting)]:
             seq.error = "engine shutting down"
             seq.done = True
             seq.out.put_nowait(None)
@@ -239,13 +309,13 @@ class MockEngine:
             self._server.should_exit = True
         if self._serve_task is not None:
             await self._serve_task  # lets open streams end (each got its None above)
-        for task in [*self._tasks, self._scheduler_task]:
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        if self.publisher is not None:
-            await self.publisher.close()
+        for task in [*self._tasks, *self._scheduler_tasks]:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for rank in self.ranks:
+            if rank.publisher is not None:
+                await rank.publisher.close()
 
     async def __aenter__(self) -> MockEngine:
         return await self.start()
@@ -258,10 +328,6 @@ class MockEngine:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
-
-    def _publish(self, events: list[Any]) -> None:
-        if self.publisher is not None:
-            self.publisher.publish(events)
 
     # -- HTTP -----------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
@@ -364,7 +430,7 @@ class MockEngine:
         p = parse_params("chat", chat, self.cfg.model)
         prompt = self.text.chat(chat)
         seq = self._sequence(p, prompt)
-        self.scheduler.submit(seq)
+        sched = self._submit(request, body, seq)
         rid, mid = new_ids()
         created = now()
         out: list[str] = []
@@ -380,20 +446,22 @@ class MockEngine:
             def final() -> tuple[str, Any]:
                 return "".join(out), finish()["usage"]
 
-            events = stream_events(rid, mid, body, p.model, created, self._pieces(seq, out), final)
+            pieces = self._pieces(sched, seq, out)
+            events = stream_events(rid, mid, body, p.model, created, pieces, final)
             return StreamingResponse(events, media_type="text/event-stream")
-        async for _ in self._pieces(seq, out):
+        async for _ in self._pieces(sched, seq, out):
             pass
         return JSONResponse(finish())
 
     async def _messages(self, request: Request) -> Response:
         """``POST /v1/messages`` (Anthropic's Messages API, see ``sim.mock_messages``)."""
         self.traceparents.append(request.headers.get("traceparent"))
-        chat = anthropic.chat_body(await _json(request))
+        raw = await _json(request)
+        chat = anthropic.chat_body(raw)
         p = parse_params("chat", chat, self.cfg.model)
         prompt = self.text.chat(chat)
         seq = self._sequence(p, prompt)
-        self.scheduler.submit(seq)
+        sched = self._submit(request, raw, seq)
         mid = anthropic.new_id()
         out: list[str] = []
 
@@ -403,10 +471,10 @@ class MockEngine:
         stop = anthropic.stop_reason(seq.finish_reason)
         if p.stream:
             events = anthropic.stream_events(
-                mid, p.model, len(prompt), self._pieces(seq, out), lambda: (stop, use())
+                mid, p.model, len(prompt), self._pieces(sched, seq, out), lambda: (stop, use())
             )
             return StreamingResponse(events, media_type="text/event-stream")
-        async for _ in self._pieces(seq, out):
+        async for _ in self._pieces(sched, seq, out):
             pass
         return JSONResponse(anthropic.message(mid, p.model, "".join(out), stop, use()))
 
@@ -416,21 +484,29 @@ class MockEngine:
         p = parse_params(kind, body, self.cfg.model)
         prompt = self.text.chat(body) if kind == "chat" else self.text.completion(body["prompt"])
         seq = self._sequence(p, prompt)
-        self.scheduler.submit(seq)
+        sched = self._submit(request, body, seq)
         if p.stream:
-            return StreamingResponse(self._stream(p, seq), media_type="text/event-stream")
+            return StreamingResponse(self._stream(sched, p, seq), media_type="text/event-stream")
         pieces: list[str] = []
         try:
             while (step := await seq.out.get()) is not None:
                 pieces.extend(step)
         finally:
-            self.scheduler.abort(seq)  # no-op when it finished
+            sched.abort(seq)  # no-op when it finished
         if seq.error:
             raise ApiError(500, seq.error, "engine_error")
         use = usage(len(prompt), seq.generated, seq.cached_tokens)
         return JSONResponse(full_response(p, "".join(pieces), seq.finish_reason, use))
 
-    async def _pieces(self, seq: Sequence, out: list[str]) -> AsyncIterator[str]:
+    def _submit(self, request: Request, body: Any, seq: Sequence) -> Scheduler:
+        """Queue ``seq`` on the rank the request names (or the least loaded one)."""
+        sched = self.pick_rank(request.headers, body).scheduler
+        sched.submit(seq)
+        return sched
+
+    async def _pieces(
+        self, sched: Scheduler, seq: Sequence, out: list[str]
+    ) -> AsyncIterator[str]:
         """The Responses and Messages APIs' text: each piece kept in ``out`` as it is yielded."""
         try:
             while (step := await seq.out.get()) is not None:
@@ -438,7 +514,7 @@ class MockEngine:
                     out.append(piece)
                     yield piece
         finally:
-            self.scheduler.abort(seq)
+            sched.abort(seq)
         if seq.error:
             raise RuntimeError(seq.error)  # cuts the stream, as a dying engine does
 
@@ -468,7 +544,7 @@ class MockEngine:
             finish_reason=finish,
         )
 
-    async def _stream(self, p: Params, seq: Sequence) -> AsyncIterator[bytes]:
+    async def _stream(self, sched: Scheduler, p: Params, seq: Sequence) -> AsyncIterator[bytes]:
         try:
             if p.kind == "chat":
                 yield role_chunk(p)
@@ -485,7 +561,7 @@ class MockEngine:
                 yield usage_chunk(p, usage(len(seq.prompt), seq.generated, seq.cached_tokens))
             yield DONE
         finally:
-            self.scheduler.abort(seq)  # the client left early, or a no-op
+            sched.abort(seq)  # the client left early, or a no-op
 
     def _prefetch(self, hint: Any) -> dict[str, Any]:
         """Accept a hint; its blocks land after the modelled transfer time."""
@@ -546,6 +622,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-id", default=d.worker_id, help="name used in logs")
     parser.add_argument("--block-size", type=int, default=d.block_size)
     parser.add_argument("--gpu-blocks", type=int, default=d.gpu_blocks)
+    parser.add_argument(
+        "--dp-size",
+        type=int,
+        default=d.dp_size,
+        help="data-parallel ranks, each its own KV cache; rank r's event endpoints are the "
+        "given ports plus r",
+    )
     parser.add_argument("--host-blocks", type=int, default=d.host_blocks, help="0: no host tier")
     parser.add_argument("--seed", type=int, default=d.seed, help="engine block-hash seed")
     parser.add_argument("--zmq-endpoint", help="KV-event PUB endpoint to bind (tcp://HOST:PORT)")
@@ -576,6 +659,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> MockEngineConfig:
     if args.sglang + args.events_as_map + args.sha256_hashes > 1:
         raise SystemExit("--sglang, --events-as-map and --sha256-hashes are exclusive")
+    if not 1 <= args.dp_size <= 64:
+        raise SystemExit("--dp-size must be in [1, 64]")
     if args.speed <= 0 or args.decode_tps <= 0 or args.prefill_tps <= 0:
         raise SystemExit("--speed, --decode-tps and --prefill-tps must be positive")
     return MockEngineConfig(
@@ -585,6 +670,7 @@ def config_from_args(args: argparse.Namespace) -> MockEngineConfig:
         worker_id=args.worker_id,
         block_size=args.block_size,
         gpu_blocks=args.gpu_blocks,
+        dp_size=args.dp_size,
         host_blocks=args.host_blocks,
         seed=args.seed,
         zmq_endpoint=args.zmq_endpoint,
