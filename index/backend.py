@@ -18,6 +18,8 @@ except ImportError:  # not built
     NativePrefixIndex = None  # type: ignore[assignment,misc]
     MAX_WORKERS = 0
 
+__all__ = ["IMPLEMENTATIONS", "MAX_WORKERS", "NATIVE", "NativePrefixIndex", "use_native"]
+
 NATIVE: bool = NativePrefixIndex is not None
 IMPLEMENTATIONS: tuple[type, ...] = (
     (PrefixIndex, NativePrefixIndex) if NativePrefixIndex is not None else (PrefixIndex,)

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from router.hints import HintPublisher
     from router.metrics import RouterMetrics
     from router.pools import Pool
-    from router.routing import Router
+    from router.routing import Kind, Router
     from router.tokenize import TokenizerSet
     from router.workers import Worker, WorkerRegistry
 
@@ -188,7 +188,7 @@ def admin_router(state: AdminDeps) -> APIRouter:
     async def explain(request: Request) -> Response:
         """The decision for a request body and every worker's numbers; nothing is sent."""
         raw = await _raw(request)
-        kind = "chat" if b'"messages"' in raw else "completion"
+        kind: Kind = "chat" if b'"messages"' in raw else "completion"
         headers = {
             k: v for k, v in request.headers.items() if k in ("x-session-id", "x-request-id")
         }
@@ -241,7 +241,7 @@ def admin_router(state: AdminDeps) -> APIRouter:
         """The router's token ids for a request body, to hold against the engine's own
         ``/tokenize`` (``cache-router doctor`` does): hashes match only if these agree."""
         raw = await request.body()
-        kind = "chat" if b'"messages"' in raw else "completion"
+        kind: Kind = "chat" if b'"messages"' in raw else "completion"
         parsed = state.router.parse(kind, raw, {})
         tok = state.tokenizers.get(parsed.model)
         body = parsed.body

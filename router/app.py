@@ -179,7 +179,11 @@ class RouterState:
             self.bus.start()
         # requests waiting on an engine that hangs (SIGSTOP, a wedged process) fail now
         stall = self.cfg.stall_after
-        self.registry.on_failing.append(lambda w: self.upstream.stalled(w.url, stall))
+
+        def fail_stalled(worker: Worker) -> None:
+            self.upstream.stalled(worker.url, stall)
+
+        self.registry.on_failing.append(fail_stalled)
         self._tasks.append(asyncio.create_task(self.registry.monitor(self.client), name="health"))
         for source in self.discovery:
             self._tasks.append(asyncio.create_task(source.run(self.client), name="discovery"))

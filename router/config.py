@@ -49,6 +49,7 @@ import re
 import tomllib
 import typing
 from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypeVar
@@ -677,7 +678,7 @@ def validate(cfg: RouterConfig) -> None:
     _validate_replicas(cfg)
 
 
-def pool_roles_error(pool: str, roles: set[str]) -> str | None:
+def pool_roles_error(pool: str, roles: AbstractSet[str]) -> str | None:
     """Why a pool with workers of ``roles`` cannot work, or None: a pool is mixed or
     disaggregated (prefill and decode engines), never both, since a mixed engine takes
     neither side's wire protocol."""

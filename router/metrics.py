@@ -96,7 +96,7 @@ class RouterMetrics:
     def add_collector(self, collector: Collector) -> None:
         self.registry.register(collector)
 
-    def by_arm(self) -> dict[str, dict[str, float]]:
+    def by_arm(self) -> dict[str, dict[str, float | None]]:
         """Live per-arm totals (summed over workers) for the admin API."""
         out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         for metric, key in (

@@ -146,7 +146,8 @@ def least_loaded(workers: list[Worker], exclude: set[str], stale_after: float) -
 
     def load(w: Worker) -> int:
         engine = w.load.engine_fresh(stale_after, now)
-        return w.load.inflight_requests + (engine.waiting if engine is not None else 0)
+        waiting = engine.waiting if engine is not None else None
+        return w.load.inflight_requests + (waiting or 0)
 
     loads = [load(w) for w in usable]
     low = min(loads)

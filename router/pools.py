@@ -19,7 +19,7 @@ class Pool:
     name: str
     block_size: int
     hasher: BlockHasher
-    index: PrefixIndex
+    index: PrefixIndex | NativePrefixIndex
     ingest: EventIngest
 
     @classmethod

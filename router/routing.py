@@ -15,16 +15,16 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import orjson
 
-from index.hashing import cacheable_blocks, request_block_hashes
+from index.hashing import RouterHash, cacheable_blocks, request_block_hashes
 from policies.base import NO_MATCH, Decision, NoWorkerError, RouteRequest, WorkerView
 from policies.experiments import Experiment
 from router.affinity import ResponseAffinity
 from router.config import RouterConfig
-from router.errors import ApiError
+from router.errors import ApiError, ErrorCode
 from router.messages import as_messages as anthropic_messages
 from router.messages import check_messages
 from router.pools import Pool
@@ -60,7 +60,9 @@ class Prepared:
     pinned: str | None = None  # the worker holding ``previous_response_id`` (Responses API)
 
 
-def _bad(message: str, param: str | None = None, code: str = "invalid_request") -> ApiError:
+def _bad(
+    message: str, param: str | None = None, code: ErrorCode = "invalid_request"
+) -> ApiError:
     return ApiError(400, message, code, param)
 
 
@@ -160,7 +162,7 @@ class Router:
             request_id=parsed.request_id,
             model=parsed.model,
             num_tokens=num_tokens(ids),
-            block_hashes=hashes,
+            block_hashes=cast(list[int], hashes),  # policies see router hashes as ints
             block_size=pool.block_size,
             session_key=parsed.session_key,
             max_tokens=max_tokens(parsed.body),
@@ -183,7 +185,9 @@ class Router:
         arm = self.experiment.assign(parsed.session_key).name
         return Prepared(parsed, workers[0].pool, workers, request, arm)
 
-    def _hash(self, parsed: Parsed, pool: Pool, trace: Trace | None) -> tuple[Any, list[int]]:
+    def _hash(
+        self, parsed: Parsed, pool: Pool, trace: Trace | None
+    ) -> tuple[list[int] | bytes, list[RouterHash]]:
         body = parsed.body
         t0 = time.time_ns() if trace is not None else 0
         tok = self.tokenizers.get(parsed.model)

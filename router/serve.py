@@ -18,6 +18,8 @@ from router.config import FLAGS, SCALARS, ConfigError, RouterConfig, load_config
 if TYPE_CHECKING:
     import uvicorn
 
+    from router.asgi import App
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML config file (see router/config.py)")
@@ -80,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def server_config(app: object, cfg: RouterConfig, **overrides: Any) -> uvicorn.Config:
+def server_config(app: App, cfg: RouterConfig, **overrides: Any) -> uvicorn.Config:
     """uvicorn's settings for the router: uvloop, httptools behind ``router.guard``."""
     import uvicorn
 

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 
 SYSTEM = (
     "You are the support assistant of a company that runs GPU inference fleets. "
@@ -96,7 +97,7 @@ async def _session(
     report: WorkloadReport,
 ) -> None:
     rng = random.Random(seed * 1_000_003 + session)
-    messages = [
+    messages: list[ChatCompletionMessageParam] = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": f"Document {session}:\n{_document(rng, doc_words)}"},
         {"role": "assistant", "content": "Read it. Ask away."},
@@ -109,7 +110,7 @@ async def _session(
         try:
             raw = await client.chat.completions.with_raw_response.create(
                 model=model,
-                messages=messages,  # type: ignore[arg-type]
+                messages=messages,
                 max_tokens=max_tokens,
                 stream=True,
                 stream_options={"include_usage": True},
