@@ -100,12 +100,18 @@ class GuardedHttpTools(HttpToolsProtocol):
         return True
 
     def shutdown(self) -> None:
-        """Graceful stop (SIGTERM): uvicorn closes idle connections at once, which cuts a
-        request already on its way on one (the fault run lost 2 of 16 503 that way). An idle
-        connection stays open until its keep-alive (or header) timer ends it; a request
-        that arrives meanwhile is served with ``connection: close``. New connections are
+        """Graceful stop (SIGTERM): uvicorn closes idle connections at once, and a busy one
+        the moment its response ends, even when that response's headers promised
+        keep-alive. Either cuts a request a client already sent on the connection it holds
+        as idle: it reads EOF, and cannot tell that nothing ran (the fault run lost 2-3 per
+        router SIGTERM that way). So an idle connection, or one whose response already
+        promised keep-alive, stays open until its keep-alive (or header) timer ends it,
+        and the next request on it is served with ``connection: close``. A response not
+        started yet says ``connection: close`` itself (uvicorn's way). New connections are
         refused already: the listening socket closed first."""
-        if self._idle() and not self.transport.is_closing():
+        cycle = self.cycle
+        promised = cycle is not None and cycle.response_started and cycle.keep_alive
+        if (self._idle() or (promised and not self.pipeline)) and not self.transport.is_closing():
             self._draining = True
             return
         super().shutdown()

@@ -344,3 +344,37 @@ async def test_a_request_racing_a_graceful_stop_on_an_idle_connection_is_served(
         writer.close()
     assert raw.startswith(b"HTTP/1.1 200") and b"connection: close" in raw.lower(), raw
     router.proc.wait(15)  # and the router still stops (uvicorn re-raises the SIGTERM)
+
+
+async def test_a_request_after_a_stream_that_outlived_the_sigterm_is_served(
+    start_router: Start,
+) -> None:
+    """The 2-3 failures left at r0's SIGTERM in bench/faults.py: a response whose headers
+    went out before the SIGTERM had promised keep-alive, and uvicorn closed the connection
+    the moment it ended; the client, holding it as idle, sent its next request on it and
+    read EOF (the router never read that request, no engine saw it). Now the connection
+    stays open after that response, like an idle one, and serves the next request with
+    ``connection: close``."""
+    router = await start_router(CACHE_ROUTER_IDLE_TIMEOUT="5")
+    router.engine.token_delay = 0.2  # ten tokens: a 2 s stream
+    body = orjson.dumps({"model": router.engine.model, "prompt": "hello", "max_tokens": 10,
+                         "stream": True})  # fmt: skip
+    reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+    try:
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 200") and b"connection: close" not in head.lower()
+        router.proc.send_signal(signal.SIGTERM)  # mid-stream, keep-alive already promised
+        rest = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 15)
+        assert b"[DONE]" in rest
+        writer.write(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")  # at once, as a pool does
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(-1), 10)
+    finally:
+        writer.close()
+    assert raw.startswith(b"HTTP/1.1 200") and b"connection: close" in raw.lower(), raw
+    router.proc.wait(15)
