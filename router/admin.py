@@ -18,7 +18,7 @@ import orjson
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from policies.base import NO_MATCH
+from policies.base import NO_MATCH, Decision
 from router.auth import bearer_ok
 from router.config import worker_spec
 from router.errors import ApiError
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from router.feed import EventFeed
     from router.hints import HintPublisher
     from router.metrics import RouterMetrics
+    from router.pd import PdRouter
     from router.pools import Pool
     from router.routing import Kind, Router
     from router.tokenize import TokenizerSet
@@ -72,6 +73,7 @@ class AdminDeps:
     bus: Bus | None = None
     feed: EventFeed | None = None
     capacity: CapacityWatch | None = None
+    pd: PdRouter | None = None  # disaggregated pools' two-sided choice (router.pd)
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -194,7 +196,14 @@ def admin_router(state: AdminDeps) -> APIRouter:
         }
         router = state.router
         prep = await router.prepare(router.parse(kind, raw, headers), len(raw))
-        decision, views = router.decide(prep)
+        disaggregated = state.pd is not None and state.pd.disaggregated(prep)
+        pd = state.pd.explain(prep) if state.pd is not None and disaggregated else None
+        if pd is None:
+            decision, views = router.decide(prep)
+        else:  # "decision" is the engine that answers: the decode side's choice
+            views = router.views(prep)
+            decision = Decision(pd["decode"]["worker_id"], pd["decode"]["prefetch"],
+                                pd["decode"]["scores"], pd["decode"]["reason"])  # fmt: skip
         by_id = {v.worker_id: v for v in views}
         matches = prep.pool.index.match_tiers(prep.request.block_hashes)
         now = time.monotonic()
@@ -233,6 +242,7 @@ def admin_router(state: AdminDeps) -> APIRouter:
                     "prefetch": decision.prefetch,
                 },
                 "workers": workers,
+                **({} if pd is None else {"pd": pd}),
             }
         )
 

@@ -33,7 +33,7 @@ from router.audit import AuditCollector, HitAudit
 from router.auth import bearer_ok
 from router.bus import Bus, nats_options
 from router.capacity import CapacityCollector, CapacityWatch
-from router.config import ConfigError, RouterConfig
+from router.config import ConfigError, PdSettings, RouterConfig
 from router.edge import Edge
 from router.errors import ApiError, error_body
 from router.events import EventSync
@@ -44,6 +44,7 @@ from router.metrics import RouterMetrics, StateCollector
 from router.openapi import completion_paths
 from router.passthrough import PATHS as PASSTHROUGH_PATHS
 from router.passthrough import RESPONSES, Passthrough, ResponseLookup
+from router.pd import PdRouter
 from router.pools import Pool
 from router.proxy import Proxy, ProxyDeps, send_error
 from router.replicas import ReplicaShare, default_replica_id
@@ -109,6 +110,7 @@ class RouterState:
             self.affinity.share(self.bus, cfg.subject_prefix, replica, cfg.share_interval)
         self.hints = HintPublisher(self.bus, cfg.subject_prefix)
         self.metrics = RouterMetrics()
+        self.pd: PdRouter | None = None
         self.metrics.add_collector(StateCollector(self.registry, self.counts, self.events.lag))
         self.audit = HitAudit(cfg.audit_bound, self._events_seen)
         self.metrics.add_collector(AuditCollector(self.audit))
@@ -118,6 +120,7 @@ class RouterState:
             self.metrics.add_collector(CapacityCollector(self.capacity, self.metrics))
         self.client: httpx.AsyncClient = _client(cfg)  # cold paths: health, scrapes
         self.upstream = Upstream()  # the hot path's engine connections
+        self.pd = PdRouter(cfg.section(PdSettings), self.proxy_deps())  # disaggregated pools
         self._tasks: list[asyncio.Task[Any]] = []
 
     def proxy_deps(self) -> ProxyDeps:
@@ -135,6 +138,7 @@ class RouterState:
             affinity=self.affinity,
             capacity=self.capacity,
             tracing=self.tracing,
+            pd=self.pd,
         )
 
     def admin_deps(self) -> AdminDeps:
@@ -154,6 +158,7 @@ class RouterState:
             bus=self.bus,
             feed=self.feed,
             capacity=self.capacity,
+            pd=self.pd,
         )
 
     async def start(self) -> None:
@@ -234,6 +239,8 @@ class RouterState:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.registry.close()
+        if self.pd is not None:
+            await self.pd.close()
         if self.replicas is not None:
             await self.replicas.close()
         await self.affinity.close()

@@ -687,10 +687,20 @@ def pool_roles_error(pool: str, roles: AbstractSet[str]) -> str | None:
     return None
 
 
+def role_error(spec: WorkerSpec) -> str | None:
+    """Why a worker's role cannot be served: a prefill or decode engine's DP ranks would
+    need the rank chosen on both sides of the transfer, which router.pd does not do."""
+    if spec.role != "mixed" and spec.dp_size > 1:
+        return f"worker {spec.id}: a {spec.role} worker takes no dp_size (ranks are mixed only)"
+    return None
+
+
 def _validate_roles(cfg: RouterConfig) -> None:
     roles: dict[str, set[str]] = {}
     for w in cfg.workers:
         roles.setdefault(w.pool, set()).add(w.role)
+        if (error := role_error(w)) is not None:
+            raise ConfigError(error)
     for pool, found in roles.items():
         error = pool_roles_error(pool, found)
         if error is None and found == {"prefill"}:

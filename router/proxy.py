@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from router.edge import Edge
     from router.hints import HintPublisher
     from router.metrics import RouterMetrics
+    from router.pd import PdRouter
     from router.routing import Router
     from router.tracing import Tracing
     from router.upstream import Upstream
@@ -98,6 +99,7 @@ class ProxyDeps:
     affinity: ResponseAffinity
     capacity: CapacityWatch | None = None
     tracing: Tracing | None = None  # None: off, and free
+    pd: PdRouter | None = None  # disaggregated pools (router.pd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,6 +303,9 @@ class Proxy:
             trace.span("parse", t0, now_ns(), {"gen_ai.request.model": parsed.model})
         prep = await st.router.prepare(parsed, len(raw), trace)
         ex.watch(receive)
+        if st.pd is not None and st.pd.disaggregated(prep):  # prefill and decode engines
+            await st.pd.forward(self, scope, raw, prep, ex)
+            return
         await self._forward(scope, raw, prep, ex, trace)
 
     async def _forward(
@@ -420,9 +425,13 @@ class Proxy:
         arm: str,
         hit: int,
         remember: Callable[[bytes], None] | None = None,
+        prefilled_remotely: bool = False,
     ) -> None:
         """Send the engine's answer on; ``remember`` gets the body's first bytes (a
-        response id is in them) once the answer is complete."""
+        response id is in them) once the answer is complete. A decode engine that
+        received the prompt's KV from a prefill engine (``prefilled_remotely``) reports it
+        as cached: its ``cached_tokens`` are no prefix hits (``router.pd`` counts the
+        prefill engine's)."""
         st = self.deps
         send = ex.send
         found = st.registry.target(worker_id)  # ``worker_id``: the target (router/dp.py)
@@ -477,9 +486,10 @@ class Proxy:
         if not ex.done:
             ex.done = True
             await send({"type": "http.response.body", "body": b""})
-        if cached is not None and series is not None:
-            series.hit_tokens.inc(cached)
-        if series is not None and status < 400 and not st.cfg.gateway:
-            st.audit.record(worker_id, hit, cached)
+        if not prefilled_remotely:
+            if cached is not None and series is not None:
+                series.hit_tokens.inc(cached)
+            if series is not None and status < 400 and not st.cfg.gateway:
+                st.audit.record(worker_id, hit, cached)
         if remember is not None and status < 400:
             remember(head)

@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from router.config import RouterConfig, WorkerSpec, pool_roles_error
+from router.config import RouterConfig, WorkerSpec, pool_roles_error, role_error
 from router.dp import DpField, split_target, target_ids
 from router.load import WorkerLoad, parse_engine_metrics
 from router.pools import Pool
@@ -146,7 +146,7 @@ class WorkerRegistry:
             if other is not None and other is not pool:
                 raise ValueError(f"model {spec.model} is served by pool {other.name}")
         roles = {w.role for w in self._workers.values() if w.pool is pool} | {spec.role}
-        error = pool_roles_error(pool.name, roles)
+        error = pool_roles_error(pool.name, roles) or role_error(spec)
         if error is not None:
             raise ValueError(error)
         worker = Worker(spec, pool)

@@ -24,7 +24,7 @@ import contextlib
 import logging
 import socket
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +51,7 @@ from sim.mock_openai import (
     usage,
     usage_chunk,
 )
+from sim.mock_pd import PdSide, Plan, Role
 from sim.mock_pooling import Pooling
 from sim.mock_publisher import Encoding, KvEventPublisher, wire_hash
 from sim.mock_responses import (
@@ -93,6 +94,7 @@ class MockEngineConfig:
     # data-parallel ranks, each its own cache, scheduler and KV-event publisher (its
     # endpoints' ports offset by the rank, as vLLM's ``offset_endpoint_port``)
     dp_size: int = 1
+    role: Role = "mixed"  # a disaggregated pool's prefill or decode engine (sim.mock_pd)
 
 
 _HELP = {
@@ -225,6 +227,9 @@ class MockEngine:
         self.pooling = Pooling(self.text, cfg.model, cfg.max_model_len)
         self.responses = ResponseStore()
         self.prefetched_blocks = 0
+        self.pd = PdSide(
+            cfg.role, cfg.worker_id, cfg.host, lambda: self.port, self.cache, self.timing
+        )
         # W3C trace context of recent requests (vLLM continues the trace it is handed)
         self.traceparents: deque[str | None] = deque(maxlen=1024)
         self.registry = CollectorRegistry(auto_describe=True)
@@ -316,6 +321,7 @@ class MockEngine:
         for rank in self.ranks:
             if rank.publisher is not None:
                 await rank.publisher.close()
+        await self.pd.close()
 
     async def __aenter__(self) -> MockEngine:
         return await self.start()
@@ -403,6 +409,14 @@ class MockEngine:
         async def prefetch(request: Request) -> Response:
             return JSONResponse(self._prefetch(await _json(request)), status_code=202)
 
+        @app.post("/mock/kv_pull")
+        async def kv_pull(request: Request) -> Response:
+            return JSONResponse(self.pd.pull(await _json(request)))
+
+        @app.get("/mock/bootstrap/{room}")
+        async def bootstrap(room: int) -> Response:
+            return JSONResponse(self.pd.room(room))
+
         return app
 
     def _pooled(self, handler: Any) -> Any:
@@ -443,6 +457,7 @@ class MockEngine:
             return resp
 
         if p.stream:
+
             def final() -> tuple[str, Any]:
                 return "".join(out), finish()["usage"]
 
@@ -481,22 +496,33 @@ class MockEngine:
     async def _generate(self, kind: Kind, request: Request) -> Response:
         self.traceparents.append(request.headers.get("traceparent"))
         body = await _json(request)
+        plan = self.pd.plan(body) if isinstance(body, dict) else Plan("none")
         p = parse_params(kind, body, self.cfg.model)
         prompt = self.text.chat(body) if kind == "chat" else self.text.completion(body["prompt"])
-        seq = self._sequence(p, prompt)
-        sched = self._submit(request, body, seq)
+        seq = self._sequence(p, prompt)  # checked before any transfer
+        rank = self.pick_rank(request.headers, body)
+        sched = rank.scheduler
+        await self.pd.receive(
+            plan, body, prompt, rank.cache, sched.flush_events, request.is_disconnected
+        )
+        sched.submit(seq)
         if p.stream:
-            return StreamingResponse(self._stream(sched, p, seq), media_type="text/event-stream")
+            stream = self._stream(sched, p, seq, lambda ok: self.pd.finished(plan, prompt, ok))
+            return StreamingResponse(stream, media_type="text/event-stream")
         pieces: list[str] = []
         try:
             while (step := await seq.out.get()) is not None:
                 pieces.extend(step)
         finally:
             sched.abort(seq)  # no-op when it finished
+        params = self.pd.finished(plan, prompt, not seq.error)
         if seq.error:
             raise ApiError(500, seq.error, "engine_error")
         use = usage(len(prompt), seq.generated, seq.cached_tokens)
-        return JSONResponse(full_response(p, "".join(pieces), seq.finish_reason, use))
+        answer = full_response(p, "".join(pieces), seq.finish_reason, use)
+        if params is not None:
+            answer["kv_transfer_params"] = params
+        return JSONResponse(answer)
 
     def _submit(self, request: Request, body: Any, seq: Sequence) -> Scheduler:
         """Queue ``seq`` on the rank the request names (or the least loaded one)."""
@@ -504,9 +530,7 @@ class MockEngine:
         sched.submit(seq)
         return sched
 
-    async def _pieces(
-        self, sched: Scheduler, seq: Sequence, out: list[str]
-    ) -> AsyncIterator[str]:
+    async def _pieces(self, sched: Scheduler, seq: Sequence, out: list[str]) -> AsyncIterator[str]:
         """The Responses and Messages APIs' text: each piece kept in ``out`` as it is yielded."""
         try:
             while (step := await seq.out.get()) is not None:
@@ -544,7 +568,13 @@ class MockEngine:
             finish_reason=finish,
         )
 
-    async def _stream(self, sched: Scheduler, p: Params, seq: Sequence) -> AsyncIterator[bytes]:
+    async def _stream(
+        self,
+        sched: Scheduler,
+        p: Params,
+        seq: Sequence,
+        finished: Callable[[bool], object] | None = None,
+    ) -> AsyncIterator[bytes]:
         try:
             if p.kind == "chat":
                 yield role_chunk(p)
@@ -554,6 +584,8 @@ class MockEngine:
                     sent += 1
                     last = sent == seq.max_tokens
                     yield token_chunk(p, piece, seq.finish_reason if last else None)
+            if finished is not None:
+                finished(not seq.error)
             if seq.error:
                 yield b"data: " + error_body(500, seq.error, "engine_error") + b"\n\n"
                 return
@@ -653,6 +685,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument(
+        "--role",
+        choices=("mixed", "prefill", "decode"),
+        default=d.role,
+        help="a disaggregated pool's prefill or decode engine (both protocols, sim/mock_pd.py)",
+    )
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -689,6 +727,7 @@ def config_from_args(args: argparse.Namespace) -> MockEngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         timing=Timing(speed=args.speed, decode_tps=args.decode_tps, prefill_tps=args.prefill_tps),
+        role=args.role,
     )
 
 

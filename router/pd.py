@@ -1,0 +1,610 @@
+"""Prefill/decode disaggregation on the wire: one request, two engines, two protocols.
+
+A pool whose workers have roles (``prefill``, ``decode``) is disaggregated; the proxy
+hands its requests here. ``policies.pd.choose`` picks the decode engine (load, KV room,
+its own prefix) and, unless the decode engine's uncached suffix is under
+``pd_local_prefill_tokens``, a prefill engine (the arm's policy: cache-aware). Then, in
+the protocol the engines speak (``pd_protocol``), as their own proxies do it:
+
+- ``vllm`` (KV connectors: NixlConnector, P2pNcclConnector, Mooncake; vLLM's
+  ``toy_proxy_server.py``): the prefill engine gets the request with
+  ``kv_transfer_params = {do_remote_decode: true, ...}``, ``max_tokens`` 1 and no
+  streaming; its answer's ``kv_transfer_params`` (``remote_engine_id``,
+  ``remote_block_ids``, ``remote_host``, ``remote_port``...) go into the decode request,
+  which streams to the client. The two run one after the other.
+- ``sglang`` (``--disaggregation-mode``; SGLang's mini_lb and sgl-router's PD mode): the
+  request gets ``bootstrap_host`` (the prefill engine's host), ``bootstrap_port`` (its
+  ``--disaggregation-bootstrap-port``) and a random 63-bit ``bootstrap_room``, and goes
+  to both engines at once: the decode engine registers in the room, the prefill engine
+  sends the KV there. The decode engine's answer goes to the client.
+
+Failures, without duplicated work:
+
+- the prefill side fails before the decode engine has produced anything (connect
+  refused, the prefill broken off or answering 5xx): the request goes to another prefill
+  engine (its answer is thrown away, so running it again is safe), at most
+  ``connect_retries`` times; an SGLang decode engine waiting in the room is let go (its
+  connection closed) and the pair is formed again with a new room;
+- the decode engine cannot be reached: another decode engine takes the same transfer
+  params (vLLM's prefill engine keeps the blocks until one pulls them) or the pair
+  again (SGLang);
+- the decode engine dies mid-stream: the stream ends with an error event, as for any
+  engine (``Proxy._stream``).
+
+Metrics per role: ``cache_router_pd_phase_seconds{phase}`` splits the TTFT into the
+prefill engine's queue as the policy estimated it, the prefill exchange and the transfer
+(the decode engine's first byte after the prefill answered: KV pull plus its first
+step); ``cache_router_pd_tpot_seconds`` is the decode stream's time per output event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import orjson
+from prometheus_client import Counter, Histogram
+
+from policies.base import Decision, NoWorkerError, WorkerView
+from policies.pd import PdDecision, choose, make_decode_policy
+from router.errors import ApiError
+from router.load import Flight
+from router.proxy import Failure, send_failure
+from router.upstream import ConnectFailed, Response, UpstreamError, UpstreamTimeout
+
+if TYPE_CHECKING:
+    from router.asgi import Scope
+    from router.config import PdSettings
+    from router.proxy import Exchange, Proxy, ProxyDeps
+    from router.routing import Prepared
+    from router.workers import Worker
+
+PD_KINDS = frozenset(("chat", "completion"))  # the endpoints both protocols carry
+MAX_PREFILL_BODY = 1 << 20  # a max_tokens=1 answer is a few hundred bytes
+PHASE_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+
+# The prefill side's failures; all but a timeout are retried on another prefill engine,
+# since a prefill's output is thrown away and running it again changes nothing the client
+# sees (a timeout already cost ``request_timeout``: another one would double it).
+PREFILL_BROKEN = Failure(502, "upstream_error", "prefill_broken", "prefill failed", True, True)
+PREFILL_STATUS = Failure(502, "upstream_error", "prefill_status", "prefill 5xx", True, False)
+NO_PARAMS = Failure(
+    502, "pd_no_transfer_params", "pd_no_transfer_params", "no kv_transfer_params", False,
+    False, "the prefill engine answered without kv_transfer_params: is it started with a "
+    "KV connector (--kv-transfer-config)?",
+)  # fmt: skip
+
+
+def prefill_failure(exc: UpstreamError) -> Failure:
+    if isinstance(exc, ConnectFailed | UpstreamTimeout):
+        return send_failure(exc)
+    return PREFILL_BROKEN
+
+
+class _Failed(Exception):
+    """One side failed before the decode engine answered: ``failure`` says who retries."""
+
+    def __init__(self, worker: Worker, failure: Failure, error: UpstreamError | None) -> None:
+        super().__init__(failure.reason)
+        self.worker = worker
+        self.failure = failure
+        self.error = error
+
+
+class _EngineAnswer(Exception):
+    """The prefill engine refused the request (4xx): the client gets that answer."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(status)
+        self.status = status
+        self.body = body
+
+
+# -- the request bodies each protocol sends ---------------------------------------------
+
+
+def vllm_prefill_body(body: dict[str, Any]) -> bytes:
+    """The prefill request of vLLM's KV-connector proxies: one token, no stream, and
+    ``kv_transfer_params`` asking the engine to keep the KV for a remote decode."""
+    out = dict(body)
+    out["kv_transfer_params"] = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    out["stream"] = False
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    for key in ("stream_options", "min_tokens"):  # min_tokens > 1 would be refused
+        out.pop(key, None)
+    return orjson.dumps(out)
+
+
+def vllm_decode_body(body: dict[str, Any], params: dict[str, Any]) -> bytes:
+    """The client's request with the prefill engine's ``kv_transfer_params``."""
+    return orjson.dumps({**body, "kv_transfer_params": params})
+
+
+def sglang_body(body: dict[str, Any], host: str, port: int, room: int) -> bytes:
+    """The client's request with SGLang's bootstrap fields, for both engines."""
+    return orjson.dumps(
+        {**body, "bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
+    )
+
+
+def transfer_params(answer: bytes) -> dict[str, Any] | None:
+    """The ``kv_transfer_params`` of a prefill engine's JSON answer (None: absent)."""
+    try:
+        obj = orjson.loads(answer)
+    except orjson.JSONDecodeError:
+        return None
+    params = obj.get("kv_transfer_params") if isinstance(obj, dict) else None
+    return params if isinstance(params, dict) and params else None
+
+
+def _cached(answer: bytes) -> int | None:
+    try:
+        usage = orjson.loads(answer).get("usage") or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    return cached if isinstance(cached, int) else None
+
+
+@dataclass(slots=True)
+class PdChoice:
+    """A ``PdDecision`` with each side's views, for load counting and explain."""
+
+    decision: PdDecision
+    prefill_views: list[WorkerView]
+    decode_views: list[WorkerView]
+
+    def hit(self, worker_id: str, block_size: int) -> int:
+        """Prompt tokens the index says ``worker_id`` holds."""
+        for v in (*self.prefill_views, *self.decode_views):
+            if v.worker_id == worker_id:
+                return v.match.total * block_size if v.in_sync else 0
+        return 0
+
+
+class PdMetrics:
+    def __init__(self, registry: Any) -> None:
+        self.phase = Histogram(
+            "cache_router_pd_phase_seconds",
+            "Disaggregated requests' TTFT by phase: prefill_queue (the policy's estimate), "
+            "prefill (the prefill exchange), transfer (the decode engine's first byte after it)",
+            ["phase", "worker"],
+            buckets=PHASE_BUCKETS,
+            registry=registry,
+        )
+        self.tpot = Histogram(
+            "cache_router_pd_tpot_seconds",
+            "Decode engines' time per output event of streamed disaggregated requests",
+            ["worker"],
+            buckets=PHASE_BUCKETS,
+            registry=registry,
+        )
+        self.requests = Counter(
+            "cache_router_pd_requests",
+            "Disaggregated requests by role and path (remote: a prefill engine computed the "
+            "prompt; local: the decode engine did)",
+            ["role", "worker", "path"],
+            registry=registry,
+        )
+
+
+class PdRouter:
+    """Routes the requests of disaggregated pools (see the module docstring)."""
+
+    def __init__(self, settings: PdSettings, deps: ProxyDeps) -> None:
+        self.state = deps
+        self.protocol = settings.pd_protocol
+        self.bootstrap_port = settings.pd_bootstrap_port
+        self.local_prefill_tokens = settings.pd_local_prefill_tokens
+        self.decode_policy = make_decode_policy(settings.decode_policy)
+        self.metrics = PdMetrics(deps.metrics.registry)
+        self.rng = random.Random()
+        self._drains: set[asyncio.Task[None]] = set()  # SGLang prefill answers read to the end
+
+    @staticmethod
+    def disaggregated(prep: Prepared) -> bool:
+        return any(w.role != "mixed" for w in prep.workers)
+
+    # -- deciding ---------------------------------------------------------------------
+    def decide(self, prep: Prepared, exclude: set[str] | frozenset[str] = frozenset()) -> PdChoice:
+        """Both choices among usable workers; ``ApiError`` 503 without a decode engine."""
+        st = self.state
+        views = st.router.views(prep, exclude)
+        roles = {w.id: w.role for w in prep.workers}
+        prefill = [v for v in views if roles.get(v.worker_id) == "prefill"]
+        decode = [v for v in views if roles.get(v.worker_id) == "decode"]
+        if prep.parsed.kind not in PD_KINDS:
+            prefill = []  # the Responses and Messages APIs carry neither protocol's fields
+        if prep.pinned is not None:
+            decode = [v for v in decode if v.worker_id == prep.pinned]
+            prefill = []
+        if not decode:
+            raise ApiError(
+                503, f"no healthy decode worker for model {prep.parsed.model}", "no_healthy_worker"
+            )
+        policy = st.experiment.policy_for(prep.arm)
+        try:
+            decision = choose(
+                prep.request, prefill, decode, policy, self.decode_policy, self.local_prefill_tokens
+            )
+        except NoWorkerError as exc:
+            raise ApiError(503, str(exc), "no_healthy_worker") from exc
+        return PdChoice(decision, prefill, decode)
+
+    def explain(self, prep: Prepared) -> dict[str, Any]:
+        """Both choices and each side's numbers, for ``/admin/explain`` (nothing is sent)."""
+        choice = self.decide(prep)
+        d = choice.decision
+        self.finish(prep, d)  # explain routes nothing: release what the policies counted
+        return {
+            "protocol": self.protocol,
+            "local_prefill": d.prefill is None,
+            "reason": d.reason,
+            "uncached_on_decode": d.uncached_on_decode,
+            "local_prefill_tokens": self.local_prefill_tokens,
+            "decode_policy": self.decode_policy.name,
+            "decode": _side(d.decode, choice.decode_views),
+            "prefill": None if d.prefill is None else _side(d.prefill, choice.prefill_views),
+        }
+
+    def finish(self, prep: Prepared, d: PdDecision) -> None:
+        self.decode_policy.on_finish(prep.request, d.decode.worker_id)
+        if d.prefill is not None:
+            self.state.experiment.policy_for(prep.arm).on_finish(prep.request, d.prefill.worker_id)
+
+    # -- forwarding -------------------------------------------------------------------
+    async def forward(
+        self, proxy: Proxy, scope: Scope, raw: bytes, prep: Prepared, ex: Exchange
+    ) -> None:
+        """Prefill (unless local), then stream the decode engine's answer to the client."""
+        st = self.state
+        req = prep.request
+        headers = [(k, v) for k, v in scope["headers"] if k not in proxy.drop]
+        if not any(k == b"x-request-id" for k, _ in headers):
+            headers.append((b"x-request-id", req.request_id.encode()))
+        path = proxy.path
+        exclude: set[str] = set()
+        # vLLM: the transfer params and the prefill engine holding their blocks, kept for
+        # a retried decode engine (the blocks wait there until one pulls them)
+        done: tuple[Worker, dict[str, Any], float] | None = None
+        while True:
+            choice = self.decide(prep, exclude)
+            d = choice.decision
+            decode = st.registry.get(d.decode.worker_id)
+            prefill = None if d.prefill is None else st.registry.get(d.prefill.worker_id)
+            gone = d.decode.worker_id if decode is None else None
+            if d.prefill is not None and prefill is None:
+                gone = d.prefill.worker_id
+            if gone is not None or decode is None:  # removed between the views and now
+                self.finish(prep, d)
+                exclude.add(gone or d.decode.worker_id)
+                continue
+            try:
+                if prefill is None:
+                    resp, flight = await self._local(decode, choice, prep, raw, headers, path)
+                    prefilled = time.perf_counter()
+                elif self.protocol == "vllm":
+                    if done is None:
+                        params = await self._vllm_prefill(prefill, choice, prep, headers, path)
+                        done = (prefill, params, time.perf_counter())
+                    prefill, params, prefilled = done
+                    body = vllm_decode_body(prep.parsed.body, params)
+                    resp, flight = await self._send_decode(decode, prep, body, headers, 0, path)
+                else:
+                    resp, flight = await self._sglang_pair(
+                        prefill, decode, choice, prep, headers, path
+                    )
+                    prefilled = time.perf_counter()
+            except _Failed as f:
+                self.finish(prep, d)
+                if f.worker is prefill:
+                    done = None
+                proxy._failed(f.worker, f.failure, f.error, prep.arm, exclude)
+                continue
+            except _EngineAnswer as answer:
+                self.finish(prep, d)
+                await _send_answer(ex, answer)
+                return
+            except BaseException:
+                self.finish(prep, d)
+                raise
+            break
+        await self._stream(proxy, ex, prep, choice, decode, prefill, resp, flight, prefilled)
+
+    async def _stream(
+        self,
+        proxy: Proxy,
+        ex: Exchange,
+        prep: Prepared,
+        choice: PdChoice,
+        decode: Worker,
+        prefill: Worker | None,
+        resp: Response,
+        flight: Flight,
+        prefilled: float,
+    ) -> None:
+        """Stream the decode engine's answer (``prefilled``: when the prefill answered)."""
+        st = self.state
+        req = prep.request
+        d = choice.decision
+        arm = prep.arm
+        answering = prefill or decode  # whose cache the prompt's hit was counted on
+        hit = choice.hit(answering.id, req.block_size)
+        path = "local" if prefill is None else "remote"
+        self.metrics.requests.labels("decode", decode.id, path).inc()
+        tpot = _TpotClock(ex.send)
+        ex.send = tpot.send
+        try:
+            if d.prefill is not None and d.prefill.prefetch is not None:
+                await st.hints.publish(d.prefill.prefetch, req, prep.pool)
+            st.router.predict(prep, answering.id)
+            if prefill is not None:
+                st.router.predict(prep, decode.id)  # the transferred blocks land there too
+            series = st.metrics.series(arm, decode.id)
+            series.requests.inc()
+            series.prompt_tokens.inc(req.num_tokens)
+            series.routed_hit_tokens.inc(hit)
+            remote = prefill is not None
+            await proxy._stream(
+                ex, resp, decode.id, flight, series, arm, hit, prefilled_remotely=remote
+            )
+        finally:
+            resp.close()
+            flight.finish()
+            self.finish(prep, d)
+            if prefill is not None and tpot.first is not None and prep.parsed.stream:
+                self.metrics.phase.labels("transfer", decode.id).observe(tpot.first - prefilled)
+            if tpot.events > 1 and tpot.first is not None:
+                per = (tpot.last - tpot.first) / (tpot.events - 1)
+                self.metrics.tpot.labels(decode.id).observe(per)
+
+    async def _local(
+        self,
+        decode: Worker,
+        choice: PdChoice,
+        prep: Prepared,
+        raw: bytes,
+        headers: list[tuple[bytes, bytes]],
+        path: str,
+    ) -> tuple[Response, Flight]:
+        """The decode engine prefills the prompt itself: the client's body unchanged."""
+        uncached = max(0, prep.request.num_tokens - choice.hit(decode.id, prep.request.block_size))
+        return await self._send_decode(decode, prep, raw, headers, uncached, path)
+
+    async def _send_decode(
+        self,
+        decode: Worker,
+        prep: Prepared,
+        body: bytes,
+        headers: list[tuple[bytes, bytes]],
+        prefill_tokens: int,
+        path: str,
+    ) -> tuple[Response, Flight]:
+        st = self.state
+        flight = decode.load.begin(prefill_tokens)
+        try:
+            resp = await st.upstream.send(decode.url, path, headers, body, st.cfg.request_timeout)
+        except UpstreamError as exc:
+            flight.finish()
+            raise _Failed(decode, send_failure(exc), exc) from exc
+        except BaseException:
+            flight.finish()
+            raise
+        return resp, flight
+
+    async def _vllm_prefill(
+        self,
+        prefill: Worker,
+        choice: PdChoice,
+        prep: Prepared,
+        headers: list[tuple[bytes, bytes]],
+        path: str,
+    ) -> dict[str, Any]:
+        """The prefill exchange; the ``kv_transfer_params`` its answer carries."""
+        body = vllm_prefill_body(prep.parsed.body)
+        answer = await self._prefill_exchange(prefill, choice, prep, headers, body, path)
+        params = transfer_params(answer)
+        if params is None:
+            raise _Failed(prefill, NO_PARAMS, None)
+        return params
+
+    async def _prefill_exchange(
+        self,
+        prefill: Worker,
+        choice: PdChoice,
+        prep: Prepared,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        path: str,
+        accepted: list[tuple[Response, Flight]] | None = None,
+    ) -> bytes:
+        """Send the prefill request; its whole answer, or b"" once its headers are in when
+        ``accepted`` takes the response and its load (SGLang: the answer comes after the
+        decode engine joined the room). ``_Failed`` on a failure the proxy may retry
+        elsewhere, ``_EngineAnswer`` on a refusal (4xx)."""
+        st = self.state
+        req = prep.request
+        d = choice.decision
+        assert d.prefill is not None
+        hit = choice.hit(prefill.id, req.block_size)
+        flight = prefill.load.begin(max(0, req.num_tokens - hit))
+        queue_ms = d.prefill.scores.get(prefill.id, {}).get("queue_ms")
+        if queue_ms is not None:
+            self.metrics.phase.labels("prefill_queue", prefill.id).observe(queue_ms / 1000.0)
+        self.metrics.requests.labels("prefill", prefill.id, "remote").inc()
+        started = time.perf_counter()
+        resp: Response | None = None
+        try:
+            resp = await st.upstream.send(prefill.url, path, headers, body, st.cfg.request_timeout)
+            if accepted is not None and resp.status < 400:
+                accepted.append((resp, flight))
+                return b""
+            answer = await _read(resp, st.cfg.request_timeout)
+        except UpstreamError as exc:
+            st.metrics.error(prep.arm, prefill.id, "prefill_" + type(exc).__name__)
+            raise _Failed(prefill, prefill_failure(exc), exc) from exc
+        finally:
+            if accepted is None or not accepted:
+                flight.finish()
+                if resp is not None:
+                    resp.close()
+        self.metrics.phase.labels("prefill", prefill.id).observe(time.perf_counter() - started)
+        status = resp.status
+        if status >= 500:
+            raise _Failed(prefill, PREFILL_STATUS, UpstreamError(f"prefill status {status}"))
+        if status >= 400:
+            raise _EngineAnswer(status, answer)
+        st.registry.request_succeeded(prefill)
+        cached = _cached(answer)
+        if cached is not None:
+            st.metrics.series(prep.arm, prefill.id).hit_tokens.inc(cached)
+            st.audit.record(prefill.id, hit, cached)
+        return answer
+
+    async def _sglang_pair(
+        self,
+        prefill: Worker,
+        decode: Worker,
+        choice: PdChoice,
+        prep: Prepared,
+        headers: list[tuple[bytes, bytes]],
+        path: str,
+    ) -> tuple[Response, Flight]:
+        """Both engines at once with one bootstrap room; the decode engine's response
+        once the prefill engine has accepted the request too (its headers are in)."""
+        host = urlsplit(prefill.url).hostname or ""
+        port = prefill.bootstrap_port or self.bootstrap_port
+        room = self.rng.getrandbits(63)
+        body = sglang_body(prep.parsed.body, host, port, room)
+        accepted: list[tuple[Response, Flight]] = []
+        p_task = asyncio.ensure_future(
+            self._prefill_exchange(prefill, choice, prep, headers, body, path, accepted)
+        )
+        d_task = asyncio.ensure_future(self._send_decode(decode, prep, body, headers, 0, path))
+        try:
+            await _both(p_task, d_task)
+        except BaseException:
+            for r, f in accepted:
+                r.close()  # the prefill engine sees its client leave and frees the room
+                f.finish()
+            raise
+        for r, f in accepted:
+            self._drain(r, f)
+        return d_task.result()
+
+    def _drain(self, resp: Response, flight: Flight) -> None:
+        """Read the prefill engine's answer to its end (nobody needs it) in the background;
+        its prefill load counts until then."""
+
+        async def drain() -> None:
+            try:
+                await _read(resp, self.state.cfg.request_timeout, keep=False)
+            except UpstreamError:
+                pass  # the decode engine's stream reports a failed transfer
+            finally:
+                resp.close()
+                flight.finish()
+
+        task = asyncio.ensure_future(drain())
+        self._drains.add(task)
+        task.add_done_callback(self._drains.discard)
+
+    async def close(self) -> None:
+        tasks = list(self._drains)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _both(
+    first: asyncio.Future[Any], second: asyncio.Future[tuple[Response, Flight]]
+) -> None:
+    """Wait for both; the first failure cancels the other (and undoes its send)."""
+    pending: set[asyncio.Future[Any]] = {first, second}
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # raises the side's failure
+    except BaseException:
+        for task in (first, second):
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(first, second, return_exceptions=True)
+        if second.done() and not second.cancelled() and second.exception() is None:
+            resp, flight = second.result()
+            resp.close()  # the decode engine waiting in the room is let go
+            flight.finish()
+        raise
+
+
+async def _read(resp: Response, timeout: float, keep: bool = True) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in resp.chunks(timeout):
+        size += len(chunk)
+        if keep:
+            if size > MAX_PREFILL_BODY:
+                raise UpstreamError(f"prefill answer over {MAX_PREFILL_BODY} bytes")
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _send_answer(ex: Exchange, answer: _EngineAnswer) -> None:
+    size = b"%d" % len(answer.body)
+    headers = [(b"content-type", b"application/json"), (b"content-length", size)]
+    await ex.send({"type": "http.response.start", "status": answer.status, "headers": headers})
+    ex.started = True
+    ex.done = True
+    await ex.send({"type": "http.response.body", "body": answer.body})
+
+
+def _side(decision: Decision, views: list[WorkerView]) -> dict[str, Any]:
+    return {
+        "worker_id": decision.worker_id,
+        "reason": decision.reason,
+        "prefetch": decision.prefetch,
+        "candidates": [v.worker_id for v in views],
+        "scores": decision.scores,
+    }
+
+
+class _TpotClock:
+    """Wraps the client's ``send``: when the first and last SSE events went out, and how
+    many (a decode engine sends about one per token)."""
+
+    __slots__ = ("events", "first", "last", "send_next")
+
+    def __init__(self, send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        self.send_next = send
+        self.first: float | None = None
+        self.last = 0.0
+        self.events = 0
+
+    async def send(self, message: dict[str, Any]) -> None:
+        body = message.get("body")
+        if body:
+            now = time.perf_counter()
+            if self.first is None:
+                self.first = now
+            n = body.count(b"data: ") - body.count(b"[DONE]")
+            if n > 0:
+                self.events += n
+                self.last = now
+        await self.send_next(message)

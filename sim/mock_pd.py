@@ -1,0 +1,227 @@
+"""The mock engine's side of prefill/decode disaggregation, in both engines' protocols.
+
+What the request body says decides, as in the engines (a vLLM ``kv_both`` engine does
+either side; the role names what it is deployed as):
+
+- vLLM KV connector: ``kv_transfer_params.do_remote_decode`` -> prefill only (the router
+  sends ``max_tokens`` 1), keep the blocks for a pull and answer with
+  ``kv_transfer_params`` naming them (``remote_engine_id``, ``remote_block_ids``, the
+  engine's own block hashes here, ``remote_host``, ``remote_port``, ``tp_size``).
+  ``do_remote_prefill`` -> pull those blocks from ``remote_host:remote_port`` (the mock's
+  HTTP port, ``POST /mock/kv_pull``), land them after the modelled transfer time (its KV
+  events say ``BlockStored``), then decode. A failed pull is recomputed locally, as
+  vLLM's ``kv_load_failure_policy = "recompute"`` does.
+- SGLang bootstrap: ``bootstrap_room`` on a prefill-role engine -> prefill only (one
+  token), then the room is done; on a decode-role engine -> wait until the room is done
+  on ``bootstrap_host:bootstrap_port`` (the prefill mock's HTTP port,
+  ``GET /mock/bootstrap/{room}``), land the blocks, decode. A prefill that never comes
+  fails the request, as SGLang's decode side aborts on a transfer failure.
+
+The blocks a pull names must be the prompt's blocks as this engine hashes them (engines
+with one ``seed`` agree): a transfer of another prompt is a failed transfer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import httpx
+
+from router.errors import ApiError
+from sim.cache import PrefixCache
+from sim.mock_scheduler import Timing
+
+log = logging.getLogger(__name__)
+
+Role = Literal["mixed", "prefill", "decode"]
+_KEEP = 4096  # pending transfers and rooms remembered at most
+BOOTSTRAP_WAIT = 30.0  # seconds a decode engine waits for its prefill engine
+UNREACHABLE_WAIT = 1.0  # seconds it keeps asking a bootstrap server it cannot reach
+_POLL = 0.005
+
+
+@dataclass(slots=True)
+class Plan:
+    """What one request does on this engine."""
+
+    side: Literal["none", "prefill", "decode"]
+    protocol: Literal["vllm", "sglang", ""] = ""
+    room: int | None = None
+
+
+class PdSide:
+    """Rooms and pending transfers of one mock engine, and its pulls from others."""
+
+    def __init__(
+        self,
+        role: Role,
+        engine_id: str,
+        host: str,
+        port: Callable[[], int],
+        hasher: PrefixCache,
+        timing: Timing,
+    ) -> None:
+        self.role = role
+        self.engine_id = engine_id
+        self.host = host
+        self.port = port
+        self.hasher = hasher  # the engine's block hashes (every rank's are the same)
+        self.timing = timing
+        self.pending: OrderedDict[tuple[int, ...], float] = OrderedDict()  # blocks kept
+        self.rooms: OrderedDict[int, str] = OrderedDict()  # room -> "pending"/"done"/"failed"
+        self.counts: dict[str, int] = {
+            "prefills": 0,
+            "decodes": 0,
+            "blocks_received": 0,
+            "transfer_failures": 0,
+        }
+        self._client: httpx.AsyncClient | None = None
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=2.0)
+        return self._client
+
+    # -- requests -------------------------------------------------------------------
+    def plan(self, body: dict[str, Any]) -> Plan:
+        """The side this request takes; a prefill's body is cut to one token."""
+        params = body.get("kv_transfer_params")
+        if isinstance(params, dict) and params.get("do_remote_decode"):
+            body["max_tokens"] = 1
+            return Plan("prefill", "vllm")
+        if isinstance(params, dict) and params.get("do_remote_prefill"):
+            return Plan("decode", "vllm")
+        room = body.get("bootstrap_room")
+        if room is not None and self.role != "mixed":
+            if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 1 << 64:
+                raise ApiError(400, "bootstrap_room must be a 64-bit integer", "invalid_value")
+            if self.role == "prefill":
+                body["max_tokens"] = 1
+                body.pop("max_completion_tokens", None)
+                _put(self.rooms, room, "pending")
+                return Plan("prefill", "sglang", room)
+            return Plan("decode", "sglang", room)
+        return Plan("none")
+
+    async def receive(
+        self,
+        plan: Plan,
+        body: dict[str, Any],
+        prompt: list[int],
+        cache: PrefixCache,
+        flush: Callable[[], None],
+        gone: Callable[[], Awaitable[bool]],
+    ) -> None:
+        """A decode: get the prompt's blocks from the prefill engine into ``cache`` (the
+        rank's that will decode it) before decoding; ``flush`` sends its KV events."""
+        if plan.side != "decode":
+            return
+        self.counts["decodes"] += 1
+        hashes = cache.hash_blocks(prompt)
+        if plan.protocol == "vllm":
+            ok = await self._pull(body["kv_transfer_params"], hashes)
+            if not ok:  # vLLM recomputes what it could not load
+                self.counts["transfer_failures"] += 1
+                return
+        else:
+            ok = await self._wait_room(body, plan.room, gone)
+            if not ok:
+                self.counts["transfer_failures"] += 1
+                message = "KV transfer failed: the prefill engine never sent"
+                raise ApiError(500, message, "kv_transfer")
+        gpu, host = cache.lookup(hashes)
+        missing = len(hashes) - gpu - host
+        await asyncio.sleep(self.timing.scaled(missing * self.timing.transfer_s_per_block))
+        self.counts["blocks_received"] += cache.prefetch(prompt, block_hashes=hashes)
+        flush()  # the decode engine's KV events: the blocks are here now
+
+    def finished(self, plan: Plan, prompt: list[int], ok: bool) -> dict[str, Any] | None:
+        """A prefill is done: the room is done, or the blocks wait for a pull; the
+        ``kv_transfer_params`` of a vLLM prefill's answer."""
+        if plan.side != "prefill":
+            return None
+        self.counts["prefills"] += 1
+        if plan.protocol == "sglang" and plan.room is not None:
+            _put(self.rooms, plan.room, "done" if ok else "failed")
+            return None
+        hashes = self.hasher.hash_blocks(prompt)
+        if ok:
+            _put(self.pending, tuple(hashes), time.monotonic())
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_block_ids": hashes,
+            "remote_host": self.host,
+            "remote_port": self.port(),
+            "tp_size": 1,
+        }
+
+    # -- the other engine -------------------------------------------------------------
+    def pull(self, request: Any) -> dict[str, Any]:
+        """``POST /mock/kv_pull``: hand over kept blocks (once)."""
+        ids = request.get("remote_block_ids") if isinstance(request, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            raise ApiError(400, "remote_block_ids must be a list of ints", "invalid_value")
+        if self.pending.pop(tuple(ids), None) is None:
+            raise ApiError(404, "no such transfer (expired or pulled)", "transfer_not_found")
+        return {"blocks": len(ids)}
+
+    def room(self, room: int) -> dict[str, Any]:
+        """``GET /mock/bootstrap/{room}``: how the prefill of a room is going."""
+        return {"room": room, "state": self.rooms.get(room, "unknown")}
+
+    async def _pull(self, params: dict[str, Any], hashes: list[int]) -> bool:
+        ids = params.get("remote_block_ids")
+        host, port = params.get("remote_host"), params.get("remote_port")
+        if ids != hashes:
+            log.warning("kv pull: the transfer names other blocks than this prompt's")
+            return False
+        try:
+            resp = await self.client().post(
+                f"http://{host}:{port}/mock/kv_pull", json={"remote_block_ids": ids}
+            )
+        except httpx.HTTPError as exc:
+            log.warning("kv pull from %s:%s failed: %s", host, port, exc)
+            return False
+        return resp.status_code == 200
+
+    async def _wait_room(
+        self, body: dict[str, Any], room: int | None, gone: Callable[[], Awaitable[bool]]
+    ) -> bool:
+        where = f"{body.get('bootstrap_host')}:{body.get('bootstrap_port')}"
+        url = f"http://{where}/mock/bootstrap/{room}"
+        now = time.monotonic()
+        deadline, reached = now + BOOTSTRAP_WAIT, now
+        while now < deadline and now - reached < UNREACHABLE_WAIT:
+            if await gone():
+                return False
+            try:
+                state = (await self.client().get(url)).json().get("state")
+                reached = time.monotonic()
+            except (httpx.HTTPError, ValueError, AttributeError):
+                state = "unreachable"
+            if state == "done":
+                return True
+            if state == "failed":
+                return False
+            await asyncio.sleep(_POLL)
+            now = time.monotonic()
+        return False
+
+
+def _put(table: OrderedDict[Any, Any], key: Any, value: Any) -> None:
+    table.pop(key, None)
+    table[key] = value
+    if len(table) > _KEEP:
+        table.popitem(last=False)

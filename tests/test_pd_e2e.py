@@ -1,0 +1,318 @@
+"""Disaggregated pools end to end: mock prefill and decode engines in both wire protocols
+(vLLM KV-connector transfer params, SGLang bootstrap rooms), their KV events over node
+agents and NATS, the router in front, the openai client.
+
+Streaming and not, a dead prefill engine (retried on another one, the decode engine
+generating once), an unreachable decode engine (another one takes the transfer), a decode
+stream cut mid-way (an error event ends it), and the local-prefill threshold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from router_double import Served, free_port, until
+
+from agent.node import AgentConfig, NodeAgent
+from router.app import RouterApp
+from router.config import RouterConfig, WorkerSpec
+from sim.mock_engine import MockEngine, MockEngineConfig
+from sim.mock_scheduler import Timing
+
+BS = 16
+MODEL = "mock-model"
+AUTH = {"authorization": "Bearer t"}
+SYSTEM = "You are the assistant of a disaggregated cache-aware router test; be brief. " * 4
+
+pytestmark = pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+
+
+class PdStack:
+    def __init__(self) -> None:
+        self.engines: dict[str, MockEngine] = {}
+        self.agents: list[NodeAgent] = []
+        self.app: RouterApp | None = None
+        self.served: Served | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.served is not None
+        return self.served.url
+
+    def client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0)
+
+    def counts(self, wid: str) -> dict[str, int]:
+        return self.engines[wid].pd.counts
+
+    async def stop(self) -> None:
+        if self.served is not None:
+            await self.served.stop()
+        for a in self.agents:
+            await a.stop()
+        for e in self.engines.values():
+            await e.stop()
+
+
+@contextlib.asynccontextmanager
+async def pd_stack(
+    nats_url: str,
+    protocol: str,
+    *,
+    dead: tuple[str, ...] = (),
+    extra: list[WorkerSpec] | None = None,
+    **cfg: Any,
+) -> AsyncIterator[PdStack]:
+    """Prefill engines p0, p1 and decode engines d0, d1 (those in ``dead`` are ports
+    nobody listens on), each mock with a node agent on NATS, and the router."""
+    s = PdStack()
+    specs: list[WorkerSpec] = []
+    try:
+        for wid in ("p0", "p1", "d0", "d1"):
+            role = "prefill" if wid.startswith("p") else "decode"
+            if wid in dead:
+                url = f"http://127.0.0.1:{free_port()}"
+                specs.append(WorkerSpec(wid, url, model=MODEL, role=role, bootstrap_port=1))
+                continue
+            engine = await MockEngine(
+                MockEngineConfig(
+                    worker_id=wid,
+                    model=MODEL,
+                    block_size=BS,
+                    gpu_blocks=256,
+                    zmq_endpoint="tcp://127.0.0.1:*",
+                    replay_endpoint="tcp://127.0.0.1:*",
+                    timing=Timing(speed=50.0),
+                    role=role,  # type: ignore[arg-type]
+                )
+            ).start()
+            s.engines[wid] = engine
+            agent = NodeAgent(
+                AgentConfig(
+                    worker_id=wid,
+                    zmq_endpoint=engine.zmq_endpoint or "",
+                    replay_endpoint=engine.replay_endpoint,
+                    engine_url=engine.url,
+                    nats_url=nats_url,
+                    replay_timeout=0.5,
+                )
+            )
+            s.agents.append(await agent.start())
+            # the mock's bootstrap server shares its HTTP port
+            specs.append(
+                WorkerSpec(wid, engine.url, model=MODEL, role=role, bootstrap_port=engine.port)
+            )
+        router_cfg = RouterConfig(
+            nats_url=nats_url,
+            block_size=BS,
+            admin_token="t",
+            health_interval=30.0,  # a dead engine is found by the requests, not the checker
+            pd_protocol=protocol,  # type: ignore[arg-type]
+            workers=specs + (extra or []),
+            **cfg,
+        )
+        s.app = RouterApp(router_cfg)
+        s.served = await Served(s.app).start()
+        await until(lambda: s.app.state.bus.connected, what="router on NATS")  # type: ignore[union-attr]
+        yield s
+    finally:
+        await s.stop()
+
+
+def messages(turn: str = "what is disaggregation?") -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": turn}]
+
+
+def decode_holds(s: PdStack, wid: str, tokens: int) -> bool:
+    """The router's index (fed by the decode engine's KV events) holds the prompt there."""
+    assert s.app is not None
+    stats = s.app.state.registry.pools["default"].index.stats()
+    return stats.workers.get(wid, {}).get("gpu", 0) * BS >= tokens - BS
+
+
+async def metrics(s: PdStack) -> str:
+    async with httpx.AsyncClient() as client:
+        return (await client.get(s.url + "/metrics")).text
+
+
+async def test_a_request_is_prefilled_on_one_engine_and_decoded_on_another(
+    nats_url: str, protocol: str
+) -> None:
+    async with pd_stack(nats_url, protocol) as s:
+        raw = await s.client().chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages(), max_tokens=12
+        )
+        answer = raw.parse()
+        worker = raw.headers["x-cache-router-worker"]
+        assert worker in ("d0", "d1")
+        assert answer.usage is not None and answer.usage.completion_tokens == 12
+        prefills = [w for w in ("p0", "p1") if s.counts(w)["prefills"]]
+        assert len(prefills) == 1 and s.counts(worker)["decodes"] == 1
+        prompt = answer.usage.prompt_tokens
+        # the prefill engine computed the prompt; the decode engine received its blocks
+        assert s.engines[prefills[0]].scheduler.prompt_tokens == prompt
+        assert s.counts(worker)["blocks_received"] == prompt // BS
+        assert s.engines[worker].scheduler.prefix_hits >= prompt // BS * BS
+        assert s.engines[worker].scheduler.generation_tokens == 12
+        # ... and the decode engine's KV events told the router so
+        await until(lambda: decode_holds(s, worker, prompt), what="decode blocks indexed")
+        text = await metrics(s)
+        remote = f'{{path="remote",role="decode",worker="{worker}"}} 1.0'
+        assert "cache_router_pd_requests_total" + remote in text
+        assert 'cache_router_pd_phase_seconds_count{phase="prefill_queue"' in text
+
+
+async def test_streaming_comes_from_the_decode_engine(nats_url: str, protocol: str) -> None:
+    async with pd_stack(nats_url, protocol) as s:
+        stream = await s.client().chat.completions.create(
+            model=MODEL,
+            messages=messages("stream it"),
+            max_tokens=10,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        pieces, usage = [], None
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                pieces.append(chunk.choices[0].delta.content)
+            usage = chunk.usage or usage
+        assert len(pieces) == 10 and usage is not None and usage.completion_tokens == 10
+        decoded = [w for w in ("d0", "d1") if s.counts(w)["decodes"]]
+        assert len(decoded) == 1
+        assert sum(s.counts(p)["prefills"] for p in ("p0", "p1")) == 1
+        text = await metrics(s)
+        assert f'cache_router_pd_tpot_seconds_count{{worker="{decoded[0]}"}} 1.0' in text
+        assert 'cache_router_pd_phase_seconds_count{phase="transfer"' in text
+
+
+async def test_a_dead_prefill_engine_is_retried_and_decode_runs_once(
+    nats_url: str, protocol: str
+) -> None:
+    # round robin sends the first prefill to p0, which nobody listens on
+    async with pd_stack(nats_url, protocol, dead=("p0",), policy="round_robin") as s:
+        answer = await s.client().chat.completions.create(
+            model=MODEL, messages=messages(), max_tokens=6
+        )
+        assert answer.usage is not None and answer.usage.completion_tokens == 6
+        assert s.counts("p1")["prefills"] == 1
+        generated = sum(s.engines[d].scheduler.generation_tokens for d in ("d0", "d1"))
+        assert generated == 6  # the decode side generated once
+        assert 'cache_router_retries_total{worker="p0"} 1.0' in await metrics(s)
+
+
+async def test_an_unreachable_decode_engine_hands_the_transfer_to_another(
+    nats_url: str, protocol: str
+) -> None:
+    async with pd_stack(nats_url, protocol, dead=("d0",), decode_policy="round_robin") as s:
+        for turn in range(2):
+            answer = await s.client().completions.create(
+                model=MODEL, prompt=SYSTEM + f" turn {turn}", max_tokens=5
+            )
+            assert answer.usage is not None and answer.usage.completion_tokens == 5
+        assert s.counts("d1")["decodes"] == 2
+        assert s.engines["d1"].scheduler.generation_tokens == 10
+        if protocol == "vllm":  # the transfer params were reused: one prefill per request
+            assert sum(s.counts(p)["prefills"] for p in ("p0", "p1")) == 2
+
+
+async def test_a_decode_stream_cut_midway_ends_with_an_error_event(
+    nats_url: str, protocol: str
+) -> None:
+    cut = await _cut_stream_server()
+    host, port = cut.sockets[0].getsockname()[:2]
+    async with pd_stack(
+        nats_url, protocol, dead=("d0", "d1"), extra=[], decode_policy="round_robin"
+    ) as s:
+        assert s.app is not None
+        for wid in ("d0", "d1"):  # both decode "engines" answer and then break off
+            s.app.state.registry.get(wid).url = f"http://{host}:{port}"  # type: ignore[union-attr]
+        body = {"model": MODEL, "messages": messages(), "max_tokens": 8, "stream": True}
+        async with httpx.AsyncClient(timeout=10) as client:
+            resp = await client.post(s.url + "/v1/chat/completions", json=body)
+        assert resp.status_code == 200
+        assert b"data: {\"partial\"" in resp.content
+        assert b"upstream_broken" in resp.content and b"[DONE]" not in resp.content
+    cut.close()
+    await cut.wait_closed()
+
+
+async def test_a_short_uncached_suffix_is_prefilled_by_the_decode_engine(
+    nats_url: str, protocol: str
+) -> None:
+    async with pd_stack(nats_url, protocol, pd_local_prefill_tokens=64) as s:
+        client = s.client()
+        first = await client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages(), max_tokens=4
+        )
+        decode = first.headers["x-cache-router-worker"]
+        prompt = first.parse().usage.prompt_tokens  # type: ignore[union-attr]
+        assert prompt > 64
+        await until(lambda: decode_holds(s, decode, prompt), what="decode blocks indexed")
+        # the same conversation and a few more tokens: under 64 uncached on that engine
+        second = await client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages("what is disaggregation? ok"), max_tokens=4
+        )
+        assert second.headers["x-cache-router-worker"] == decode
+        assert sum(s.counts(p)["prefills"] for p in ("p0", "p1")) == 1  # no second prefill
+        assert s.counts(decode)["decodes"] == 1  # the second one came without PD fields
+        local = f'{{path="local",role="decode",worker="{decode}"}} 1.0'
+        assert "cache_router_pd_requests_total" + local in await metrics(s)
+
+
+async def test_admin_lists_roles_and_explains_both_choices(nats_url: str, protocol: str) -> None:
+    async with pd_stack(nats_url, protocol, pd_local_prefill_tokens=8) as s:
+        async with httpx.AsyncClient(headers=AUTH) as client:
+            listed = (await client.get(s.url + "/admin/workers")).json()["workers"]
+            assert {w["id"]: w["role"] for w in listed} == {
+                "p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode",
+            }  # fmt: skip
+            mixed = {"id": "m0", "url": "http://127.0.0.1:1", "model": MODEL}
+            refused = await client.post(s.url + "/admin/workers", json=mixed)
+            assert refused.status_code == 400 and "mixes mixed" in refused.text
+            added = await client.post(
+                s.url + "/admin/workers", json={**mixed, "id": "d2", "role": "decode"}
+            )
+            assert added.status_code == 201 and added.json()["role"] == "decode"
+            await client.delete(s.url + "/admin/workers/d2")
+            body = {"model": MODEL, "messages": messages(), "max_tokens": 4}
+            explained = (await client.post(s.url + "/admin/explain", json=body)).json()
+        pd = explained["pd"]
+        assert pd["protocol"] == protocol and pd["local_prefill"] is False
+        assert pd["decode"]["worker_id"] in ("d0", "d1") and pd["decode_policy"] == "decode_load"
+        assert pd["prefill"]["worker_id"] in ("p0", "p1")
+        assert sorted(pd["prefill"]["candidates"]) == ["p0", "p1"]
+        assert "ttft_ms" in pd["prefill"]["scores"][pd["prefill"]["worker_id"]]
+        assert "tpot_ms" in pd["decode"]["scores"][pd["decode"]["worker_id"]]
+        assert explained["decision"]["worker_id"] == pd["decode"]["worker_id"]
+        assert sum(s.counts(w)["prefills"] for w in ("p0", "p1")) == 0  # nothing was sent
+
+
+async def _cut_stream_server() -> asyncio.Server:
+    """An 'engine' that starts an SSE answer and breaks the connection off mid-stream."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length")
+        )
+        await reader.readexactly(length)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+        chunk = b'data: {"partial": true}\n\n'
+        writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.transport.abort()
+
+    return await asyncio.start_server(serve, "127.0.0.1", 0, family=socket.AF_INET)
