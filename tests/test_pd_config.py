@@ -85,7 +85,11 @@ def test_bad_roles_say_what_is_wrong(workers, env, message):
 
 @pytest.mark.parametrize(
     ("extra", "message"),
-    [('role = "both"', "role must be"), ("bootstrap_port = 70000", "bootstrap_port")],
+    [
+        ('role = "both"', "role must be"),
+        ("bootstrap_port = 70000", "bootstrap_port"),
+        ('role = "decode"\ndp_size = 2', "takes no dp_size"),
+    ],
 )
 def test_bad_worker_tables(tmp_path, extra, message):
     path = tmp_path / "r.toml"
