@@ -1,4 +1,4 @@
-"""DNS discovery against a real DNS server (dnsmasq on loopback, started here).
+"""DNS discovery against a real DNS server (tests/dns_server.py on loopback, started here).
 
 Engines come and go under traffic and no request fails: a new address is checked before
 it takes traffic, a vanished one is drained before it is removed, a DNS outage changes
@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
-from dnsmasq import Dnsmasq
+from dns_server import DnsServer
 from router_double import Served, until
 
 from router.app import RouterApp
@@ -30,8 +30,8 @@ MODEL = "mock-model"
 
 
 @pytest.fixture
-def dns() -> Iterator[Dnsmasq]:
-    server = Dnsmasq()
+def dns() -> Iterator[DnsServer]:
+    server = DnsServer()
     try:
         yield server.start()
     finally:
@@ -127,7 +127,7 @@ async def test_resolves_a_aaaa_and_srv_and_tells_no_answer_from_no_records(dns):
         return DnsDiscovery(spec, registry, drain_timeout=1.0)
 
     a = source("engines.test")
-    found = await until(a.resolve, what="the hosts file read")
+    found = await until(a.resolve, what="the A records")
     assert found == {
         Endpoint("engines-127-0-0-2-8000", "http://127.0.0.2:8000"),
         Endpoint("engines-127-0-0-3-8000", "http://127.0.0.3:8000"),
@@ -146,7 +146,7 @@ async def test_resolves_a_aaaa_and_srv_and_tells_no_answer_from_no_records(dns):
 # -- the router -----------------------------------------------------------------------
 
 
-def router_config(dns: Dnsmasq, spec: str) -> RouterConfig:
+def router_config(dns: DnsServer, spec: str) -> RouterConfig:
     return RouterConfig(
         admin_token="t",
         health_interval=0.2,
