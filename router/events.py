@@ -33,7 +33,7 @@ from nats.aio.msg import Msg
 from nats.errors import SlowConsumerError
 from nats.errors import TimeoutError as NatsTimeout
 
-from index.codec import CodecError, DecodedBatch, decode
+from index.codec import AllBlocksCleared, CodecError, DecodedBatch, EventBatch, decode, encode
 from index.ingest import EventIngest, IngestResult, SeqStatus
 from index.replay import ReplayMessage, ReplayRequest
 from index.wire import (
@@ -55,6 +55,7 @@ bad_input = RateLimitedLog(log)  # replay answers come from NATS: at most a line
 
 _RETRY = (SeqStatus.GAP, SeqStatus.MALFORMED, SeqStatus.JUMP)
 _APPLIED = (SeqStatus.OK, SeqStatus.RESTART)
+_CLEAR = encode(EventBatch(0.0, [AllBlocksCleared()]))  # an epoch start's payload
 
 
 def last_seq(ingest: EventIngest, worker_id: str) -> int | None:
@@ -373,6 +374,25 @@ class EventSync:
             return True
         return False
 
+    @staticmethod
+    def _new_empty_life(
+        ingest: EventIngest, worker_id: str, end: ReplayMessage, batches: list[tuple[int, bytes]]
+    ) -> bool:
+        """Whether the agent's answer vouches for an engine life with no batch yet: only
+        ``end`` (seq -1) under another epoch than the one the router knows (a worker
+        never seen has nothing to clear). An agent answers that right after it saw the
+        engine restart and published an epoch start; the router, which held that epoch
+        start as unconfirmed, must clear the worker now, not at the engine's next batch.
+        A quiet engine may send none: behind real vLLM the router kept the old life's
+        blocks (and predicted their hits) until the test's 60 s bound ran out."""
+        return (
+            not batches
+            and not end.dump
+            and end.seq == EPOCH_START_SEQ
+            and end.epoch is not None
+            and ingest.epoch(worker_id) not in (None, end.epoch)
+        )
+
     async def _replay(self, worker_id: str, from_seq: int) -> bool:
         """Fetch and apply batches from ``from_seq`` (or a dump); False if no full answer."""
         nc = self._nc
@@ -413,6 +433,10 @@ class EventSync:
                     else:
                         self._rank[worker_id] = rank  # the seq space the agent just filled
                         with self._apply_lock:
+                            if self._new_empty_life(ingest, worker_id, m, batches):
+                                ingest.apply(
+                                    worker_id, EPOCH_START_SEQ, _CLEAR, dp_rank=rank, epoch=m.epoch
+                                )
                             for seq, payload in batches:
                                 ingest.apply(worker_id, seq, payload, dp_rank=rank, epoch=m.epoch)
                             if m.dump:

@@ -1,0 +1,85 @@
+"""An engine restarted on the same ``ipc://`` endpoint, unseen by health checks, that
+publishes nothing in its new life: the real router (``router.events.EventSync``, not a
+test double) must drop the old life's blocks at once, as vLLM's restart in
+tests/real_engines showed it did not.
+
+The agent sees the restart on reconnect (the new engine's replay socket no longer holds
+its last batch) and publishes an epoch start. The router does not trust a new epoch on
+its word and asks the agent's replay; the agent, with no batch of the new life yet,
+answers only ``end`` (seq -1, the new epoch). The router used to learn nothing from
+that, then dropped the held epoch start as forged: the stale blocks stayed until the
+engine's next batch (none came, since the router kept sending the prefix elsewhere).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from router_double import Served, until
+
+from agent.node import AgentConfig, NodeAgent
+from index.codec import BlockStored
+from router.app import RouterApp
+from router.config import RouterConfig, WorkerSpec
+from router.natsd import free_port
+from sim.mock_publisher import KvEventPublisher
+
+BS = 4
+
+
+def blocks(app: RouterApp, worker: str) -> int:
+    pool = app.state.registry.pools["default"]
+    return sum(pool.index.stats().workers.get(worker, {}).values())
+
+
+async def test_a_quiet_engine_restarted_on_an_ipc_endpoint_is_cleared_in_the_router(
+    nats_url: str, tmp_path: Path
+) -> None:
+    # ipc:// as vLLM binds it: the file is unlinked and made again by the new process
+    endpoint = f"ipc://{tmp_path}/engine.events"
+    replay = f"tcp://127.0.0.1:{free_port()}"
+    first = KvEventPublisher(endpoint, replay)
+    first.start()
+    agent = NodeAgent(
+        AgentConfig(
+            worker_id="w",
+            zmq_endpoint=endpoint,
+            replay_endpoint=replay,
+            nats_url=nats_url,
+            replay_timeout=0.5,
+        )
+    )
+    cfg = RouterConfig(
+        nats_url=nats_url,
+        block_size=BS,
+        admin_token="t",
+        health_interval=3600.0,  # the restart goes unseen by health checks
+        workers=[WorkerSpec("w", "http://127.0.0.1:9", model="m")],
+    )
+    app = RouterApp(cfg)
+    served = await Served(app).start()
+    second = None
+    try:
+        await agent.start()
+        await until(lambda: app.state.bus.connected, what="router on NATS")
+        await until(lambda: agent.engine_connected, what="agent on the engine")
+        first.publish([BlockStored([1, 2], None, list(range(2 * BS)), BS, medium="GPU")])
+        await until(lambda: blocks(app, "w") == 2, timeout=15, what="blocks in the router")
+        await first.close()
+        await until(lambda: not agent.engine_connected, timeout=15, what="disconnect seen")
+        second = KvEventPublisher(endpoint, replay)
+        second.start()  # a new life that publishes nothing
+        await until(lambda: blocks(app, "w") == 0, timeout=15, what="the old life's blocks gone")
+        assert agent.stats()["epoch_starts_published"] == 1
+        pool = app.state.registry.pools["default"]
+        assert pool.ingest.in_sync("w") and pool.ingest.epoch("w") == agent.core.epoch
+        # the new life's first batch (seq 0) follows the epoch start without a resync
+        replays = app.state.events.counts["replay_requests"]
+        second.publish([BlockStored([3], None, list(range(BS)), BS, medium="GPU")])
+        await until(lambda: blocks(app, "w") == 1, timeout=15, what="the new life's block")
+        assert app.state.events.counts["replay_requests"] == replays
+    finally:
+        if second is not None:
+            await second.close()
+        await agent.stop()
+        await served.stop()
