@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from load import MODEL, complete, processes, request, wait_ready
+from load import MODEL, complete, processes, request, serve_counted, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -66,31 +66,7 @@ SCHEDULE: list[tuple[float, str, str]] = [
 END = 38.0
 
 
-# -- the engine: a mock engine that logs the ids it receives ---------------------------------
-
-
-class IdLog:
-    """ASGI wrapper: appends each completion's ``x-request-id`` to a file, echoes it."""
-
-    def __init__(self, app: Any, path: str) -> None:
-        self.app = app
-        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        rid = None
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            rid = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
-        if rid is None:
-            await self.app(scope, receive, send)
-            return
-        os.write(self.fd, rid + b"\n")  # in the kernel at once: a SIGKILL keeps it
-
-        async def echo(message: MutableMapping[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), (b"x-echo-request-id", rid)]
-            await send(message)
-
-        await self.app(scope, receive, echo)
+# -- the engine: a mock engine that logs the ids it receives (load.IdCounter) ---------------
 
 
 async def serve_engine(args: argparse.Namespace) -> None:
@@ -107,14 +83,7 @@ async def serve_engine(args: argparse.Namespace) -> None:
         zmq_endpoint=args.zmq,
         replay_endpoint=args.replay,
     )
-    engine = MockEngine(cfg)
-    engine.app = IdLog(engine.app, args.ids_file)  # type: ignore[assignment]
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    async with engine:
-        await stop.wait()
+    await serve_counted(MockEngine(cfg), args.ids_file)
 
 
 # -- the stack ------------------------------------------------------------------------------

@@ -55,11 +55,15 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
 class IdCounter:
-    """ASGI wrapper: counts each completion's ``x-request-id``, echoes it, serves ``/_ids``."""
+    """ASGI wrapper: counts each completion's ``x-request-id``, echoes it, serves ``/_ids``;
+    with ``log_path`` also appends each id to that file (kept through a SIGKILL)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, log_path: str | None = None) -> None:
         self.app = app
         self.seen: Counter[str] = Counter()
+        self.fd = None if log_path is None else os.open(
+            log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -76,6 +80,8 @@ class IdCounter:
             await self.app(scope, receive, send)
             return
         self.seen[rid.decode()] += 1
+        if self.fd is not None:
+            os.write(self.fd, rid + b"\n")  # in the kernel at once: a SIGKILL keeps it
 
         async def echo(message: MutableMapping[str, Any]) -> None:
             if message["type"] == "http.response.start":
@@ -98,8 +104,12 @@ async def serve_engine(port: int, worker_id: str, speed: float) -> None:
         max_num_batched_tokens=65536,
         timing=Timing(speed=speed),
     )
-    engine = MockEngine(cfg)
-    engine.app = IdCounter(engine.app)  # type: ignore[assignment]
+    await serve_counted(MockEngine(cfg))
+
+
+async def serve_counted(engine: Any, log_path: str | None = None) -> None:
+    """Run a mock engine behind ``IdCounter`` until SIGINT or SIGTERM."""
+    engine.app = IdCounter(engine.app, log_path)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

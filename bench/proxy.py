@@ -226,8 +226,14 @@ def wait_http(port: int, path: str, timeout: float = 60.0) -> None:
 
 
 @contextlib.contextmanager
-def process(cmd: list[str]) -> Iterator[subprocess.Popen]:
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def process(
+    cmd: list[str], cwd: Path = ROOT, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen]:
+    """``cmd`` running (in ``cwd``, with ``env`` added to ours) until the block ends."""
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env={**os.environ, **(env or {})},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
     try:
         yield proc
     finally:

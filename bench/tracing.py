@@ -29,26 +29,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from proxy import ROOT, measure, median_of, wait_http  # puts ROOT on sys.path
+from proxy import ROOT, measure, median_of, process, wait_http  # puts ROOT on sys.path
 
 from router.natsd import free_port
-
-
-@contextlib.contextmanager
-def started(cmd: list[str], cwd: Path, env: dict[str, str]) -> Iterator[subprocess.Popen]:
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, env={**os.environ, **env},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @contextlib.contextmanager
@@ -94,7 +77,7 @@ def main() -> None:
             targets = {"baseline": (serve, base, {}), **targets}
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in targets}
         engine = [sys.executable, str(ROOT / "bench" / "proxy.py"), "--engine", str(engine_port)]
-        with started(engine, ROOT, {}):
+        with process(engine):
             wait_http(engine_port, "/health")
             names = list(targets)
             for r in range(args.rounds):
@@ -102,7 +85,7 @@ def main() -> None:
                 for name in names[r % len(names) :] + names[: r % len(names)]:
                     cmd, cwd, env = targets[name]
                     port = free_port()
-                    with started([a.format(port=port) for a in cmd], cwd, env) as proc:
+                    with process([a.format(port=port) for a in cmd], cwd, env) as proc:
                         wait_http(port, "/health")
                         time.sleep(0.5)
                         runs[name].append(measure(port, proc.pid, args))
