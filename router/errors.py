@@ -29,12 +29,16 @@ ErrorCode = Literal[
     "upstream_broken", "engine_error", "kv_cache_too_small", "unresolved_blocks",
     # the Responses API: a stored response lives in one engine
     "response_not_found", "previous_response_not_found", "previous_response_unavailable",
+    # prefill/decode disaggregation (router.pd): a prefill answered without its transfer;
+    # the mock engine's KV transfer failing, or pulled twice (sim.mock_pd)
+    "pd_no_transfer_params", "kv_transfer", "transfer_not_found",
     # the router itself
     "internal_error",
 ]  # fmt: skip
 # ``errors_total{kind}`` beyond the codes: failures no response code names.
 ErrorKind = Literal[
     "connect", "timeout", "upstream", "cluster_unavailable", "client_disconnect", "internal",
+    "prefill_broken", "prefill_status",  # router.pd: retried on another prefill engine
 ]  # fmt: skip
 ERROR_CODES: frozenset[str] = frozenset(typing.get_args(ErrorCode))
 ERROR_KINDS: frozenset[str] = ERROR_CODES | frozenset(typing.get_args(ErrorKind))

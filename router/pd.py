@@ -42,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -58,7 +57,7 @@ from router.proxy import Failure, send_failure
 from router.upstream import ConnectFailed, Response, UpstreamError, UpstreamTimeout
 
 if TYPE_CHECKING:
-    from router.asgi import Scope
+    from router.asgi import Message, Scope, Send
     from router.config import PdSettings
     from router.proxy import Exchange, Proxy, ProxyDeps
     from router.routing import Prepared
@@ -591,13 +590,13 @@ class _TpotClock:
 
     __slots__ = ("events", "first", "last", "send_next")
 
-    def __init__(self, send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+    def __init__(self, send: Send) -> None:
         self.send_next = send
         self.first: float | None = None
         self.last = 0.0
         self.events = 0
 
-    async def send(self, message: dict[str, Any]) -> None:
+    async def send(self, message: Message) -> None:
         body = message.get("body")
         if body:
             now = time.perf_counter()

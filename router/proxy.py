@@ -464,9 +464,9 @@ class Proxy:
                     head += chunk
                 window = tail + chunk  # '"cached_tokens": 12' may be cut between chunks
                 if b"cached_tokens" in window:
-                    found = _CACHED.findall(window)
-                    if found:
-                        cached = int(found[-1])
+                    numbers = _CACHED.findall(window)
+                    if numbers:
+                        cached = int(numbers[-1])
                 tail = chunk[-32:]
                 if resp.drained:  # the last chunk: end the response with it
                     ex.done = True
