@@ -21,6 +21,7 @@ from typing import Any
 import orjson
 
 from policies import POLICY_NAMES, EngineCosts
+from sim.pd import PD_RULES, PdSimulation, parse_rule
 from sim.report import PolicyReport, write_json
 from sim.simulator import SimConfig, Simulation
 from sim.traces import Trace, TraceError, add_trace_arguments, trace_from
@@ -43,6 +44,19 @@ _TABLE = (
     ("prefetch_tokens", "prefetch tok", "{}"),
     ("cache_loss", "loss", "{:.3f}"),
 )
+_PD_TABLE = (
+    ("policy", "PD rule", "{}"),
+    ("hit_rate", "prefill hit", "{:.3f}"),
+    ("ttft_mean_ms", "ttft mean", "{:.0f}"),
+    ("ttft_p50_ms", "p50", "{:.0f}"),
+    ("ttft_p90_ms", "p90", "{:.0f}"),
+    ("tpot_mean_ms", "tpot mean", "{:.1f}"),
+    ("tpot_p90_ms", "tpot p90", "{:.1f}"),
+    ("prefill_queue_mean_ms", "prefill queue", "{:.0f}"),
+    ("transfer_mean_ms", "transfer", "{:.0f}"),
+    ("local_prefill_share", "local", "{:.2f}"),
+    ("prefill_load_max_over_mean", "prefill max/mean", "{:.2f}"),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=8, help="engines in the pool")
     parser.add_argument(
         "--policies",
-        default=",".join(POLICY_NAMES),
+        default=None,
         help=f"comma-separated, from: {', '.join(POLICY_NAMES)} (default: all)",
     )
     parser.add_argument("--l1-blocks", type=int, default=_DEFAULTS.l1_blocks, help="GPU pages")
@@ -80,6 +94,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "policies assume (they always estimate with the defaults)",
     )
     parser.add_argument("--jobs", type=int, help="parallel processes (default: one per core)")
+    parser.add_argument(
+        "--prefill-workers",
+        type=int,
+        default=0,
+        help="a disaggregated pool (sim/pd.py): this many prefill engines and --workers "
+        "decode engines; --policies are then PD rules, PREFILL+DECODE or one of "
+        f"{', '.join(PD_RULES)} (default: those)",
+    )
+    parser.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=0,
+        help="with --prefill-workers: the decode engine prefills itself below this many "
+        "uncached tokens (0: always a remote prefill)",
+    )
 
 
 def _fail(message: str) -> int:
@@ -118,10 +147,25 @@ def engine_costs(value: str | None) -> EngineCosts:
 
 def _check(args: argparse.Namespace) -> list[str] | str:
     """The policy list, or what is wrong with the arguments."""
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in POLICY_NAMES]
-    if not policies or unknown:
-        return f"unknown policy {unknown or args.policies!r}; known: {', '.join(POLICY_NAMES)}"
+    if args.prefill_workers < 0 or args.local_prefill_tokens < 0:
+        return "--prefill-workers and --local-prefill-tokens must be >= 0"
+    if args.prefill_workers:
+        text = args.policies if args.policies is not None else ",".join(PD_RULES)
+        rules = [p.strip() for p in text.split(",") if p.strip()]
+        for rule in rules:
+            try:
+                parse_rule(rule)
+            except ValueError as exc:
+                return str(exc)
+        policies = rules
+    else:
+        text = args.policies if args.policies is not None else ",".join(POLICY_NAMES)
+        policies = [p.strip() for p in text.split(",") if p.strip()]
+        unknown = [p for p in policies if p not in POLICY_NAMES]
+        if not policies or unknown:
+            return f"unknown policy {unknown or text!r}; known: {', '.join(POLICY_NAMES)}"
+    if not policies:
+        return "no policy to run"
     if args.workers < 1:
         return "--workers must be >= 1"
     if args.block_size < 1 or args.l1_blocks < 1 or args.l2_blocks < 0:
@@ -146,7 +190,8 @@ def _simulate(k: int, policy: str, config: SimConfig) -> PolicyReport:
             if done % _PROGRESS_EVERY == 0:
                 counts[k] = done
 
-    report = Simulation(_TRACE, policy, config, progress=progress).run()
+    simulation = PdSimulation if config.prefill_workers else Simulation
+    report = simulation(_TRACE, policy, config, progress=progress).run()
     if _PROGRESS is not None:
         _PROGRESS[k] = len(_TRACE.requests)
     return report
@@ -193,11 +238,15 @@ def replay_trace(
 
 
 def _table(result: dict[str, Any]) -> str:
-    rows = [[head for _, head, _ in _TABLE]]
-    rows += [[fmt.format(r[key]) for key, _, fmt in _TABLE] for r in result["results"]]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_TABLE))]
+    table = _PD_TABLE if result.get("prefill_workers") else _TABLE
+    rows = [[head for _, head, _ in table]]
+    rows += [[fmt.format(r[key]) for key, _, fmt in table] for r in result["results"]]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(table))]
+    pool = f"{result['workers']} workers"
+    if result.get("prefill_workers"):
+        pool = f"{result['prefill_workers']} prefill + {result['workers']} decode engines"
     lines = [
-        f"trace {result['trace']}: {result['requests']} requests, {result['workers']} workers, "
+        f"trace {result['trace']}: {result['requests']} requests, {pool}, "
         f"ideal hit rate {result['ideal_hit_rate']:.3f} (infinite cache), "
         f"{result['pooled_lru_hit_rate']:.3f} (one LRU of the pool's capacity)"
     ]
@@ -257,11 +306,15 @@ def run(args: argparse.Namespace) -> int:
         engine_seed=args.seed,
         seed=args.seed,
         costs=costs,
+        prefill_workers=args.prefill_workers,
+        local_prefill_tokens=args.local_prefill_tokens,
     )
     results = replay_trace(trace, policies, config, jobs=args.jobs)
     result = {
         "trace": str(args.trace),
         "workers": args.workers,
+        "prefill_workers": args.prefill_workers,
+        "local_prefill_tokens": args.local_prefill_tokens,
         "requests": len(trace.requests),
         "block_size": args.block_size,
         "l1_blocks": args.l1_blocks,
@@ -276,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
         },
         "ideal_hit_rate": trace.ideal_hit_rate(),
         "pooled_lru_hit_rate": trace.pooled_lru_hit_rate(
-            args.workers * (args.l1_blocks + args.l2_blocks)
+            (args.workers + args.prefill_workers) * (args.l1_blocks + args.l2_blocks)
         ),
         "results": results,
     }

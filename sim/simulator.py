@@ -57,6 +57,9 @@ class SimConfig:
     engine_seed: int = 0
     seed: int = 0
     costs: EngineCosts = field(default_factory=EngineCosts)
+    # a disaggregated pool (sim.pd): this many prefill engines, ``workers`` decode engines
+    prefill_workers: int = 0
+    local_prefill_tokens: int = 0  # the decode engine prefills itself below this
 
 
 class Simulation:
@@ -132,7 +135,10 @@ class Simulation:
             fn(*args)
         if self.done != len(self.trace.requests):
             raise RuntimeError(f"{self.done} of {len(self.trace.requests)} requests finished")
-        return summarize(self, time.perf_counter() - wall)
+        return self.report(time.perf_counter() - wall)
+
+    def report(self, wall_s: float) -> PolicyReport:
+        return summarize(self, wall_s)
 
     # -- router side --------------------------------------------------------------------
     def _views(self, hashes: list[int]) -> list[WorkerView]:

@@ -1,0 +1,116 @@
+"""The disaggregated-pool simulator: prefill engines, the KV transfer, decode engines,
+through the real index, codec and the router's two-sided choice."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from index.hashing import cacheable_blocks
+from policies import EngineCosts
+from router.cli import main
+from sim.pd import PD_RULES, PdSimulation, parse_rule
+from sim.simulator import SimConfig
+from sim.synth import write_sessions
+from sim.traces import Trace, load_trace
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory: pytest.TempPathFactory) -> Trace:
+    path = tmp_path_factory.mktemp("pd") / "sessions.jsonl"
+    write_sessions(path, sessions=16, turns=4, gap_ms=4.0, turn_tokens=40, output=6)
+    return load_trace(path, block_size=BS)
+
+
+class Counted(PdSimulation):
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.closed: Counter[str] = Counter()
+
+    def _close(self, req):  # type: ignore[no-untyped-def]
+        self.closed[req.rid] += 1
+        super()._close(req)
+
+
+@pytest.mark.parametrize("rule", [*PD_RULES, "least_load+decode_load"])
+def test_every_request_is_prefilled_moved_and_decoded_once(trace: Trace, rule: str) -> None:
+    config = SimConfig(workers=2, prefill_workers=2, l1_blocks=256, max_num_seqs=16)
+    sim = Counted(trace, rule, config)
+    report = sim.run()
+    n = len(trace.requests)
+    assert sim.closed == Counter({f"r{i}": 1 for i in range(n)})
+    assert report["rejected"] == 0 and report["local_prefill_share"] == 0
+    for r in sim.requests:
+        leg = sim.prefill_leg[r.idx]
+        assert r.arrival_ms <= leg.admit_ms <= leg.first_token_ms
+        assert leg.first_token_ms <= sim.prefilled_ms[r.idx] <= sim.landed_ms[r.idx]
+        assert sim.landed_ms[r.idx] <= r.admit_ms <= r.first_token_ms <= r.finish_ms
+        # every block arrived by transfer: the decode engine computed only the tail (the
+        # block of the last prompt token is never served from cache)
+        assert r.computed == r.input_len
+        assert (r.hit_gpu_blocks + r.hit_host_blocks) == cacheable_blocks(r.input_len, BS)
+        assert sim.ids[leg.worker].startswith("p") and sim.ids[r.worker].startswith("d")
+    decode_computed = sum(sim.engines[i].prefill_tokens for i in sim.decode_slots)
+    assert decode_computed <= n * BS  # at most the last block each
+    assert 0 < report["hit_rate"] <= trace.ideal_hit_rate() + 1e-12
+    assert report["tpot_mean_ms"] > 0 and report["transfer_mean_ms"] > 0
+
+
+def test_the_decode_side_index_comes_from_its_kv_events(trace: Trace) -> None:
+    config = SimConfig(workers=2, prefill_workers=2, l1_blocks=256)
+    sim = PdSimulation(trace, "cache_router", config)
+    sim.run()
+    for req in trace.requests:
+        matches = sim.index.match_tiers(req.router_hashes.tolist(), speculative=False)
+        for i in sim.decode_slots:
+            gpu, host = sim.engines[i].cache.lookup(req.engine_hashes)
+            assert matches.get(sim.ids[i], None) is None or matches[sim.ids[i]].total == gpu + host
+
+
+def test_a_high_threshold_keeps_every_prefill_on_the_decode_engines(trace: Trace) -> None:
+    config = SimConfig(workers=2, prefill_workers=2, local_prefill_tokens=1 << 20)
+    report = PdSimulation(trace, "cache_router", config).run()
+    sim = PdSimulation(trace, "cache_router", config)
+    sim.run()
+    assert report["local_prefill_share"] == 1.0 and report["transfer_blocks"] == 0
+    assert all(sim.engines[i].prefill_tokens == 0 for i in sim.prefill_slots)
+
+
+def test_transfer_time_follows_the_link(trace: Trace) -> None:
+    slow = EngineCosts(prefetch_gbps=0.5)
+    fast = EngineCosts(prefetch_gbps=100.0)
+    reports = [
+        PdSimulation(trace, "cache_router", SimConfig(workers=2, prefill_workers=2, costs=c)).run()
+        for c in (slow, fast)
+    ]
+    assert reports[0]["transfer_mean_ms"] > 20 * reports[1]["transfer_mean_ms"]
+    assert reports[0]["ttft_mean_ms"] > reports[1]["ttft_mean_ms"]
+
+
+def test_rules_by_name() -> None:
+    assert parse_rule("sglang_pd") == ("sglang_cache_aware", "power_of_two")
+    assert parse_rule("cache_aware+decode_load") == ("cache_aware", "decode_load")
+    for bad in ("cache_aware", "decode_load+cache_aware", "x+y"):
+        with pytest.raises(ValueError, match="PREFILL\\+DECODE"):
+            parse_rule(bad)
+
+
+def test_replay_runs_a_pd_pool(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_sessions(tmp_path / "t.jsonl", sessions=6, turns=3, gap_ms=10.0)
+    argv = ["replay", "--trace", str(path), "--block-size", "16", "--workers", "2"]
+    argv += ["--prefill-workers", "2", "--jobs", "1", "--json", "-"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prefill_workers"] == 2 and out["workers"] == 2
+    assert [r["policy"] for r in out["results"]] == list(PD_RULES)
+    assert {"hit_rate", "ttft_p90_ms", "tpot_p90_ms", "transfer_mean_ms"} <= set(out["results"][0])
+    argv = ["replay", "--trace", str(path), "--block-size", "16", "--prefill-workers", "1"]
+    assert main([*argv, "--policies", "round_robin+nope"]) == 2
+    assert "PREFILL+DECODE" in capsys.readouterr().err
+    assert main([*argv, "--policies", "round_robin", "--jobs", "1"]) == 0
+    assert "PD rule" in capsys.readouterr().out
