@@ -43,6 +43,8 @@ class BlockStored:
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None  # the group's kind (vLLM: "full_attention", ...)
+    kv_cache_spec_sliding_window: int | None = None  # its window in tokens
     cache_salt: str | None = None  # SGLang sends it as a field; vLLM inside extra_keys
 
 
@@ -93,6 +95,8 @@ _STORED_FIELDS = (
     "lora_name",
     "extra_keys",
     "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
 )
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 _DP_KEYS = ("data_parallel_rank", "dp_rank", "attn_dp_rank")
@@ -216,6 +220,8 @@ def decode_event(raw: Any, hash_of: HashOf = norm_hash) -> Event | None:
             lora_name=_opt_str(f.get("lora_name")),
             extra_keys=list(extra) if isinstance(extra, list | tuple) else None,
             group_idx=_opt_int(f.get("group_idx")),
+            kv_cache_spec_kind=_opt_str(f.get("kv_cache_spec_kind")),
+            kv_cache_spec_sliding_window=_opt_int(f.get("kv_cache_spec_sliding_window")),
             cache_salt=_opt_str(f.get("cache_salt")) if isinstance(body, dict) else None,
         )
     if tag == "BlockRemoved":

@@ -31,6 +31,7 @@ from index.codec import (
     Event,
     decode,
 )
+from index.groups import GroupSpec, group_key, group_kind
 from index.hashing import BlockHasher, event_extras, lora_id_root, token_bytes
 from index.prefix_index import TIERS, PrefixIndex, Tier
 from index.wire import EPOCH_START_SEQ
@@ -96,6 +97,18 @@ class _Worker:
     seen: dict[int | None, int] = field(default_factory=dict)  # highest seq seen per rank
     epoch: object = None
     in_sync: bool = True
+    # KV-cache groups past the first (hybrid models): each its own blocks, under its own
+    # index key (``group_key``); sequence numbers stay the worker's
+    groups: dict[int, _Worker] = field(default_factory=dict)
+    # engine hash -> router hash of blocks any group stored, kept after removal: a
+    # group's event chains to a parent its own group may never have held (a Mamba group
+    # saves states only here and there; a sliding-window group drops old blocks)
+    chain: dict[EngineHash, int] = field(default_factory=dict)
+    base: _Worker | None = None  # a group's worker (whose ``chain`` it shares)
+
+
+_FULL = GroupSpec("full")
+_MAX_CHAIN = 1 << 18  # parents remembered per worker for its groups' events
 
 
 class EventIngest:
@@ -141,6 +154,48 @@ class EventIngest:
             tiers = {m: _TIER_NUM[t] for m, t in _TIER_OF_MEDIUM.items() if m is not None}
             self._core.configure_events(hasher.block_size, hasher.bigram, hasher.seed, tiers)
         self._wide: dict[str, dict[int, bytes]] = {}  # per worker: bytes hashes by key
+        # KV-cache groups by group_idx: declared (``declare_groups``), completed by what
+        # events say of themselves (kind, window, block size)
+        self._groups: dict[int, GroupSpec] = {}
+        self._declared: dict[int, GroupSpec] = {}
+        # once a batch had events of other groups: decode every batch in Python, since the
+        # native decoder keeps only group 0 (index/native is not changed for this)
+        self._split_groups = False
+
+    # -- KV-cache groups ------------------------------------------------------------
+    def declare_groups(self, specs: list[GroupSpec]) -> None:
+        """The pool's groups for engines whose events do not describe them (``kv_groups``)."""
+        self._declared = dict(enumerate(specs))
+        self._groups = {**self._declared, **self._groups}
+        if len(specs) > 1:
+            self._split_groups = True
+
+    def declared_groups(self) -> list[GroupSpec]:
+        return [self._declared[g] for g in sorted(self._declared)]
+
+    def group_specs(self) -> list[GroupSpec] | None:
+        """The groups in ``group_idx`` order when the model is hybrid (None: one
+        full-attention group, or a group of unknown kind: then group 0 is matched alone)."""
+        groups = {0: _FULL, **self._groups}  # group 0 unnamed: full attention, as before
+        if len(groups) == 1 and groups[0].kind == "full":
+            return None
+        if len(groups) != max(groups) + 1:
+            return None  # a group of no known kind: group 0 is matched alone, as before
+        return [groups[g] for g in range(len(groups))]
+
+    def _learn(self, event: BlockStored) -> None:
+        kind = group_kind(event.kv_cache_spec_kind)
+        g = event.group_idx or 0
+        known = self._groups.get(g)
+        if kind is None:
+            if known is None and g in self._declared:
+                self._groups[g] = self._declared[g]
+            return
+        ratio = max(1, event.block_size // self.hasher.block_size)
+        window = event.kv_cache_spec_sliding_window or (known.window if known else 0)
+        spec = GroupSpec(kind, window if kind == "sliding_window" else 0, ratio)
+        if known != spec:
+            self._groups[g] = spec
 
     # -- state -------------------------------------------------------------------
     def in_sync(self, worker_id: str) -> bool:
@@ -218,9 +273,12 @@ class EventIngest:
             w.in_sync = all(w.last_seq.get(r, -1) >= s for r, s in w.seen.items())
 
     def remove_worker(self, worker_id: str) -> None:
-        self._workers.pop(worker_id, None)
+        w = self._workers.pop(worker_id, None)
         self._wide.pop(worker_id, None)
         self.index.remove_worker(worker_id)
+        for g in w.groups if w is not None else ():
+            self._wide.pop(group_key(worker_id, g), None)
+            self.index.remove_worker(group_key(worker_id, g))
 
     # -- ingest ------------------------------------------------------------------
     def apply(
@@ -251,10 +309,30 @@ class EventIngest:
             result = IngestResult(SeqStatus.MALFORMED, expected_seq=seq)
             result.errors["malformed_batch"] += 1
             return result
-        return self.apply_batch(worker_id, seq, batch, dp_rank=dp_rank, epoch=epoch)
+        result = self.apply_batch(worker_id, seq, batch, dp_rank=dp_rank, epoch=epoch)
+        if (
+            not isinstance(batch, DecodedBatch)
+            and result.errors.get("other_kv_group")
+            and result.status in (SeqStatus.OK, SeqStatus.RESTART)
+        ):
+            # The first events of other KV-cache groups (a hybrid model): the native
+            # decoder kept group 0 only; the other groups come from Python, now and after.
+            dropped = result.errors.pop("other_kv_group")
+            self.errors["other_kv_group"] -= dropped
+            if self.errors["other_kv_group"] <= 0:
+                del self.errors["other_kv_group"]
+            rest = IngestResult(result.status, result.expected_seq)
+            self._apply_events(
+                worker_id, self._workers[worker_id], decode(payload), rest, groups_only=True
+            )
+            self.batches_applied -= 1  # one batch, applied in two halves
+            self._split_groups = any(g > 0 for g in self._groups)
+            result.applied += rest.applied
+            result.errors.update(rest.errors)
+        return result
 
     def _decode(self, payload: bytes) -> DecodedBatch | ParsedBatch:
-        if self._core is None:
+        if self._core is None or self._split_groups:
             return decode(payload)
         try:
             parsed = self._core.parse(payload)
@@ -372,32 +450,86 @@ class EventIngest:
         w.seen[rank] = seq
 
     def _reset(self, worker_id: str, w: _Worker) -> None:
-        w.blocks.clear()
-        w.engine_of.clear()
         w.last_seq.clear()
         w.seen.clear()
-        if self._native is not None and self._core is not None:
-            slot = self._native.slot_of(worker_id)
-            if slot is not None:
-                self._core.reset_worker(slot)
-            self._wide.pop(worker_id, None)
-        else:
-            self.index.clear(worker_id)
+        for key, state in [(worker_id, w), *self._group_states(worker_id, w)]:
+            state.blocks.clear()
+            state.engine_of.clear()
+            if self._native is not None and self._core is not None:
+                slot = self._native.slot_of(key)
+                if slot is not None:
+                    self._core.reset_worker(slot)
+                self._wide.pop(key, None)
+            else:
+                self.index.clear(key)
+
+    @staticmethod
+    def _group_states(worker_id: str, w: _Worker) -> list[tuple[str, _Worker]]:
+        return [(group_key(worker_id, g), state) for g, state in w.groups.items()]
+
+    def _by_group(
+        self, worker_id: str, w: _Worker, batch: DecodedBatch | ParsedBatch, groups_only: bool
+    ) -> list[tuple[str, _Worker, DecodedBatch | ParsedBatch]]:
+        """The batch split by KV-cache group, each part for its own index key; a clear
+        goes to every group. ``groups_only``: the parts past group 0 (its part was applied
+        already)."""
+        if isinstance(batch, ParsedBatch) or not (
+            w.groups or any(getattr(e, "group_idx", None) for e in batch.events)
+        ):
+            return [(worker_id, w, batch)]
+        parts: dict[int, list[Event]] = {0: []} | {g: [] for g in w.groups}
+        unknown: Counter[str] = Counter()
+        cleared = False
+        for event in batch.events:
+            if isinstance(event, AllBlocksCleared):
+                cleared = True
+                for events in parts.values():
+                    events.append(event)
+                continue
+            if isinstance(event, BlockStored):
+                self._learn(event)
+            g = event.group_idx or 0
+            if g and g not in self._groups:
+                unknown["other_kv_group"] += 1  # a group of no known kind: no rule matches it
+                continue
+            if g not in parts:  # a group new in this batch: after a clear, it starts clear
+                parts[g] = [AllBlocksCleared()] if cleared else []
+            # within its group's key the event is an ordinary group-0 one
+            parts[g].append(dataclasses.replace(event, group_idx=None) if g else event)
+        out: list[tuple[str, _Worker, DecodedBatch | ParsedBatch]] = []
+        for g, events in parts.items():
+            if g == 0 and groups_only:
+                out.append((worker_id, w, DecodedBatch(batch.ts, [], batch.dp_rank, unknown)))
+                continue
+            state = w if g == 0 else w.groups.setdefault(g, _Worker(base=w))
+            errors = batch.errors + unknown if g == 0 else Counter()
+            part = DecodedBatch(batch.ts, events, batch.dp_rank, errors)
+            out.append((group_key(worker_id, g), state, part))
+        return out
 
     def _apply_events(
-        self, worker_id: str, w: _Worker, batch: DecodedBatch | ParsedBatch, result: IngestResult
+        self,
+        worker_id: str,
+        w: _Worker,
+        batch: DecodedBatch | ParsedBatch,
+        result: IngestResult,
+        *,
+        groups_only: bool = False,
     ) -> None:
-        if self._native is not None and self._core is not None:
-            self._apply_native(self._native.slot(worker_id), worker_id, batch, result)
-            return
-        assert isinstance(batch, DecodedBatch)  # only the native core parses otherwise
-        result.errors.update(batch.errors)
-        for event in batch.events:
-            error = self._apply_event(worker_id, w, event)
-            if error:
-                result.errors[error] += 1
-            else:
-                result.applied += 1
+        for key, state, part in self._by_group(worker_id, w, batch, groups_only):
+            # groups past the first always take the Python path (their parents resolve
+            # across groups, see ``_Worker.chain``); the index may still be native
+            if self._native is not None and self._core is not None and state.base is None:
+                self._apply_native(self._native.slot(key), key, part, result)
+                continue
+            assert isinstance(part, DecodedBatch)  # only the native core parses otherwise
+            result.errors.update(part.errors)
+            for event in part.events:
+                error = self._apply_event(key, state, event)
+                if error:
+                    result.errors[error] += 1
+                else:
+                    result.applied += 1
         self.errors.update(result.errors)
         self.events_applied += result.applied
         self.batches_applied += 1
@@ -451,9 +583,6 @@ class EventIngest:
             self.errors["worker_quota"] += cuts
         result.applied += applied
         result.errors.update(errors)
-        self.errors.update(result.errors)
-        self.events_applied += result.applied
-        self.batches_applied += 1
 
     def _forget_wide(self, slot: int, wide: dict[int, bytes], batch: DecodedBatch) -> None:
         """Drop the bytes of the blocks the worker no longer holds."""
@@ -550,9 +679,14 @@ class EventIngest:
         parent: int | None = None
         if event.parent_block_hash is not None:
             p = w.blocks.get(event.parent_block_hash)
-            if p is None:
+            if p is not None:
+                parent = p[0]
+            elif w.base is not None and event.parent_block_hash in w.base.chain:
+                parent = w.base.chain[event.parent_block_hash]
+            elif w.base is not None and event.parent_block_hash in w.base.blocks:
+                parent = w.base.blocks[event.parent_block_hash][0]
+            else:
                 return "unknown_parent"
-            parent = p[0]
         extras = event_extras(
             event.extra_keys,
             lora_name=event.lora_name,
@@ -599,4 +733,11 @@ class EventIngest:
                 w.blocks[eh] = [span[-1], bit | (entry[1] if entry else 0), *span[:-1]]
                 w.engine_of[span[-1]] = eh
         self.index.store(worker_id, router, tier, parent=parent)
+        if w.base is not None:
+            chain = w.base.chain
+            for i, eh in enumerate(event.block_hashes):
+                chain.pop(eh, None)
+                chain[eh] = router[(i + 1) * k - 1]
+            while len(chain) > _MAX_CHAIN:
+                del chain[next(iter(chain))]
         return None

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
+from index.groups import parse_groups
 from index.wire import DEFAULT_PREFIX, worker_id_error
 from policies.experiments import Arm, parse_arm
 from router.dp import DP_FIELDS, MAX_DP_SIZE, DpField
@@ -90,6 +91,9 @@ class WorkerSpec:
     bootstrap_port: int | None = None  # SGLang prefill engines; None: pd_bootstrap_port
     dp_size: int = 1  # data-parallel ranks, each its own KV cache (router/dp.py)
     dp_field: DpField = "header"  # how the chosen rank reaches the engine
+    # a hybrid model's KV-cache groups in group_idx order ("full,sliding_window:4096"),
+    # for engines whose events do not name their kinds (index/groups.py); "": from events
+    kv_groups: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -479,7 +483,7 @@ def worker_spec(raw: Any, where: str) -> WorkerSpec:
         raise ConfigError(f"{where}: a worker needs id and url")
     unknown = set(raw) - {
         "id", "url", "model", "pool", "block_size", "role", "bootstrap_port", "dp_size",
-        "dp_field",
+        "dp_field", "kv_groups",
     }  # fmt: skip
     if unknown:
         raise ConfigError(f"{where}: unknown worker keys {sorted(unknown)}")
@@ -500,6 +504,13 @@ def worker_spec(raw: Any, where: str) -> WorkerSpec:
     dp_field = raw.get("dp_field", "header")
     if dp_field not in DP_FIELDS:
         raise ConfigError(f"{where}: dp_field must be {' or '.join(DP_FIELDS)}, not {dp_field!r}")
+    kv_groups = raw.get("kv_groups", "")
+    try:
+        if not isinstance(kv_groups, str):
+            raise ValueError("kv_groups must be a string like \"full,sliding_window:4096\"")
+        parse_groups(kv_groups)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
     for key in ("id", "url"):
         if not isinstance(raw[key], str):
             raise ConfigError(f"{where}: worker {key} must be a string")
@@ -513,6 +524,7 @@ def worker_spec(raw: Any, where: str) -> WorkerSpec:
         bootstrap_port=port,
         dp_size=dp_size,
         dp_field=dp_field,
+        kv_groups=kv_groups,
     )
     return check_worker(spec, where)
 

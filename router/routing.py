@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 import orjson
 
+from index.groups import clip_matches
 from index.hashing import RouterHash, cacheable_blocks, request_block_hashes
 from policies.base import NO_MATCH, Decision, NoWorkerError, RouteRequest, WorkerView
 from policies.experiments import Experiment
@@ -232,6 +233,10 @@ class Router:
         if cap < len(hashes):
             hashes = hashes[:cap]
         matches = pool.index.match_tiers(hashes) if hashes else {}
+        groups = ingest.group_specs()
+        if groups is not None and matches:
+            # a hybrid model: a hit counts only as deep as every KV-cache group reuses it
+            matches = clip_matches(matches, hashes, groups, pool.index.holds, pool.block_size)
         stale = self.cfg.load_stale_after
         blind = self.blind is not None and self.blind(now)
         views = []

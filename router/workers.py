@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from index.groups import parse_groups
 from router.config import RouterConfig, WorkerSpec, pool_roles_error, role_error
 from router.dp import DpField, split_target, target_ids
 from router.load import WorkerLoad, parse_engine_metrics
@@ -153,6 +154,12 @@ class WorkerRegistry:
         taken = [t for t in worker.targets if t in self._sources]
         if taken:
             raise ValueError(f"worker {spec.id}: target name {taken[0]} is taken")
+        if spec.kv_groups:
+            groups = parse_groups(spec.kv_groups)
+            declared = pool.ingest.declared_groups()
+            if declared and declared != groups:
+                raise ValueError(f"pool {pool.name} has other kv_groups than {spec.kv_groups!r}")
+            pool.ingest.declare_groups(groups)
         self._workers[spec.id] = worker
         for tid in worker.targets:
             self._sources[tid] = worker

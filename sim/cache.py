@@ -26,9 +26,12 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from hashlib import blake2b
+from typing import Any
 
 from index.codec import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from index.groups import GroupSpec
 from index.hashing import TokenIds, token_bytes
+from sim.hybrid import ExtraGroups
 
 GPU = "GPU"
 CPU = "CPU"
@@ -93,10 +96,26 @@ class PrefixCache:
     """A paged prefix cache with LRU eviction of unreferenced blocks and KV events."""
 
     def __init__(
-        self, block_size: int, gpu_blocks: int, host_blocks: int = 0, seed: int = 0
+        self,
+        block_size: int,
+        gpu_blocks: int,
+        host_blocks: int = 0,
+        seed: int = 0,
+        *,
+        groups: Sequence[GroupSpec] = (),
+        group_blocks: int = 0,
     ) -> None:
+        """``groups``: a hybrid model's KV-cache groups after the first (full attention,
+        this cache), each holding up to ``group_blocks`` blocks (``sim.hybrid``)."""
         if block_size <= 0 or gpu_blocks <= 0 or host_blocks < 0:
             raise ValueError("block_size and gpu_blocks must be positive, host_blocks >= 0")
+        self.extra = (
+            ExtraGroups(groups, block_size, group_blocks or gpu_blocks) if groups else None
+        )
+        # a hybrid engine names each group's kind on its stores, group 0's too (vLLM)
+        self._group0: dict[str, Any] = (
+            {"group_idx": 0, "kv_cache_spec_kind": "full_attention"} if groups else {}
+        )
         self.block_size = block_size
         self.gpu_blocks = gpu_blocks
         self.host_blocks = host_blocks
@@ -194,10 +213,19 @@ class PrefixCache:
             elif h not in host:
                 break
             run += 1
+        if self.extra is not None:
+            # a hybrid model reuses only as deep as every KV-cache group can
+            depth = self.extra.depth(hashes, run)
+            if depth < run:
+                run, lead = depth, min(lead, depth)
+                in_gpu = sum(1 for h in hashes[:run] if h in gpu)
+                in_gpu_evictable = sum(1 for h in hashes[:run] if h in lru)
         need = total - in_gpu
         free = self.gpu_blocks - self.gpu_used
         if need > free + len(lru) - in_gpu_evictable:
             return None
+        if self.extra is not None:
+            self.extra.touch(hashes, run)
         req = _Request(hashes, token_ids)
         # Snapshot host hits first: demotions below may push them out of host memory.
         from_host = [(i, host[hashes[i]]) for i in range(lead, run) if hashes[i] not in gpu]
@@ -249,6 +277,8 @@ class PrefixCache:
                 self._pin(h, block)
             parent = h
         self._flush_stored(req, first, stored)
+        if self.extra is not None:
+            self._events.extend(self.extra.commit(hashes, req.tokens, start, upto))
         req.pinned.extend(hashes[start:upto])
         new = upto - start
         req.private -= new
@@ -304,6 +334,8 @@ class PrefixCache:
         self._gpu.clear()
         self._lru.clear()
         self._host.clear()
+        if self.extra is not None:
+            self.extra.clear()
         self._events.append(AllBlocksCleared())
 
     def drain_events(self) -> list[Event]:
@@ -328,6 +360,7 @@ class PrefixCache:
                 token_ids=_as_list(req.tokens[first * bs : (first + len(stored)) * bs]),
                 block_size=bs,
                 medium=GPU,
+                **self._group0,
             )
         )
 
@@ -437,6 +470,7 @@ class PrefixCache:
                     token_ids=tokens,
                     block_size=self.block_size,
                     medium=medium,
+                    **self._group0,
                 )
             )
         return events

@@ -36,6 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from index.codec import hash_from_json
+from index.groups import parse_groups
 from router.cli import serve_until_signalled
 from router.errors import ApiError, error_body
 from sim import mock_messages as anthropic
@@ -95,6 +96,10 @@ class MockEngineConfig:
     # endpoints' ports offset by the rank, as vLLM's ``offset_endpoint_port``)
     dp_size: int = 1
     role: Role = "mixed"  # a disaggregated pool's prefill or decode engine (sim.mock_pd)
+    # a hybrid model: its KV-cache groups ("full,sliding_window:64,mamba", group 0 full
+    # attention), each group past the first holding up to group_blocks blocks (sim/hybrid.py)
+    kv_groups: str = ""
+    group_blocks: int = 0  # 0: gpu_blocks
 
 
 _HELP = {
@@ -180,7 +185,17 @@ class Rank:
     def __init__(self, engine: MockEngine, rank: int) -> None:
         cfg = engine.cfg
         self.rank = rank
-        self.cache = PrefixCache(cfg.block_size, cfg.gpu_blocks, cfg.host_blocks, cfg.seed)
+        groups = parse_groups(cfg.kv_groups)
+        if groups and groups[0].kind != "full":
+            raise ValueError("the mock engine's KV-cache group 0 is full attention")
+        self.cache = PrefixCache(
+            cfg.block_size,
+            cfg.gpu_blocks,
+            cfg.host_blocks,
+            cfg.seed,
+            groups=groups[1:],
+            group_blocks=cfg.group_blocks,
+        )
         self.publisher: KvEventPublisher | None = None
         self.scheduler = Scheduler(
             self.cache,
@@ -655,6 +670,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=d.block_size)
     parser.add_argument("--gpu-blocks", type=int, default=d.gpu_blocks)
     parser.add_argument(
+        "--kv-groups",
+        default=d.kv_groups,
+        help='a hybrid model\'s KV-cache groups, e.g. "full,sliding_window:64,mamba"',
+    )
+    parser.add_argument(
+        "--group-blocks",
+        type=int,
+        default=d.group_blocks,
+        help="blocks each KV-cache group past the first holds (0: --gpu-blocks)",
+    )
+    parser.add_argument(
         "--dp-size",
         type=int,
         default=d.dp_size,
@@ -699,6 +725,12 @@ def config_from_args(args: argparse.Namespace) -> MockEngineConfig:
         raise SystemExit("--sglang, --events-as-map and --sha256-hashes are exclusive")
     if not 1 <= args.dp_size <= 64:
         raise SystemExit("--dp-size must be in [1, 64]")
+    try:
+        parse_groups(args.kv_groups)
+    except ValueError as exc:
+        raise SystemExit(f"--kv-groups: {exc}") from exc
+    if args.group_blocks < 0:
+        raise SystemExit("--group-blocks must be >= 0")
     if args.speed <= 0 or args.decode_tps <= 0 or args.prefill_tps <= 0:
         raise SystemExit("--speed, --decode-tps and --prefill-tps must be positive")
     return MockEngineConfig(
@@ -709,6 +741,8 @@ def config_from_args(args: argparse.Namespace) -> MockEngineConfig:
         block_size=args.block_size,
         gpu_blocks=args.gpu_blocks,
         dp_size=args.dp_size,
+        kv_groups=args.kv_groups,
+        group_blocks=args.group_blocks,
         host_blocks=args.host_blocks,
         seed=args.seed,
         zmq_endpoint=args.zmq_endpoint,
