@@ -241,6 +241,8 @@ async def test_each_rank_matches_only_its_own_prefix(stack: DpStack) -> None:
     assert index.workers and set(index.workers) == {"e0-dp0", "e0-dp1"}
     async with httpx.AsyncClient(base_url=stack.served.url, timeout=30) as http:
         for r, p in prompts.items():
+            body = {"model": MODEL, "prompt": p + " and a follow-up"}
+            why = (await http.post("/admin/explain", headers=AUTH, json=body)).json()
             target, predicted, cached = await _complete(http, p + " and a follow-up")
-            assert target == f"e0-dp{r}"
-            assert predicted == cached > 0
+            assert target == f"e0-dp{r}", why
+            assert predicted == cached > 0, why
