@@ -14,6 +14,7 @@ from router.asgi import Scope
 from router.auth import bearer_ok
 from router.config import RouterConfig
 from router.errors import ApiError
+from router.fields import check_fields, limit_rules
 
 _PUBLIC = "/v1/"  # the OpenAI API; /health stays open for probes, /metrics and /admin have tokens
 
@@ -28,7 +29,7 @@ class Edge:
         self.max_count = cfg.max_header_count
         self.max_bytes = cfg.max_header_bytes
         # body field -> (lowest, highest) allowed: what one request may make an engine do
-        self.limits = sampling_limits(cfg)
+        self.limits = limit_rules(sampling_limits(cfg))
 
     def check(self, scope: Scope) -> ApiError | None:
         """The reason to refuse this request before reading its body, or None."""
@@ -48,25 +49,7 @@ class Edge:
 
     def check_sampling(self, body: dict[str, Any]) -> None:
         """Limits on what one request may ask an engine to generate (``ApiError`` 400)."""
-        for key, (low, high) in self.limits.items():
-            value = body.get(key)
-            if value is None or (key == "logprobs" and isinstance(value, bool)):
-                continue  # chat's logprobs is a switch; its count is top_logprobs
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                kind = "positive" if low else "non-negative"
-                raise ApiError(
-                    400,
-                    f"{key} must be a {kind} integer: at least {low}, got {value!r}",
-                    "invalid_value",
-                    key,
-                )
-            if value > high:
-                raise ApiError(
-                    400,
-                    f"{key} is {value}; this router allows at most {high}",
-                    "invalid_value",
-                    key,
-                )
+        check_fields(body, self.limits)
 
 
 def sampling_limits(cfg: RouterConfig) -> dict[str, tuple[int, int]]:

@@ -2,17 +2,19 @@
 
 ``/v1/chat/completions`` and ``/v1/completions`` are served by the raw proxy
 (``router.proxy``) ahead of FastAPI, so FastAPI's generated schema lacks them. This
-hand-written part describes what the router itself checks (the body goes on to the
-engine unchanged, so other fields are allowed) and the errors it answers with; the app
-merges it into ``/openapi.json`` so clients and schema fuzzers see every route.
+part describes what the router itself checks (the chat and completion bodies from the
+rules it enforces, ``router.fields``; the body goes on to the engine unchanged, so other
+fields are allowed) and the errors it answers with; the app merges it into ``/openapi.json`` so clients and schema fuzzers see every route.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from router import fields
 from router.config import RouterConfig
 from router.edge import sampling_limits
+from router.fields import FieldRule, limit_rules, properties
 
 _ERROR = {
     "type": "object",
@@ -32,62 +34,35 @@ _ERROR = {
 }
 
 
-def _sampling(cfg: RouterConfig) -> dict[str, Any]:
+# Fields the engines read and the router passes on unchecked: documented, not enforced.
+_ENGINE_FIELDS: dict[str, Any] = {
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+    "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "user": {"type": "string", "description": "session key (or the x-session-id header)"},
+    "stream_options": {
+        "type": "object",
+        "properties": {"include_usage": {"type": "boolean"}},
+    },
+    "cache_salt": {"type": "string"},
+}
+
+
+def _checked(cfg: RouterConfig, shape: tuple[FieldRule, ...]) -> dict[str, Any]:
+    """A body schema from the rules the router enforces (``router.fields``)."""
+    props, required = properties(shape, limit_rules(sampling_limits(cfg)))
     return {
-        "model": {"type": "string", "minLength": 1},
-        "stream": {"type": "boolean"},
-        **{
-            key: {"type": "integer", "minimum": low, "maximum": high}
-            for key, (low, high) in sampling_limits(cfg).items()
-            if key != "logprobs"  # an int in completions, a bool in chat
-        },
-        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
-        "top_p": {"type": "number", "minimum": 0, "maximum": 1},
-        "user": {"type": "string", "description": "session key (or the x-session-id header)"},
-        "stream_options": {
-            "type": "object",
-            "properties": {"include_usage": {"type": "boolean"}},
-        },
-        "cache_salt": {"type": "string"},
+        "type": "object",
+        "required": required,
+        "properties": {**_ENGINE_FIELDS, **props},
     }
 
 
 def _chat(cfg: RouterConfig) -> dict[str, Any]:
-    message = {
-        "type": "object",
-        "required": ["role", "content"],
-        "properties": {
-            "role": {"type": "string", "enum": ["system", "user", "assistant"]},
-            "content": {"type": "string"},
-        },
-    }
-    return {
-        "type": "object",
-        "required": ["model", "messages"],
-        "properties": {
-            **_sampling(cfg),
-            "messages": {"type": "array", "minItems": 1, "items": message},
-        },
-    }
+    return _checked(cfg, fields.CHAT)
 
 
 def _completion(cfg: RouterConfig) -> dict[str, Any]:
-    prompt = {
-        "oneOf": [
-            {"type": "string", "minLength": 1},
-            {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
-            {
-                "type": "array",
-                "minItems": 1,
-                "items": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1},
-            },
-        ]
-    }
-    return {
-        "type": "object",
-        "required": ["model", "prompt"],
-        "properties": {**_sampling(cfg), "prompt": prompt},
-    }
+    return _checked(cfg, fields.COMPLETION)
 
 
 def _responses_create(cfg: RouterConfig) -> dict[str, Any]:

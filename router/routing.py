@@ -23,9 +23,11 @@ from index.groups import clip_matches
 from index.hashing import RouterHash, cacheable_blocks, request_block_hashes
 from policies.base import NO_MATCH, Decision, NoWorkerError, RouteRequest, WorkerView
 from policies.experiments import Experiment
+from router import fields
 from router.affinity import ResponseAffinity
 from router.config import RouterConfig
 from router.errors import ApiError, ErrorCode
+from router.fields import check_fields
 from router.messages import as_messages as anthropic_messages
 from router.messages import check_messages
 from router.pools import Pool
@@ -104,37 +106,16 @@ class Router:
             raise _bad(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
         if not isinstance(body, dict):
             raise _bad("request body must be a JSON object", code="invalid_json")
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise _bad(
-                "missing required field: model (a non-empty string)", "model", "missing_field"
-            )
         if kind == "chat":
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise _bad("messages must be a non-empty array", "messages", "missing_field")
-            for i, m in enumerate(messages):
-                if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                    raise _bad(f"messages[{i}] must be an object with a string role", "messages")
-        elif kind == "responses":
-            check_responses(body)
-        elif kind == "messages":
-            check_messages(body)
+            check_fields(body, fields.CHAT)
+        elif kind == "completion":
+            check_fields(body, fields.COMPLETION)
         else:
-            prompt = body.get("prompt")
-            if not isinstance(prompt, str | list) or (isinstance(prompt, list) and not prompt):
-                raise _bad(
-                    "prompt must be a string or a non-empty array", "prompt", "missing_field"
-                )
-            if isinstance(prompt, list) and not _valid_prompt_list(prompt):
-                raise _bad("prompt must be strings or arrays of token ids", "prompt")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise _bad("stream must be a boolean", "stream")
-        for key in ("max_tokens", "max_completion_tokens"):
-            value = body.get(key)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise _bad(f"{key} must be an integer", key)
+            check_fields(body, fields.MODEL)
+            (check_responses if kind == "responses" else check_messages)(body)
+            check_fields(body, fields.LENGTHS)
+        model: str = body["model"]
+        stream: bool = body.get("stream", False)
         session = headers.get("x-session-id") or body.get("user")
         return Parsed(
             kind=kind,
@@ -342,16 +323,3 @@ def _share(count: int | None, ranks: int) -> int | None:
 def hit_blocks(views: list[WorkerView], worker_id: str) -> int:
     return next((v.match.total for v in views if v.worker_id == worker_id), 0)
 
-
-def _valid_prompt_list(prompt: list[Any]) -> bool:
-    first = prompt[0]
-    if isinstance(first, str):
-        return all(isinstance(p, str) for p in prompt)
-    if isinstance(first, int):
-        return all(_token_id(t) for t in prompt)
-    return all(isinstance(p, list) and p and all(_token_id(t) for t in p) for p in prompt)
-
-
-def _token_id(t: Any) -> bool:
-    """A token id an engine (and the hasher's u32 packing) can take."""
-    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32
