@@ -4,7 +4,8 @@
 (``router.proxy``) ahead of FastAPI, so FastAPI's generated schema lacks them. This
 part describes what the router itself checks (the chat and completion bodies from the
 rules it enforces, ``router.fields``; the body goes on to the engine unchanged, so other
-fields are allowed) and the errors it answers with; the app merges it into ``/openapi.json`` so clients and schema fuzzers see every route.
+fields are allowed) and the errors it answers with; the app merges it into
+``/openapi.json`` so clients and schema fuzzers see every route.
 """
 
 from __future__ import annotations
