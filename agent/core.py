@@ -22,7 +22,7 @@ from enum import StrEnum
 from agent.mirror import EngineMirror
 from agent.ring import RingBuffer
 from index.codec import CodecError, decode
-from index.replay import ReplayMessage
+from index.gapfill import GapFillMessage
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class AgentCore:
         self.counters["batches"] += 1
         return Accepted(seq, payload, self.epoch, batch.dp_rank)
 
-    def replay(self, from_seq: int) -> list[ReplayMessage]:
+    def gap_fill(self, from_seq: int) -> list[GapFillMessage]:
         """The reply stream for a router's replay request, ending with ``end``.
 
         Batches from ``from_seq`` while the ring holds all of them; otherwise a dump of
@@ -128,16 +128,16 @@ class AgentCore:
         """
         last = self.last_seq
         if last is None:  # nothing seen in this epoch: nothing to replay or dump
-            return [ReplayMessage("end", -1, epoch=self.epoch)]
+            return [GapFillMessage("end", -1, epoch=self.epoch)]
         batches = self.ring.since(from_seq) if from_seq <= last + 1 else None
         if batches is not None:
             self.counters["replays"] += 1
-            msgs = [ReplayMessage("batch", s, p) for s, p in batches]
-            return [*msgs, ReplayMessage("end", last, epoch=self.epoch)]
+            msgs = [GapFillMessage("batch", s, p) for s, p in batches]
+            return [*msgs, GapFillMessage("end", last, epoch=self.epoch)]
         self.counters["dumps"] += 1
         if not self.complete:
             self.counters["incomplete_dumps"] += 1
             log.warning("serving a dump after lost batches: it may miss blocks")
         chunks = self.mirror.dump(dp_rank=self.dp_rank, max_tokens=self.dump_chunk_tokens)
-        msgs = [ReplayMessage("dump", last, c) for c in chunks]
-        return [*msgs, ReplayMessage("end", last, epoch=self.epoch, dump=True)]
+        msgs = [GapFillMessage("dump", last, c) for c in chunks]
+        return [*msgs, GapFillMessage("end", last, epoch=self.epoch, dump=True)]

@@ -44,7 +44,7 @@ from agent.engine_zmq import fetch_replay, parse_live
 from agent.load import parse_load
 from agent.prefetch import PrefetchForwarder
 from index.codec import AllBlocksCleared, EventBatch, encode, hash_from_json
-from index.replay import ReplayMessage, ReplayRequest
+from index.gapfill import GapFillMessage, GapFillRequest
 from index.wire import (
     DEFAULT_MAX_AGE,
     DEFAULT_MAX_BYTES,
@@ -121,7 +121,7 @@ class NodeAgent:
         self._last: Accepted | None = None  # the newest batch, published or not
         self.subjects = subjects = Subjects(cfg.subject_prefix)
         self.events_subject = subjects.events(cfg.worker_id)
-        self.replay_subject = subjects.replay(cfg.worker_id)
+        self.replay_subject = subjects.gap_fill(cfg.worker_id)
         self.prefetch_subject = subjects.prefetch(cfg.worker_id)
         self.load_subject = subjects.load(cfg.worker_id)
         self.blocks_subject = subjects.blocks(cfg.worker_id)
@@ -402,18 +402,18 @@ class NodeAgent:
             self.counters["bad_replay_requests"] += 1
             return
         try:
-            request = ReplayRequest.decode(msg.data)
+            request = GapFillRequest.decode(msg.data)
         except (ValueError, orjson.JSONDecodeError) as exc:
             self.counters["bad_replay_requests"] += 1
             bad_input.warning("bad replay request: %s", exc)
-            replies = [ReplayMessage("end", -1, epoch=self.core.epoch)]
+            replies = [GapFillMessage("end", -1, epoch=self.core.epoch)]
         else:
             try:
-                replies = self.core.replay(request.from_seq)  # one consistent snapshot
+                replies = self.core.gap_fill(request.from_seq)  # one consistent snapshot
             except Exception:  # a bug must still answer, or the router waits out a timeout
                 self.counters["replay_errors"] += 1
                 log.exception("replay from seq %d failed", request.from_seq)
-                replies = [ReplayMessage("end", -1, epoch=self.core.epoch)]
+                replies = [GapFillMessage("end", -1, epoch=self.core.epoch)]
         try:
             assert self.nc is not None
             for reply in replies:

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import orjson
 
 from policies import POLICY_NAMES
-from sim.replay import replay_trace
 from sim.simulator import SimConfig
+from sim.trace_replay import replay_trace
 from sim.traces import MOONCAKE_BLOCK, load_trace
 
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "traces"

@@ -38,8 +38,8 @@ import orjson
 
 from policies import POLICY_NAMES, EngineCosts
 from sim.gen_trace import generate, write
-from sim.replay import replay_trace
 from sim.simulator import SimConfig
+from sim.trace_replay import replay_trace
 from sim.traces import load_trace
 
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "traces"

@@ -8,7 +8,7 @@ the project.
     codec          vLLM / SGLang ``EventBatch`` msgpack (and JSON) encode/decode
     ingest         per-worker event ingest: engine hashes -> router hashes -> index, seq gaps
     wire           the NATS wire: subjects, ``Kv-*`` headers, stream defaults, schemas
-    replay         the gap-fill protocol (``<prefix>.replay.<worker>``) router <-> agent
+    gapfill        the gap-fill protocol (``<prefix>.replay.<worker>``) router <-> agent
     reuse          online LRU stack distances of a block stream
     capacity       the capacity forecast built on them
 """

@@ -10,7 +10,7 @@ Subjects, under a prefix (``kv`` unless configured):
 ``<prefix>.events.<worker>``    agent ->    KV-event batches (msgpack ``EventBatch``),
                                             headers ``Kv-Seq``, ``Kv-Epoch``,
                                             ``Kv-Dp-Rank``; kept by the stream
-``<prefix>.replay.<worker>``    router ->   gap fill: ``index.replay`` request/answer
+``<prefix>.replay.<worker>``    router ->   gap fill: ``index.gapfill`` request/answer
 ``<prefix>.load.<worker>``      agent ->    ``LoadReport`` JSON
 ``<prefix>.prefetch.<worker>``  router ->   ``PrefetchHintMessage`` JSON
 ``<prefix>.blocks.<worker>``    agent ->    ``{"block_hashes": [...]}`` request,
@@ -76,7 +76,7 @@ class Subjects:
         """What the stream captures and a core-NATS router subscribes to."""
         return f"{self.prefix}.events.>"
 
-    def replay(self, worker: str) -> str:
+    def gap_fill(self, worker: str) -> str:
         return f"{self.prefix}.replay.{worker}"
 
     def load(self, worker: str) -> str:

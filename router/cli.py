@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("router.serve", "run the router (OpenAI-compatible proxy)"),
-    "replay": ("sim.replay", "replay a request trace through the simulator, per policy"),
+    "replay": ("sim.trace_replay", "replay a request trace through the simulator, per policy"),
     "gen-trace": ("sim.gen_trace", "write a seeded agent-shaped trace (chat, agent loops)"),
     "forecast": ("sim.forecast", "how much cache each tier needs: hit rate vs size on a trace"),
     "tune": ("sim.tune", "search cache_aware's parameters and the host tier size on a trace"),

@@ -3,7 +3,7 @@
 Events for one worker must be applied in sequence order. A gap (or an unreadable
 batch) is not applied: the worker is marked out of sync (its matches are not trusted)
 and a resync task asks ``<prefix>.replay.<worker>`` for the missing batches or a dump
-(``index/replay.py``). Live batches that arrive meanwhile are held in order and fed
+(``index/gapfill.py``). Live batches that arrive meanwhile are held in order and fed
 after the replay; duplicates are harmless because ingest ignores them. nats-py runs one
 subscription's callbacks one at a time, so the live path needs no lock.
 
@@ -34,8 +34,8 @@ from nats.errors import SlowConsumerError
 from nats.errors import TimeoutError as NatsTimeout
 
 from index.codec import AllBlocksCleared, CodecError, DecodedBatch, EventBatch, decode, encode
+from index.gapfill import GapFillMessage, GapFillRequest
 from index.ingest import EventIngest, IngestResult, SeqStatus
-from index.replay import ReplayMessage, ReplayRequest
 from index.wire import (
     DEFAULT_PREFIX,
     DP_RANK_HEADER,
@@ -328,7 +328,7 @@ class EventSync:
                 return
             ingest = worker.pool.ingest
             before = last_seq(ingest, worker_id)
-            replied = await self._replay(worker_id, from_seq)
+            replied = await self._gap_fill(worker_id, from_seq)
             # No await from here to the end of the feed: live batches cannot interleave.
             worker = self.registry.source(worker_id)
             if worker is None:
@@ -376,7 +376,7 @@ class EventSync:
 
     @staticmethod
     def _new_empty_life(
-        ingest: EventIngest, worker_id: str, end: ReplayMessage, batches: list[tuple[int, bytes]]
+        ingest: EventIngest, worker_id: str, end: GapFillMessage, batches: list[tuple[int, bytes]]
     ) -> bool:
         """Whether the agent's answer vouches for an engine life with no batch yet: only
         ``end`` (seq -1) under another epoch than the one the router knows (a worker
@@ -393,7 +393,7 @@ class EventSync:
             and ingest.epoch(worker_id) not in (None, end.epoch)
         )
 
-    async def _replay(self, worker_id: str, from_seq: int) -> bool:
+    async def _gap_fill(self, worker_id: str, from_seq: int) -> bool:
         """Fetch and apply batches from ``from_seq`` (or a dump); False if no full answer."""
         nc = self._nc
         assert nc is not None
@@ -416,14 +416,14 @@ class EventSync:
             inbox = nc.new_inbox()
             sub = await nc.subscribe(inbox)
             try:
-                subject = self.subjects.replay(worker_id)
-                await nc.publish(subject, ReplayRequest(from_seq).encode(), reply=inbox)
+                subject = self.subjects.gap_fill(worker_id)
+                await nc.publish(subject, GapFillRequest(from_seq).encode(), reply=inbox)
                 while True:
                     msg = await sub.next_msg(timeout=self.replay_timeout)
                     if msg.headers and msg.headers.get("Status") == "503":
                         self.counts["replay_no_responders"] += 1
                         return False
-                    m = ReplayMessage.decode(msg.data)
+                    m = GapFillMessage.decode(msg.data)
                     if m.kind == "batch":
                         self.counts["replayed_batches"] += 1
                         batches.append((m.seq, m.payload))

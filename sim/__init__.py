@@ -4,7 +4,7 @@
 simulator, per policy), not the gap-fill protocol nor an engine's replay socket.
 
     simulator, batch_engine, cache, request   discrete-event replay of a trace
-    replay, report                            ``cache-router replay``; per-policy numbers
+    trace_replay, report                      ``cache-router replay``; per-policy numbers
     traces, synth, gen_trace                  trace formats; synthetic traces
     workload                                  a multi-turn chat workload over any OpenAI endpoint
     mock_engine                               ``cache-router mock-engine``: one vLLM-like server

@@ -4,7 +4,7 @@ A real HTTP server on a loopback port speaking the OpenAI completions/chat API (
 included, ``usage.prompt_tokens_details.cached_tokens`` reported), with a paged prefix
 cache keyed by the engine's *own* block hashes, publishing KV events on a real NATS
 exactly as the node agent does (msgpack batch from ``index.codec.encode``, ``Kv-Seq``
-and ``Kv-Epoch`` headers) and answering ``kv.replay.<id>`` per ``index/replay.py``.
+and ``Kv-Epoch`` headers) and answering ``kv.replay.<id>`` per ``index/gapfill.py``.
 It tokenizes with the router's tokenizer classes, as a real engine uses the model's.
 """
 
@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from index.codec import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, encode
-from index.replay import ReplayMessage, ReplayRequest
+from index.gapfill import GapFillMessage, GapFillRequest
 from index.wire import DEFAULT_PREFIX, EPOCH_HEADER, SEQ_HEADER, Subjects
 from router.natsd import free_port
 from router.tokenize import FallbackTokenizer, Tokenizer
@@ -137,7 +137,7 @@ class EngineDouble:
     async def start(self) -> EngineDouble:
         if self.nats_url:
             self.nc = await nats.connect(self.nats_url)
-            await self.nc.subscribe(self.subjects.replay(self.worker_id), cb=self._on_replay)
+            await self.nc.subscribe(self.subjects.gap_fill(self.worker_id), cb=self._on_replay)
         await self.served.start()
         return self
 
@@ -224,7 +224,7 @@ class EngineDouble:
 
     async def _on_replay(self, msg: Msg) -> None:
         assert self.nc is not None
-        req = ReplayRequest.decode(msg.data)
+        req = GapFillRequest.decode(msg.data)
         first = self.ring[0][0] if self.ring else self.seq + 1
         dump = req.from_seq < first
         if dump:
@@ -233,12 +233,12 @@ class EngineDouble:
                 for h in sorted(self.cache, key=self._depth)  # parents first
             ]
             payload = encode(EventBatch(time.time(), events, None))
-            await self.nc.publish(msg.reply, ReplayMessage("dump", self.seq, payload).encode())
+            await self.nc.publish(msg.reply, GapFillMessage("dump", self.seq, payload).encode())
         else:
             for seq, payload in self.ring:
                 if seq >= req.from_seq:
-                    await self.nc.publish(msg.reply, ReplayMessage("batch", seq, payload).encode())
-        end = ReplayMessage("end", self.seq, epoch=self.epoch, dump=dump)
+                    await self.nc.publish(msg.reply, GapFillMessage("batch", seq, payload).encode())
+        end = GapFillMessage("end", self.seq, epoch=self.epoch, dump=dump)
         await self.nc.publish(msg.reply, end.encode())
         await self.nc.flush()
 

@@ -1,6 +1,6 @@
 """The node agent end to end: mock engine -> ZMQ -> agent -> real nats-server -> a
 router-side subscriber that applies batches with ``EventIngest`` and asks the agent for
-replays or dumps over NATS, as ``index/replay.py`` says."""
+replays or dumps over NATS, as ``index/gapfill.py`` says."""
 
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ from router_double import until as wait_until
 from agent.node import AgentConfig, NodeAgent
 from index import codec
 from index.codec import BlockStored, EventBatch, decode, encode
+from index.gapfill import GapFillMessage, GapFillRequest
 from index.hashing import BlockHasher
 from index.ingest import EventIngest, SeqStatus
 from index.prefix_index import PrefixIndex
-from index.replay import ReplayMessage, ReplayRequest
 from router.natsd import EmbeddedNats, free_port, free_ports
 from sim.mock_engine import MockEngine, MockEngineConfig
 from sim.mock_publisher import KvEventPublisher, wire_hash
@@ -98,18 +98,18 @@ class RouterSide:
             return
         result = self.ingest.apply(self.worker, seq, msg.data, epoch=epoch)
         if result.status in (SeqStatus.GAP, SeqStatus.MALFORMED):
-            await self.replay(result.expected_seq or 0)
+            await self.gap_fill(result.expected_seq or 0)
             self.ingest.apply(self.worker, seq, msg.data, epoch=epoch)
 
-    async def replay(self, from_seq: int) -> ReplayMessage:
+    async def gap_fill(self, from_seq: int) -> GapFillMessage:
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox)
         await self.nc.publish(
-            f"kv.replay.{self.worker}", ReplayRequest(from_seq).encode(), reply=inbox
+            f"kv.replay.{self.worker}", GapFillRequest(from_seq).encode(), reply=inbox
         )
         msgs = []
         while True:
-            m = ReplayMessage.decode((await sub.next_msg(timeout=5)).data)
+            m = GapFillMessage.decode((await sub.next_msg(timeout=5)).data)
             if m.kind == "end":
                 break
             msgs.append(m)
@@ -342,7 +342,7 @@ async def test_agent_started_late_catches_up_from_the_engine_replay(
             assert engine.publisher is not None
             await until(lambda: agent.core.last_seq == engine.publisher.seq - 1, what="catch-up")
             side = await RouterSide(nc, "w-late").start()
-            end = await side.replay(0)
+            end = await side.gap_fill(0)
             assert not end.dump and end.seq == engine.publisher.seq - 1
             side.assert_matches(engine, PROMPTS[:5])
 
@@ -391,7 +391,7 @@ async def test_hints_that_cannot_be_delivered_are_counted(nats_url: str, nc: NAT
         await until(lambda: agent.stats()["prefetch_undelivered"] == 1, what="undelivered")
         stats = agent.stats()
     assert stats["prefetch_received"] == 3 and stats["prefetch_malformed"] == 2
-    assert stats["bad_replay_requests"] == 1 and ReplayMessage.decode(reply.data).kind == "end"
+    assert stats["bad_replay_requests"] == 1 and GapFillMessage.decode(reply.data).kind == "end"
     assert orjson.loads(blocks.data) == {"token_ids": []}
     assert stats["load_scrape_failed"] >= 1
 

@@ -25,10 +25,10 @@ from index.codec import (
     decode,
     encode,
 )
+from index.gapfill import GapFillMessage
 from index.hashing import BlockHasher
 from index.ingest import EventIngest
 from index.prefix_index import PrefixIndex
-from index.replay import ReplayMessage
 from sim.cache import PrefixCache
 
 BS = 4
@@ -43,7 +43,7 @@ def stored(hashes: list[int], parent: int | None, first_token: int = 1) -> Block
     return BlockStored(hashes, parent, tokens, BS, medium="GPU")
 
 
-def apply_replay(ingest: EventIngest, worker: str, msgs: list[ReplayMessage]) -> None:
+def apply_replay(ingest: EventIngest, worker: str, msgs: list[GapFillMessage]) -> None:
     """What a router does with an agent's reply stream."""
     end = msgs[-1]
     assert end.kind == "end"
@@ -106,7 +106,7 @@ def test_lost_batches_are_counted_and_make_dumps_incomplete() -> None:
     core.accept(0, batch(stored([10], None)))
     core.accept(3, batch(stored([20], None)))
     assert core.counters["lost_batches"] == 2 and not core.complete
-    msgs = core.replay(0)  # the ring has a hole: only a dump can answer
+    msgs = core.gap_fill(0)  # the ring has a hole: only a dump can answer
     assert msgs[-1].dump and core.counters["incomplete_dumps"] == 1
 
 
@@ -117,14 +117,14 @@ def test_undecodable_batch_is_not_published_and_forces_a_dump() -> None:
     core.accept(2, batch(stored([11], 10, first_token=50)))
     assert core.counters["bad_payloads"] == 1
     assert core.classify(1, b"\xc1 not msgpack") is Verdict.DUPLICATE  # kept as a hole
-    assert core.replay(2)[0].kind == "batch"
-    msgs = core.replay(1)
+    assert core.gap_fill(2)[0].kind == "batch"
+    msgs = core.gap_fill(1)
     assert [m.kind for m in msgs] == ["dump", "end"] and msgs[-1].seq == 2
 
 
 def test_replay_before_any_batch_is_an_empty_end() -> None:
     core = AgentCore(4, epoch_factory=lambda: "e")
-    msgs = core.replay(0)
+    msgs = core.gap_fill(0)
     assert len(msgs) == 1 and (msgs[0].kind, msgs[0].seq, msgs[0].epoch) == ("end", -1, "e")
 
 
@@ -138,10 +138,10 @@ def test_replay_batches_then_dump_once_the_ring_moved_on() -> None:
     ]
     for seq, p in enumerate(payloads):
         core.accept(seq, p)
-    msgs = core.replay(2)
+    msgs = core.gap_fill(2)
     assert [(m.kind, m.seq) for m in msgs] == [("batch", 2), ("batch", 3), ("end", 3)]
     assert not msgs[-1].dump
-    msgs = core.replay(0)  # seq 0 left the 3-batch ring
+    msgs = core.gap_fill(0)  # seq 0 left the 3-batch ring
     assert msgs[-1].dump and msgs[-1].seq == 3 and msgs[-1].epoch == core.epoch
     # A router that loads the dump knows exactly what one that saw every batch knows.
     hasher = BlockHasher(BS)
@@ -155,7 +155,7 @@ def test_replay_batches_then_dump_once_the_ring_moved_on() -> None:
     assert dumped.in_sync("w") and dumped.last_seq("w") == 3
     later = batch(stored([5], 4, first_token=300))
     assert dumped.apply("w", 4, later).status.value == "ok"
-    assert core.replay(9)[-1].dump  # a seq this epoch never reached: another life
+    assert core.gap_fill(9)[-1].dump  # a seq this epoch never reached: another life
 
 
 # -- the mirror -------------------------------------------------------------------------
@@ -197,7 +197,7 @@ def test_dump_keeps_extra_keys_salts_and_loras() -> None:
         core.accept(seq, p)
         live.apply("w", seq, p)
     dumped = EventIngest(PrefixIndex(), hasher)
-    apply_replay(dumped, "w", core.replay(0))
+    apply_replay(dumped, "w", core.gap_fill(0))
     assert dumped.engine_blocks("w") == live.engine_blocks("w")
     assert len(set(live.engine_blocks("w").values())) == 7  # salt and LoRA changed hashes
 
@@ -241,7 +241,7 @@ def test_mirror_and_dump_track_the_engine_cache(
         assert core.mirror.hashes("GPU") == cache.gpu_hashes()
         assert core.mirror.hashes("CPU") == cache.host_hashes()
     dumped = EventIngest(PrefixIndex(), hasher)
-    msgs = core.replay(0)
+    msgs = core.gap_fill(0)
     assert msgs[-1].dump == (seq > ring)  # batches while the ring still has seq 0
     apply_replay(dumped, "w", msgs)
     assert dumped.in_sync("w")

@@ -43,7 +43,7 @@ def test_dump_and_replay_of_sha256_hashes_rebuild_the_same_router_view() -> None
     for seq, p in enumerate(batches):
         core.accept(seq, p)
         live.apply("w", seq, p)
-    msgs = core.replay(0)
+    msgs = core.gap_fill(0)
     assert msgs[-1].kind == "end" and msgs[-1].dump
     dumped = EventIngest(PrefixIndex(), hasher)
     chunks = [decode(m.payload) for m in msgs if m.kind == "dump"]

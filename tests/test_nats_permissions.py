@@ -15,7 +15,7 @@ import yaml
 from router_double import Served, until
 
 from index.codec import BlockStored, EventBatch, encode
-from index.replay import ReplayMessage
+from index.gapfill import GapFillMessage
 from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
 from router.natsd import EmbeddedNats
@@ -70,7 +70,7 @@ async def test_a_router_with_the_router_user_reads_the_event_stream(server: Embe
     agent = await connect(server.url, AGENT0, errors)
 
     async def on_replay(msg: Any) -> None:  # what the agent answers: nothing newer than 0
-        await agent.publish(msg.reply, ReplayMessage("end", 0, epoch="e1").encode())
+        await agent.publish(msg.reply, GapFillMessage("end", 0, epoch="e1").encode())
 
     await agent.subscribe("kv.replay.engine-0", cb=on_replay)
     cfg = RouterConfig(
@@ -187,7 +187,7 @@ async def test_a_region_router_reads_its_clusters_stream(server: EmbeddedNats) -
     agent = await connect(server.url, AGENT_A0, errors)
 
     async def on_replay(msg: Any) -> None:
-        await agent.publish(msg.reply, ReplayMessage("end", 0, epoch="e1").encode())
+        await agent.publish(msg.reply, GapFillMessage("end", 0, epoch="e1").encode())
 
     await agent.subscribe("cluster-a.replay.a-engine-0", cb=on_replay)
     cfg = RouterConfig(

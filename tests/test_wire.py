@@ -9,7 +9,7 @@ def test_subjects_are_the_documented_strings() -> None:
     s = Subjects()
     assert DEFAULT_PREFIX == "kv"
     assert s.events("w0") == "kv.events.w0" and s.all_events == "kv.events.>"
-    assert s.replay("w0") == "kv.replay.w0"
+    assert s.gap_fill("w0") == "kv.replay.w0"
     assert s.load("w0") == "kv.load.w0" and s.all_loads == "kv.load.*"
     assert s.prefetch("w0") == "kv.prefetch.w0"
     assert s.blocks("w0") == "kv.blocks.w0"
@@ -19,3 +19,15 @@ def test_subjects_are_the_documented_strings() -> None:
 
 def test_headers_are_the_documented_names() -> None:
     assert (SEQ_HEADER, EPOCH_HEADER, DP_RANK_HEADER) == ("Kv-Seq", "Kv-Epoch", "Kv-Dp-Rank")
+
+
+def test_the_old_module_paths_still_import() -> None:
+    """``replay`` was three things; the modules are named apart now, the old paths stay."""
+    from index import gapfill, replay
+    from sim import trace_replay
+    from sim import replay as sim_replay
+
+    assert replay.ReplayRequest is gapfill.GapFillRequest
+    assert replay.ReplayMessage is gapfill.GapFillMessage
+    assert sim_replay.replay_trace is trace_replay.replay_trace
+    assert sim_replay.run is trace_replay.run
