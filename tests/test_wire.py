@@ -24,8 +24,8 @@ def test_headers_are_the_documented_names() -> None:
 def test_the_old_module_paths_still_import() -> None:
     """``replay`` was three things; the modules are named apart now, the old paths stay."""
     from index import gapfill, replay
-    from sim import trace_replay
     from sim import replay as sim_replay
+    from sim import trace_replay
 
     assert replay.ReplayRequest is gapfill.GapFillRequest
     assert replay.ReplayMessage is gapfill.GapFillMessage
