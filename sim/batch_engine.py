@@ -46,6 +46,10 @@ class BatchEngine:
         max_num_seqs: int = 256,
     ) -> None:
         self.worker_id = worker_id
+        # what the router's index calls this engine's events: the engine itself, or (a
+        # router blind to DP ranks) its worker with the rank as the seq space
+        self.source = worker_id
+        self.dp_rank: int | None = None
         self.cache = cache
         self.costs = costs
         self.hooks = hooks

@@ -58,6 +58,9 @@ def summarize(sim: Simulation, wall_s: float) -> PolicyReport:
         r.est_prefill > max(r.input_len - r.best_hit_blocks * bs, 1) for r in sim.requests
     )
     counters = sim.counters
+    # promised more than the engine delivered: the index's view was false for this request
+    # (lag, a rank it could not tell apart, a KV-cache group it did not know)
+    over = [r for r in served if r.promised_blocks > r.hit_gpu_blocks + r.hit_host_blocks]
     return {
         "policy": sim.policy.name,
         "requests": len(sim.requests),
@@ -68,6 +71,12 @@ def summarize(sim: Simulation, wall_s: float) -> PolicyReport:
         # Had every request gone to its best-matching worker (as the index saw it):
         # ideal - this = lost to eviction and event lag; this - hit_rate = lost by routing.
         "hit_rate_best_worker": sum(r.best_hit_blocks for r in served) * bs / tokens_in,
+        "promised_hit_rate": sum(r.promised_blocks for r in served) * bs / tokens_in,
+        "overpromised_share": len(over) / len(served) if served else 0.0,
+        "overpromised_tokens": sum(
+            r.promised_blocks - r.hit_gpu_blocks - r.hit_host_blocks for r in over
+        )
+        * bs,
         "ttft_mean_ms": float(ttft.mean()),
         "ttft_p50_ms": float(p50),
         "ttft_p90_ms": float(p90),

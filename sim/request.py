@@ -26,6 +26,7 @@ class SimRequest:
         "idx",
         "input_len",
         "output_len",
+        "promised_blocks",
         "rid",
         "route",
         "tokens",
@@ -53,6 +54,7 @@ class SimRequest:
         self.worker = -1
         self.est_prefill = 0  # the router's estimate of uncached tokens, for its load count
         self.best_hit_blocks = 0  # the longest match on any worker when it was routed
+        self.promised_blocks = 0  # the hit the router counted on where it sent the request
         self.admit_ms = -1.0  # prefill started (pages allocated)
         self.first_token_ms = -1.0
         self.finish_ms = -1.0

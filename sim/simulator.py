@@ -32,12 +32,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from index.codec import Event, EventBatch, encode
+from index.groups import clip_matches, parse_groups
 from index.hashing import BlockHasher
 from index.ingest import EventIngest, SeqStatus
 from index.prefix_index import PrefixIndex
 from policies import EngineCosts, PrefetchHint, RouteRequest, WorkerView, make_policy
 from policies.base import NO_MATCH
 from policies.cost_model import uncached_tokens
+from router.dp import target_id
 from sim.batch_engine import BatchEngine
 from sim.cache import PrefixCache
 from sim.report import PolicyReport, summarize
@@ -60,6 +62,16 @@ class SimConfig:
     # a disaggregated pool (sim.pd): this many prefill engines, ``workers`` decode engines
     prefill_workers: int = 0
     local_prefill_tokens: int = 0  # the decode engine prefills itself below this
+    # engines with data-parallel ranks, each its own cache; ``dp_aware`` False: a router
+    # that merges the ranks in its index and lets the engine's balancer pick one
+    dp_size: int = 1
+    dp_aware: bool = True
+    # a hybrid model's KV-cache groups (index.groups syntax; group 0 full attention), each
+    # extra group ``group_blocks`` pages (0: l1_blocks); ``groups_aware`` False: a router
+    # that drops the other groups' events (matching full attention alone)
+    kv_groups: str = ""
+    group_blocks: int = 0
+    groups_aware: bool = True
 
 
 class Simulation:
@@ -87,14 +99,30 @@ class Simulation:
         self._tick = itertools.count()
         self.index = PrefixIndex(clock=lambda: self.now / 1000.0)
         self.ingest = EventIngest(self.index, BlockHasher(trace.block_size))
-        n = config.workers
-        self.ids = [f"w{i}" for i in range(n)]
+        groups = parse_groups(config.kv_groups)
+        if groups and groups[0].kind != "full":
+            raise ValueError("kv_groups: group 0 of the simulated engines is full attention")
+        if not 1 <= config.dp_size <= 64:
+            raise ValueError("dp_size must be in [1, 64]")
+        dp = config.dp_size
+        # one engine per (worker, rank); ``targets``: what the router routes to
+        self.ids = [
+            target_id(f"w{i}", r if dp > 1 else None)
+            for i in range(config.workers)
+            for r in range(dp)
+        ]
+        n = len(self.ids)
         self.slot = {wid: i for i, wid in enumerate(self.ids)}
         self.engines = [
             BatchEngine(
                 wid,
                 PrefixCache(
-                    trace.block_size, config.l1_blocks, config.l2_blocks, seed=config.engine_seed
+                    trace.block_size,
+                    config.l1_blocks,
+                    config.l2_blocks,
+                    seed=config.engine_seed,
+                    groups=groups[1:],
+                    group_blocks=config.group_blocks,
                 ),
                 self.costs,
                 self,
@@ -102,8 +130,17 @@ class Simulation:
             )
             for wid in self.ids
         ]
-        for wid in self.ids:
-            self.index.add_worker(wid)
+        self.targets = self.ids
+        if dp > 1 and not config.dp_aware:
+            self.targets = [f"w{i}" for i in range(config.workers)]
+            for k, engine in enumerate(self.engines):
+                engine.source, engine.dp_rank = self.targets[k // dp], k % dp
+        self.target_engines = {
+            t: [k for k, e in enumerate(self.engines) if e.source == t] for t in self.targets
+        }
+        self.strip_groups = bool(groups) and not config.groups_aware
+        for t in self.targets:
+            self.index.add_worker(t)
         # The router's own load counts per worker.
         self.inflight = [0] * n
         self.inflight_prefill = [0] * n
@@ -142,25 +179,38 @@ class Simulation:
 
     # -- router side --------------------------------------------------------------------
     def _views(self, hashes: list[int]) -> list[WorkerView]:
+        """One view per routing target, as ``router.routing.Router.views`` builds them."""
         matches = self.index.match_tiers(hashes)
+        groups = self.ingest.group_specs()
+        if groups is not None and matches:
+            matches = clip_matches(matches, hashes, groups, self.index.holds, self.block_size)
         in_sync = self.ingest.in_sync
         views = []
-        for i, wid in enumerate(self.ids):
-            running, waiting, usage = self.reported[i]
+        for t in self.targets:
+            ks = self.target_engines[t]
+            reported = [self.reported[k] for k in ks]
             views.append(
                 WorkerView.of(
-                    wid,
-                    matches.get(wid, NO_MATCH),
-                    in_sync=in_sync(wid),
-                    inflight_requests=self.inflight[i],
-                    inflight_prefill_tokens=self.inflight_prefill[i],
-                    decode_streams=self.decode_streams[i],
-                    engine_running=running,
-                    engine_waiting=waiting,
-                    kv_usage=usage,
+                    t,
+                    matches.get(t, NO_MATCH),
+                    in_sync=in_sync(t),
+                    inflight_requests=sum(self.inflight[k] for k in ks),
+                    inflight_prefill_tokens=sum(self.inflight_prefill[k] for k in ks),
+                    decode_streams=sum(self.decode_streams[k] for k in ks),
+                    engine_running=sum(r[0] for r in reported),
+                    engine_waiting=sum(r[1] for r in reported),
+                    kv_usage=max(r[2] for r in reported),
                 )
             )
         return views
+
+    def _engine_for(self, target: str) -> int:
+        """The engine a target's request runs on: its own, or the least loaded rank of a
+        worker whose ranks the router cannot tell apart (vLLM's internal balancer)."""
+        ks = self.target_engines[target]
+        if len(ks) == 1:
+            return ks[0]
+        return min(ks, key=lambda k: (self.engines[k].running + self.engines[k].num_waiting, k))
 
     def _arrive(self, i: int) -> None:
         tr = self.trace.requests[i]
@@ -188,9 +238,11 @@ class Simulation:
         views = self._views(hashes)
         decision = self.policy.select(route, views)
         self.route_us.append((time.perf_counter() - start) * 1e6)
-        w = self.slot[decision.worker_id]
+        w = self._engine_for(decision.worker_id)
         req.worker = w
-        req.est_prefill = uncached_tokens(tr.input_len, views[w].match.total, self.block_size)
+        chosen = next(v for v in views if v.worker_id == decision.worker_id)
+        req.est_prefill = uncached_tokens(tr.input_len, chosen.match.total, self.block_size)
+        req.promised_blocks = min(chosen.match.total, max(0, (tr.input_len - 1) // self.block_size))
         req.best_hit_blocks = min(
             max(v.match.total for v in views), max(0, (tr.input_len - 1) // self.block_size)
         )
@@ -266,21 +318,26 @@ class Simulation:
         self._close(req)
 
     def _close(self, req: SimRequest) -> None:
-        self.policy.on_finish(req.route, self.ids[req.worker])
+        self.policy.on_finish(req.route, self.engines[req.worker].source)
         req.tokens = None  # type: ignore[assignment]  # free the prompt; metrics stay
         self.done += 1
         if self.progress is not None:
             self.progress(self.done)
 
     def publish(self, engine: BatchEngine, events: list[Event], now: float) -> None:
+        if getattr(self, "strip_groups", False):  # a router blind to the other groups
+            events = [e for e in events if not getattr(e, "group_idx", None)]
         payload = encode(EventBatch(ts=now / 1000.0, events=events))
         seq = engine.seq
         engine.seq += 1
         self.counters["event_batches"] += 1
-        self.at(now + self.config.event_lag_ms, self._deliver, engine.worker_id, seq, payload)
+        lag = now + self.config.event_lag_ms
+        self.at(lag, self._deliver, engine.source, seq, payload, engine.dp_rank)
 
-    def _deliver(self, worker_id: str, seq: int, payload: bytes) -> None:
-        result = self.ingest.apply(worker_id, seq, payload)
+    def _deliver(
+        self, worker_id: str, seq: int, payload: bytes, dp_rank: int | None = None
+    ) -> None:
+        result = self.ingest.apply(worker_id, seq, payload, dp_rank=dp_rank)
         if result.status is not SeqStatus.OK:
             self.counters[f"ingest_{result.status.value}"] += 1
         for name, count in result.errors.items():

@@ -20,6 +20,7 @@ from typing import Any
 
 import orjson
 
+from index.groups import parse_groups
 from policies import POLICY_NAMES, EngineCosts
 from sim.pd import PD_RULES, PdSimulation, parse_rule
 from sim.report import PolicyReport, write_json
@@ -43,6 +44,7 @@ _TABLE = (
     ("prefill_load_max_over_mean", "load max/mean", "{:.2f}"),
     ("prefetch_tokens", "prefetch tok", "{}"),
     ("cache_loss", "loss", "{:.3f}"),
+    ("overpromised_share", "over-promised", "{:.3f}"),
 )
 _PD_TABLE = (
     ("policy", "PD rule", "{}"),
@@ -101,6 +103,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a disaggregated pool (sim/pd.py): this many prefill engines and --workers "
         "decode engines; --policies are then PD rules, PREFILL+DECODE or one of "
         f"{', '.join(PD_RULES)} (default: those)",
+    )
+    parser.add_argument(
+        "--dp-size", type=int, default=1, help="data-parallel ranks per engine, each its own cache"
+    )
+    parser.add_argument(
+        "--kv-groups",
+        default="",
+        help='a hybrid model\'s KV-cache groups, e.g. "full,sliding_window:4096,mamba"',
+    )
+    parser.add_argument(
+        "--group-blocks",
+        type=int,
+        default=0,
+        help="pages of each KV-cache group past the first (0: --l1-blocks)",
+    )
+    parser.add_argument(
+        "--blind",
+        choices=("dp", "groups"),
+        help="also run each policy behind a router blind to DP ranks (merged in the index, "
+        "the engine picks the rank) or to the KV-cache groups (full attention matched "
+        "alone), reported as 'POLICY (dp-blind)' / 'POLICY (groups-blind)'",
     )
     parser.add_argument(
         "--local-prefill-tokens",
@@ -168,6 +191,20 @@ def _check(args: argparse.Namespace) -> list[str] | str:
         return "no policy to run"
     if args.workers < 1:
         return "--workers must be >= 1"
+    if not 1 <= args.dp_size <= 64 or args.group_blocks < 0:
+        return "--dp-size must be in [1, 64], --group-blocks >= 0"
+    try:
+        groups = parse_groups(args.kv_groups)
+    except ValueError as exc:
+        return f"--kv-groups: {exc}"
+    if groups and groups[0].kind != "full":
+        return "--kv-groups: group 0 must be full attention"
+    if args.blind == "dp" and args.dp_size < 2:
+        return "--blind dp needs --dp-size >= 2"
+    if args.blind == "groups" and len(groups) < 2:
+        return "--blind groups needs --kv-groups with two or more groups"
+    if args.prefill_workers and (args.blind or args.dp_size > 1 or groups):
+        return "--prefill-workers runs without --dp-size, --kv-groups or --blind"
     if args.block_size < 1 or args.l1_blocks < 1 or args.l2_blocks < 0:
         return "--block-size and --l1-blocks must be >= 1, --l2-blocks >= 0"
     if args.limit is not None and args.limit < 1:
@@ -178,6 +215,13 @@ def _check(args: argparse.Namespace) -> list[str] | str:
         except ImportError:
             return "--plot needs matplotlib: pip install 'cache-router[plot]'"
     return policies
+
+
+def blind_config(config: SimConfig, blind: str) -> SimConfig:
+    """The same pool behind a router blind to DP ranks or to the KV-cache groups."""
+    if blind == "dp":
+        return dataclasses.replace(config, dp_aware=False)
+    return dataclasses.replace(config, groups_aware=False)
 
 
 def _simulate(k: int, policy: str, config: SimConfig) -> PolicyReport:
@@ -192,6 +236,10 @@ def _simulate(k: int, policy: str, config: SimConfig) -> PolicyReport:
 
     simulation = PdSimulation if config.prefill_workers else Simulation
     report = simulation(_TRACE, policy, config, progress=progress).run()
+    if not config.dp_aware:
+        report["policy"] = f"{report['policy']} (dp-blind)"
+    elif not config.groups_aware:
+        report["policy"] = f"{report['policy']} (groups-blind)"
     if _PROGRESS is not None:
         _PROGRESS[k] = len(_TRACE.requests)
     return report
@@ -208,22 +256,32 @@ def _bar(counts: Any, total: int, started: float) -> None:
 
 
 def replay_trace(
-    trace: Trace, policies: list[str], config: SimConfig, *, jobs: int | None = None
+    trace: Trace,
+    policies: list[str],
+    config: SimConfig,
+    *,
+    jobs: int | None = None,
+    blind: str | None = None,
 ) -> list[PolicyReport]:
-    """Run each policy over ``trace``, in parallel processes; reports in ``policies`` order."""
+    """Run each policy over ``trace``, in parallel processes; reports in ``policies`` order
+    (with ``blind``, each followed by its run behind the blind router)."""
     global _TRACE, _PROGRESS
+    runs = [(p, config) for p in policies]
+    if blind is not None:
+        other = blind_config(config, blind)
+        runs = [r for p in policies for r in ((p, config), (p, other))]
     jobs = min(len(policies), jobs or os.cpu_count() or 1)
     show = sys.stderr.isatty()
     ctx = mp.get_context("fork")
     _TRACE = trace
-    _PROGRESS = ctx.Array("q", len(policies), lock=False) if show else None
-    total = len(trace.requests) * len(policies)
+    _PROGRESS = ctx.Array("q", len(runs), lock=False) if show else None
+    total = len(trace.requests) * len(runs)
     started = time.monotonic()
     try:
         if jobs <= 1:
-            return [_simulate(k, p, config) for k, p in enumerate(policies)]
+            return [_simulate(k, p, c) for k, (p, c) in enumerate(runs)]
         with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-            futures = [pool.submit(_simulate, k, p, config) for k, p in enumerate(policies)]
+            futures = [pool.submit(_simulate, k, p, c) for k, (p, c) in enumerate(runs)]
             pending = set(futures)
             while pending:
                 _, pending = cf.wait(pending, timeout=0.5)
@@ -308,13 +366,20 @@ def run(args: argparse.Namespace) -> int:
         costs=costs,
         prefill_workers=args.prefill_workers,
         local_prefill_tokens=args.local_prefill_tokens,
+        dp_size=args.dp_size,
+        kv_groups=args.kv_groups,
+        group_blocks=args.group_blocks,
     )
-    results = replay_trace(trace, policies, config, jobs=args.jobs)
+    results = replay_trace(trace, policies, config, jobs=args.jobs, blind=args.blind)
     result = {
         "trace": str(args.trace),
         "workers": args.workers,
         "prefill_workers": args.prefill_workers,
         "local_prefill_tokens": args.local_prefill_tokens,
+        "dp_size": args.dp_size,
+        "kv_groups": args.kv_groups,
+        "group_blocks": args.group_blocks,
+        "blind": args.blind,
         "requests": len(trace.requests),
         "block_size": args.block_size,
         "l1_blocks": args.l1_blocks,
