@@ -28,6 +28,7 @@ from index.groups import parse_groups
 from router.config import RouterConfig, WorkerSpec, pool_roles_error, role_error
 from router.dp import DpField, split_target, target_ids
 from router.load import WorkerLoad, parse_engine_metrics
+from router.lora import MODELS_EVERY, LoraSlots, parse_lora_info
 from router.pools import Pool
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class Worker:
     """One engine endpoint as the router knows it."""
 
     __slots__ = (
+        "base_models",
         "bootstrap_port",
         "breaker_until",
         "dp_field",
@@ -49,6 +51,7 @@ class Worker:
         "id",
         "last_error",
         "load",
+        "lora",
         "models",
         "ok_streak",
         "pool",
@@ -63,6 +66,9 @@ class Worker:
         self.id = spec.id
         self.url = spec.url
         self.models: set[str] = {spec.model} if spec.model else set()
+        # what the config says it serves: adapters it lists are added (router/lora.py)
+        self.base_models = frozenset(self.models)
+        self.lora: LoraSlots | None = None  # its adapter slots, when it reports them
         self.pool = pool
         self.role = spec.role  # "mixed", or one side of a disaggregated pool (router.pd)
         self.bootstrap_port = spec.bootstrap_port
@@ -218,6 +224,9 @@ class WorkerRegistry:
         base = self.adapters.get(model)
         if not known and base is not None:
             known = [w for w in self._workers.values() if base in w.models]
+            # no engine has the adapter loaded: those with a free adapter slot first
+            free = [w for w in known if w.lora is not None and w.lora.can_take(model)]
+            known = free or known
         return known or [w for w in self._workers.values() if not w.models]
 
     def lora_name(self, model: str) -> str | None:
@@ -294,20 +303,26 @@ class WorkerRegistry:
                 hook(worker)
         timeout = self.cfg.health_timeout
         try:
-            if not worker.models:
+            if not worker.models or worker.ok_streak % MODELS_EVERY == 0:
+                # again every few checks: the adapters an engine has loaded change
                 resp = await client.get(worker.url + "/v1/models", timeout=timeout)
                 cards = [m for m in resp.json().get("data", []) if isinstance(m, dict)]
                 ids = {str(m["id"]) for m in cards}
                 if ids and worker.id in self._workers:
-                    worker.models = ids
+                    base = worker.base_models
+                    adapters = set()
                     for m in cards:
                         parent = m.get("parent")
                         if isinstance(parent, str) and parent and parent != str(m["id"]):
                             self.adapters.setdefault(str(m["id"]), parent)
+                            if parent in base:
+                                adapters.add(str(m["id"]))
+                    worker.models = set(base | adapters) if base else ids
             if worker.load.engine_fresh(self.cfg.load_stale_after) is None:
                 resp = await client.get(worker.url + "/metrics", timeout=timeout)
                 if resp.status_code == 200:
                     worker.load.report(parse_engine_metrics(resp.text))
+                    worker.lora = parse_lora_info(resp.text)
         except (httpx.HTTPError, ValueError, AttributeError, KeyError) as exc:
             log.debug("worker %s: discovery/scrape failed: %s", worker.id, exc)
 

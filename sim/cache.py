@@ -52,6 +52,14 @@ def engine_block_hashes(
     return out
 
 
+def lora_root(lora: str | None) -> int | None:
+    """Where an adapter's chain starts: its blocks never share a hash with the base model's
+    (vLLM puts the adapter in every block's extra keys)."""
+    if not lora:
+        return None
+    return int.from_bytes(blake2b(b"lora\0" + lora.encode(), digest_size=8).digest(), "little")
+
+
 def _as_list(tokens: Sequence[int]) -> list[int]:
     """Event payloads need plain ints; ``array('I')`` converts fastest with ``tolist``."""
     return tokens.tolist() if isinstance(tokens, array) else list(tokens)
@@ -66,23 +74,30 @@ class Allocation:
     new_blocks: int  # pages reserved for the rest of the prompt and ``reserve_tokens``
 
 
+_Record = tuple[int, int | None, Sequence[int], str | None]
+
+
 class _Block:
     """One cached page. ``tokens`` is kept only with a host tier (demotion re-emits them)."""
 
-    __slots__ = ("parent", "ref", "tokens")
+    __slots__ = ("lora", "parent", "ref", "tokens")
 
-    def __init__(self, parent: int | None, tokens: Sequence[int] | None) -> None:
+    def __init__(
+        self, parent: int | None, tokens: Sequence[int] | None, lora: str | None = None
+    ) -> None:
         self.parent = parent
         self.tokens = tokens
+        self.lora = lora  # the adapter the block was computed with (its events name it)
         self.ref = 0
 
 
 class _Request:
-    __slots__ = ("committed", "hashes", "pinned", "private", "tokens")
+    __slots__ = ("committed", "hashes", "lora", "pinned", "private", "tokens")
 
-    def __init__(self, hashes: list[int], tokens: Sequence[int]) -> None:
+    def __init__(self, hashes: list[int], tokens: Sequence[int], lora: str | None) -> None:
         self.hashes = hashes
         self.tokens = tokens
+        self.lora = lora
         self.pinned: list[int] = []  # cached blocks this request references, in order
         self.committed = 0  # leading prompt blocks that are cached (hit or computed)
         self.private = 0  # pages owned by the request alone (uncached or partial)
@@ -127,12 +142,13 @@ class PrefixCache:
         self._requests: dict[str, _Request] = {}
         self._events: list[Event] = []
         # Changes of the operation under way, turned into few events by ``_flush``.
-        self._stored: dict[str, list[tuple[int, int | None, Sequence[int]]]] = {CPU: [], GPU: []}
+        # (hash, parent, tokens, adapter) per stored block
+        self._stored: dict[str, list[_Record]] = {CPU: [], GPU: []}
         self._removed: dict[str, list[int]] = {CPU: [], GPU: []}
 
     # -- read-only ---------------------------------------------------------------
-    def hash_blocks(self, token_ids: Sequence[int]) -> list[int]:
-        return engine_block_hashes(token_ids, self.block_size, self.seed)
+    def hash_blocks(self, token_ids: Sequence[int], lora: str | None = None) -> list[int]:
+        return engine_block_hashes(token_ids, self.block_size, self.seed, lora_root(lora))
 
     @property
     def gpu_used(self) -> int:
@@ -181,6 +197,7 @@ class PrefixCache:
         *,
         block_hashes: Sequence[int] | None = None,
         reserve_tokens: int = 0,
+        lora: str | None = None,
     ) -> Allocation | None:
         """Pin the prompt's cached prefix and reserve pages for the rest.
 
@@ -196,7 +213,10 @@ class PrefixCache:
         total = self.blocks_needed(n_tokens + reserve_tokens)
         if total > self.gpu_blocks:
             raise CacheFullError(f"request needs {total} pages, the GPU has {self.gpu_blocks}")
-        hashes = list(block_hashes) if block_hashes is not None else self.hash_blocks(token_ids)
+        if block_hashes is not None:
+            hashes = list(block_hashes)
+        else:
+            hashes = self.hash_blocks(token_ids, lora)
         cap = min(len(hashes), max(0, (n_tokens - 1) // bs))
         gpu, lru, host = self._gpu, self._lru, self._host
         lead = 0
@@ -226,7 +246,7 @@ class PrefixCache:
             return None
         if self.extra is not None:
             self.extra.touch(hashes, run)
-        req = _Request(hashes, token_ids)
+        req = _Request(hashes, token_ids, lora)
         # Snapshot host hits first: demotions below may push them out of host memory.
         from_host = [(i, host[hashes[i]]) for i in range(lead, run) if hashes[i] not in gpu]
         for h in hashes[:run]:
@@ -264,7 +284,7 @@ class PrefixCache:
             block = gpu.get(h)
             if block is None:
                 block = gpu[h] = _Block(
-                    parent, None if tokens is None else tokens[i * bs : (i + 1) * bs]
+                    parent, None if tokens is None else tokens[i * bs : (i + 1) * bs], req.lora
                 )
                 block.ref = 1
                 if not stored:
@@ -360,6 +380,7 @@ class PrefixCache:
                 token_ids=_as_list(req.tokens[first * bs : (first + len(stored)) * bs]),
                 block_size=bs,
                 medium=GPU,
+                lora_name=req.lora,
                 **self._group0,
             )
         )
@@ -378,10 +399,12 @@ class PrefixCache:
                 and h not in host
                 and (parent is None or parent in gpu or parent in host)
             ):
-                self._place_host(h, parent, block.tokens)
+                self._place_host(h, parent, block.tokens, block.lora)
             removed.append(h)
 
-    def _place_host(self, h: int, parent: int | None, tokens: Sequence[int] | None) -> bool:
+    def _place_host(
+        self, h: int, parent: int | None, tokens: Sequence[int] | None, lora: str | None = None
+    ) -> bool:
         """Put a block in host memory, evicting the oldest host block when full."""
         host = self._host
         if parent in host:
@@ -389,8 +412,8 @@ class PrefixCache:
         if len(host) >= self.host_blocks:
             old, _block = host.popitem(last=False)
             self._removed[CPU].append(old)
-        host[h] = _Block(parent, tokens)
-        self._stored[CPU].append((h, parent, tokens or ()))
+        host[h] = _Block(parent, tokens, lora)
+        self._stored[CPU].append((h, parent, tokens or (), lora))
         return True
 
     def _place_gpu(self, h: int, parent: int | None, tokens: Sequence[int]) -> bool:
@@ -404,7 +427,7 @@ class PrefixCache:
             self._evict_gpu(1)
         self._gpu[h] = _Block(parent, None)
         lru[h] = None
-        self._stored[GPU].append((h, parent, tokens))
+        self._stored[GPU].append((h, parent, tokens, None))
         return True
 
     def _load(self, req: _Request, from_host: list[tuple[int, _Block]]) -> None:
@@ -413,11 +436,11 @@ class PrefixCache:
         stored = self._stored[GPU]
         for i, src in from_host:
             h = hashes[i]
-            block = gpu[h] = _Block(src.parent, src.tokens)
+            block = gpu[h] = _Block(src.parent, src.tokens, src.lora)
             block.ref = 1
             if h in host:
                 host.move_to_end(h)
-            stored.append((h, src.parent, req.tokens[i * bs : (i + 1) * bs]))
+            stored.append((h, src.parent, req.tokens[i * bs : (i + 1) * bs], src.lora))
 
     def _flush(self) -> None:
         """Events for one operation's changes: stores as chains, then removals.
@@ -440,15 +463,13 @@ class PrefixCache:
                     self._events.append(BlockRemoved(block_hashes=gone, medium=medium))
                 removed.clear()
 
-    def _chains(
-        self, records: list[tuple[int, int | None, Sequence[int]]], medium: str
-    ) -> list[BlockStored]:
+    def _chains(self, records: list[_Record], medium: str) -> list[BlockStored]:
         """Stored blocks as chain events (one per run of parent -> child), parents first."""
         by_hash = {r[0]: r for r in records}
         children: dict[int | None, list[int]] = {}
-        for h, parent, _tokens in by_hash.values():
+        for h, parent, _tokens, _lora in by_hash.values():
             children.setdefault(parent, []).append(h)
-        todo = [h for h, parent, _t in by_hash.values() if parent not in by_hash]
+        todo = [r[0] for r in by_hash.values() if r[1] not in by_hash]
         events: list[BlockStored] = []
         while todo:
             h = todo.pop()
@@ -470,6 +491,7 @@ class PrefixCache:
                     token_ids=tokens,
                     block_size=self.block_size,
                     medium=medium,
+                    lora_name=by_hash[run[0]][3],
                     **self._group0,
                 )
             )

@@ -100,6 +100,10 @@ class MockEngineConfig:
     # attention), each group past the first holding up to group_blocks blocks (sim/hybrid.py)
     kv_groups: str = ""
     group_blocks: int = 0  # 0: gpu_blocks
+    # LoRA adapters loaded (vLLM --lora-modules): listed in /v1/models with the served
+    # model as parent, each request for one cached in the adapter's own prefix space
+    lora_modules: tuple[str, ...] = ()
+    max_loras: int = 4  # vLLM --max-loras, reported in vllm:lora_requests_info
 
 
 _HELP = {
@@ -158,6 +162,8 @@ class _Metrics:
                 counters[name].add_metric(labels, count)
         yield from gauges.values()
         yield from counters.values()
+        if e.cfg.lora_modules and e.cfg.encoding != "sglang":
+            yield e.lora_info()
         if e.cfg.encoding != "sglang":  # vLLM's info gauge: its CacheConfig as labels
             info = GaugeMetricFamily(
                 "vllm:cache_config_info",
@@ -272,6 +278,20 @@ class MockEngine:
     def replay_endpoint(self) -> str | None:
         return self.publisher.replay_endpoint if self.publisher else None
 
+    def lora_info(self) -> GaugeMetricFamily:
+        """vLLM's ``vllm:lora_requests_info``: the adapters of running and waiting requests
+        as labels (what llm-d's adapter affinity reads)."""
+        running = {s.lora for r in self.ranks for s in r.scheduler.running if s.lora}
+        waiting = {s.lora for r in self.ranks for s in r.scheduler.waiting if s.lora}
+        names = ["running_lora_adapters", "waiting_lora_adapters", "max_lora"]
+        g = GaugeMetricFamily(
+            "vllm:lora_requests_info", "Running stats on lora requests.", labels=names
+        )
+        g.add_metric(
+            [",".join(sorted(running)), ",".join(sorted(waiting)), str(self.cfg.max_loras)], 1.0
+        )
+        return g
+
     def pick_rank(self, headers: Any, body: Any) -> Rank:
         """The rank a request runs on: the one the router named (vLLM's
         ``X-data-parallel-rank`` header, SGLang's ``routed_dp_rank`` / ``data_parallel_rank``
@@ -377,7 +397,12 @@ class MockEngine:
                 "parent": None,
                 "max_model_len": self.cfg.max_model_len,
             }
-            return {"object": "list", "data": [card]}
+            # vLLM lists each loaded adapter with the base model as its parent
+            adapters = [
+                {**card, "id": name, "root": f"/adapters/{name}", "parent": self.cfg.model}
+                for name in self.cfg.lora_modules
+            ]
+            return {"object": "list", "data": [card, *adapters]}
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> Response:
@@ -512,9 +537,11 @@ class MockEngine:
         self.traceparents.append(request.headers.get("traceparent"))
         body = await _json(request)
         plan = self.pd.plan(body) if isinstance(body, dict) else Plan("none")
-        p = parse_params(kind, body, self.cfg.model)
+        adapter = body.get("model") if isinstance(body, dict) else None
+        lora = adapter if adapter in self.cfg.lora_modules else None
+        p = parse_params(kind, body, lora or self.cfg.model)
         prompt = self.text.chat(body) if kind == "chat" else self.text.completion(body["prompt"])
-        seq = self._sequence(p, prompt)  # checked before any transfer
+        seq = self._sequence(p, prompt, lora)  # checked before any transfer
         rank = self.pick_rank(request.headers, body)
         sched = rank.scheduler
         await self.pd.receive(
@@ -557,7 +584,7 @@ class MockEngine:
         if seq.error:
             raise RuntimeError(seq.error)  # cuts the stream, as a dying engine does
 
-    def _sequence(self, p: Params, prompt: list[int]) -> Sequence:
+    def _sequence(self, p: Params, prompt: list[int], lora: str | None = None) -> Sequence:
         natural = self.text.natural_length(prompt)
         limit = p.max_tokens
         if limit is not None and (p.ignore_eos or natural > limit):
@@ -577,10 +604,11 @@ class MockEngine:
             raise ApiError(400, f"{total} tokens do not fit in the KV cache", "kv_cache_too_small")
         return Sequence(
             prompt=prompt,
-            hashes=self.cache.hash_blocks(prompt),
+            hashes=self.cache.hash_blocks(prompt, lora),
             max_tokens=n_out,
             pieces=self.text.pieces(prompt, n_out),
             finish_reason=finish,
+            lora=lora,
         )
 
     async def _stream(
@@ -670,6 +698,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=d.block_size)
     parser.add_argument("--gpu-blocks", type=int, default=d.gpu_blocks)
     parser.add_argument(
+        "--lora-modules",
+        nargs="*",
+        default=[],
+        metavar="NAME",
+        help="LoRA adapters served beside --model (listed in /v1/models, own prefix space)",
+    )
+    parser.add_argument(
         "--kv-groups",
         default=d.kv_groups,
         help='a hybrid model\'s KV-cache groups, e.g. "full,sliding_window:64,mamba"',
@@ -742,6 +777,7 @@ def config_from_args(args: argparse.Namespace) -> MockEngineConfig:
         gpu_blocks=args.gpu_blocks,
         dp_size=args.dp_size,
         kv_groups=args.kv_groups,
+        lora_modules=tuple(args.lora_modules),
         group_blocks=args.group_blocks,
         host_blocks=args.host_blocks,
         seed=args.seed,

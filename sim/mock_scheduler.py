@@ -48,6 +48,7 @@ class Sequence:
     max_tokens: int
     pieces: list[str]  # the output text, one piece per token
     finish_reason: str
+    lora: str | None = None  # the LoRA adapter it runs with (its own prefix space)
     id: str = field(default_factory=lambda: f"seq-{next(_ids)}")
     cached_tokens: int = 0
     computed: int = 0  # prompt tokens done (hits included)
@@ -146,7 +147,11 @@ class Scheduler:
             seq = self.waiting[0]
             try:
                 alloc = self.cache.allocate(
-                    seq.id, seq.prompt, block_hashes=seq.hashes, reserve_tokens=seq.max_tokens
+                    seq.id,
+                    seq.prompt,
+                    block_hashes=seq.hashes,
+                    reserve_tokens=seq.max_tokens,
+                    lora=seq.lora,
                 )
             except CacheFullError as exc:
                 self.waiting.popleft()
