@@ -188,7 +188,8 @@ def bench_memory(pairs: int, workers: int, chain: int) -> dict[str, Any]:
         before = rss()
         _, ing = ingest_ours(NativePrefixIndex, batches)
         grown = rss() - before
-        index_bytes, maps_bytes = ing.index.core.bytes()
+        index_bytes = sum(core.bytes()[0] for core in ing.index.cores)
+        maps_bytes = sum(core.bytes()[1] for core in ing.index.cores)
         out["native_heap_bytes_per_pair"] = (index_bytes + maps_bytes) / pairs
         out["native_index_heap_bytes_per_pair"] = index_bytes / pairs
         out["native_rss_bytes_per_pair"] = grown / pairs

@@ -13,12 +13,11 @@ import os
 from index.prefix_index import PrefixIndex
 
 try:
-    from index.native_index import MAX_WORKERS, NativePrefixIndex
+    from index.native_index import NativePrefixIndex
 except ImportError:  # not built
     NativePrefixIndex = None  # type: ignore[assignment,misc]
-    MAX_WORKERS = 0
 
-__all__ = ["IMPLEMENTATIONS", "MAX_WORKERS", "NATIVE", "NativePrefixIndex", "use_native"]
+__all__ = ["IMPLEMENTATIONS", "NATIVE", "NativePrefixIndex", "use_native"]
 
 NATIVE: bool = NativePrefixIndex is not None
 IMPLEMENTATIONS: tuple[type, ...] = (

@@ -18,9 +18,9 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
-from xxhash import xxh3_64_intdigest
-
+from index.backend import NativePrefixIndex
 from index.codec import (
     AllBlocksCleared,
     BlockRemoved,
@@ -32,15 +32,9 @@ from index.codec import (
     decode,
 )
 from index.groups import GroupSpec, group_key, group_kind
-from index.hashing import BlockHasher, event_extras, lora_id_root, token_bytes
+from index.hashing import BlockHasher, event_extras, lora_id_root
 from index.prefix_index import TIERS, PrefixIndex, Tier
 from index.wire import EPOCH_START_SEQ
-
-try:
-    from index._native import Core, ParsedBatch
-    from index.native_index import NativePrefixIndex
-except ImportError:  # the native core is not built
-    NativePrefixIndex = None  # type: ignore[assignment,misc]
 
 _TIER_OF_MEDIUM: dict[str | None, Tier] = {
     None: "gpu",
@@ -57,9 +51,6 @@ _TIER_OF_MEDIUM: dict[str | None, Tier] = {
 }
 _TIER_BIT: dict[Tier, int] = {"gpu": 1, "cpu": 2, "disk": 4, "shared": 8}
 _TIER_NUM = {name: pos for pos, name in enumerate(TIERS)}
-# Seeds the 64-bit key of a bytes engine hash, so it does not equal the int hash with
-# the same value by construction.
-_BYTES_KEY_SEED = 0x62797465735F6B79
 
 
 def tier_of_medium(medium: str | None) -> Tier | None:
@@ -114,13 +105,23 @@ _MAX_CHAIN = 1 << 18  # parents remembered per worker for its groups' events
 class EventIngest:
     """Applies event batches from many workers to one ``PrefixIndex``.
 
-    With a ``NativePrefixIndex`` the per-block work (msgpack decode, rehash, the engine
-    hash map, the worker quota, the index update) is one native call per batch with the
-    GIL released, so a thread can run it beside the event loop; sequence tracking stays
-    here. Batches the native decoder leaves to Python (LoRA, extra keys, cache salt,
-    EAGLE pairs, bytes hashes) are decoded by ``index.codec`` and hashed with
-    ``index.hashing``'s rules, then applied natively in one call as well.
+    This class is the reference: plain Python, sequence rules and per-block work alike.
+    Given a ``NativePrefixIndex`` it builds ``index.native_ingest.NativeEventIngest``
+    instead, the same rules in native code (the ingest tests run against both).
     """
+
+    def __new__(
+        cls, index: PrefixIndex | NativePrefixIndex, *args: Any, **kwargs: Any
+    ) -> EventIngest:
+        if (
+            cls is EventIngest
+            and NativePrefixIndex is not None
+            and isinstance(index, NativePrefixIndex)
+        ):
+            from index.native_ingest import NativeEventIngest
+
+            return super().__new__(NativeEventIngest)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -147,19 +148,12 @@ class EventIngest:
         self.restarts = 0
         self.duplicates = 0
         self._workers: dict[str, _Worker] = {}
-        self._native: NativePrefixIndex | None = None
-        self._core: Core | None = None
-        if NativePrefixIndex is not None and isinstance(index, NativePrefixIndex):
-            self._native, self._core = index, index.core
-            tiers = {m: _TIER_NUM[t] for m, t in _TIER_OF_MEDIUM.items() if m is not None}
-            self._core.configure_events(hasher.block_size, hasher.bigram, hasher.seed, tiers)
-        self._wide: dict[str, dict[int, bytes]] = {}  # per worker: bytes hashes by key
         # KV-cache groups by group_idx: declared (``declare_groups``), completed by what
         # events say of themselves (kind, window, block size)
         self._groups: dict[int, GroupSpec] = {}
         self._declared: dict[int, GroupSpec] = {}
-        # once a batch had events of other groups: decode every batch in Python, since the
-        # native decoder keeps only group 0 (index/native is not changed for this)
+        # once a batch had events of other groups (index.native_ingest: the native decoder
+        # keeps group 0 only, so from then on every batch is decoded in Python)
         self._split_groups = False
 
     # -- KV-cache groups ------------------------------------------------------------
@@ -207,7 +201,7 @@ class EventIngest:
     def native(self) -> bool:
         """Whether batches are applied by the native core (GIL released, whole batch
         under the index's lock: safe to run on a thread beside matches)."""
-        return self._core is not None
+        return False
 
     def mark_out_of_sync(self, worker_id: str) -> None:
         """Batches of ``worker_id`` were lost in transport (detected outside the seq
@@ -225,12 +219,6 @@ class EventIngest:
 
     def engine_blocks(self, worker_id: str) -> dict[EngineHash, int]:
         """Engine hash -> router hash for every block the worker is known to hold."""
-        if self._native is not None and self._core is not None:
-            slot = self._native.slot_of(worker_id)
-            if slot is None:
-                return {}
-            wide = self._wide.get(worker_id, {})
-            return {wide.get(e, e): r for e, r in self._core.engine_blocks(slot).items()}
         w = self._workers.get(worker_id)
         return {} if w is None else {e: v[0] for e, v in w.blocks.items()}
 
@@ -240,12 +228,6 @@ class EventIngest:
         Prefetch hints name blocks in the source engine's terms; this stops at the
         first block the worker is not known to hold.
         """
-        if self._native is not None and self._core is not None:
-            slot = self._native.slot_of(worker_id)
-            if slot is None:
-                return []
-            wide = self._wide.get(worker_id, {})
-            return [wide.get(e, e) for e in self._core.engine_hashes(slot, router_hashes)]
         w = self._workers.get(worker_id)
         out: list[EngineHash] = []
         if w is None:
@@ -274,10 +256,8 @@ class EventIngest:
 
     def remove_worker(self, worker_id: str) -> None:
         w = self._workers.pop(worker_id, None)
-        self._wide.pop(worker_id, None)
         self.index.remove_worker(worker_id)
         for g in w.groups if w is not None else ():
-            self._wide.pop(group_key(worker_id, g), None)
             self.index.remove_worker(group_key(worker_id, g))
 
     # -- ingest ------------------------------------------------------------------
@@ -296,7 +276,7 @@ class EventIngest:
         a new epoch clears the worker before the batch is applied.
         """
         try:
-            batch = self._decode(payload)
+            batch = decode(payload)
         except CodecError:
             self.errors["malformed_batch"] += 1
             w = self._workers.setdefault(worker_id, _Worker())
@@ -309,43 +289,13 @@ class EventIngest:
             result = IngestResult(SeqStatus.MALFORMED, expected_seq=seq)
             result.errors["malformed_batch"] += 1
             return result
-        result = self.apply_batch(worker_id, seq, batch, dp_rank=dp_rank, epoch=epoch)
-        if (
-            not isinstance(batch, DecodedBatch)
-            and result.errors.get("other_kv_group")
-            and result.status in (SeqStatus.OK, SeqStatus.RESTART)
-        ):
-            # The first events of other KV-cache groups (a hybrid model): the native
-            # decoder kept group 0 only; the other groups come from Python, now and after.
-            dropped = result.errors.pop("other_kv_group")
-            self.errors["other_kv_group"] -= dropped
-            if self.errors["other_kv_group"] <= 0:
-                del self.errors["other_kv_group"]
-            rest = IngestResult(result.status, result.expected_seq)
-            self._apply_events(
-                worker_id, self._workers[worker_id], decode(payload), rest, groups_only=True
-            )
-            self.batches_applied -= 1  # one batch, applied in two halves
-            self._split_groups = any(g > 0 for g in self._groups)
-            result.applied += rest.applied
-            result.errors.update(rest.errors)
-        return result
-
-    def _decode(self, payload: bytes) -> DecodedBatch | ParsedBatch:
-        if self._core is None or self._split_groups:
-            return decode(payload)
-        try:
-            parsed = self._core.parse(payload)
-        except ValueError as exc:
-            raise CodecError(str(exc)) from exc
-        # The rare batch the native decoder leaves to Python (see the class docstring).
-        return decode(payload) if parsed.slow else parsed
+        return self.apply_batch(worker_id, seq, batch, dp_rank=dp_rank, epoch=epoch)
 
     def apply_batch(
         self,
         worker_id: str,
         seq: int,
-        batch: DecodedBatch | ParsedBatch,
+        batch: DecodedBatch,
         *,
         dp_rank: int | None = None,
         epoch: object = None,
@@ -455,27 +405,19 @@ class EventIngest:
         for key, state in [(worker_id, w), *self._group_states(worker_id, w)]:
             state.blocks.clear()
             state.engine_of.clear()
-            if self._native is not None and self._core is not None:
-                slot = self._native.slot_of(key)
-                if slot is not None:
-                    self._core.reset_worker(slot)
-                self._wide.pop(key, None)
-            else:
-                self.index.clear(key)
+            self.index.clear(key)
 
     @staticmethod
     def _group_states(worker_id: str, w: _Worker) -> list[tuple[str, _Worker]]:
         return [(group_key(worker_id, g), state) for g, state in w.groups.items()]
 
     def _by_group(
-        self, worker_id: str, w: _Worker, batch: DecodedBatch | ParsedBatch, groups_only: bool
-    ) -> list[tuple[str, _Worker, DecodedBatch | ParsedBatch]]:
+        self, worker_id: str, w: _Worker, batch: DecodedBatch, groups_only: bool
+    ) -> list[tuple[str, _Worker, DecodedBatch]]:
         """The batch split by KV-cache group, each part for its own index key; a clear
         goes to every group. ``groups_only``: the parts past group 0 (its part was applied
         already)."""
-        if isinstance(batch, ParsedBatch) or not (
-            w.groups or any(getattr(e, "group_idx", None) for e in batch.events)
-        ):
+        if not (w.groups or any(getattr(e, "group_idx", None) for e in batch.events)):
             return [(worker_id, w, batch)]
         parts: dict[int, list[Event]] = {0: []} | {g: [] for g in w.groups}
         unknown: Counter[str] = Counter()
@@ -496,7 +438,7 @@ class EventIngest:
                 parts[g] = [AllBlocksCleared()] if cleared else []
             # within its group's key the event is an ordinary group-0 one
             parts[g].append(dataclasses.replace(event, group_idx=None) if g else event)
-        out: list[tuple[str, _Worker, DecodedBatch | ParsedBatch]] = []
+        out: list[tuple[str, _Worker, DecodedBatch]] = []
         for g, events in parts.items():
             if g == 0 and groups_only:
                 out.append((worker_id, w, DecodedBatch(batch.ts, [], batch.dp_rank, unknown)))
@@ -511,18 +453,12 @@ class EventIngest:
         self,
         worker_id: str,
         w: _Worker,
-        batch: DecodedBatch | ParsedBatch,
+        batch: DecodedBatch,
         result: IngestResult,
         *,
         groups_only: bool = False,
     ) -> None:
         for key, state, part in self._by_group(worker_id, w, batch, groups_only):
-            # groups past the first always take the Python path (their parents resolve
-            # across groups, see ``_Worker.chain``); the index may still be native
-            if self._native is not None and self._core is not None and state.base is None:
-                self._apply_native(self._native.slot(key), key, part, result)
-                continue
-            assert isinstance(part, DecodedBatch)  # only the native core parses otherwise
             result.errors.update(part.errors)
             for event in part.events:
                 error = self._apply_event(key, state, event)
@@ -562,100 +498,6 @@ class EventIngest:
             self.index.remove(worker_id, gone, tier)
             return None
         return self._store(worker_id, w, event, tier, bit)
-
-    # -- the native path's Python half ---------------------------------------------
-    def _apply_native(
-        self, slot: int, worker_id: str, batch: DecodedBatch | ParsedBatch, result: IngestResult
-    ) -> None:
-        assert self._core is not None
-        quota = self._quota()
-        limit = -1 if quota is None else quota
-        if isinstance(batch, DecodedBatch):
-            result.errors.update(batch.errors)
-            wide = self._wide.setdefault(worker_id, {})
-            prepared = [self._prepare(wide, e) for e in batch.events]
-            applied, errors, cuts = self._core.apply_events(slot, prepared, limit)
-            if wide:
-                self._forget_wide(slot, wide, batch)
-        else:  # natively parsed: its decode errors come back with the result
-            applied, errors, cuts = self._core.apply_parsed(slot, batch, limit)
-        if cuts:
-            self.errors["worker_quota"] += cuts
-        result.applied += applied
-        result.errors.update(errors)
-
-    def _forget_wide(self, slot: int, wide: dict[int, bytes], batch: DecodedBatch) -> None:
-        """Drop the bytes of the blocks the worker no longer holds."""
-        assert self._core is not None
-        if any(isinstance(e, AllBlocksCleared) for e in batch.events):
-            check = list(wide)
-        else:
-            check = [
-                k
-                for e in batch.events
-                if isinstance(e, BlockRemoved)
-                for k in map(self._key_of, e.block_hashes)
-                if k in wide
-            ]
-        for key, known in zip(check, self._core.known_engine(slot, check), strict=True):
-            if not known:
-                wide.pop(key, None)
-
-    @staticmethod
-    def _key_of(engine_hash: EngineHash) -> int:
-        """The 64-bit key the native maps use for an engine hash: an int as itself,
-        bytes (a sha256) by their XXH3-64."""
-        if isinstance(engine_hash, int):
-            return engine_hash
-        return xxh3_64_intdigest(engine_hash, _BYTES_KEY_SEED)
-
-    @classmethod
-    def _key(cls, wide: dict[int, bytes], engine_hash: EngineHash) -> int:
-        """``_key_of``, keeping bytes hashes in ``wide`` to give them back."""
-        key = cls._key_of(engine_hash)
-        if isinstance(engine_hash, bytes):
-            wide[key] = engine_hash
-        return key
-
-    def _prepare(self, wide: dict[int, bytes], event: Event) -> tuple[object, ...]:
-        """One decoded event as the native applier takes it, hashed by index.hashing's
-        rules (LoRA roots, extra keys, cache salt) exactly as ``_store`` does."""
-        if isinstance(event, AllBlocksCleared):
-            return ("cleared",)
-        tier = tier_of_medium(event.medium)
-        tier_num = -1 if tier is None else _TIER_NUM[tier]
-        keys = [self._key(wide, h) for h in event.block_hashes]
-        if isinstance(event, BlockRemoved):
-            return ("removed", tier_num, bool(event.group_idx), keys)
-        parent = event.parent_block_hash
-        extras = event_extras(
-            event.extra_keys,
-            lora_name=event.lora_name,
-            cache_salt=event.cache_salt,
-            chain_start=parent is None,
-        )
-        try:
-            tokens: bytes | None = bytes(token_bytes(event.token_ids))
-        except (TypeError, ValueError, OverflowError):
-            tokens = None  # not u32 token ids: a bad event, once its earlier checks pass
-        root = None
-        if parent is None:
-            if event.lora_name or event.lora_id is None:
-                root = self.hasher.root(event.lora_name)
-            else:
-                root = lora_id_root(self.hasher, event.lora_id)
-        return (
-            "stored",
-            tier_num,
-            bool(event.group_idx),
-            keys,
-            None if parent is None else self._key(wide, parent),
-            tokens,
-            len(event.token_ids),
-            event.block_size,
-            root,
-            extras or None,
-        )
 
     def _quota(self) -> int | None:
         if self.max_worker_blocks is not None:

@@ -153,6 +153,41 @@ def test_faulty_delivery_with_replay_converges(Index, ops: list, data: st.DataOb
         assert held(index, "w", expected) and len(index) == len(expected)
 
 
+@settings(max_examples=60, deadline=None)
+@given(engine_ops, engine_ops, st.data())
+def test_workers_past_64_ingest_and_replay_like_the_first(
+    Index, ops_a: list, ops_b: list, data: st.DataObject
+) -> None:
+    """130 workers (16 engines x 8 DP ranks needs 128): one in the first group of 64,
+    one in the third, faulty interleaved delivery with replays."""
+    engines = {"w3": run_engine(ops_a), "w129": run_engine(ops_b)}
+    hasher, index = BlockHasher(B), Index()
+    for i in range(130):
+        index.add_worker(f"w{i}")
+    ingest = EventIngest(index, hasher)
+    pick = st.sampled_from([w for w, e in engines.items() if e.log])
+    steps = (
+        data.draw(st.lists(st.tuples(pick, st.integers(0, 30)), max_size=40))
+        if any(e.log for e in engines.values())
+        else []
+    )
+    for worker, s in [*steps, *((w, len(e.log) - 1) for w, e in engines.items() if e.log)]:
+        log = engines[worker].log
+        seq = s % len(log)
+        result = ingest.apply(worker, seq, log[seq])
+        if result.status is SeqStatus.GAP:
+            for r in range(result.expected_seq, seq + 1):
+                assert ingest.apply(worker, r, log[r]).status is SeqStatus.OK
+    for worker, eng in engines.items():
+        expected = eng.router_hashes(hasher)
+        assert held(index, worker, expected)
+        assert index.stats().workers[worker]["gpu"] == len(expected)
+        assert ingest.in_sync(worker)
+        assert ingest.last_seq(worker) == (len(eng.log) - 1 if eng.log else None)
+    ingest.remove_worker("w129")
+    assert ingest.last_seq("w129") is None and "w129" not in index.workers
+
+
 def test_duplicate_batch_changes_nothing(Index) -> None:
     eng = Engine()
     eng.store(list(range(8)))

@@ -83,12 +83,20 @@ slices = st.builds(
 )
 
 
-ops = st.one_of(
-    st.tuples(st.just("store"), st.sampled_from(WORKERS), slices, st.sampled_from(TIERS)),
-    st.tuples(st.just("remove"), st.sampled_from(WORKERS), slices, st.sampled_from(TIERS)),
-    st.tuples(st.just("clear"), st.sampled_from(WORKERS)),
-    st.tuples(st.just("remove_worker"), st.sampled_from(WORKERS)),
-)
+def ops_on(workers: list[str]) -> st.SearchStrategy[tuple]:
+    return st.one_of(
+        st.tuples(st.just("store"), st.sampled_from(workers), slices, st.sampled_from(TIERS)),
+        st.tuples(st.just("remove"), st.sampled_from(workers), slices, st.sampled_from(TIERS)),
+        st.tuples(st.just("clear"), st.sampled_from(workers)),
+        st.tuples(st.just("remove_worker"), st.sampled_from(workers)),
+    )
+
+
+ops = ops_on(WORKERS)
+# More workers than one 64-bit mask holds (16 engines x 8 DP ranks = 128 index workers):
+# the native index spreads them over groups of 64; these sit on both sides of the cuts.
+MANY = [f"m{i}" for i in range(130)]
+WIDE = ["m0", "m63", "m64", "m127", "m128", "m129"]
 
 
 def apply(index: PrefixIndex, ref: Reference, steps: list[tuple]) -> None:
@@ -119,6 +127,26 @@ def test_match_equals_reference(Index, steps: list[tuple], bisect_min: int) -> N
     counts = index.stats().workers
     for w, tiers in ref.held.items():
         # Blocks with no holder left are dropped, so counts equal the reference sets.
+        assert counts[w] == {t: len(s) for t, s in tiers.items()}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(ops_on(WIDE), max_size=40), st.sampled_from([1, 24]))
+def test_more_than_64_workers_match_equals_reference(
+    Index, steps: list[tuple], bisect_min: int
+) -> None:
+    index, ref = Index(bisect_min_blocks=bisect_min), Reference()
+    for w in MANY:
+        index.add_worker(w)
+        ref.held[w] = {t: set() for t in TIERS}  # shared blocks count for it too
+    apply(index, ref, steps)
+    for chain in CHAINS:
+        for cut in range(len(chain) + 1):
+            query = [*chain[:cut], 99]
+            assert index.match(query) == ref.match(query), (steps, query)
+            assert index.match_tiers(query) == ref.match_tiers(query), (steps, query)
+    counts = index.stats().workers
+    for w, tiers in ref.held.items():
         assert counts[w] == {t: len(s) for t, s in tiers.items()}
 
 

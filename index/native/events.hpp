@@ -67,7 +67,10 @@ using TierTable = std::unordered_map<std::string, int>;
 // One parse: the payload as a flat preorder array of nodes, then read as a batch.
 class BatchParser {
    public:
-    explicit BatchParser(const TierTable& tiers) : tiers_(tiers) {}
+    explicit BatchParser(const TierTable& tiers) : tiers_(tiers), nodes_(nodes_tls()), ints_(ints_tls()) {
+        nodes_.clear();
+        ints_.clear();
+    }
 
     // Throws DecodeError when the payload is not an EventBatch at all.
     void parse(const uint8_t* p, size_t n, ParsedBatch& out) {
@@ -399,9 +402,19 @@ class BatchParser {
         return 2;
     }
 
+    // Scratch kept per thread across parses (a parse allocated ~5 KB of it each time).
+    static std::vector<Node>& nodes_tls() {
+        thread_local std::vector<Node> v;
+        return v;
+    }
+    static std::vector<uint64_t>& ints_tls() {
+        thread_local std::vector<uint64_t> v;
+        return v;
+    }
+
     const TierTable& tiers_;
-    std::vector<Node> nodes_;
-    std::vector<uint64_t> ints_;
+    std::vector<Node>& nodes_;
+    std::vector<uint64_t>& ints_;
 };
 
 class EventDecoder {

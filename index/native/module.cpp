@@ -12,6 +12,7 @@
 
 #include "events.hpp"
 #include "prefix_index.hpp"
+#include "seq.hpp"
 #include "xxh3.hpp"
 
 namespace py = pybind11;
@@ -95,6 +96,14 @@ std::string_view bytes_of(const py::buffer& b, py::buffer_info& info) {
     return {static_cast<const char*>(info.ptr), static_cast<size_t>(info.size * info.itemsize)};
 }
 
+// ``match``'s optional flags of blocks shared in another group's core (None: none).
+std::string shared_flags(const py::object& shared, size_t n) {
+    if (shared.is_none()) return {};
+    std::string ext = shared.cast<std::string>();
+    if (ext.size() != n) throw py::value_error("shared flags must be one byte per hash");
+    return ext;
+}
+
 void check_slot(int slot) {
     if (slot < 0 || slot >= MAX_SLOTS)
         throw py::value_error("the native index holds at most 64 workers");
@@ -114,15 +123,92 @@ py::dict errors_dict(const ApplyResult& r) {
     return d;
 }
 
+int64_t rank_of(const py::object& rank) {
+    return rank.is_none() ? NO_RANK : rank.cast<int64_t>();
+}
+
+Epoch epoch_of(const py::object& epoch) {
+    Epoch e;
+    if (!epoch.is_none()) e.has = true, e.text = epoch.cast<std::string>();
+    return e;
+}
+
+py::object rank_obj(int64_t rank) {
+    return rank == NO_RANK ? py::object(py::none()) : py::object(py::int_(rank));
+}
+
+py::dict rank_dict(const RankMap& m) {
+    py::dict d;
+    for (const auto& [r, s] : m.items()) d[rank_obj(r)] = s;
+    return d;
+}
+
+// Status 7: the batch needs Python's decoder (``ParsedBatch.slow``); nothing changed.
+constexpr int SEQ_SLOW = 7;
+constexpr int APPLIED_BATCH = 1, RESTARTED = 2, WAS_RESET = 4;
+
+// (status, expected seq or None, events applied, the batch's errors or None, errors
+// counted on the ingest only or None, flags: APPLIED_BATCH | RESTARTED | WAS_RESET).
+py::tuple outcome(const SeqDecision& d, const ApplyResult& r, const ParsedBatch* parsed) {
+    py::object errors = py::none(), self_errors = py::none();
+    const bool bad = parsed && d.apply && (parsed->bad_event || parsed->unknown_event);
+    if (!r.errors.empty() || bad || d.status == SEQ_MALFORMED) {
+        py::dict e = errors_dict(r);
+        if (bad && parsed->bad_event)
+            e["bad_event"] = e.attr("get")("bad_event", 0).cast<int64_t>() + parsed->bad_event;
+        if (bad && parsed->unknown_event)
+            e["unknown_event"] =
+                e.attr("get")("unknown_event", 0).cast<int64_t>() + parsed->unknown_event;
+        if (d.status == SEQ_MALFORMED) e["malformed_batch"] = 1;
+        errors = e;
+    }
+    if (d.self_error || r.quota_cuts) {
+        py::dict e;
+        if (d.self_error) e[d.self_error] = 1;
+        if (r.quota_cuts) e["worker_quota"] = r.quota_cuts;
+        self_errors = e;
+    }
+    const int flags = (d.apply ? APPLIED_BATCH : 0) | (d.restarted ? RESTARTED : 0) |
+                      (d.reset ? WAS_RESET : 0);
+    py::object expected = d.has_expected ? py::object(py::int_(d.expected)) : py::none();
+    return py::make_tuple(d.status, expected, r.applied, errors, self_errors, flags);
+}
+
 class Core {
    public:
     Core(uint64_t max_blocks, int bisect_min)
-        : index(max_blocks, bisect_min), decoder({}), applier(index, 16, false, 0) {}
+        : index(max_blocks, bisect_min),
+          decoder({}),
+          applier(index, 16, false, 0),
+          rules(100000, 64),
+          seq(MAX_SLOTS) {}
 
     PrefixCore index;
     EventDecoder decoder;
     EventApplier applier;
+    SeqRules rules;
+    std::vector<SeqState> seq;  // per slot
     std::mutex mu;
+
+    // Clear a worker's blocks, its engine-hash maps and (``all``) its seq state.
+    void reset(int slot) {
+        index.clear(slot);
+        applier.worker(slot).clear();
+    }
+
+    // The seq check, a reset when it asks for one, the events, the commit: one step
+    // under the mutex (the caller holds it), so a match sees the batch whole or not.
+    void ingest(int slot, int64_t rank, int64_t seq_no, const Epoch& epoch,
+                const std::vector<PEvent>* events, int64_t quota, SeqDecision& d,
+                ApplyResult& r) {
+        SeqState& w = seq[slot];
+        d = events ? rules.decide(w, rank, seq_no, epoch)
+                   : SeqRules::malformed(w, rank, seq_no, epoch);
+        if (d.reset) reset(slot);
+        if (!d.apply) return;
+        applier.apply(slot, *events, quota, r);
+        SeqRules::commit(w, rank, seq_no);
+    }
 
     struct Lock {
         std::unique_lock<std::mutex> lk;
@@ -244,6 +330,7 @@ PYBIND11_MODULE(_native, m) {
                  Core::Lock l(c.mu);
                  c.index.drop_slot(slot);
                  c.applier.worker(slot).clear();
+                 c.seq[slot].forget();
              })
         .def("clear",
              [](Core& c, int slot) {
@@ -289,13 +376,31 @@ PYBIND11_MODULE(_native, m) {
                  Core::Lock l(c.mu);
                  c.index.predict(slot, hs.data(), hs.size(), expiry);
              })
-        .def("match",
-             [](Core& c, py::handle hashes, bool speculative, double now) {
+        .def("shared_total",
+             [](Core& c) {
+                 Core::Lock l(c.mu);
+                 return c.index.shared_total();
+             })
+        .def("shared_at",
+             [](Core& c, py::handle hashes) {
                  std::vector<uint64_t> hs = u64s(hashes);
+                 std::string out(hs.size(), '\0');
+                 {
+                     Core::Lock l(c.mu);
+                     c.index.shared_at(hs.data(), hs.size(), reinterpret_cast<uint8_t*>(out.data()));
+                 }
+                 return py::bytes(out);
+             },
+             "One byte per hash: 1 where this core holds it in the shared tier.")
+        .def("match",
+             [](Core& c, py::handle hashes, bool speculative, double now, py::object shared) {
+                 std::vector<uint64_t> hs = u64s(hashes);
+                 std::string ext = shared_flags(shared, hs.size());
                  Depths d;
                  {
                      Core::Lock l(c.mu);
-                     c.index.depths(hs.data(), hs.size(), speculative, now, d);
+                     c.index.depths(hs.data(), hs.size(), speculative, now, d,
+                                    ext.empty() ? nullptr : reinterpret_cast<const uint8_t*>(ext.data()));
                  }
                  py::list out;
                  for (Mask m = d.found; m; m &= m - 1) {
@@ -303,17 +408,20 @@ PYBIND11_MODULE(_native, m) {
                      out.append(py::make_tuple(s, d.depth[s]));
                  }
                  return out;
-             })
+             },
+             py::arg("hashes"), py::arg("speculative"), py::arg("now"), py::arg("shared") = py::none())
         .def("match_tiers",
-             [](Core& c, py::handle hashes, bool speculative, double now) {
+             [](Core& c, py::handle hashes, bool speculative, double now, py::object shared) {
                  std::vector<uint64_t> hs = u64s(hashes);
+                 std::string ext = shared_flags(shared, hs.size());
                  Depths d;
                  TierDepths t;
                  Mask split;
                  {
                      Core::Lock l(c.mu);
-                     c.index.depths(hs.data(), hs.size(), speculative, now, d);
-                     split = c.index.split_tiers(hs.data(), hs.size(), speculative, d, t);
+                     c.index.depths(hs.data(), hs.size(), speculative, now, d,
+                                    ext.empty() ? nullptr : reinterpret_cast<const uint8_t*>(ext.data()));
+                     split = c.index.split_tiers(hs.data(), hs.size(), speculative, d, t, !ext.empty());
                  }
                  py::list out;
                  for (Mask m = d.found; m; m &= m - 1) {
@@ -325,7 +433,8 @@ PYBIND11_MODULE(_native, m) {
                          out.append(py::make_tuple(s, total, total, total, total));
                  }
                  return out;
-             })
+             },
+             py::arg("hashes"), py::arg("speculative"), py::arg("now"), py::arg("shared") = py::none())
         .def("__len__",
              [](Core& c) {
                  Core::Lock l(c.mu);
@@ -412,6 +521,128 @@ PYBIND11_MODULE(_native, m) {
              },
              py::arg("slot"), py::arg("events"), py::arg("quota") = -1,
              "Apply events prepared in Python (the slow path), all under one lock.")
+        // -- sequence tracking (index/native/seq.hpp) --------------------------------
+        .def(
+            "configure_seq",
+            [](Core& c, int64_t max_seq_jump, int64_t max_ranks) {
+                Core::Lock l(c.mu);
+                c.rules.configure(max_seq_jump, max_ranks);
+            },
+            py::arg("max_seq_jump"), py::arg("max_ranks"))
+        .def(
+            "ingest",
+            [](Core& c, int slot, py::object rank, int64_t seq, py::object epoch,
+               py::buffer payload, int64_t quota) -> py::object {
+                check_slot(slot);
+                const int64_t r = rank_of(rank);
+                const Epoch e = epoch_of(epoch);
+                py::buffer_info info;
+                std::string_view b = bytes_of(payload, info);
+                ParsedBatch parsed;
+                SeqDecision d;
+                ApplyResult res;
+                bool slow = false;
+                {
+                    py::gil_scoped_release nogil;
+                    bool ok = true;
+                    try {
+                        c.decoder.parse(reinterpret_cast<const uint8_t*>(b.data()), b.size(),
+                                        parsed);
+                    } catch (const DecodeError&) {
+                        ok = false;
+                    }
+                    slow = ok && parsed.slow;
+                    if (!slow) {
+                        std::lock_guard<std::mutex> l(c.mu);
+                        c.ingest(slot, r, seq, e, ok ? &parsed.events : nullptr, quota, d, res);
+                    }
+                }
+                if (slow) return py::make_tuple(SEQ_SLOW, py::none(), 0, py::none(), py::none(), 0);
+                return outcome(d, res, &parsed);
+            },
+            py::arg("slot"), py::arg("rank"), py::arg("seq"), py::arg("epoch"),
+            py::arg("payload"), py::arg("quota") = -1,
+            "Check, decode and apply one msgpack batch, GIL released, one lock: returns\n"
+            "(status, expected seq, events applied, errors, ingest-only errors, flags);\n"
+            "status 7 leaves a batch Python must decode (nothing changed).")
+        .def(
+            "ingest_events",
+            [](Core& c, int slot, py::object rank, int64_t seq, py::object epoch,
+               py::object events, int64_t quota) {
+                check_slot(slot);
+                const int64_t r = rank_of(rank);
+                const Epoch e = epoch_of(epoch);
+                std::vector<PEvent> evs;
+                const bool malformed = events.is_none();
+                if (!malformed) {
+                    py::list lst = events.cast<py::list>();
+                    evs.reserve(lst.size());
+                    for (py::handle ev : lst) evs.push_back(event_from_tuple(ev.cast<py::tuple>()));
+                }
+                SeqDecision d;
+                ApplyResult res;
+                {
+                    py::gil_scoped_release nogil;
+                    std::lock_guard<std::mutex> l(c.mu);
+                    c.ingest(slot, r, seq, e, malformed ? nullptr : &evs, quota, d, res);
+                }
+                return outcome(d, res, nullptr);
+            },
+            py::arg("slot"), py::arg("rank"), py::arg("seq"), py::arg("epoch"),
+            py::arg("events"), py::arg("quota") = -1,
+            "``ingest`` for events prepared in Python (None: the batch was unreadable).")
+        .def(
+            "load_dump",
+            [](Core& c, int slot, py::object rank, int64_t seq, py::object epoch,
+               const py::list& events, int64_t quota) {
+                check_slot(slot);
+                const int64_t r = rank_of(rank);
+                const Epoch e = epoch_of(epoch);
+                std::vector<PEvent> evs;
+                evs.reserve(events.size());
+                for (py::handle ev : events) evs.push_back(event_from_tuple(ev.cast<py::tuple>()));
+                ApplyResult res;
+                {
+                    py::gil_scoped_release nogil;
+                    std::lock_guard<std::mutex> l(c.mu);
+                    c.reset(slot);
+                    SeqRules::load_dump(c.seq[slot], r, seq, e);
+                    c.applier.apply(slot, evs, quota, res);
+                }
+                return py::make_tuple(res.applied, errors_dict(res), res.quota_cuts);
+            },
+            py::arg("slot"), py::arg("rank"), py::arg("seq"), py::arg("epoch"),
+            py::arg("events"), py::arg("quota") = -1,
+            "Replace the worker with a full dump taken at ``seq`` (prepared events).")
+        .def("in_sync",
+             [](Core& c, int slot) {
+                 check_slot(slot);
+                 Core::Lock l(c.mu);
+                 return c.seq[slot].in_sync;
+             })
+        .def("mark_out_of_sync",
+             [](Core& c, int slot) {
+                 check_slot(slot);
+                 Core::Lock l(c.mu);
+                 c.seq[slot].known = true;
+                 c.seq[slot].in_sync = false;
+             })
+        .def("forget_unconfirmed",
+             [](Core& c, int slot) {
+                 check_slot(slot);
+                 Core::Lock l(c.mu);
+                 SeqRules::forget_unconfirmed(c.seq[slot]);
+             })
+        .def("seq_state",
+             [](Core& c, int slot) {
+                 check_slot(slot);
+                 Core::Lock l(c.mu);
+                 const SeqState& w = c.seq[slot];
+                 py::object epoch = w.epoch.has ? py::object(py::str(w.epoch.text)) : py::none();
+                 return py::make_tuple(w.known, w.in_sync, epoch, rank_dict(w.last),
+                                       rank_dict(w.seen));
+             },
+             "(known, in sync, epoch, last applied seq by rank, highest seen by rank).")
         .def("engine_blocks",
              [](Core& c, int slot) {
                  check_slot(slot);

@@ -190,11 +190,18 @@ class PrefixCore {
     }
 
     // -- matching --------------------------------------------------------------------
-    void depths(const uint64_t* hashes, size_t n, bool speculative, double now, Depths& out) {
+    // ``shared_elsewhere`` (n flags, or null): blocks another group's core holds in the
+    // shared tier, which every worker here can load as well.
+    void depths(const uint64_t* hashes, size_t n, bool speculative, double now, Depths& out,
+                const uint8_t* shared_elsewhere = nullptr) {
         if (speculative && !heap_.empty()) expire(now);
         const FlatMap<Mask>* spec = speculative && spec_.size() ? &spec_ : nullptr;
         ++tick_;
         const Mask live = live_;
+        if (shared_elsewhere) {
+            walk(hashes, n, live, spec, out, shared_elsewhere);
+            return;
+        }
         if (static_cast<int64_t>(n) < bisect_min_ || shared_total_) {
             walk(hashes, n, live, spec, out);
             return;
@@ -207,12 +214,12 @@ class PrefixCore {
     // Slots in ``out.found`` whose hit may span tiers get their per-tier depths in
     // ``tiers``; the mask of those slots is returned (the rest are all-GPU).
     Mask split_tiers(const uint64_t* hashes, size_t n, bool speculative, const Depths& d,
-                     TierDepths& tiers) {
+                     TierDepths& tiers, bool shared_elsewhere = false) {
         Mask split = 0;
         int limit = 0;
         for (Mask m = d.found; m; m &= m - 1) {
             const int s = __builtin_ctzll(m);
-            if (shared_total_ || counts_[s][CPU] || counts_[s][DISK]) {
+            if (shared_total_ || shared_elsewhere || counts_[s][CPU] || counts_[s][DISK]) {
                 split |= bit(s);
                 limit = std::max(limit, d.depth[s]);
             }
@@ -224,7 +231,16 @@ class PrefixCore {
         return split;
     }
 
+    // Which of ``hashes`` someone holds in the shared tier (0/1 each, into ``out``).
+    void shared_at(const uint64_t* hashes, size_t n, uint8_t* out) {
+        for (size_t i = 0; i < n; ++i) {
+            const Entry* e = shared_total_ ? entries_.find(hashes[i]) : nullptr;
+            out[i] = e && (e->flags & IN_SHARED);
+        }
+    }
+
     // -- stats -------------------------------------------------------------------------
+    int64_t shared_total() const { return shared_total_; }
     size_t size() const { return entries_.size(); }
     size_t speculative() const { return spec_.size(); }
     const int64_t* counts(int slot) const { return counts_[slot]; }
@@ -379,10 +395,11 @@ class PrefixCore {
     }
 
     void walk(const uint64_t* hashes, size_t n, Mask active, const FlatMap<Mask>* spec,
-              Depths& out) {
+              Depths& out, const uint8_t* shared_elsewhere = nullptr) {
         int depth = 0;
         for (size_t i = 0; i < n; ++i) {
-            const Mask nxt = active & probe(hashes[i], spec);
+            const Mask held = probe(hashes[i], spec);
+            const Mask nxt = active & (shared_elsewhere && shared_elsewhere[i] ? ~Mask{0} : held);
             if (nxt != active) {
                 if (depth) out.record(active ^ nxt, depth);
                 active = nxt;
