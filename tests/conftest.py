@@ -1,12 +1,15 @@
-"""Shared fixtures: a real nats-server per test module, on a free port, JetStream on."""
+"""Shared fixtures: a real nats-server per test module (free port, JetStream on), and
+engine doubles behind a router (``make_stack``; the stacks themselves are in stack.py)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
 
 import nats
 import pytest
+from stack import DoubleStack
 
 from router.natsd import EmbeddedNats
 
@@ -33,3 +36,19 @@ async def _delete_streams(url: str) -> None:
             await jsm.delete_stream(info.config.name)
     finally:
         await nc.close()
+
+
+@pytest.fixture
+async def make_stack() -> AsyncIterator[Callable[..., Awaitable[DoubleStack]]]:
+    """``await make_stack(n, nats_url, engine_kw, **settings)``: a started ``DoubleStack``,
+    stopped after the test."""
+    stacks: list[DoubleStack] = []
+
+    async def make(*args: Any, **kwargs: Any) -> DoubleStack:
+        stack = await DoubleStack.start(*args, **kwargs)
+        stacks.append(stack)
+        return stack
+
+    yield make
+    for stack in stacks:
+        await stack.stop()

@@ -20,7 +20,7 @@ import zmq
 import zmq.asyncio
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from router_double import until as wait_until
+from stack import until as wait_until
 
 from agent.node import AgentConfig, NodeAgent
 from index import codec

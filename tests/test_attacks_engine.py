@@ -19,7 +19,7 @@ import time
 
 import httpx
 import pytest
-from router_double import Served, until
+from stack import Served, until
 
 from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec

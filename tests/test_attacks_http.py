@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from router_double import EngineDouble, Served
+from stack import EngineDouble, Served
 
 from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec

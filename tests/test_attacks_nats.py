@@ -9,71 +9,19 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import httpx
 import nats
 import orjson
 import pytest
-from router_double import EngineDouble, Served, until
+from stack import ADMIN_TOKEN, DoubleStack, EngineDouble, until
 
 from index.codec import AllBlocksCleared, BlockStored, EventBatch, encode
 from policies.base import MAX_ENGINE_COUNT, RouteRequest, WorkerView
 from policies.registry import POLICY_NAMES, make_policy
-from router.app import RouterApp
-from router.config import ConfigError, RouterConfig, WorkerSpec, load_config
+from router.config import ConfigError, load_config
 from router.load import parse_load_report
 from router.natsd import EmbeddedNats
-
-TOKEN = "t"
-
-
-class Stack:
-    def __init__(self, app: RouterApp, served: Served, engines: list[EngineDouble]) -> None:
-        self.app = app
-        self.served = served
-        self.engines = engines
-
-    @property
-    def state(self) -> Any:
-        return self.app.state
-
-    def http(self) -> httpx.AsyncClient:
-        headers = {"authorization": f"Bearer {TOKEN}"}
-        return httpx.AsyncClient(base_url=self.served.url, timeout=10, headers=headers)
-
-
-Make = Callable[..., Awaitable[Stack]]
-
-
-@pytest.fixture
-async def make_stack() -> AsyncIterator[Make]:
-    stacks: list[Stack] = []
-
-    async def make(nats_url: str, n: int = 2, **cfg_kw: Any) -> Stack:
-        engines = [await EngineDouble(f"w{i}", nats_url=nats_url).start() for i in range(n)]
-        settings: dict[str, Any] = {
-            "block_size": 4,
-            "admin_token": TOKEN,
-            "health_interval": 0.2,
-            "nats_url": nats_url,
-            "events_transport": "core",
-            **cfg_kw,
-        }
-        workers = [WorkerSpec(e.worker_id, e.url, model="m") for e in engines]
-        app = RouterApp(RouterConfig(workers=workers, **settings))
-        stack = Stack(app, await Served(app).start(), engines)
-        stacks.append(stack)
-        await until(lambda: stack.state.bus.connected, what="router on NATS")
-        return stack
-
-    yield make
-    for stack in stacks:
-        await stack.served.stop()
-        for e in stack.engines:
-            await e.stop()
-
 
 # -- load reports ------------------------------------------------------------------------
 
@@ -117,7 +65,7 @@ def test_no_policy_raises_on_extreme_engine_numbers(name: str) -> None:
         assert decision.worker_id in ("a", "b", "c"), (name, value)
 
 
-async def load_heard(stack: Stack, engine: EngineDouble, waiting: int = 0) -> None:
+async def load_heard(stack: DoubleStack, engine: EngineDouble, waiting: int = 0) -> None:
     """Report load until the router applied it: its subscription is made on connecting."""
     worker = stack.state.registry.get(engine.worker_id)
 
@@ -129,12 +77,12 @@ async def load_heard(stack: Stack, engine: EngineDouble, waiting: int = 0) -> No
 
 
 async def test_forged_load_reports_do_not_break_or_steer_routing(nats_url, make_stack) -> None:
-    stack = await make_stack(nats_url)
+    stack = await make_stack(2, nats_url, events_transport="core")
     await load_heard(stack, stack.engines[1])
     nc = await nats.connect(nats_url)
     picked: dict[str, int] = {"w0": 0, "w1": 0}
     try:
-        async with stack.http() as http:
+        async with stack.http(ADMIN_TOKEN) as http:
             for i in range(40):
                 for raw in FORGED_LOADS:
                     await nc.publish("kv.load.w0", raw)
@@ -157,7 +105,7 @@ async def test_forged_load_reports_do_not_break_or_steer_routing(nats_url, make_
 
 
 async def test_a_real_load_report_still_counts(nats_url, make_stack) -> None:
-    stack = await make_stack(nats_url)
+    stack = await make_stack(2, nats_url, events_transport="core")
     await load_heard(stack, stack.engines[0], waiting=7)
     w0 = stack.state.registry.get("w0")
     assert orjson.loads(orjson.dumps(w0.load.snapshot()))["kv_usage"] == 0.5
@@ -166,14 +114,14 @@ async def test_a_real_load_report_still_counts(nats_url, make_stack) -> None:
 # -- the connection ----------------------------------------------------------------------
 
 
-async def admin_index(stack: Stack) -> dict[str, Any]:
-    async with stack.http() as http:
+async def admin_index(stack: DoubleStack) -> dict[str, Any]:
+    async with stack.http(ADMIN_TOKEN) as http:
         r = await http.get("/admin/index")
         assert r.status_code == 200
         return r.json()
 
 
-def index_equals_engine(stack: Stack) -> bool:
+def index_equals_engine(stack: DoubleStack) -> bool:
     ingest = stack.state.registry.get("w0").pool.ingest
     return set(ingest.engine_blocks("w0")) == set(stack.engines[0].cache)
 
@@ -187,7 +135,7 @@ async def test_a_server_error_that_closes_us_is_a_disconnect_that_reconnects(
     the router took that for its own close and stayed off NATS, "in sync", for good."""
     server = EmbeddedNats(store=tmp_path).start()
     try:
-        stack = await make_stack(server.url, n=1, events_transport=transport)
+        stack = await make_stack(1, server.url, events_transport=transport)
         engine = stack.engines[0]
         state = stack.state
         await engine.admit(list(range(16)))
@@ -221,7 +169,7 @@ async def test_a_server_error_that_closes_us_is_a_disconnect_that_reconnects(
         info = await admin_index(stack)
         assert info["pools"]["default"]["in_sync"] == {"w0": False}
         assert info["nats"]["events_up_to_date"] is False
-        async with stack.http() as http:
+        async with stack.http(ADMIN_TOKEN) as http:
             workers = (await http.get("/admin/workers")).json()["workers"]
         assert [w["in_sync"] for w in workers] == [False]
         server.start()
@@ -249,8 +197,8 @@ BAD_URLS = [
 
 
 async def test_worker_ids_and_urls_are_validated(nats_url, make_stack) -> None:
-    stack = await make_stack(nats_url, n=1)
-    async with stack.http() as http:
+    stack = await make_stack(1, nats_url, events_transport="core")
+    async with stack.http(ADMIN_TOKEN) as http:
         for wid in BAD_IDS:
             r = await http.post("/admin/workers", json={"id": wid, "url": "http://127.0.0.1:9"})
             assert r.status_code == 400, (wid, r.text)
@@ -310,7 +258,9 @@ async def forge(
     await nc.publish(f"kv.events.{worker}", payload, headers=headers)
 
 
-async def healed(stack: Stack, engine: EngineDouble, tokens: list[int], timeout: float) -> float:
+async def healed(
+    stack: DoubleStack, engine: EngineDouble, tokens: list[int], timeout: float
+) -> float:
     """Seconds until a new real batch is applied and the worker is in sync and exact."""
     t0 = time.monotonic()
     await engine.admit(tokens)
@@ -330,7 +280,7 @@ async def healed(stack: Stack, engine: EngineDouble, tokens: list[int], timeout:
 
 async def test_forged_dp_ranks_do_not_hold_a_worker_out_of_sync(nats_url, make_stack) -> None:
     """2000 empty batches with new Kv-Dp-Rank values left a worker out of sync 40 s+."""
-    stack = await make_stack(nats_url, n=1)
+    stack = await make_stack(1, nats_url, events_transport="core")
     engine = stack.engines[0]
     await engine.admit(list(range(40)))
     await until(lambda: index_equals_engine(stack), what="first batch")
@@ -349,7 +299,7 @@ async def test_forged_dp_ranks_do_not_hold_a_worker_out_of_sync(nats_url, make_s
 
 async def test_forged_far_ahead_seqs_cost_one_dump_not_minutes(nats_url, make_stack) -> None:
     """20 batches with Kv-Seq 10^9+i set off a replay and a dump every 5-12 s for minutes."""
-    stack = await make_stack(nats_url, n=1)
+    stack = await make_stack(1, nats_url, events_transport="core")
     engine = stack.engines[0]
     await engine.admit(list(range(40)))
     await until(lambda: index_equals_engine(stack), what="first batch")
@@ -369,7 +319,7 @@ async def test_forged_far_ahead_seqs_cost_one_dump_not_minutes(nats_url, make_st
 async def test_a_forged_new_epoch_cannot_wipe_a_worker(nats_url, make_stack) -> None:
     """One batch with Kv-Seq 0, a new Kv-Epoch and AllBlocksCleared wiped a worker's
     blocks until its next real batch; now the agent is asked first and says no."""
-    stack = await make_stack(nats_url, n=1)
+    stack = await make_stack(1, nats_url, events_transport="core")
     engine = stack.engines[0]
     await engine.admit(list(range(40)))
     await until(lambda: index_equals_engine(stack), what="first batch")
@@ -391,7 +341,7 @@ async def test_a_forged_new_epoch_cannot_wipe_a_worker(nats_url, make_stack) -> 
 
 
 async def test_a_real_engine_restart_still_clears_the_worker(nats_url, make_stack) -> None:
-    stack = await make_stack(nats_url, n=1)
+    stack = await make_stack(1, nats_url, events_transport="core")
     engine = stack.engines[0]
     await engine.admit(list(range(40)))
     await until(lambda: index_equals_engine(stack), what="first batch")
@@ -409,7 +359,7 @@ async def test_a_real_engine_restart_still_clears_the_worker(nats_url, make_stac
 async def test_one_worker_cannot_evict_the_others_blocks(nats_url, make_stack) -> None:
     """60K forged blocks for one worker pushed every real worker's blocks out of a
     bounded index; now each worker gets an even share of the bound."""
-    stack = await make_stack(nats_url, n=3, max_index_blocks=600)
+    stack = await make_stack(3, nats_url, events_transport="core", max_index_blocks=600)
     w0, w1 = stack.engines[:2]
     prompts = {w0: list(range(160)), w1: list(range(1000, 1160))}  # 40 blocks each
     for engine, tokens in prompts.items():

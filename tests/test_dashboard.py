@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from router_double import Served
+from stack import Served
 
 from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import pytest
 from dns_server import DnsServer
-from router_double import Served, until
+from stack import Served, until
 
 from router.app import RouterApp
 from router.config import ConfigError, DiscoverySpec, RouterConfig, discovery_spec, load_config

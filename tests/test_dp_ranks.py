@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from router_double import Served, until
+from stack import Served, until
 
 from agent.node import AgentConfig, NodeAgent
 from router.app import RouterApp

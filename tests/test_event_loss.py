@@ -11,7 +11,7 @@ import asyncio
 import threading
 
 from nats.errors import SlowConsumerError
-from router_double import until
+from stack import until
 from test_faults_events import Feed, feed
 
 from index.backend import NATIVE

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Awaitable
 import httpx
 import orjson
 import pytest
-from router_double import Served, until
+from stack import Served, until
 
 from agent.node import AgentConfig, NodeAgent
 from router.app import RouterApp

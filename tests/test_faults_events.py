@@ -18,7 +18,7 @@ import httpx
 import nats
 import pytest
 from nats.aio.client import Client
-from router_double import EngineDouble, Served, until
+from stack import EngineDouble, Served, until
 
 from index.codec import BlockStored
 from router.app import RouterApp

@@ -19,8 +19,7 @@ from pathlib import Path
 import httpx
 import nats
 import pytest
-from replica_stack import MockStack, Replica, index_blocks, matches, prompt, send
-from router_double import until
+from stack import MockStack, Replica, index_blocks, matches, prompt, send, until
 
 from router.natsd import EmbeddedNats
 

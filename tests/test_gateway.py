@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from router_double import EngineDouble, Served, until
+from stack import EngineDouble, Served, until
 
 from router.app import RouterApp
 from router.config import ConfigError, RouterConfig, WorkerSpec, load_config

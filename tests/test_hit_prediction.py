@@ -13,8 +13,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-from replica_stack import BS, MODEL, MockStack, Replica
-from router_double import until
+from stack import BS, MODEL, MockStack, Replica, until
 
 from router.audit import MIN_SAMPLES, HitAudit
 from router.config import WorkerSpec

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-from router_double import Served, until
+from stack import Served, until
 
 from agent.node import AgentConfig, NodeAgent
 from index.groups import GroupSpec

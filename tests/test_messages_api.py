@@ -7,8 +7,7 @@ from __future__ import annotations
 import httpx
 import orjson
 import pytest
-from replica_stack import MODEL, MockStack, Replica
-from router_double import until
+from stack import MODEL, MockStack, Replica, until
 
 SYSTEM = [{"type": "text", "text": "You answer as the router's test assistant, briefly. " * 6}]
 

@@ -16,7 +16,7 @@ import zmq
 import zmq.asyncio
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
-from router_double import until
+from stack import until
 
 from index.codec import BlockRemoved, BlockStored, decode
 from index.hashing import BlockHasher

@@ -12,7 +12,7 @@ from typing import Any
 import nats
 import pytest
 import yaml
-from router_double import Served, until
+from stack import Served, until
 
 from index.codec import BlockStored, EventBatch, encode
 from index.gapfill import GapFillMessage

@@ -8,7 +8,7 @@ from collections import Counter
 import httpx
 import openai
 import pytest
-from router_double import Served
+from stack import Served
 
 from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from router_double import Served, free_port, until
+from stack import Served, free_port, until
 
 from agent.node import AgentConfig, NodeAgent
 from router.app import RouterApp

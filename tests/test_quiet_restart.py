@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from router_double import Served, until
+from stack import Served, until
 
 from agent.node import AgentConfig, NodeAgent
 from index.codec import BlockStored

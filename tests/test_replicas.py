@@ -17,8 +17,7 @@ import httpx
 import msgpack
 import nats
 import pytest
-from replica_stack import MockStack, Replica, index_blocks, matches, prompt, send
-from router_double import EngineDouble, until
+from stack import EngineDouble, MockStack, Replica, index_blocks, matches, prompt, send, until
 
 from router.cli import main as cli_main
 from router.config import ConfigError, RouterConfig, WorkerSpec, load_config

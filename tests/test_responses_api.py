@@ -10,8 +10,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from replica_stack import MODEL, MockStack, Replica
-from router_double import until
+from stack import MODEL, MockStack, Replica, until
 
 SYSTEM = "You are the helpful agent of a cache-aware router test; keep answers short. " * 6
 

@@ -11,8 +11,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-from replica_stack import MODEL, MockStack, Replica, prompt, send
-from router_double import until
+from stack import MODEL, MockStack, Replica, prompt, send, until
 from test_reuse import LruReference
 
 from router.config import RouterConfig

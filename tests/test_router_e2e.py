@@ -8,88 +8,23 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import httpx
 import nats
 import openai
 import orjson
 import pytest
-from router_double import EngineDouble, Served, until
+from stack import ADMIN_TOKEN, DoubleStack, EngineDouble, Served, until
 
 from policies.experiments import Arm
 from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
 
-TOKEN = "s3cret"
+TOKEN = ADMIN_TOKEN
 SYSTEM = "You are a careful assistant. " * 8  # shared by every conversation
 
 
-class Stack:
-    def __init__(self) -> None:
-        self.engines: list[EngineDouble] = []
-        self.app: RouterApp | None = None
-        self.served: Served | None = None
-        self.clients: list[openai.AsyncOpenAI] = []
-
-    @property
-    def url(self) -> str:
-        assert self.served is not None
-        return self.served.url
-
-    @property
-    def state(self) -> Any:
-        assert self.app is not None
-        return self.app.state
-
-    def client(self) -> openai.AsyncOpenAI:
-        client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
-        self.clients.append(client)
-        return client
-
-    def http(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=self.url, timeout=10)
-
-    def engine(self, worker_id: str) -> EngineDouble:
-        return next(e for e in self.engines if e.worker_id == worker_id)
-
-
-@pytest.fixture
-async def make_stack() -> AsyncIterator[Callable[..., Awaitable[Stack]]]:
-    stacks: list[Stack] = []
-
-    async def make(
-        n: int = 2, nats_url: str | None = None, engine_kw: dict | None = None, **cfg_kw: Any
-    ) -> Stack:
-        stack = Stack()
-        stacks.append(stack)
-        for i in range(n):
-            engine = EngineDouble(f"w{i}", nats_url=nats_url, **(engine_kw or {}))
-            stack.engines.append(await engine.start())
-        settings: dict[str, Any] = {"block_size": 4, "admin_token": TOKEN, "health_interval": 0.2}
-        cfg = RouterConfig(
-            nats_url=nats_url,
-            workers=[WorkerSpec(e.worker_id, e.url, model="m") for e in stack.engines],
-            **{**settings, **cfg_kw},
-        )
-        stack.app = RouterApp(cfg)
-        stack.served = await Served(stack.app).start()
-        if nats_url:
-            await until(lambda: stack.state.bus.connected, what="router on NATS")
-        return stack
-
-    yield make
-    for stack in stacks:
-        for client in stack.clients:
-            await client.close()
-        if stack.served is not None:
-            await stack.served.stop()
-        for e in stack.engines:
-            await e.stop()
-
-
-def served_by(stack: Stack) -> dict[str, int]:
+def served_by(stack: DoubleStack) -> dict[str, int]:
     return {e.worker_id: len(e.requests) for e in stack.engines}
 
 

@@ -9,7 +9,7 @@ import sys
 import time
 
 import httpx
-from router_double import EngineDouble, Served, until
+from stack import EngineDouble, Served, until
 
 from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec

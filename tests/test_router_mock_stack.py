@@ -14,8 +14,7 @@ import httpx
 import nats
 import openai
 import pytest
-from replica_stack import BS, MODEL, MockStack
-from router_double import Served, until
+from stack import BS, MODEL, MockStack, Served, until
 
 from agent.node import NodeAgent
 from index.codec import BlockRemoved, decode

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from router_double import EngineDouble, Served, until
+from stack import EngineDouble, Served, until
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from index.hashing import BlockHasher

@@ -20,7 +20,7 @@ import openai
 import orjson
 import pytest
 import trustme
-from router_double import EngineDouble, Served, until
+from stack import EngineDouble, Served, until
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse

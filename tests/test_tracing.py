@@ -12,8 +12,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
-from replica_stack import MODEL, MockStack
-from router_double import Served, until
+from stack import MODEL, MockStack, Served, until
 
 from router.app import RouterApp
 from router.config import ConfigError, RouterConfig, WorkerSpec

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from router_double import Served, until
+from stack import Served, until
 from vllm_engine import BLOCK, LORA, MODEL, Engine
 
 from agent.node import AgentConfig, NodeAgent

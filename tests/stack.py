@@ -1,0 +1,570 @@
+"""The test stacks, in one module (not a test module): what the end-to-end tests run.
+
+- ``until``: a bounded poll; ``Served``: an ASGI app under uvicorn on a loopback port.
+- ``EngineDouble``: a small engine for the router's end-to-end tests: a real HTTP server
+  on a loopback port speaking the OpenAI completions/chat API (SSE included,
+  ``usage.prompt_tokens_details.cached_tokens`` reported), with a paged prefix cache
+  keyed by the engine's *own* block hashes, publishing KV events on a real NATS exactly
+  as the node agent does (msgpack batch from ``index.codec.encode``, ``Kv-Seq`` and
+  ``Kv-Epoch`` headers) and answering ``kv.replay.<id>`` per ``index/gapfill.py``. It
+  tokenizes with the router's tokenizer classes, as a real engine uses the model's.
+- ``DoubleStack`` (fixture ``make_stack`` in conftest.py): engine doubles behind one
+  router, in-process.
+- ``MockStack`` and ``Replica``: mock engines (``sim.mock_engine``, KV events over ZMQ)
+  behind real node agents, which create the event stream, and router replicas serving
+  HTTP in-process, for the replica, capacity and NATS-fault tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from array import array
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import httpx
+import nats
+import openai
+import orjson
+import uvicorn
+import xxhash
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from agent.node import AgentConfig, NodeAgent
+from index.codec import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, encode
+from index.gapfill import GapFillMessage, GapFillRequest
+from index.wire import DEFAULT_PREFIX, EPOCH_HEADER, SEQ_HEADER, Subjects
+from router.app import RouterApp
+from router.config import RouterConfig, WorkerSpec
+from router.events import last_seq
+from router.natsd import free_port
+from router.tokenize import FallbackTokenizer, Tokenizer
+from sim.mock_engine import MockEngine, MockEngineConfig
+from sim.mock_scheduler import Timing
+
+ENGINE_SEED = 0x5EED  # engine hashes are not the router's: different function and seed
+
+
+async def until(check: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> Any:
+    """Poll ``check`` until it returns something truthy (bounded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if isinstance(value, Awaitable):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+class Served:
+    """An ASGI app under uvicorn on a free loopback port, in the running event loop."""
+
+    def __init__(self, app: Any, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host="127.0.0.1",
+                port=self.port,
+                log_level="warning",
+                lifespan="on",
+                timeout_graceful_shutdown=5,
+            )
+        )
+        self.task: asyncio.Task[None] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> Served:
+        self.server.config.setup_event_loop = lambda: None  # type: ignore[method-assign]
+        self.task = asyncio.create_task(self.server.serve())
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if self.task.done():
+                self.task.result()
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not start")
+            await asyncio.sleep(0.01)
+        return self
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        if self.task is not None:
+            await asyncio.wait_for(self.task, 10)
+
+
+class EngineDouble:
+    """One fake engine: HTTP API + prefix cache + KV events on NATS + replay answers."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        *,
+        model: str = "m",
+        block_size: int = 4,
+        nats_url: str | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        tokenizer: Tokenizer | None = None,
+        capacity: int = 10_000,
+        ring: int = 1000,
+    ) -> None:
+        self.worker_id = worker_id
+        self.model = model
+        self.block_size = block_size
+        self.nats_url = nats_url
+        self.prefix = prefix
+        self.subjects = Subjects(prefix)
+        self.tokenizer = tokenizer or FallbackTokenizer()
+        self.capacity = capacity
+        self.ring_size = ring
+        self.cache: OrderedDict[int, list[int]] = OrderedDict()  # engine hash -> tokens (LRU)
+        self.parent: dict[int, int | None] = {}
+        self.seq = -1
+        self.epoch = f"{worker_id}-epoch-1"
+        self.ring: list[tuple[int, bytes]] = []
+        self.drop_next = 0  # batches to "lose" on the live subject (still kept for replay)
+        self.requests: list[dict[str, Any]] = []
+        self.prefetch: list[dict[str, Any]] = []
+        self.fail_with: tuple[int, dict[str, Any]] | None = None
+        self.gate: asyncio.Event | None = None  # when set: requests wait for it (load)
+        self.inflight = 0
+        self.cancelled = 0
+        self.token_delay = 0.0
+        self.nc: Client | None = None
+        self.served = Served(self._app())
+
+    @property
+    def url(self) -> str:
+        return self.served.url
+
+    async def start(self) -> EngineDouble:
+        if self.nats_url:
+            self.nc = await nats.connect(self.nats_url)
+            await self.nc.subscribe(self.subjects.gap_fill(self.worker_id), cb=self._on_replay)
+        await self.served.start()
+        return self
+
+    async def stop(self) -> None:
+        if self.gate is not None:
+            self.gate.set()
+        await self.served.stop()
+        if self.nc is not None:
+            await self.nc.close()
+
+    # -- prefix cache and events ---------------------------------------------------
+    def _ids(self, tokens: Any) -> list[int]:
+        return list(array("I", tokens)) if isinstance(tokens, bytes) else list(tokens)
+
+    def _engine_hashes(self, ids: list[int]) -> list[int]:
+        out, h = [], ENGINE_SEED
+        bs = self.block_size
+        for i in range(len(ids) // bs):
+            h = xxhash.xxh64_intdigest(array("I", ids[i * bs : (i + 1) * bs]).tobytes(), h)
+            out.append(h)
+        return out
+
+    async def admit(self, ids: list[int]) -> int:
+        """Serve a prompt's prefill: cached tokens, then store its blocks (with events)."""
+        hashes = self._engine_hashes(ids)
+        bs = self.block_size
+        hit = 0
+        for h in hashes:
+            if h not in self.cache:
+                break
+            self.cache.move_to_end(h)
+            hit += 1
+        new = hashes[hit:]
+        if new:
+            parent = hashes[hit - 1] if hit else None
+            for i, h in enumerate(new, start=hit):
+                self.cache[h] = ids[i * bs : (i + 1) * bs]
+                self.parent[h] = hashes[i - 1] if i else None
+            stored = BlockStored(
+                block_hashes=new,
+                parent_block_hash=parent,
+                token_ids=ids[hit * bs : len(hashes) * bs],
+                block_size=bs,
+                medium="GPU",
+            )
+            events: list[Any] = [stored]
+            evicted = []
+            while len(self.cache) > self.capacity:
+                h, _ = self.cache.popitem(last=False)
+                evicted.append(h)
+            if evicted:
+                events.append(BlockRemoved(block_hashes=evicted, medium="GPU"))
+            await self.publish(events)
+        return hit * bs
+
+    async def evict(self, hashes: list[int]) -> None:
+        for h in hashes:
+            self.cache.pop(h, None)
+        await self.publish([BlockRemoved(block_hashes=hashes, medium="GPU")])
+
+    async def clear(self) -> None:
+        self.cache.clear()
+        await self.publish([AllBlocksCleared()])
+
+    async def publish(self, events: list[Any]) -> None:
+        self.seq += 1
+        payload = encode(EventBatch(time.time(), events, None))
+        self.ring.append((self.seq, payload))
+        del self.ring[: -self.ring_size]
+        if self.nc is None:
+            return
+        if self.drop_next:
+            self.drop_next -= 1
+            return
+        headers = {SEQ_HEADER: str(self.seq), EPOCH_HEADER: self.epoch}
+        await self.nc.publish(self.subjects.events(self.worker_id), payload, headers=headers)
+        await self.nc.flush()
+
+    async def report_load(self, running: int, waiting: int, kv_usage: float) -> None:
+        assert self.nc is not None
+        data = {"running": running, "waiting": waiting, "kv_usage": kv_usage, "ts": time.time()}
+        await self.nc.publish(self.subjects.load(self.worker_id), orjson.dumps(data))
+        await self.nc.flush()
+
+    async def _on_replay(self, msg: Msg) -> None:
+        assert self.nc is not None
+        req = GapFillRequest.decode(msg.data)
+        first = self.ring[0][0] if self.ring else self.seq + 1
+        dump = req.from_seq < first
+        if dump:
+            events = [
+                BlockStored([h], self.parent[h], self.cache[h], self.block_size, medium="GPU")
+                for h in sorted(self.cache, key=self._depth)  # parents first
+            ]
+            payload = encode(EventBatch(time.time(), events, None))
+            await self.nc.publish(msg.reply, GapFillMessage("dump", self.seq, payload).encode())
+        else:
+            for seq, payload in self.ring:
+                if seq >= req.from_seq:
+                    await self.nc.publish(msg.reply, GapFillMessage("batch", seq, payload).encode())
+        end = GapFillMessage("end", self.seq, epoch=self.epoch, dump=dump)
+        await self.nc.publish(msg.reply, end.encode())
+        await self.nc.flush()
+
+    def _depth(self, h: int) -> int:
+        depth = 0
+        while (h := self.parent.get(h)) is not None:
+            depth += 1
+        return depth
+
+    # -- HTTP ------------------------------------------------------------------------
+    def _app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/v1/chat/completions", self._completion, methods=["POST"]),
+                Route("/v1/completions", self._completion, methods=["POST"]),
+                Route("/v1/models", self._models),
+                Route("/health", self._health),
+                Route("/metrics", self._metrics),
+            ]
+        )
+
+    async def _models(self, _req: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    async def _health(self, _req: Request) -> Response:
+        return PlainTextResponse("ok")
+
+    async def _metrics(self, _req: Request) -> Response:
+        labels = f'{{model_name="{self.model}",engine="0"}}'
+        text = (
+            f"vllm:num_requests_running{labels} {self.inflight}\n"
+            f"vllm:num_requests_waiting{labels} 0\n"
+            f"vllm:kv_cache_usage_perc{labels} {len(self.cache) / self.capacity}\n"
+        )
+        return PlainTextResponse(text)
+
+    async def _completion(self, request: Request) -> Response:
+        raw = await request.body()
+        body = orjson.loads(raw)
+        chat = request.url.path.endswith("chat/completions")
+        self.requests.append({"path": request.url.path, "body": body, "headers": request.headers})
+        if self.fail_with is not None:
+            status, err = self.fail_with
+            return JSONResponse(err, status_code=status)
+        if body.get("model") != self.model:
+            err = {"error": {"message": "no such model", "type": "NotFoundError", "code": 404}}
+            return JSONResponse(err, status_code=404)
+        if chat:
+            tokens, _ = self.tokenizer.chat(body)
+        else:
+            tokens, _ = self.tokenizer.completion(body["prompt"])
+        ids = self._ids(tokens)
+        self.inflight += 1
+        try:
+            if self.gate is not None:
+                await self.gate.wait()
+            cached = await self.admit(ids)
+        finally:
+            self.inflight -= 1
+        words = [f"hi{i} " for i in range(int(body.get("max_tokens") or 3))]
+        usage = {
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(words),
+            "total_tokens": len(ids) + len(words),
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{len(self.requests)}"
+        base = {"id": rid, "created": int(time.time()), "model": self.model}
+        base["system_fingerprint"] = self.worker_id
+        if not body.get("stream"):
+            if chat:
+                choice = {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "".join(words)},
+                    "finish_reason": "stop",
+                }
+                obj = {**base, "object": "chat.completion", "choices": [choice], "usage": usage}
+            else:
+                choice = {"index": 0, "text": "".join(words), "finish_reason": "stop"}
+                obj = {**base, "object": "text_completion", "choices": [choice], "usage": usage}
+            return Response(orjson.dumps(obj), media_type="application/json")
+        include_usage = (body.get("stream_options") or {}).get("include_usage")
+        return StreamingResponse(
+            self._sse(base, chat, words, usage if include_usage else None),
+            media_type="text/event-stream",
+        )
+
+    async def _sse(self, base: dict[str, Any], chat: bool, words: list[str], usage: Any) -> Any:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(choices: list[Any], **extra: Any) -> bytes:
+            return b"data: " + orjson.dumps({**base, "object": kind, "choices": choices, **extra})
+
+        try:
+            if chat:
+                yield event([{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}])
+                yield b"\n\n"
+            for i, w in enumerate(words):
+                last = "stop" if i == len(words) - 1 else None
+                part = {"delta": {"content": w}} if chat else {"text": w}
+                yield event([{"index": 0, **part, "finish_reason": last}]) + b"\n\n"
+                if self.token_delay:
+                    await asyncio.sleep(self.token_delay)
+            if usage is not None:
+                yield event([], usage=usage) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+
+# -- engine doubles behind one router ------------------------------------------------------
+
+ADMIN_TOKEN = "s3cret"  # DoubleStack's admin_token
+
+
+class DoubleStack:
+    """``n`` engine doubles (``w0``...) behind one in-process router on a loopback port."""
+
+    def __init__(self) -> None:
+        self.engines: list[EngineDouble] = []
+        self.app: RouterApp | None = None
+        self.served: Served | None = None
+        self.clients: list[openai.AsyncOpenAI] = []
+
+    @classmethod
+    async def start(
+        cls,
+        n: int = 2,
+        nats_url: str | None = None,
+        engine_kw: dict[str, Any] | None = None,
+        **cfg_kw: Any,
+    ) -> DoubleStack:
+        stack = cls()
+        for i in range(n):
+            engine = EngineDouble(f"w{i}", nats_url=nats_url, **(engine_kw or {}))
+            stack.engines.append(await engine.start())
+        settings: dict[str, Any] = {
+            "block_size": 4, "admin_token": ADMIN_TOKEN, "health_interval": 0.2, **cfg_kw,
+        }  # fmt: skip
+        cfg = RouterConfig(
+            nats_url=nats_url,
+            workers=[WorkerSpec(e.worker_id, e.url, model="m") for e in stack.engines],
+            **settings,
+        )
+        stack.app = RouterApp(cfg)
+        stack.served = await Served(stack.app).start()
+        if nats_url:
+            await until(lambda: stack.state.bus.connected, what="router on NATS")
+        return stack
+
+    @property
+    def url(self) -> str:
+        assert self.served is not None
+        return self.served.url
+
+    @property
+    def state(self) -> Any:
+        assert self.app is not None
+        return self.app.state
+
+    def client(self) -> openai.AsyncOpenAI:
+        client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+        self.clients.append(client)
+        return client
+
+    def http(self, token: str | None = None) -> httpx.AsyncClient:
+        """A client of the router; with ``token`` as its bearer (the admin API's)."""
+        headers = {"authorization": f"Bearer {token}"} if token else None
+        return httpx.AsyncClient(base_url=self.url, timeout=10, headers=headers)
+
+    def engine(self, worker_id: str) -> EngineDouble:
+        return next(e for e in self.engines if e.worker_id == worker_id)
+
+    async def stop(self) -> None:
+        for client in self.clients:
+            await client.close()
+        if self.served is not None:
+            await self.served.stop()
+        for e in self.engines:
+            await e.stop()
+
+
+# -- mock engines behind node agents, router replicas -----------------------------------------
+
+BS = 16
+MODEL = "mock-model"
+SYSTEM = "You are the assistant of a replicated cache-aware router; answer briefly. " * 3
+
+
+class Replica:
+    """One router process: the app and its HTTP server on a loopback port."""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.app = RouterApp(cfg)
+        self.served: Served | None = None
+
+    @property
+    def state(self) -> Any:
+        return self.app.state
+
+    @property
+    def url(self) -> str:
+        assert self.served is not None
+        return self.served.url
+
+    def pool(self) -> Any:
+        return self.state.registry.pools["default"]
+
+    def load(self, worker_id: str) -> Any:
+        return self.state.registry.get(worker_id).load
+
+    async def start(self) -> Replica:
+        self.served = await Served(self.app).start()
+        feed = self.state.feed
+        await until(lambda: self.state.bus.connected and feed.using, what="replica on NATS")
+        return self
+
+    async def stop(self) -> None:
+        if self.served is not None:
+            await self.served.stop()
+            self.served = None
+
+
+class MockStack:
+    """Mock engines (small GPU caches, so they evict) behind node agents."""
+
+    def __init__(self, nats_url: str) -> None:
+        self.nats_url = nats_url
+        self.engines: list[MockEngine] = []
+        self.agents: list[NodeAgent] = []
+
+    async def start(self, n: int, buffer: int = 10_000, load_interval: float = 0) -> MockStack:
+        for i in range(n):
+            cfg = MockEngineConfig(
+                worker_id=f"m{i}",
+                model=MODEL,
+                block_size=BS,
+                gpu_blocks=32,
+                zmq_endpoint="tcp://127.0.0.1:*",
+                replay_endpoint="tcp://127.0.0.1:*",
+                timing=Timing(speed=200.0),
+            )
+            engine = await MockEngine(cfg).start()
+            self.engines.append(engine)
+            agent = NodeAgent(
+                AgentConfig(
+                    worker_id=cfg.worker_id,
+                    zmq_endpoint=engine.zmq_endpoint or "",
+                    replay_endpoint=engine.replay_endpoint,
+                    engine_url=engine.url,
+                    nats_url=self.nats_url,
+                    load_interval=load_interval,
+                    replay_timeout=0.5,
+                    buffer=buffer,
+                )
+            )
+            self.agents.append(await agent.start())
+        return self
+
+    async def stop(self) -> None:
+        for a in self.agents:
+            await a.stop()
+        for e in self.engines:
+            await e.stop()
+
+    def router_config(self, replica_id: str, **kw: Any) -> RouterConfig:
+        return RouterConfig(
+            nats_url=self.nats_url,
+            block_size=BS,
+            admin_token="t",
+            health_interval=0.5,
+            replica_id=replica_id,
+            workers=[WorkerSpec(e.cfg.worker_id, e.url, model=MODEL) for e in self.engines],
+            **kw,
+        )
+
+    def synced(self, replica: Replica) -> bool:
+        """The replica applied every batch each agent has published."""
+        ingest = replica.pool().ingest
+        return all(
+            last_seq(ingest, a.cfg.worker_id) == a.core.last_seq and ingest.in_sync(a.cfg.worker_id)
+            for a in self.agents
+            if a.core.last_seq is not None
+        )
+
+    def engine_blocks(self) -> dict[str, int]:
+        return {e.cfg.worker_id: len(e.cache.gpu_hashes()) for e in self.engines}
+
+
+def prompt(i: int) -> str:
+    return f"{SYSTEM} topic {i % 4}: " + f"note {i} " * (20 + 3 * i)
+
+
+def matches(replica: Replica, prompts: Iterable[str]) -> list[dict[str, int]]:
+    """What the replica's index holds for each prompt (events only, no predictions)."""
+    st = replica.state
+    pool = replica.pool()
+    tok = st.tokenizers.get(MODEL)
+    return [
+        pool.index.match(pool.hasher.hash_tokens(tok.encode(p, True)), speculative=False)
+        for p in prompts
+    ]
+
+
+def index_blocks(replica: Replica) -> dict[str, int]:
+    return {w: t["gpu"] for w, t in replica.pool().index.stats().workers.items()}
+
+
+async def send(http: httpx.AsyncClient, replica: Replica, text: str) -> str:
+    body = {"model": MODEL, "prompt": text, "max_tokens": 4}
+    r = await http.post(replica.url + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.headers["x-cache-router-worker"]
