@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-from stack import BS, MODEL, MockStack, Replica, until
+from stack import BS, MODEL, MockStack, Replica, index_blocks, until
 
 from router.audit import MIN_SAMPLES, HitAudit
 from router.config import WorkerSpec
@@ -30,6 +30,13 @@ async def stack(nats_url: str) -> AsyncIterator[tuple[MockStack, Replica]]:
     yield mocks, replica
     await replica.stop()
     await mocks.stop()
+
+
+def caught_up(mocks: MockStack, replica: Replica) -> bool:
+    """The replica applied every batch the agent has, and the engine's last batch reached
+    the agent: the index holds what the engine holds (the agent's seq alone could lag the
+    engine's ZMQ publish under load, and a prediction then missed a block)."""
+    return mocks.synced(replica) and index_blocks(replica) == mocks.engine_blocks()
 
 
 async def complete(http: httpx.AsyncClient, url: str, prompt: list[int]) -> tuple[int, int]:
@@ -52,7 +59,7 @@ async def test_prompts_of_whole_blocks_never_count_their_last_block(
             prompt = [1000 + n_tokens, *range(1, n_tokens)]
             for _ in range(2):
                 seen.append((n_tokens, *await complete(http, replica.url, prompt)))
-                await until(lambda: mocks.synced(replica), what="events applied")
+                await until(lambda: caught_up(mocks, replica), what="events applied")
     assert all(pred == cached for _, pred, cached in seen), seen
     # the repeat of an exact multiple hit all blocks but the one holding the last token
     assert (3 * BS, 2 * BS, 2 * BS) in seen and (3 * BS + 5, 3 * BS, 3 * BS) in seen
