@@ -202,15 +202,24 @@ def request_block_hashes(
     lora_name: str | None = None,
     cache_salt: str | None = None,
     hashable_tokens: int | None = None,
+    media_keys: Mapping[int, Sequence[object]] | None = None,
 ) -> list[RouterHash]:
     """The router's hashes of a request's blocks, keyed as its engine's events will be.
 
     ``hashable_tokens`` bounds the tokens the router can key faithfully (those before
-    a multimodal item); blocks past it are left out, so they are never matched.
+    a multimodal item it cannot identify); blocks past it are left out, so they are
+    never matched. ``media_keys``: per block, the multimodal keys ``(identifier, item
+    start - block start)`` of the items it overlaps, which vLLM puts before the salt.
     """
-    hashes = hasher.hash_tokens(
-        token_ids, lora_name=lora_name or None, block_extras=salt_extras(cache_salt)
-    )
+    extras = salt_extras(cache_salt)
+    if media_keys:
+        extras = {
+            b: extra_key_bytes(
+                [*media_keys.get(b, ()), *([cache_salt] if b == 0 and cache_salt else [])]
+            )
+            for b in {*media_keys, *(extras or {})}
+        }
+    hashes = hasher.hash_tokens(token_ids, lora_name=lora_name or None, block_extras=extras)
     if hashable_tokens is not None:
         del hashes[hasher.num_blocks(max(hashable_tokens, 0)) :]
     return hashes

@@ -33,6 +33,7 @@ from index.codec import (
 )
 from index.groups import GroupSpec, group_key, group_kind
 from index.hashing import BlockHasher, event_extras, lora_id_root
+from index.media import MediaRegistry
 from index.prefix_index import TIERS, PrefixIndex, Tier
 from index.wire import EPOCH_START_SEQ
 
@@ -148,6 +149,8 @@ class EventIngest:
         self.restarts = 0
         self.duplicates = 0
         self._workers: dict[str, _Worker] = {}
+        # multimodal items' placeholder runs, as the events show them (index/media.py)
+        self.media = MediaRegistry()
         # KV-cache groups by group_idx: declared (``declare_groups``), completed by what
         # events say of themselves (kind, window, block size)
         self._groups: dict[int, GroupSpec] = {}
@@ -529,6 +532,8 @@ class EventIngest:
                 parent = w.base.blocks[event.parent_block_hash][0]
             else:
                 return "unknown_parent"
+        if event.extra_keys:
+            self.media.learn(event.token_ids, event.block_size, event.extra_keys)
         extras = event_extras(
             event.extra_keys,
             lora_name=event.lora_name,

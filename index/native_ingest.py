@@ -354,6 +354,8 @@ class NativeEventIngest(EventIngest):
         if isinstance(event, BlockRemoved):
             return ("removed", tier_num, bool(event.group_idx), keys)
         parent = event.parent_block_hash
+        if event.extra_keys:  # multimodal items' placeholder runs (index/media.py)
+            self.media.learn(event.token_ids, event.block_size, event.extra_keys)
         extras = event_extras(
             event.extra_keys,
             lora_name=event.lora_name,

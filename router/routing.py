@@ -28,6 +28,7 @@ from router.affinity import ResponseAffinity
 from router.config import RouterConfig
 from router.errors import ApiError, ErrorCode
 from router.fields import check_fields
+from router.media import as_ints, block_keys, expand
 from router.messages import as_messages as anthropic_messages
 from router.messages import check_messages
 from router.pools import Pool
@@ -182,18 +183,30 @@ class Router:
         else:
             ids, _ = tok.completion(body["prompt"], bool(body.get("add_special_tokens", True)))
         hashable: int | None = None
+        media: dict[int, list[Any]] | None = None
+        keyed = ids  # the tokens hashed (the engine's own, once media items are expanded)
         if parsed.kind == "chat":
             hashable = tok.hashable_tokens(body)
+            if hashable is not None:
+                # media items: hashed through those whose identifier and placeholder run
+                # the engines' events showed (router/media.py), up to the first other one
+                seen = expand(tok, body, pool.ingest.media.placeholder, as_ints)
+                if seen.items:
+                    media = block_keys(seen.items, pool.block_size)
+                    keyed, hashable = seen.tokens, seen.hashable
+                    if hashable is None:  # every item keyed: the engine's whole prompt
+                        ids = seen.tokens
         elif body.get("prompt_embeds") is not None:
             hashable = 0  # the engine keys these blocks by the embeddings' digest
         salt = body.get("cache_salt")
         t1 = time.time_ns() if trace is not None else 0
         hashes = request_block_hashes(
             pool.hasher,
-            ids,
+            keyed,
             lora_name=self.registry.lora_name(parsed.model),
             cache_salt=salt if isinstance(salt, str) else None,
             hashable_tokens=hashable,
+            media_keys=media,
         )
         if trace is not None:
             trace.span("tokenize", t0, t1, {"cache_router.prompt_tokens": num_tokens(ids)})

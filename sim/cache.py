@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from hashlib import blake2b
 from typing import Any
@@ -38,16 +38,22 @@ CPU = "CPU"
 
 
 def engine_block_hashes(
-    token_ids: TokenIds, block_size: int, seed: int = 0, parent: int | None = None
+    token_ids: TokenIds,
+    block_size: int,
+    seed: int = 0,
+    parent: int | None = None,
+    keys: Mapping[int, list[Any]] | None = None,
 ) -> list[int]:
-    """The engine-side hash of every full block of ``token_ids``, chained from ``parent``."""
+    """The engine-side hash of every full block of ``token_ids``, chained from ``parent``;
+    ``keys``: per block, extra keys mixed in (multimodal items, as vLLM does)."""
     key = (seed & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "little")
     data = bytes(token_bytes(token_ids))
     step = block_size * 4
     prev = (parent or 0).to_bytes(8, "little")
     out: list[int] = []
-    for start in range(0, (len(data) // step) * step, step):
-        prev = blake2b(prev + data[start : start + step], digest_size=8, key=key).digest()
+    for i, start in enumerate(range(0, (len(data) // step) * step, step)):
+        extra = repr(keys[i]).encode() if keys and i in keys else b""
+        prev = blake2b(prev + data[start : start + step] + extra, digest_size=8, key=key).digest()
         out.append(int.from_bytes(prev, "little"))
     return out
 
@@ -74,30 +80,48 @@ class Allocation:
     new_blocks: int  # pages reserved for the rest of the prompt and ``reserve_tokens``
 
 
-_Record = tuple[int, int | None, Sequence[int], str | None]
+# (hash, parent, tokens, adapter, multimodal keys) of a block an operation stored
+_Record = tuple[int, int | None, Sequence[int], str | None, list[Any] | None]
+
+
+def _extra_keys(per_block: list[list[Any] | None]) -> list[Any] | None:
+    """An event's ``extra_keys``: one entry per block, or none at all without any."""
+    return per_block if any(per_block) else None
 
 
 class _Block:
     """One cached page. ``tokens`` is kept only with a host tier (demotion re-emits them)."""
 
-    __slots__ = ("lora", "parent", "ref", "tokens")
+    __slots__ = ("keys", "lora", "parent", "ref", "tokens")
 
     def __init__(
-        self, parent: int | None, tokens: Sequence[int] | None, lora: str | None = None
+        self,
+        parent: int | None,
+        tokens: Sequence[int] | None,
+        lora: str | None = None,
+        keys: list[Any] | None = None,
     ) -> None:
         self.parent = parent
         self.tokens = tokens
         self.lora = lora  # the adapter the block was computed with (its events name it)
+        self.keys = keys  # its multimodal extra keys, as its events carry them
         self.ref = 0
 
 
 class _Request:
-    __slots__ = ("committed", "hashes", "lora", "pinned", "private", "tokens")
+    __slots__ = ("committed", "hashes", "keys", "lora", "pinned", "private", "tokens")
 
-    def __init__(self, hashes: list[int], tokens: Sequence[int], lora: str | None) -> None:
+    def __init__(
+        self,
+        hashes: list[int],
+        tokens: Sequence[int],
+        lora: str | None,
+        keys: Mapping[int, list[Any]] | None,
+    ) -> None:
         self.hashes = hashes
         self.tokens = tokens
         self.lora = lora
+        self.keys = keys or {}
         self.pinned: list[int] = []  # cached blocks this request references, in order
         self.committed = 0  # leading prompt blocks that are cached (hit or computed)
         self.private = 0  # pages owned by the request alone (uncached or partial)
@@ -124,9 +148,7 @@ class PrefixCache:
         this cache), each holding up to ``group_blocks`` blocks (``sim.hybrid``)."""
         if block_size <= 0 or gpu_blocks <= 0 or host_blocks < 0:
             raise ValueError("block_size and gpu_blocks must be positive, host_blocks >= 0")
-        self.extra = (
-            ExtraGroups(groups, block_size, group_blocks or gpu_blocks) if groups else None
-        )
+        self.extra = ExtraGroups(groups, block_size, group_blocks or gpu_blocks) if groups else None
         # a hybrid engine names each group's kind on its stores, group 0's too (vLLM)
         self._group0: dict[str, Any] = (
             {"group_idx": 0, "kv_cache_spec_kind": "full_attention"} if groups else {}
@@ -147,8 +169,13 @@ class PrefixCache:
         self._removed: dict[str, list[int]] = {CPU: [], GPU: []}
 
     # -- read-only ---------------------------------------------------------------
-    def hash_blocks(self, token_ids: Sequence[int], lora: str | None = None) -> list[int]:
-        return engine_block_hashes(token_ids, self.block_size, self.seed, lora_root(lora))
+    def hash_blocks(
+        self,
+        token_ids: Sequence[int],
+        lora: str | None = None,
+        keys: Mapping[int, list[Any]] | None = None,
+    ) -> list[int]:
+        return engine_block_hashes(token_ids, self.block_size, self.seed, lora_root(lora), keys)
 
     @property
     def gpu_used(self) -> int:
@@ -198,6 +225,7 @@ class PrefixCache:
         block_hashes: Sequence[int] | None = None,
         reserve_tokens: int = 0,
         lora: str | None = None,
+        keys: Mapping[int, list[Any]] | None = None,
     ) -> Allocation | None:
         """Pin the prompt's cached prefix and reserve pages for the rest.
 
@@ -216,7 +244,7 @@ class PrefixCache:
         if block_hashes is not None:
             hashes = list(block_hashes)
         else:
-            hashes = self.hash_blocks(token_ids, lora)
+            hashes = self.hash_blocks(token_ids, lora, keys)
         cap = min(len(hashes), max(0, (n_tokens - 1) // bs))
         gpu, lru, host = self._gpu, self._lru, self._host
         lead = 0
@@ -246,7 +274,7 @@ class PrefixCache:
             return None
         if self.extra is not None:
             self.extra.touch(hashes, run)
-        req = _Request(hashes, token_ids, lora)
+        req = _Request(hashes, token_ids, lora, keys)
         # Snapshot host hits first: demotions below may push them out of host memory.
         from_host = [(i, host[hashes[i]]) for i in range(lead, run) if hashes[i] not in gpu]
         for h in hashes[:run]:
@@ -284,7 +312,10 @@ class PrefixCache:
             block = gpu.get(h)
             if block is None:
                 block = gpu[h] = _Block(
-                    parent, None if tokens is None else tokens[i * bs : (i + 1) * bs], req.lora
+                    parent,
+                    None if tokens is None else tokens[i * bs : (i + 1) * bs],
+                    req.lora,
+                    req.keys.get(i),
                 )
                 block.ref = 1
                 if not stored:
@@ -381,6 +412,9 @@ class PrefixCache:
                 block_size=bs,
                 medium=GPU,
                 lora_name=req.lora,
+                extra_keys=_extra_keys(
+                    [req.keys.get(i) for i in range(first, first + len(stored))]
+                ),
                 **self._group0,
             )
         )
@@ -399,11 +433,16 @@ class PrefixCache:
                 and h not in host
                 and (parent is None or parent in gpu or parent in host)
             ):
-                self._place_host(h, parent, block.tokens, block.lora)
+                self._place_host(h, parent, block.tokens, block.lora, block.keys)
             removed.append(h)
 
     def _place_host(
-        self, h: int, parent: int | None, tokens: Sequence[int] | None, lora: str | None = None
+        self,
+        h: int,
+        parent: int | None,
+        tokens: Sequence[int] | None,
+        lora: str | None = None,
+        keys: list[Any] | None = None,
     ) -> bool:
         """Put a block in host memory, evicting the oldest host block when full."""
         host = self._host
@@ -412,8 +451,8 @@ class PrefixCache:
         if len(host) >= self.host_blocks:
             old, _block = host.popitem(last=False)
             self._removed[CPU].append(old)
-        host[h] = _Block(parent, tokens, lora)
-        self._stored[CPU].append((h, parent, tokens or (), lora))
+        host[h] = _Block(parent, tokens, lora, keys)
+        self._stored[CPU].append((h, parent, tokens or (), lora, keys))
         return True
 
     def _place_gpu(self, h: int, parent: int | None, tokens: Sequence[int]) -> bool:
@@ -427,7 +466,7 @@ class PrefixCache:
             self._evict_gpu(1)
         self._gpu[h] = _Block(parent, None)
         lru[h] = None
-        self._stored[GPU].append((h, parent, tokens, None))
+        self._stored[GPU].append((h, parent, tokens, None, None))
         return True
 
     def _load(self, req: _Request, from_host: list[tuple[int, _Block]]) -> None:
@@ -436,11 +475,11 @@ class PrefixCache:
         stored = self._stored[GPU]
         for i, src in from_host:
             h = hashes[i]
-            block = gpu[h] = _Block(src.parent, src.tokens, src.lora)
+            block = gpu[h] = _Block(src.parent, src.tokens, src.lora, src.keys)
             block.ref = 1
             if h in host:
                 host.move_to_end(h)
-            stored.append((h, src.parent, req.tokens[i * bs : (i + 1) * bs], src.lora))
+            stored.append((h, src.parent, req.tokens[i * bs : (i + 1) * bs], src.lora, src.keys))
 
     def _flush(self) -> None:
         """Events for one operation's changes: stores as chains, then removals.
@@ -467,7 +506,7 @@ class PrefixCache:
         """Stored blocks as chain events (one per run of parent -> child), parents first."""
         by_hash = {r[0]: r for r in records}
         children: dict[int | None, list[int]] = {}
-        for h, parent, _tokens, _lora in by_hash.values():
+        for h, parent, *_rest in by_hash.values():
             children.setdefault(parent, []).append(h)
         todo = [r[0] for r in by_hash.values() if r[1] not in by_hash]
         events: list[BlockStored] = []
@@ -492,6 +531,7 @@ class PrefixCache:
                     block_size=self.block_size,
                     medium=medium,
                     lora_name=by_hash[run[0]][3],
+                    extra_keys=_extra_keys([by_hash[h][4] for h in run]),
                     **self._group0,
                 )
             )

@@ -30,6 +30,7 @@ from typing import Any
 
 import orjson
 import uvicorn
+import xxhash
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -39,6 +40,7 @@ from index.codec import hash_from_json
 from index.groups import parse_groups
 from router.cli import serve_until_signalled
 from router.errors import ApiError, error_body
+from router.media import as_ints, block_keys, expand, media_parts
 from sim import mock_messages as anthropic
 from sim.cache import PrefixCache
 from sim.mock_openai import (
@@ -172,6 +174,15 @@ class _Metrics:
             )
             info.add_metric([str(e.cfg.block_size), "True", str(e.cfg.gpu_blocks)], 1.0)
             yield info
+
+
+MEDIA_PAD = 0x7FFF_FF01  # the mock's placeholder token for a media item
+
+
+def placeholder_run(identifier: str) -> list[int]:
+    """A media item's placeholder tokens: 16 to 48, fixed per item (a vision encoder's
+    output size depends on the image; the router learns it from the events)."""
+    return [MEDIA_PAD] * (16 + xxhash.xxh3_64_intdigest(identifier.encode()) % 33)
 
 
 def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
@@ -540,8 +551,17 @@ class MockEngine:
         adapter = body.get("model") if isinstance(body, dict) else None
         lora = adapter if adapter in self.cfg.lora_modules else None
         p = parse_params(kind, body, lora or self.cfg.model)
-        prompt = self.text.chat(body) if kind == "chat" else self.text.completion(body["prompt"])
-        seq = self._sequence(p, prompt, lora)  # checked before any transfer
+        keys = None
+        if kind == "chat" and media_parts(body):
+            # like vLLM: each item a run of placeholder tokens, its identifier in the
+            # keys of every block the run touches
+            seen = expand(self.text.tokenizer, body, placeholder_run, as_ints)
+            prompt, keys = seen.tokens, block_keys(seen.items, self.cfg.block_size)
+        elif kind == "chat":
+            prompt = self.text.chat(body)
+        else:
+            prompt = self.text.completion(body["prompt"])
+        seq = self._sequence(p, prompt, lora, keys)  # checked before any transfer
         rank = self.pick_rank(request.headers, body)
         sched = rank.scheduler
         await self.pd.receive(
@@ -584,7 +604,13 @@ class MockEngine:
         if seq.error:
             raise RuntimeError(seq.error)  # cuts the stream, as a dying engine does
 
-    def _sequence(self, p: Params, prompt: list[int], lora: str | None = None) -> Sequence:
+    def _sequence(
+        self,
+        p: Params,
+        prompt: list[int],
+        lora: str | None = None,
+        keys: dict[int, list[Any]] | None = None,
+    ) -> Sequence:
         natural = self.text.natural_length(prompt)
         limit = p.max_tokens
         if limit is not None and (p.ignore_eos or natural > limit):
@@ -604,11 +630,12 @@ class MockEngine:
             raise ApiError(400, f"{total} tokens do not fit in the KV cache", "kv_cache_too_small")
         return Sequence(
             prompt=prompt,
-            hashes=self.cache.hash_blocks(prompt, lora),
+            hashes=self.cache.hash_blocks(prompt, lora, keys),
             max_tokens=n_out,
             pieces=self.text.pieces(prompt, n_out),
             finish_reason=finish,
             lora=lora,
+            keys=keys,
         )
 
     async def _stream(

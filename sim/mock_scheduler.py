@@ -20,6 +20,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from index.codec import Event
 from sim.cache import CacheFullError, PrefixCache
@@ -49,6 +50,7 @@ class Sequence:
     pieces: list[str]  # the output text, one piece per token
     finish_reason: str
     lora: str | None = None  # the LoRA adapter it runs with (its own prefix space)
+    keys: dict[int, list[Any]] | None = None  # per block, its multimodal items' keys
     id: str = field(default_factory=lambda: f"seq-{next(_ids)}")
     cached_tokens: int = 0
     computed: int = 0  # prompt tokens done (hits included)
@@ -152,6 +154,7 @@ class Scheduler:
                     block_hashes=seq.hashes,
                     reserve_tokens=seq.max_tokens,
                     lora=seq.lora,
+                    keys=seq.keys,
                 )
             except CacheFullError as exc:
                 self.waiting.popleft()
