@@ -79,9 +79,16 @@ class GroupSpec:
 
 
 def group_key(worker_id: str, group: int) -> str:
-    """The index key of a worker's KV-cache group (group 0 is the worker itself). ``:``
-    is in no worker id, so no worker is named like a group."""
-    return worker_id if group == 0 else f"{worker_id}:g{group}"
+    """The index key of a worker's KV-cache group kept apart from its own key (every group
+    but a full-attention group 0, see ``key_of``). ``:`` is in no worker id, so no worker
+    is named like a group."""
+    return f"{worker_id}:g{group}"
+
+
+def key_of(worker_id: str, group: int, groups: Sequence[GroupSpec]) -> str:
+    """Where group ``group`` of a worker is indexed: the worker's own key for a
+    full-attention group 0, else its group key."""
+    return worker_id if group == 0 and groups[0].kind == "full" else group_key(worker_id, group)
 
 
 def clip_matches(
@@ -92,22 +99,30 @@ def clip_matches(
     block_size: int,
 ) -> dict[str, TierMatch]:
     """Each worker's match cut to the depth every group can reuse (``reusable_depth``),
-    probing the other groups' index keys with ``holds(key, block hash)``."""
+    probing the groups' index keys with ``holds(key, block hash)``.
+
+    The tiers come from the first full-attention group's match (its leading run, which
+    also bounds the search); a model with no full-attention group is matched from 0."""
+    full = next((g for g, spec in enumerate(groups) if spec.kind == "full"), None)
+    workers = {key.split(":g", 1)[0] if ":g" in key else key for key in matches}
     out: dict[str, TierMatch] = {}
-    lead = groups[0].kind == "full"
-    for key, m in matches.items():
-        if ":" in key or m.total == 0:
-            continue  # a group's own key, or nothing to clip
+    for worker in workers:
+        m = matches.get(key_of(worker, full, groups)) if full is not None else None
+        if full is not None and (m is None or m.total == 0):
+            continue  # nothing to clip: no hit in the full-attention group
         depth = reusable_depth(
             groups,
-            lambda g, i, key=key: holds(group_key(key, g), hashes[i]),
+            lambda g, i, worker=worker: holds(key_of(worker, g, groups), hashes[i]),
             len(hashes),
             block_size,
-            leading={0: m.total} if lead else None,
+            leading={full: m.total} if m is not None and full is not None else None,
         )
-        if depth < m.total:
+        if m is None:
+            m = TierMatch(depth, depth, depth, depth)  # no full group: held in GPU, say
+        elif depth < m.total:
             m = TierMatch(min(m.gpu, depth), min(m.cpu, depth), min(m.disk, depth), depth)
-        out[key] = m
+        if depth:
+            out[worker] = m
     return out
 
 

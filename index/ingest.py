@@ -417,12 +417,16 @@ class EventIngest:
     def _by_group(
         self, worker_id: str, w: _Worker, batch: DecodedBatch, groups_only: bool
     ) -> list[tuple[str, _Worker, DecodedBatch]]:
-        """The batch split by KV-cache group, each part for its own index key; a clear
-        goes to every group. ``groups_only``: the parts past group 0 (its part was applied
-        already)."""
+        """The batch split by KV-cache group, each part for its own index key, the
+        worker's own key first; a clear goes to every group. The worker's key holds group
+        0 when it is full attention (or of unknown kind, as before groups were known);
+        a group 0 of another kind (vLLM orders groups by their first layer: Gemma-3 and
+        gpt-oss start with sliding-window layers) gets its own key like the others, and
+        the worker's key stays empty. ``groups_only``: the worker key's part was applied
+        already (natively)."""
         if not (w.groups or any(getattr(e, "group_idx", None) for e in batch.events)):
             return [(worker_id, w, batch)]
-        parts: dict[int, list[Event]] = {0: []} | {g: [] for g in w.groups}
+        parts: dict[int | None, list[Event]] = {None: []} | {g: [] for g in w.groups}
         unknown: Counter[str] = Counter()
         cleared = False
         for event in batch.events:
@@ -437,19 +441,21 @@ class EventIngest:
             if g and g not in self._groups:
                 unknown["other_kv_group"] += 1  # a group of no known kind: no rule matches it
                 continue
-            if g not in parts:  # a group new in this batch: after a clear, it starts clear
-                parts[g] = [AllBlocksCleared()] if cleared else []
+            p = None if g == 0 and self._groups.get(0, _FULL).kind == "full" else g
+            if p not in parts:  # a group new in this batch: after a clear, it starts clear
+                parts[p] = [AllBlocksCleared()] if cleared else []
             # within its group's key the event is an ordinary group-0 one
-            parts[g].append(dataclasses.replace(event, group_idx=None) if g else event)
+            parts[p].append(dataclasses.replace(event, group_idx=None) if g else event)
         out: list[tuple[str, _Worker, DecodedBatch]] = []
-        for g, events in parts.items():
-            if g == 0 and groups_only:
-                out.append((worker_id, w, DecodedBatch(batch.ts, [], batch.dp_rank, unknown)))
+        for p, events in parts.items():
+            if p is None:
+                own = [] if groups_only else events
+                errors = unknown if groups_only else batch.errors + unknown
+                out.append((worker_id, w, DecodedBatch(batch.ts, own, batch.dp_rank, errors)))
                 continue
-            state = w if g == 0 else w.groups.setdefault(g, _Worker(base=w))
-            errors = batch.errors + unknown if g == 0 else Counter()
-            part = DecodedBatch(batch.ts, events, batch.dp_rank, errors)
-            out.append((group_key(worker_id, g), state, part))
+            state = w.groups.setdefault(p, _Worker(base=w))
+            part = DecodedBatch(batch.ts, events, batch.dp_rank, Counter())
+            out.append((group_key(worker_id, p), state, part))
         return out
 
     def _apply_events(
@@ -519,8 +525,13 @@ class EventIngest:
             return "block_size_mismatch"
         n = len(event.block_hashes)
         # Bigram (EAGLE) blocks cover one token past their end: n blocks need n*B + 1.
-        if n == 0 or len(event.token_ids) != n * event.block_size + hasher.bigram:
+        m, over = divmod(len(event.token_ids) - hasher.bigram, event.block_size)
+        if n == 0 or over or m < n or (m > n and w.base is None):
             return "token_count_mismatch"
+        # m > n: a sparse store of another KV-cache group (vLLM's sliding-window group
+        # caches only the blocks a hit can use: ``reachable_block_mask``): the tokens run
+        # from the chain's parent, the hashes name the last n blocks
+        skip = m - n
         parent: int | None = None
         if event.parent_block_hash is not None:
             p = w.blocks.get(event.parent_block_hash)
@@ -532,10 +543,15 @@ class EventIngest:
                 parent = w.base.blocks[event.parent_block_hash][0]
             else:
                 return "unknown_parent"
-        if event.extra_keys:
-            self.media.learn(event.token_ids, event.block_size, event.extra_keys)
+        keys = (
+            [None] * skip + list(event.extra_keys)
+            if event.extra_keys and skip
+            else event.extra_keys
+        )
+        if keys:
+            self.media.learn(event.token_ids, event.block_size, keys)
         extras = event_extras(
-            event.extra_keys,
+            keys,
             lora_name=event.lora_name,
             cache_salt=event.cache_salt,
             chain_start=event.parent_block_hash is None,
@@ -547,6 +563,8 @@ class EventIngest:
             else:
                 start = lora_id_root(hasher, event.lora_id)
         router = hasher.hash_tokens(event.token_ids, parent=start, block_extras=extras)
+        if skip:
+            parent, router = router[skip * k - 1], router[skip * k :]
         quota = self._quota()
         if quota is not None and len(w.blocks) + n > quota:
             # keep the leading blocks that fit: a chain's prefix is still a true prefix

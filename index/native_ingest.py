@@ -190,6 +190,11 @@ class NativeEventIngest(EventIngest):
         self._apply_events(worker_id, w, decode(payload), rest, groups_only=True)
         self.batches_applied -= 1  # one batch, applied in two halves
         self._split_groups = any(g > 0 for g in self._groups)
+        zero = self._groups.get(0)
+        if zero is not None and zero.kind != "full":
+            # group 0 is no full-attention group: the natively applied part belongs under
+            # its own group key (applied there just now), not the worker's
+            self.index.clear(worker_id)
         result.applied += rest.applied
         result.errors.update(rest.errors)
 

@@ -7,7 +7,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from index.backend import IMPLEMENTATIONS
-from index.groups import GroupSpec, group_kind, parse_groups, reference_depth, reusable_depth
+from index.groups import (
+    GroupSpec,
+    clip_matches,
+    group_kind,
+    parse_groups,
+    reference_depth,
+    reusable_depth,
+)
 
 BS = 4
 
@@ -166,3 +173,56 @@ def test_groups_of_no_known_kind_are_still_dropped(Index) -> None:
     result = declared.apply("w", 0, encode(EventBatch(0.0, events, 0)))
     assert result.applied == 2 and not result.errors
     assert declared.group_specs() == [GroupSpec("full"), GroupSpec("sliding_window", 5)]
+
+
+def _ingests() -> list[tuple[str, object]]:
+    from index import EventIngest
+
+    out: list[tuple[str, object]] = [
+        (f"EventIngest/{i.__name__}", (EventIngest, i)) for i in IMPLEMENTATIONS
+    ]
+    try:
+        from index.native_index import NativePrefixIndex
+        from index.native_ingest import NativeEventIngest
+    except ImportError:
+        return out
+    return [*out, ("NativeEventIngest", (NativeEventIngest, NativePrefixIndex))]
+
+
+@pytest.mark.parametrize("kind", [k for k, _ in _ingests()])
+def test_vllm_hybrid_llama_group0_sliding_window_sparse(kind: str) -> None:
+    """What vLLM 0.32 sends for a 2-layer Llama with layer 0 sliding (window 64) and layer
+    1 full, block 32, one 371-token prompt (/work/notes/vllm_facts.md): group 0 is the
+    sliding-window group, and its store names only the last 2 of the 11 blocks its tokens
+    cover. The router predicts the 352 tokens vLLM then reports cached."""
+    from index import BlockHasher, EventBatch, encode
+    from index.codec import BlockStored
+
+    Ingest, Index = dict(_ingests())[kind]  # type: ignore[misc]
+    bs = 32
+    hasher, index = BlockHasher(bs), Index()
+    ingest = Ingest(index, hasher)
+    tokens = list(range(1, 372))
+    full = [5000 + i for i in range(11)]
+    swa = {"kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 64}
+    events = [
+        BlockStored(full[9:], None, tokens[:352], bs, medium="GPU", extra_keys=[None, None],
+                    group_idx=0, **swa),  # type: ignore[arg-type]
+        BlockStored(full, None, tokens[:352], bs, medium="GPU", extra_keys=[None] * 11,
+                    group_idx=1, kv_cache_spec_kind="full_attention"),
+    ]  # fmt: skip
+    for seq in range(2):  # the first natively parsed, then once the groups are known
+        result = ingest.apply("w", seq, encode(EventBatch(0.0, events, 0), events_as_map=True))
+        assert result.applied == 2 and not result.errors, result
+    assert ingest.group_specs() == [GroupSpec("sliding_window", 64), GroupSpec("full")]
+    hashes = hasher.hash_tokens(tokens)[: (371 - 1) // bs]
+    assert [index.holds("w:g0", h) for h in hashes] == [False] * 9 + [True, True]
+    assert all(index.holds("w:g1", h) for h in hashes)
+    assert not any(index.holds("w", h) for h in hashes)  # the worker's own key stays empty
+    matches = clip_matches(index.match_tiers(hashes), hashes, ingest.group_specs(), index.holds, bs)
+    assert matches["w"].total * bs == 352
+    # a prompt diverging in block 5: full attention reaches 5 blocks, the window group
+    # holds neither block 3 nor 4, so no hit at all
+    other = hasher.hash_tokens(tokens[:160] + [9] * 200)[:11]
+    cut = clip_matches(index.match_tiers(other), other, ingest.group_specs(), index.holds, bs)
+    assert "w" not in cut
