@@ -17,6 +17,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -46,6 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--serve", action="store_true", help="keep one stack (cache_aware) up until interrupted"
     )
     parser.add_argument("--port", type=int, default=0, help="router port with --serve (free)")
+    parser.add_argument(
+        "--pd",
+        nargs="?",
+        const="vllm",
+        choices=("vllm", "sglang"),
+        help="a disaggregated pool: half the engines prefill, half decode, in vLLM's "
+        "KV-connector protocol (the default) or SGLang's bootstrap protocol",
+    )
 
 
 @dataclass
@@ -79,9 +88,7 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
             p.wait()
 
 
-async def wait_healthy(
-    url: str, *procs: subprocess.Popen[bytes], timeout: float = 30.0
-) -> None:
+async def wait_healthy(url: str, *procs: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
     """Poll ``url``/health until it answers 200; RuntimeError after ``timeout`` seconds,
     or at once when one of ``procs`` exits (with its stderr, when that is a pipe).
 
@@ -112,10 +119,12 @@ async def stack(
     """Engines + agents + router as subprocesses; all stopped on the way out."""
     procs: list[subprocess.Popen[bytes]] = []
     engines: dict[str, str] = {}
+    roles = pd_roles(args.engines) if args.pd else ["mixed"] * args.engines
     ports = free_ports(3 * args.engines + 1)
+    config = tempfile.TemporaryDirectory(prefix="cache-router-demo-")
     try:
         for i in range(args.engines):
-            wid = f"engine-{i}"
+            wid = f"engine-{i}" if roles[i] == "mixed" else f"{roles[i]}-{i}"
             http_port, pub, rep = ports[3 * i : 3 * i + 3]
             engines[wid] = f"http://127.0.0.1:{http_port}"
             procs.append(
@@ -131,6 +140,7 @@ async def stack(
                         f"--seed={args.seed}",
                         f"--zmq-endpoint=tcp://127.0.0.1:{pub}",
                         f"--replay-endpoint=tcp://127.0.0.1:{rep}",
+                        f"--role={roles[i]}",
                     ]
                 )
             )
@@ -148,6 +158,12 @@ async def stack(
                 )
             )
         router_port = port or ports[-1]
+        if args.pd:  # roles and bootstrap ports are worker settings: a TOML file
+            workers = [f"--config={pd_config(config.name, args.pd, engines, roles)}"]
+            decode = "round_robin" if policy == "round_robin" else "decode_load"
+            workers.append(f"--decode-policy={decode}")
+        else:
+            workers = [f"--worker={wid}={url}" for wid, url in engines.items()]
         procs.append(
             _spawn(
                 [
@@ -157,7 +173,7 @@ async def stack(
                     f"--nats-url={nats_url}",
                     f"--policy={policy}",
                     f"--block-size={args.block_size}",
-                    *(f"--worker={wid}={url}" for wid, url in engines.items()),
+                    *workers,
                     *([f"--admin-token={admin_token}"] if admin_token else []),
                 ]
             )
@@ -168,6 +184,45 @@ async def stack(
         yield Stack(router_url, engines, procs)
     finally:
         _stop(procs)
+        config.cleanup()
+
+
+def pd_roles(engines: int) -> list[str]:
+    """Half the engines prefill (at least one), the rest decode (at least one)."""
+    if engines < 2:
+        raise RuntimeError("--pd needs at least 2 engines (a prefill and a decode one)")
+    prefill = engines // 2
+    return ["prefill"] * prefill + ["decode"] * (engines - prefill)
+
+
+def pd_config(folder: str, protocol: str, engines: dict[str, str], roles: list[str]) -> str:
+    """The router's TOML for a disaggregated pool; a mock engine's bootstrap server is on
+    its HTTP port."""
+    lines = [f'pd_protocol = "{protocol}"']
+    for (wid, url), role in zip(engines.items(), roles, strict=True):
+        port = url.rsplit(":", 1)[1]
+        lines += ["[[workers]]", f'id = "{wid}"', f'url = "{url}"', f'model = "{MODEL}"']
+        lines += [f'role = "{role}"', f"bootstrap_port = {port}"]
+    path = os.path.join(folder, "router.toml")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+async def prefill_hit_rate(engines: dict[str, str]) -> float | None:
+    """Prompt tokens the prefill engines found cached / looked up (their vLLM counters): a
+    decode engine reports the transferred prompt as cached, which says nothing of hits."""
+    hits = queries = 0.0
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        for wid, url in engines.items():
+            if not wid.startswith("prefill-"):
+                continue
+            for line in (await client.get(url + "/metrics")).text.splitlines():
+                if line.startswith("vllm:prefix_cache_hits"):
+                    hits += float(line.rsplit(" ", 1)[1])
+                elif line.startswith("vllm:prefix_cache_queries"):
+                    queries += float(line.rsplit(" ", 1)[1])
+    return hits / queries if queries else None
 
 
 async def _compare(nats_url: str, args: argparse.Namespace) -> dict[str, object]:
@@ -186,8 +241,13 @@ async def _compare(nats_url: str, args: argparse.Namespace) -> dict[str, object]
                 seed=args.seed,
             )
             forecast = await _forecast(s.router_url, token)
-        results.append({"policy": policy, **report.summary(), "forecast": forecast})
+            summary = report.summary()
+            if args.pd:
+                summary["client_cached_rate"] = summary["hit_rate"]
+                summary["hit_rate"] = await prefill_hit_rate(s.engines) or 0.0
+        results.append({"policy": policy, **summary, "forecast": forecast})
     return {
+        "pd": args.pd,
         "engines": args.engines,
         "sessions": args.sessions,
         "turns": args.turns,
@@ -285,8 +345,11 @@ def run(args: argparse.Namespace) -> int:
                 asyncio.run(_serve(nats.url, args))
                 return 0
             if not args.json:
+                pool = f"{args.engines} mock engines"
+                if args.pd:
+                    pool += f" (disaggregated, {args.pd} protocol: half prefill, half decode)"
                 print(
-                    f"cache-router demo: NATS {nats.url}, {args.engines} mock engines, "
+                    f"cache-router demo: NATS {nats.url}, {pool}, "
                     f"{args.sessions} sessions x {args.turns} turns per policy",
                     file=sys.stderr,
                 )

@@ -359,6 +359,10 @@ class PdRouter:
             series.requests.inc()
             series.prompt_tokens.inc(req.num_tokens)
             series.routed_hit_tokens.inc(hit)
+            if st.capacity is not None and req.block_hashes:  # where the prompt is cached
+                st.capacity.record(
+                    req.model, req.block_size, answering.id, req.block_hashes, req.num_tokens, 0
+                )
             remote = prefill is not None
             await proxy._stream(
                 ex, resp, decode.id, flight, series, arm, hit, prefilled_remotely=remote

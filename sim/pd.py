@@ -79,6 +79,7 @@ class PdSimulation(Simulation):
         rule: str,
         config: SimConfig,
         *,
+        policy_params: dict[str, Any] | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> None:
         if config.workers < 1 or config.prefill_workers < 1:
@@ -89,7 +90,7 @@ class PdSimulation(Simulation):
         self.config = config
         self.costs = config.costs
         self.block_size = trace.block_size
-        self.policy = make_policy(prefill, random.Random(config.seed))
+        self.policy = make_policy(prefill, random.Random(config.seed), **(policy_params or {}))
         self.decode_policy = make_decode_policy(decode, random.Random(config.seed + 1))
         self.progress = progress
         self.now = 0.0

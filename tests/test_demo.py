@@ -86,3 +86,23 @@ def test_demo_serve_prints_its_parts_and_leaves_nothing_running(tmp_path: Path) 
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
+
+
+def test_demo_runs_a_disaggregated_pool_in_either_protocol() -> None:
+    """``demo --pd``: prefill and decode mock engines behind the router; the hit rate is
+    the prefill engines' own (a decode engine reports its transferred prompt as cached)."""
+    for protocol in ("vllm", "sglang"):
+        flags = ["--json", "--pd", protocol, "--engines", "2", "--sessions", "3", "--turns", "3"]
+        flags += ["--concurrency", "3", "--speed", "4", "--policies", "cache_aware"]
+        out = subprocess.run(
+            [sys.executable, "-m", "router.cli", "demo", *flags],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            check=True,
+        )
+        report = json.loads(out.stdout)
+        assert report["pd"] == protocol
+        (r,) = report["results"]
+        assert r["requests"] == 9 and r["errors"] == 0
+        assert 0 < r["hit_rate"] < r["client_cached_rate"] <= 1, r
