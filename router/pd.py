@@ -74,11 +74,6 @@ PHASE_BUCKETS = (
 # sees (a timeout already cost ``request_timeout``: another one would double it).
 PREFILL_BROKEN = Failure(502, "upstream_error", "prefill_broken", "prefill failed", True, True)
 PREFILL_STATUS = Failure(502, "upstream_error", "prefill_status", "prefill 5xx", True, False)
-NO_PARAMS = Failure(
-    502, "pd_no_transfer_params", "pd_no_transfer_params", "no kv_transfer_params", False,
-    False, "the prefill engine answered without kv_transfer_params: is it started with a "
-    "KV connector (--kv-transfer-config)?",
-)  # fmt: skip
 
 
 def prefill_failure(exc: UpstreamError) -> Failure:
@@ -281,7 +276,7 @@ class PdRouter:
         exclude: set[str] = set()
         # vLLM: the transfer params and the prefill engine holding their blocks, kept for
         # a retried decode engine (the blocks wait there until one pulls them)
-        done: tuple[Worker, dict[str, Any], float] | None = None
+        done: tuple[Worker, dict[str, Any] | None, float] | None = None
         while True:
             choice = self.decide(prep, exclude)
             d = choice.decision
@@ -303,7 +298,7 @@ class PdRouter:
                         params = await self._vllm_prefill(prefill, choice, prep, headers, path)
                         done = (prefill, params, time.perf_counter())
                     prefill, params, prefilled = done
-                    body = vllm_decode_body(prep.parsed.body, params)
+                    body = raw if params is None else vllm_decode_body(prep.parsed.body, params)
                     resp, flight = await self._send_decode(decode, prep, body, headers, 0, path)
                 else:
                     resp, flight = await self._sglang_pair(
@@ -418,13 +413,16 @@ class PdRouter:
         prep: Prepared,
         headers: list[tuple[bytes, bytes]],
         path: str,
-    ) -> dict[str, Any]:
-        """The prefill exchange; the ``kv_transfer_params`` its answer carries."""
+    ) -> dict[str, Any] | None:
+        """The prefill exchange; the ``kv_transfer_params`` its answer carries. None from
+        a connector that keys the KV by the prompt itself (vLLM's ExampleConnector and
+        shared-storage ones answer without them): the decode request goes as the client
+        sent it and its engine's connector finds the KV, as vLLM's toy proxy does."""
         body = vllm_prefill_body(prep.parsed.body)
         answer = await self._prefill_exchange(prefill, choice, prep, headers, body, path)
         params = transfer_params(answer)
         if params is None:
-            raise _Failed(prefill, NO_PARAMS, None)
+            self.metrics.requests.labels("prefill", prefill.id, "no_transfer_params").inc()
         return params
 
     async def _prefill_exchange(
