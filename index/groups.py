@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 from index.prefix_index import TierMatch
@@ -110,9 +111,14 @@ def clip_matches(
         m = matches.get(key_of(worker, full, groups)) if full is not None else None
         if full is not None and (m is None or m.total == 0):
             continue  # nothing to clip: no hit in the full-attention group
+        keys = [key_of(worker, g, groups) for g in range(len(groups))]
+
+        def held(g: int, i: int, keys: list[str] = keys) -> bool:
+            return holds(keys[g], hashes[i])
+
         depth = reusable_depth(
             groups,
-            lambda g, i, worker=worker: holds(key_of(worker, g, groups), hashes[i]),
+            held,
             len(hashes),
             block_size,
             leading={full: m.total} if m is not None and full is not None else None,
@@ -156,7 +162,7 @@ def reference_depth(
 ) -> int:
     """The largest ``d <= cap`` every group may reuse, by trying each ``d`` from the top."""
     for d in range(cap, 0, -1):
-        if all(g.valid(d, lambda i, gi=gi: held(gi, i), block_size) for gi, g in enumerate(groups)):
+        if all(g.valid(d, partial(held, gi), block_size) for gi, g in enumerate(groups)):
             return d
     return 0
 
