@@ -18,10 +18,8 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from stack import EngineDouble, Served
+from stack import EngineDouble
 
-from router.app import RouterApp
-from router.config import RouterConfig, WorkerSpec
 from router.demo import wait_healthy
 from router.natsd import free_port
 
@@ -245,34 +243,18 @@ async def test_busy_connections_at_the_cap_get_503(start_router: Start) -> None:
 # -- in-process: what a client may ask for, and what reaches the engine ------------------------
 
 
-@pytest.fixture
-async def inproc() -> AsyncIterator[Callable[..., Awaitable[tuple[str, EngineDouble]]]]:
-    running: list[Any] = []
-
-    async def make(**cfg_kw: Any) -> tuple[str, EngineDouble]:
-        engine = await EngineDouble("w0").start()
-        running.append(engine)
-        settings: dict[str, Any] = {"block_size": 4, "health_interval": 0.2, **cfg_kw}
-        app = RouterApp(RouterConfig(workers=[WorkerSpec("w0", engine.url, model="m")], **settings))
-        served = await Served(app).start()
-        running.append(served)
-        return served.url, engine
-
-    yield make
-    for item in reversed(running):
-        await item.stop()
-
-
-async def test_the_clients_authorization_does_not_reach_the_engine(inproc) -> None:
+async def test_the_clients_authorization_does_not_reach_the_engine(make_stack) -> None:
     body = {"model": "m", "prompt": "hi"}
-    url, engine = await inproc(api_keys=["client-key"])
+    stack = await make_stack(1, api_keys=["client-key"])
+    url, engine = stack.url, stack.engines[0]
     async with httpx.AsyncClient(base_url=url, timeout=10) as http:
         r = await http.post(
             "/v1/completions", json=body, headers={"authorization": "Bearer client-key"}
         )
         assert r.status_code == 200
     assert "authorization" not in engine.requests[-1]["headers"]
-    url, engine = await inproc(api_keys=["client-key"], forward_authorization=True)
+    stack = await make_stack(1, api_keys=["client-key"], forward_authorization=True)
+    url, engine = stack.url, stack.engines[0]
     async with httpx.AsyncClient(base_url=url, timeout=10) as http:
         r = await http.post(
             "/v1/completions", json=body, headers={"authorization": "Bearer client-key"}
@@ -281,8 +263,9 @@ async def test_the_clients_authorization_does_not_reach_the_engine(inproc) -> No
     assert engine.requests[-1]["headers"]["authorization"] == "Bearer client-key"
 
 
-async def test_best_of_top_logprobs_and_max_tokens_are_capped(inproc) -> None:
-    url, engine = await inproc(max_best_of=4, max_top_logprobs=5, max_tokens=100)
+async def test_best_of_top_logprobs_and_max_tokens_are_capped(make_stack) -> None:
+    stack = await make_stack(1, max_best_of=4, max_top_logprobs=5, max_tokens=100)
+    url, engine = stack.url, stack.engines[0]
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     done = {"model": "m", "prompt": "hi"}
     cases = [
@@ -310,9 +293,10 @@ async def test_best_of_top_logprobs_and_max_tokens_are_capped(inproc) -> None:
     assert len(engine.requests) == 2
 
 
-async def test_admin_explain_body_is_capped(inproc) -> None:
+async def test_admin_explain_body_is_capped(make_stack) -> None:
     # the 9 MiB went in whole; scaled down: 5 kB against a 1 kB limit
-    url, engine = await inproc(admin_token="adm", max_body_bytes=1000)
+    stack = await make_stack(1, admin_token="adm", max_body_bytes=1000)
+    url, engine = stack.url, stack.engines[0]
     big = orjson.dumps({"model": "m", "prompt": "x" * 5000})
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
         auth = {"authorization": "Bearer adm"}

@@ -8,36 +8,10 @@ double; raw sockets send what no well-behaved client library would.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
 import orjson
-import pytest
-from stack import EngineDouble, Served
-
-from router.app import RouterApp
-from router.config import RouterConfig, WorkerSpec
-
-Make = Callable[..., Awaitable[tuple[str, EngineDouble, RouterApp]]]
-
-
-@pytest.fixture
-async def make_router() -> AsyncIterator[Make]:
-    running: list[Any] = []
-
-    async def make(**cfg_kw: Any) -> tuple[str, EngineDouble, RouterApp]:
-        engine = await EngineDouble("w0").start()
-        running.append(engine)
-        settings: dict[str, Any] = {"block_size": 4, "health_interval": 0.2, **cfg_kw}
-        app = RouterApp(RouterConfig(workers=[WorkerSpec("w0", engine.url, model="m")], **settings))
-        served = await Served(app).start()
-        running.append(served)
-        return served.url, engine, app
-
-    yield make
-    for item in reversed(running):
-        await item.stop()
 
 
 def assert_openai_error(r: httpx.Response, status: int, code: str) -> dict[str, Any]:
@@ -66,8 +40,9 @@ def split_response(raw: bytes) -> tuple[int, dict[str, str], bytes]:
     return int(lines[0].split()[1]), headers, body
 
 
-async def test_oversized_body_is_413_with_or_without_content_length(make_router):
-    url, engine, _ = await make_router(max_body_bytes=1000)
+async def test_oversized_body_is_413_with_or_without_content_length(make_stack):
+    stack = await make_stack(1, max_body_bytes=1000)
+    url, engine = stack.url, stack.engines[0]
     big = orjson.dumps({"model": "m", "prompt": "x" * 5000})
     async with httpx.AsyncClient(base_url=url, timeout=10) as http:
         r = await http.post("/v1/completions", content=big)
@@ -88,8 +63,9 @@ async def test_oversized_body_is_413_with_or_without_content_length(make_router)
     assert len(engine.requests) == 1  # nothing oversized reached the engine
 
 
-async def test_slow_client_gets_408_and_does_not_block_others(make_router):
-    url, engine, _ = await make_router(body_timeout=0.5)
+async def test_slow_client_gets_408_and_does_not_block_others(make_stack):
+    stack = await make_stack(1, body_timeout=0.5)
+    url, engine = stack.url, stack.engines[0]
     host, port = url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     body = orjson.dumps({"model": "m", "prompt": "slowly typed"})
@@ -116,8 +92,9 @@ async def test_slow_client_gets_408_and_does_not_block_others(make_router):
     assert 'kind="request_timeout"' in text
 
 
-async def test_invalid_utf8_and_bad_sampling_values_are_400(make_router):
-    url, engine, _ = await make_router(max_n=4)
+async def test_invalid_utf8_and_bad_sampling_values_are_400(make_stack):
+    stack = await make_stack(1, max_n=4)
+    url, engine = stack.url, stack.engines[0]
     async with httpx.AsyncClient(base_url=url, timeout=10) as http:
         bad_utf8 = b'{"model": "m", "prompt": "caf\xc3\x28 \xff\xfe"}'
         r = await http.post("/v1/completions", content=bad_utf8)
@@ -144,8 +121,9 @@ async def test_invalid_utf8_and_bad_sampling_values_are_400(make_router):
     assert len(engine.requests) == 1  # only the valid one went on
 
 
-async def test_too_many_or_too_large_headers_are_431(make_router):
-    url, engine, _ = await make_router(max_header_count=30, max_header_bytes=4096)
+async def test_too_many_or_too_large_headers_are_431(make_stack):
+    stack = await make_stack(1, max_header_count=30, max_header_bytes=4096)
+    url, engine = stack.url, stack.engines[0]
     body = {"model": "m", "prompt": "hi"}
     async with httpx.AsyncClient(base_url=url, timeout=10) as http:
         many = {f"x-h{i}": "v" for i in range(40)}
@@ -167,8 +145,9 @@ async def test_too_many_or_too_large_headers_are_431(make_router):
     assert len(engine.requests) == 1
 
 
-async def test_malformed_http_and_unknown_routes(make_router):
-    url, engine, _ = await make_router()
+async def test_malformed_http_and_unknown_routes(make_stack):
+    stack = await make_stack(1)
+    url, engine = stack.url, stack.engines[0]
     async with httpx.AsyncClient(base_url=url, timeout=10) as http:
         r = await http.get("/v1/completions")  # the raw routes take POST only
         assert_openai_error(r, 404, "http_404")
@@ -183,8 +162,9 @@ async def test_malformed_http_and_unknown_routes(make_router):
     assert engine.requests == []
 
 
-async def test_openapi_describes_the_raw_completion_routes(make_router):
-    url, _, _ = await make_router(max_n=7, admin_token="adm")
+async def test_openapi_describes_the_raw_completion_routes(make_stack):
+    stack = await make_stack(1, max_n=7, admin_token="adm")
+    url = stack.url
     async with httpx.AsyncClient(base_url=url, timeout=10) as http:
         public = (await http.get("/openapi.json")).json()
         schema = (await http.get("/openapi.json", headers={"authorization": "Bearer adm"})).json()
