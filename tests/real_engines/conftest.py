@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from vllm_engine import HERE, Engine, engine_python
+from vllm_engine import HERE, Engine, engine_python, lora_flags
 
 
 @pytest.fixture(scope="module")
@@ -26,14 +26,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Engine]]:
-    """Two engines: e0 with vLLM's bytes (sha256) block hashes, e1 with its int form."""
+    """Two engines: e0 with vLLM's bytes (sha256) block hashes on ipc://, e1 with its int
+    form on tcp."""
     work = tmp_path_factory.mktemp("vllm")
     base = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
     python = engine_python()
     ints = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
+    lora = lora_flags(model_dir)
     out = [
-        Engine("e0", python, model_dir, work, {**base, ints: "0"}),
-        Engine("e1", python, model_dir, work, {**base, ints: "1"}),
+        Engine("e0", python, model_dir, work, {**base, ints: "0"}, extra=lora),
+        # tcp, bound by vLLM on loopback: the other way users configure it
+        Engine("e1", python, model_dir, work, {**base, ints: "1"}, transport="tcp", extra=lora),
     ]
     try:
         for e in out:
@@ -44,3 +47,18 @@ def engines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     finally:
         for e in out:
             e.stop()
+
+
+@pytest.fixture(scope="module")
+def dp_engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    """One engine with two data-parallel ranks (two engine cores, two KV caches), each
+    publishing on its own port (tcp: vLLM offsets no ipc:// endpoint by rank)."""
+    work = tmp_path_factory.mktemp("vllm-dp")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+    engine = Engine("d0", engine_python(), model_dir, work, env, transport="tcp", dp_size=2)
+    try:
+        engine.start()
+        engine.wait_ready()
+        yield engine
+    finally:
+        engine.stop()

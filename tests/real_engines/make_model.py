@@ -8,7 +8,10 @@
   (vLLM serves it with ``--load-format dummy``: random weights, real shapes);
 - ``lora/``: a PEFT-format LoRA adapter with random weights (``safetensors``).
 
-``python make_model.py OUT_DIR``. Nothing is downloaded.
+``python make_model.py OUT_DIR [SLIDING_WINDOW]``. With a window, the model is hybrid like
+Gemma 3 or gpt-oss: layer 0 attends over the last SLIDING_WINDOW tokens only, layer 1
+over all (``layer_types``, which vLLM's Llama reads), so vLLM keeps two KV-cache groups.
+Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ def convert(model_file: Path) -> Tokenizer:
     return tok
 
 
-def write(out: Path) -> None:
+def write(out: Path, sliding_window: int | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tok = convert(SPM)
     tok.save(str(out / "tokenizer.json"))
@@ -103,9 +106,16 @@ def write(out: Path) -> None:
             }
         )
     )
+    hybrid = {}
+    if sliding_window is not None:
+        hybrid = {
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": sliding_window,
+        }
     (out / "config.json").write_text(
         json.dumps(
             {
+                **hybrid,
                 "architectures": ["LlamaForCausalLM"],
                 "model_type": "llama",
                 "hidden_size": HIDDEN,
@@ -165,4 +175,4 @@ def write_lora(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    write(Path(sys.argv[1]))
+    write(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else None)

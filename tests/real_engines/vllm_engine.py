@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import orjson
@@ -23,6 +25,30 @@ MAX_LEN = 1024
 MODEL = "tiny"
 LORA = "my-lora"
 START_TIMEOUT = 600.0  # seconds; a cold vLLM CPU start takes 1-3 min on 2 busy cores
+
+
+def free_run(n: int) -> int:
+    """The first of ``n`` consecutive free loopback ports (vLLM offsets ports by DP rank)."""
+    for _ in range(100):
+        first = free_port()
+        socks = []
+        try:
+            for p in range(first, first + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        return first
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def lora_flags(model_dir: Path) -> tuple[str, ...]:
+    lora = f"{LORA}={model_dir / 'lora'}"
+    return ("--enable-lora", "--max-lora-rank", "8", "--lora-modules", lora)
 
 
 def engine_python() -> str:
@@ -45,9 +71,17 @@ class Engine:
     model_dir: Path
     workdir: Path
     env: dict[str, str]
+    transport: Literal["ipc", "tcp"] = "ipc"
+    dp_size: int = 1  # --data-parallel-size: rank r publishes on port P+r, replays on R+r
+    extra: tuple[str, ...] = ()  # more vLLM flags
     port: int = field(default_factory=free_port)
-    replay_port: int = field(default_factory=free_port)
+    events_port: int = 0
+    replay_port: int = 0
     proc: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        self.events_port = self.events_port or free_run(self.dp_size)
+        self.replay_port = self.replay_port or free_run(self.dp_size)
 
     @property
     def url(self) -> str:
@@ -55,13 +89,28 @@ class Engine:
 
     @property
     def events(self) -> str:
-        # vLLM binds its PUB socket only for a wildcard or ipc:// endpoint; ipc keeps
-        # everything on this machine (tcp://*:P would listen on every interface)
-        return f"ipc://{self.workdir}/{self.name}.events"
+        """The endpoint vLLM is given. vLLM binds its PUB socket only when the endpoint
+        has ``*`` or ``::`` in it or is ipc://, and connects to any other. ipc:// keeps
+        everything on this machine but takes no DP rank (vLLM offsets tcp ports only);
+        for tcp, the IPv4-mapped form of 127.0.0.1 has ``::`` in it, so vLLM binds it,
+        on loopback only (``tcp://*:P`` would listen on every interface)."""
+        if self.transport == "ipc":
+            return f"ipc://{self.workdir}/{self.name}.events"
+        return f"tcp://[::ffff:127.0.0.1]:{self.events_port}"
+
+    def events_of(self, rank: int = 0) -> str:
+        """Where an agent subscribes to rank ``rank``'s events."""
+        if self.transport == "ipc":
+            assert rank == 0, "vLLM takes no DP rank on an ipc:// endpoint"
+            return self.events
+        return f"tcp://127.0.0.1:{self.events_port + rank}"
+
+    def replay_of(self, rank: int = 0) -> str:
+        return f"tcp://127.0.0.1:{self.replay_port + rank}"
 
     @property
     def replay(self) -> str:
-        return f"tcp://127.0.0.1:{self.replay_port}"
+        return self.replay_of(0)
 
     def command(self) -> list[str]:
         kv_events = {
@@ -78,9 +127,9 @@ class Engine:
             "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(GPU_BLOCKS),
             "--max-model-len", str(MAX_LEN), "--max-num-seqs", "8",
             "--enable-prefix-caching", "--enable-prompt-tokens-details",
-            "--enable-lora", "--max-lora-rank", "8",
-            "--lora-modules", f"{LORA}={self.model_dir / 'lora'}",
+            "--data-parallel-size", str(self.dp_size),
             "--kv-events-config", orjson.dumps(kv_events).decode(),
+            *self.extra,
         ]  # fmt: skip
 
     def start(self) -> None:
