@@ -62,3 +62,26 @@ def dp_engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         yield engine
     finally:
         engine.stop()
+
+
+@pytest.fixture(scope="module")
+def sw_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model made hybrid: layer 0 attends over a 64-token sliding window."""
+    out = tmp_path_factory.mktemp("sw-model")
+    subprocess.run([engine_python(), str(HERE / "make_model.py"), str(out), "64"], check=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sw_engine(sw_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    """Two KV-cache groups (vLLM: group 0 sliding window, group 1 full attention), which
+    share the blocks: twice the blocks of one engine."""
+    work = tmp_path_factory.mktemp("vllm-sw")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+    engine = Engine("s0", engine_python(), sw_model_dir, work, env, gpu_blocks=128)
+    try:
+        engine.start()
+        engine.wait_ready()
+        yield engine
+    finally:
+        engine.stop()

@@ -74,6 +74,7 @@ class Engine:
     transport: Literal["ipc", "tcp"] = "ipc"
     dp_size: int = 1  # --data-parallel-size: rank r publishes on port P+r, replays on R+r
     extra: tuple[str, ...] = ()  # more vLLM flags
+    gpu_blocks: int = GPU_BLOCKS  # shared by the KV-cache groups of a hybrid model
     port: int = field(default_factory=free_port)
     events_port: int = 0
     replay_port: int = 0
@@ -124,7 +125,7 @@ class Engine:
             "--model", str(self.model_dir), "--served-model-name", MODEL,
             "--load-format", "dummy", "--dtype", "float32",
             "--host", "127.0.0.1", "--port", str(self.port),
-            "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(GPU_BLOCKS),
+            "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(self.gpu_blocks),
             "--max-model-len", str(MAX_LEN), "--max-num-seqs", "8",
             "--enable-prefix-caching", "--enable-prompt-tokens-details",
             "--data-parallel-size", str(self.dp_size),
