@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from stack import Feed, Stack, long_prompt
+from real_stack import Feed, Stack, long_prompt
 from vllm_engine import MODEL, Engine
 
 from router.config import WorkerSpec
