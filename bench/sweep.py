@@ -3,18 +3,25 @@
 One table of ``cache_aware`` against the best other policy per setting, with a Pareto
 column (hit rate >= every other policy's and TTFT p90 <= every other's) and the issue-13
 targets: p90 <= 1.1x the best other's p90, hit rate >= the best other's - 1 point, p90
-never above 1.5x ``least_load``'s. Prints one JSON object (every policy's numbers per
-setting); ``--markdown`` writes the table. Asserts nothing.
+never above 1.5x ``least_load``'s. Each setting runs under ``--seeds`` (trace draw,
+policy and eviction randomness); the table shows the mean and the spread (min-max) over
+them and judges the targets on the means; the Pareto column also counts the seeds on
+which ``cache_aware`` is Pareto-best. Prints one JSON object (every policy's numbers per
+setting and seed); ``--markdown`` writes the table. Asserts nothing.
 
-The machine is shared: run a slice of the grid at a time under the bench lock, then
-merge the slices into one table::
+The machine is shared: run a slice of the grid at a time under the bench lock (each
+slice a few minutes), then merge the slices into one table. Rows of the same setting
+and seed from several files are joined, so the baselines, which do not change when
+``cache_aware`` does, run once and ``cache_aware`` alone runs again::
 
-    flock /work/bench.lock nice -n 5 python3 bench/sweep.py --grid quick > quick.json
-    for i in 0 1 2; do  # the full grid is the quick one and 6 more settings
-        flock /work/bench.lock nice -n 5 python3 bench/sweep.py --grid full --start 6 \\
-            --part $i/3 > full.$i.json
+    OTHERS=round_robin,random,least_load,power_of_two,session_affinity,sglang_cache_aware,dynamo_kv
+    for i in $(seq 0 11); do
+        flock /work/bench.lock nice -n 5 python3 bench/sweep.py --grid full \
+            --policies $OTHERS --part $i/12 > others.$i.json
+        flock /work/bench.lock nice -n 5 python3 bench/sweep.py --grid full \
+            --policies cache_aware --part $i/12 > ours.$i.json
     done
-    python3 bench/sweep.py --merge quick.json full.*.json --markdown sweep.md > sweep.json
+    python3 bench/sweep.py --merge others.*.json ours.*.json --markdown sweep.md > sweep.json
 
 Agent-shaped traces come from ``sim.gen_trace`` (the ``cache-router gen-trace`` code);
 the Mooncake traces are read from ``../shared/data/traces/`` (not committed).
@@ -25,6 +32,8 @@ prefill and step time, ``fast2x`` half, ``decode2x`` twice the decode attention.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import statistics
 import sys
 import tempfile
 import time
@@ -77,9 +86,14 @@ class Setting:
     seed: int = 0
 
     @property
-    def label(self) -> str:
+    def name(self) -> str:
+        """The setting without its seed: what the table aggregates over."""
         mem = f"{self.l1_blocks}" + (f"+{self.l2_blocks}h" if self.l2_blocks else "")
-        return f"{self.trace} x{self.speedup:g} w{self.workers} p{mem} {self.costs} s{self.seed}"
+        return f"{self.trace} x{self.speedup:g} w{self.workers} p{mem} {self.costs}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} s{self.seed}"
 
 
 def grid(name: str) -> list[Setting]:
@@ -87,7 +101,7 @@ def grid(name: str) -> list[Setting]:
         Setting("chat", speedup=2.0),
         Setting("chat", l1_blocks=4096),
         Setting("agent", speedup=3.0, l1_blocks=4096),
-        Setting("agent", l1_blocks=4096, seed=1),
+        Setting("agent", l1_blocks=4096),
         Setting("agent", costs="decode2x"),
         Setting("mooncake-syn", workers=8),
     ]
@@ -102,6 +116,11 @@ def grid(name: str) -> list[Setting]:
         Setting("mooncake-conv", workers=8),
         Setting("mooncake-conv", workers=16, speedup=2.0),
     ]
+
+
+def expand(settings: list[Setting], seeds: list[int]) -> list[Setting]:
+    """Every setting under every seed, seed-major: a slice of it covers all settings."""
+    return [dataclasses.replace(s, seed=seed) for seed in seeds for s in settings]
 
 
 def _trace(s: Setting, tmp: Path) -> Any:
@@ -132,6 +151,8 @@ def run_setting(s: Setting, policies: list[str], tmp: Path, jobs: int | None) ->
     keep += ("hinted_share", "off_best_worker_share", "prefill_tokens_computed")
     return {
         "setting": s.label,
+        "name": s.name,
+        "seed": s.seed,
         "requests": len(trace.requests),
         "ideal_hit_rate": trace.ideal_hit_rate(),
         "wall_s": time.perf_counter() - start,
@@ -163,32 +184,91 @@ def judge(row: dict[str, Any], ours: str = "cache_aware") -> dict[str, Any]:
     }
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
+def join(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (setting, seed): the policies of rows from several runs side by side."""
+    joined: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        have = joined.get(row["setting"])
+        if have is None:
+            joined[row["setting"]] = {**row, "results": dict(row["results"])}
+        else:
+            have["results"].update(row["results"])
+    return list(joined.values())
+
+
+def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per setting: every policy's mean and min/max over the seeds; judged on the means.
+
+    Only seeds on which every policy of the setting ran count, so a half-finished
+    slice cannot tilt a mean.
+    """
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_name.setdefault(row["name"], []).append(row)
+    out = []
+    for name, group in by_name.items():
+        policies = set.union(*(set(r["results"]) for r in group))
+        group = sorted((r for r in group if set(r["results"]) == policies), key=lambda r: r["seed"])
+        if not group:
+            continue
+        results: dict[str, dict[str, float]] = {}
+        for p in sorted(policies):
+            agg: dict[str, float] = {}
+            for key in group[0]["results"][p]:
+                vals = [r["results"][p][key] for r in group]
+                agg[key] = statistics.fmean(vals)
+                agg[f"{key}_min"], agg[f"{key}_max"] = min(vals), max(vals)
+            results[p] = agg
+        seed_judged = [judge(r) for r in group if "cache_aware" in r["results"]]
+        out.append(
+            {
+                "setting": name,
+                "seeds": [r["seed"] for r in group],
+                "requests": statistics.fmean(r["requests"] for r in group),
+                "results": results,
+                "pareto_seeds": sum(j["pareto"] for j in seed_judged),
+            }
+        )
+    return out
+
+
+def _spread(r: dict[str, float], key: str, fmt: str) -> str:
+    return f"{fmt.format(r[key])} ({fmt.format(r[key + '_min'])}-{fmt.format(r[key + '_max'])})"
+
+
+def markdown(settings: list[dict[str, Any]]) -> str:
+    """The table: means over the seeds with (min-max), the targets judged on the means."""
     head = (
-        "| setting | requests | cache_aware hit / p90 ms | best other hit | best other p90 ms "
-        "| p90 / best other | hit - best other | p90 / least_load | Pareto-best | targets |\n"
-        "|---|---|---|---|---|---|---|---|---|---|\n"
+        "| setting | seeds | cache_aware hit | cache_aware p90 ms | best other hit | "
+        "best other p90 ms | p90 / best other | hit - best other | p90 / least_load "
+        "| Pareto-best (seeds) | targets |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
-    for row in rows:
+    judged = []
+    for row in settings:
         j = judge(row)
+        judged.append(j)
         me = row["results"]["cache_aware"]
         bh, bp = row["results"][j["best_hit_other"]], row["results"][j["best_p90_other"]]
         met = [j["target_p90"], j["target_hit"], j["target_never_collapse"]]
+        ll = j["p90_over_least_load"]
         lines.append(
-            f"| {row['setting']} | {row['requests']} | {me['hit_rate']:.3f} / "
-            f"{me['ttft_p90_ms']:.0f} | {bh['hit_rate']:.3f} ({j['best_hit_other']}) | "
+            f"| {row['setting']} | {len(row['seeds'])} | {_spread(me, 'hit_rate', '{:.3f}')} | "
+            f"{_spread(me, 'ttft_p90_ms', '{:.0f}')} | "
+            f"{bh['hit_rate']:.3f} ({j['best_hit_other']}) | "
             f"{bp['ttft_p90_ms']:.0f} ({j['best_p90_other']}) | {j['p90_over_best_other']:.2f} | "
-            f"{100 * j['hit_minus_best_other']:+.1f} pt | {j['p90_over_least_load']:.2f} | "
-            f"{'yes' if j['pareto'] else 'no'} | {sum(met)}/3 |"
+            f"{100 * j['hit_minus_best_other']:+.1f} pt | "
+            f"{'-' if ll is None else f'{ll:.2f}'} | "
+            f"{'yes' if j['pareto'] else 'no'} ({row['pareto_seeds']}/{len(row['seeds'])}) | "
+            f"{sum(met)}/3 |"
         )
-    n = len(rows)
-    judged = [judge(r) for r in rows]
+    n = len(settings)
     summary = (
-        f"\nPareto-best on {sum(j['pareto'] for j in judged)} of {n}; p90 <= 1.1x best other "
-        f"on {sum(j['target_p90'] for j in judged)}; hit >= best other - 1 pt on "
-        f"{sum(j['target_hit'] for j in judged)}; p90 <= 1.5x least_load on "
-        f"{sum(j['target_never_collapse'] for j in judged)}.\n"
+        f"\nOn the means over the seeds: Pareto-best on {sum(j['pareto'] for j in judged)} "
+        f"of {n}; p90 <= 1.1x best other on {sum(j['target_p90'] for j in judged)}; "
+        f"hit >= best other - 1 pt on {sum(j['target_hit'] for j in judged)}; "
+        f"p90 <= 1.5x least_load on {sum(j['target_never_collapse'] for j in judged)}.\n"
     )
     return head + "\n".join(lines) + "\n" + summary
 
@@ -196,7 +276,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--grid", choices=("quick", "full"), default="quick")
-    ap.add_argument("--part", default="0/1", help="i/n: run every n-th setting from i")
+    ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds per setting")
+    ap.add_argument("--part", default="0/1", help="i/n: run every n-th (setting, seed) from i")
     ap.add_argument("--start", type=int, default=0, help="skip the grid's first N settings")
     ap.add_argument("--policies", default=",".join(POLICY_NAMES))
     ap.add_argument("--jobs", type=int, help="parallel processes (default: one per core)")
@@ -204,10 +285,11 @@ def main() -> int:
     ap.add_argument("--markdown", metavar="PATH", help="write the table")
     args = ap.parse_args()
     if args.merge:
-        rows = [row for p in args.merge for row in orjson.loads(Path(p).read_bytes())["rows"]]
+        rows = join([row for p in args.merge for row in orjson.loads(Path(p).read_bytes())["rows"]])
     else:
         i, n = (int(x) for x in args.part.split("/"))
-        settings = grid(args.grid)[args.start :][i::n]
+        seeds = [int(x) for x in args.seeds.split(",")]
+        settings = expand(grid(args.grid)[args.start :], seeds)[i::n]
         policies = args.policies.split(",")
         rows = []
         with tempfile.TemporaryDirectory() as tmp:
@@ -215,10 +297,16 @@ def main() -> int:
                 rows.append(run_setting(s, policies, Path(tmp), args.jobs))
                 print(f"sweep: {s.label}: {rows[-1]['wall_s']:.0f} s", file=sys.stderr)
     for row in rows:
-        row["judge"] = judge(row)
-    sys.stdout.write(orjson.dumps({"rows": rows}, option=orjson.OPT_INDENT_2).decode() + "\n")
+        if "cache_aware" in row["results"] and len(row["results"]) > 1:
+            row["judge"] = judge(row)
+    settings_out = [s for s in aggregate(rows) if "cache_aware" in s["results"]]
+    for s in settings_out:
+        if len(s["results"]) > 1:
+            s["judge"] = judge(s)
+    out = {"rows": rows, "settings": settings_out}
+    sys.stdout.write(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode() + "\n")
     if args.markdown:
-        Path(args.markdown).write_text(markdown(rows))
+        Path(args.markdown).write_text(markdown([s for s in settings_out if "judge" in s]))
     return 0
 
 
