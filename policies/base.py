@@ -120,5 +120,9 @@ class Policy(ABC):
     def select(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
         """Pick one of ``workers`` (healthy ones only); raise ``NoWorkerError`` if none."""
 
+    def on_first_token(self, request: RouteRequest, worker_id: str, ttft_ms: float) -> None:  # noqa: B027
+        """Called with the request's observed time to first token on ``worker_id`` (only
+        where one is seen: a streamed answer; policies may learn engine speed from it)."""
+
     def on_finish(self, request: RouteRequest, worker_id: str) -> None:  # noqa: B027
         """Called once the request is done (stateful policies may release state)."""

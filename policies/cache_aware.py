@@ -46,8 +46,30 @@ where ``sglang_cache_aware`` had 2.1 s):
 
 The fraction is a safety factor: admission times scatter widely around the estimate
 (0.14x to 1.5x, p10 to p90, in the simulator) and a late prefetch is a wasted copy.
+Engine speed is learned, not assumed: estimates are scaled by the ratio of observed times
+to first token to what the policy estimated for them (``speed``, moving sums over
+~``1 / _SPEED_ALPHA`` requests, from ``on_first_token``; clamped to ``_SPEED_RANGE``):
+the pool's ratio for every worker, times a worker's own ratio to the pool's where that
+is beyond ``_SPEED_DEADBAND`` (a slower engine in a mixed pool). At the assumed costs
+the ratios measure 0.95-1.11, at engines 2x slower 1.93-2.04, one engine of 4 3x
+slower 2.4x its peers. Off by default (``learn_speed``): routing already adapts through
+the queues counted in tokens (a slow engine's stay longer), and in the simulator the
+factor did not pay: a uniform one changes no ranking, and per-worker ones fed back
+(an agent trace, seed 1: hit 0.927 -> 0.916, p90 748 -> 951 ms; a mixed pool's slow
+engine got 54 of 500 requests against 53 without).
+
 A worker whose index is out of sync is estimated with no hit at all: a stale match
 promises a saving the engine may not deliver.
+
+New sessions are placed with bounded load (Mirrokni et al., as ``session_affinity``): a
+session's first request may go only to a worker that took at most ``session_load``
+times its fair share of the last ``_WINDOW`` routed requests. A session stays where
+its context grows, so its first placement decides where all its later turns queue;
+the shared prefix that draws it to a holder (agent tool prompts of 2-6K tokens) is
+saved once, and recomputing it on another worker replicates a hot prefix that later
+sessions can use. Without the bound, agent sessions piled onto the holders of the
+shared prompts (seed 1, 8 engines: 0 to 250 routed requests per engine) and TTFT p90
+was 1.17x ``sglang_cache_aware``'s (1.46x at 16 workers and twice the load).
 
 Ties (within ``tie_ms``) are broken at random, never by list order. An estimate that
 relies on a prefetch must win by more than ``tie_ms``: the hint may be dropped.
@@ -55,8 +77,9 @@ relies on a prefetch must win by more than ``tie_ms``: the hint may be dropped.
 
 from __future__ import annotations
 
+import math
 import random
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -81,6 +104,19 @@ _GPU_COPY_FACTOR = 2.0  # issue 13's collapse: GPU-landed copies evicted other s
 _KV_ROOM = 0.9  # a target fuller than this has no pages to spare for a copy
 _LANDING_PRIOR = 0.8  # optimistic: a hint that never goes out teaches nothing
 _LANDING_ALPHA = 0.05  # ~20 hints of memory
+_INF = float("inf")
+_SPEED_ALPHA = 0.02  # ~50 first tokens of memory per worker
+_SPEED_MIN_SAMPLES = 16  # before that, trust ``costs``
+_SPEED_RANGE = (0.25, 4.0)
+# A worker's own factor counts only beyond this ratio to the pool's: per-worker ratios
+# of 0.95-1.11 (noise, equal engines) cost 5 hit points on the Mooncake synthetic trace
+# when applied; engines 3x slower than their peers measure 1.9x the pool's ratio.
+_SPEED_DEADBAND = 1.3
+_WINDOW = 512  # routed requests over which a worker's share of sessions' traffic counts
+# Requests per session (over the window) from which a first placement is worth bounding:
+# Mooncake's derived sessions average 1.1-1.3 (a bound only costs hits there: -0.2 pt on
+# the synthetic trace), chat 6.7, agent 22.
+_BOUND_TURNS = 2.0
 
 
 class CacheAware(Policy):
@@ -97,6 +133,8 @@ class CacheAware(Policy):
         prefetch_fraction: float = 0.5,
         recompute_weight: float = 1.0,
         copy_weight: float = 0.5,
+        session_load: float = 1.25,
+        learn_speed: bool = False,
         tie_ms: float = 0.25,
     ) -> None:
         super().__init__(rng)
@@ -110,21 +148,34 @@ class CacheAware(Policy):
             raise ValueError(f"cache_aware: tie_ms must be >= 0, got {tie_ms}")
         if not copy_weight >= 0:
             raise ValueError(f"cache_aware: copy_weight must be >= 0, got {copy_weight}")
+        if not session_load >= 1:
+            raise ValueError(f"cache_aware: session_load must be >= 1, got {session_load}")
         self.costs = EngineCosts.from_config(costs)
         self.prefetch = bool(prefetch)
         self.prefetch_fraction = prefetch_fraction
         self.recompute_weight = recompute_weight
         self.copy_weight = copy_weight
+        self.session_load = session_load
+        self.learn_speed = bool(learn_speed)
         self.tie_ms = tie_ms
         # Context tokens of the requests this policy routed and that are not finished, per
         # worker: decode attention reads their KV every step (``decode_ms_per_kv_token``).
         self._active: dict[str, int] = {}
-        self._routed: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        # request id -> (worker, context tokens, estimated TTFT ms)
+        self._routed: OrderedDict[str, tuple[str, int, float]] = OrderedDict()
+        # worker -> [observed TTFT moving sum, estimated moving sum, samples]; the factor
+        self._observed: dict[str, list[float]] = {}
+        self.speed: dict[str, float] = {}
         # Workers seen holding blocks in host memory: a prefetch has a tier to land in.
         self._host_tier: set[str] = set()
         # Hints by session: (target, blocks); the session's next request shows if it landed.
         self._hinted: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self.landing_rate = _LANDING_PRIOR
+        # The last _WINDOW routing decisions and their count per worker; sessions seen.
+        self._recent: deque[tuple[str, bool]] = deque()
+        self._recent_count: dict[str, int] = {}
+        self._recent_new = 0  # first requests of sessions among them
+        self._sessions: OrderedDict[str, None] = OrderedDict()
 
     def select(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
         cands = healthy(workers)
@@ -142,6 +193,7 @@ class CacheAware(Policy):
         nblocks = len(request.block_hashes)
         cacheable = cacheable_blocks(ntok, bs)
         active = self._active
+        speed = self.speed
         if self._hinted and request.session_key is not None:
             self._learn_landing(request.session_key, cands)
         matches: list[TierMatch] = []
@@ -179,6 +231,7 @@ class CacheAware(Policy):
                 queue = qt * ppt + (n_steps if n_steps > 1.0 else 1.0) * per_step
             else:
                 queue = 0.0
+            f = speed.get(w.worker_id, 1.0) if speed else 1.0
             left = ntok - (total if total < cacheable else cacheable) * bs
             if left < 1:
                 left = 1
@@ -187,6 +240,9 @@ class CacheAware(Policy):
                 left * (ppt + attn * (ntok - left + 0.5 * left))
                 + (n_steps if n_steps > 1.0 else 1.0) * per_step
             )
+            if f != 1.0:
+                queue *= f
+                prefill *= f
             local = m.disk
             load = (m.cpu - m.gpu) * cpu_r + (local - m.cpu) * disk_r + (total - local) * shared_r
             ttft = queue + prefill + load
@@ -219,12 +275,19 @@ class CacheAware(Policy):
                     ranked[i] += extra
                     scores[cands[i].worker_id]["recompute_ms"] = extra
 
+        barred = self._barred(request.session_key, cands)
+        if barred:
+            for i in barred:
+                ranked[i] = _INF
+
         options: dict[int, tuple[str | None, int, HintTier, float]] | None = None
         if self.prefetch and (src_local or maybe_prefetch):
             # a worker whose queue alone exceeds the best cost cannot win with a prefetch
             bound = min(ranked) + self.tie_ms
             for i, w in enumerate(cands):
                 if queues[i] <= 0 or queues[i] > bound:  # admission comes no later than that
+                    continue
+                if barred and i in barred:
                     continue
                 score = scores[w.worker_id]
                 option = self._prefetch_option(
@@ -244,7 +307,8 @@ class CacheAware(Policy):
 
         i = argmin_random(ranked, self.rng, self.tie_ms)
         chosen = cands[i].worker_id
-        self._track(request.request_id, chosen, ntok)
+        self._track(request.request_id, chosen, ntok, scores[chosen]["ttft_ms"])
+        self._count_recent(chosen, barred is not None)
         reason = f"min cost: ttft {scores[chosen]['ttft_ms']:.1f} ms"
         option = options.get(i) if options else None
         if option is None:
@@ -262,18 +326,46 @@ class CacheAware(Policy):
     def on_finish(self, request: RouteRequest, worker_id: str) -> None:
         routed = self._routed.pop(request.request_id, None)
         if routed is not None:
-            self._release(*routed)
+            self._release(routed[0], routed[1])
 
-    def _track(self, request_id: str, worker_id: str, tokens: int) -> None:
+    def on_first_token(self, request: RouteRequest, worker_id: str, ttft_ms: float) -> None:
+        """Learn the worker's speed: observed against estimated time to first token."""
+        routed = self._routed.get(request.request_id)
+        if not self.learn_speed or routed is None or routed[0] != worker_id:
+            return
+        if not 0 <= ttft_ms < _INF:
+            return
+        est = routed[2] / self.speed.get(worker_id, 1.0)  # what ``costs`` alone said
+        obs = self._observed.get(worker_id)
+        if obs is None:
+            obs = self._observed[worker_id] = [0.0, 0.0, 0.0]
+        a = _SPEED_ALPHA
+        obs[0] += a * (ttft_ms - obs[0])
+        obs[1] += a * (est - obs[1])
+        obs[2] += 1
+        if obs[2] < _SPEED_MIN_SAMPLES or obs[1] <= 0:
+            return
+        ready = [o for o in self._observed.values() if o[2] >= _SPEED_MIN_SAMPLES and o[1] > 0]
+        pool = sum(o[0] for o in ready) / sum(o[1] for o in ready)
+        lo, hi = _SPEED_RANGE
+        for wid, o in self._observed.items():
+            if o[2] < _SPEED_MIN_SAMPLES or o[1] <= 0:
+                continue
+            own = (o[0] / o[1]) / pool
+            if 1.0 / _SPEED_DEADBAND < own < _SPEED_DEADBAND:
+                own = 1.0  # noise: a holder charged 10 % more loses its sessions
+            self.speed[wid] = min(max(pool * own, lo), hi)
+
+    def _track(self, request_id: str, worker_id: str, tokens: int, est_ms: float) -> None:
         """Count the request's context on its worker until ``on_finish``."""
         old = self._routed.pop(request_id, None)
         if old is not None:  # the same id routed again (a retry): count it once
-            self._release(*old)
-        self._routed[request_id] = (worker_id, tokens)
+            self._release(old[0], old[1])
+        self._routed[request_id] = (worker_id, tokens, est_ms)
         self._active[worker_id] = self._active.get(worker_id, 0) + tokens
         if len(self._routed) > _MAX_TRACKED:  # finishes never reported: forget the oldest
             _, lost = self._routed.popitem(last=False)
-            self._release(*lost)
+            self._release(lost[0], lost[1])
 
     def _release(self, worker_id: str, tokens: int) -> None:
         left = self._active.get(worker_id, 0) - tokens
@@ -281,6 +373,46 @@ class CacheAware(Policy):
             self._active[worker_id] = left
         else:
             self._active.pop(worker_id, None)
+
+    def _barred(self, session: str | None, cands: Sequence[WorkerView]) -> set[int] | None:
+        """For a session's first request, the workers it may not start on; else None.
+
+        Bounded load as consistent hashing does it: with ``m`` recent decisions and
+        ``n`` workers, a worker may take one more while it stays within
+        ``ceil(session_load * (m + 1) / n)``; the least loaded one always fits. Only
+        where sessions average ``_BOUND_TURNS`` requests or more: a first placement
+        then decides where the later ones go.
+        """
+        if session is None:
+            return None
+        seen = self._sessions
+        if session in seen:
+            seen.move_to_end(session)
+            return None
+        seen[session] = None
+        if len(seen) > _MAX_TRACKED:
+            seen.popitem(last=False)
+        m = len(self._recent)
+        if m < _BOUND_TURNS * (self._recent_new + 1):
+            return set()  # a new session, but sessions are too short to bind
+        counts = self._recent_count
+        cap = math.ceil(self.session_load * (m + 1) / len(cands))
+        barred = {i for i, w in enumerate(cands) if counts.get(w.worker_id, 0) + 1 > cap}
+        return barred if len(barred) < len(cands) else set()
+
+    def _count_recent(self, worker_id: str, new_session: bool) -> None:
+        recent, counts = self._recent, self._recent_count
+        recent.append((worker_id, new_session))
+        counts[worker_id] = counts.get(worker_id, 0) + 1
+        self._recent_new += new_session
+        if len(recent) > _WINDOW:
+            old, was_new = recent.popleft()
+            self._recent_new -= was_new
+            left = counts[old] - 1
+            if left:
+                counts[old] = left
+            else:
+                del counts[old]
 
     def _learn_landing(self, session: str, cands: Sequence[WorkerView]) -> None:
         """Did the session's last hint land? Its target holds the blocks now, or not."""
@@ -331,12 +463,14 @@ class CacheAware(Policy):
         usage = w.kv_usage
         if usage is not None and not usage < _KV_ROOM:  # NaN counts as full
             return None
-        admit = admit_wait_ms(costs, w, request.num_tokens)
+        f = self.speed.get(w.worker_id, 1.0)
+        admit = f * admit_wait_ms(costs, w, request.num_tokens)
         if not prefetch_fits(costs, moved * bs, admit * self.prefetch_fraction, tier):
             return None
         queue, prefill, load = estimate_ttft_prefetched(
             costs, w, m, request.num_tokens, bs, hit, moved, self.active_tokens(w.worker_id)
         )
+        queue, prefill = f * queue, f * prefill
         ttft = queue + prefill + load
         recompute = (best_hit - hit) * per_block if hit < best_hit else 0.0
         rate = self.landing_rate

@@ -384,7 +384,14 @@ class Proxy:
             remember = None
             if self.kind == "responses" and prep.parsed.body.get("store") is not False:
                 remember = st.affinity.remembers(worker.id)
-            await self._stream(ex, resp, tid, flight, series, arm, hit, remember)
+            policy = st.experiment.policy_for(arm)
+
+            def first_token(ms: float) -> None:
+                policy.on_first_token(req, tid, ms)
+
+            await self._stream(
+                ex, resp, tid, flight, series, arm, hit, remember, first_token=first_token
+            )
         finally:
             resp.close()
             flight.finish()
@@ -426,12 +433,14 @@ class Proxy:
         hit: int,
         remember: Callable[[bytes], None] | None = None,
         prefilled_remotely: bool = False,
+        first_token: Callable[[float], None] | None = None,
     ) -> None:
         """Send the engine's answer on; ``remember`` gets the body's first bytes (a
         response id is in them) once the answer is complete. A decode engine that
         received the prompt's KV from a prefill engine (``prefilled_remotely``) reports it
         as cached: its ``cached_tokens`` are no prefix hits (``router.pd`` counts the
-        prefill engine's)."""
+        prefill engine's). ``first_token`` gets the time to first token in ms, for a
+        streamed answer (a whole body's first byte is no TTFT)."""
         st = self.deps
         send = ex.send
         found = st.registry.target(worker_id)  # ``worker_id``: the target (router/dp.py)
@@ -457,8 +466,11 @@ class Proxy:
         try:
             async for chunk in resp.chunks(st.cfg.request_timeout):
                 if flight.state is WAITING:
+                    elapsed = time.perf_counter() - ex.t0
                     if series is not None:
-                        series.ttft.observe(time.perf_counter() - ex.t0)
+                        series.ttft.observe(elapsed)
+                    if sse and first_token is not None and status < 400:
+                        first_token(elapsed * 1000.0)
                     flight.first_byte()
                 if remember is not None and len(head) < HEAD_BYTES:
                     head += chunk

@@ -14,9 +14,10 @@ What the router side does is the code users run:
   lacks (what the policy budgets) over the target's link at ``EngineCosts.prefetch_gbps``,
   landing in the target's host tier (GPU without one).
 
-``SimConfig.costs`` are the engines' timings; the policies estimate with their own
-(``EngineCosts()`` unless given), so engines faster or slower than a policy assumes are
-one flag away (``cache-router replay --engine-costs``).
+``SimConfig.costs`` are the engines' timings (``worker_costs`` per engine: a mixed
+pool); the policies estimate with their own (``EngineCosts()`` unless given), so
+engines faster or slower than a policy assumes are one flag away (``cache-router
+replay --engine-costs``).
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ class SimConfig:
     kv_groups: str = ""
     group_blocks: int = 0
     groups_aware: bool = True
+    # engine i runs on worker_costs[i] where given (a mixed pool), else on ``costs``
+    worker_costs: tuple[EngineCosts, ...] = ()
 
 
 class Simulation:
@@ -124,11 +127,11 @@ class Simulation:
                     groups=groups[1:],
                     group_blocks=config.group_blocks,
                 ),
-                self.costs,
+                config.worker_costs[i] if i < len(config.worker_costs) else self.costs,
                 self,
                 max_num_seqs=config.max_num_seqs,
             )
-            for wid in self.ids
+            for i, wid in enumerate(self.ids)
         ]
         self.targets = self.ids
         if dp > 1 and not config.dp_aware:
@@ -301,6 +304,7 @@ class Simulation:
         w = req.worker
         self.inflight_prefill[w] -= req.est_prefill
         self.decode_streams[w] += 1
+        self.policy.on_first_token(req.route, self.engines[w].source, now - req.arrival_ms)
 
     def finished(self, req: SimRequest, now: float) -> None:
         req.finish_ms = now
