@@ -5,7 +5,12 @@ Prints one JSON object (never asserts). Sections:
 - ``prompt``: per request, at 2K / 8K / 32K / 128K tokens: the tokenizer alone (a real
   tokenizer.json, ``--tokenizer``), then what the router adds on top (block hashes and
   the index match), CPU seconds per request; and whether tokenizing holds the GIL (a
-  thread tokenizing a 128K prompt while the main thread counts).
+  thread tokenizing a 128K prompt while the main thread counts: ``encode`` and
+  ``encode_batch``, which the router uses).
+- ``multi_turn``: a ChatML conversation growing to 32K tokens (``--tokenizer`` with
+  ``<|im_start|>``/``<|im_end|>`` added as special tokens), CPU per turn of the router's
+  chat tokenization (segment cache, router/tokenize.py) against ``encode`` of the
+  whole rendered text, and the two checked equal.
 - ``ingest``: KV-event ingest alone, ``EventIngest.apply`` on msgpack vLLM batches
   (16 blocks of 16 tokens each) with the Python and the native index, and Dynamo's
   ``RadixTree.apply_event`` on the same stores (its JSON form), blocks/s; batches lost
@@ -341,11 +346,79 @@ def bench_prompt(path: str | None, workers: int) -> dict[str, Any]:
     with_thread = spin(0.5)
     done.set()
     th.join()
+    done.clear()
+
+    def work_batch() -> None:
+        while not done.is_set():
+            tok.encode_batch([text], add_special_tokens=False)
+
+    th = threading.Thread(target=work_batch)
+    th.start()
+    with_batch = spin(0.5)
+    done.set()
+    th.join()
     out["gil"] = {
         "main_thread_progress_while_encoding": with_thread / alone,
-        "note": "1.0: encode releases the GIL; ~0: it holds it",
+        "main_thread_progress_while_encode_batch": with_batch / alone,
+        "note": "1.0: the call releases the GIL; ~0: it holds it (2 cores: ~0.5 is shared)",
     }
     return out
+
+
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def bench_multi_turn(path: str | None, target: int = 32768, turn: int = 1024) -> dict[str, Any]:
+    """Per-turn CPU of the router's chat tokenization vs encoding the whole text."""
+    import tempfile
+
+    from tokenizers import AddedToken, Tokenizer
+
+    from router.tokenize import HFTokenizer
+
+    if path is None:
+        return {"skipped": "no --tokenizer"}
+    raw = Tokenizer.from_file(path)
+    raw.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in ("<|im_start|>", "<|im_end|>")]
+    )
+    rng = random.Random(5)
+    with tempfile.TemporaryDirectory() as d:
+        raw.save(f"{d}/tokenizer.json")
+        Path(d, "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+        hf = HFTokenizer(d)
+    messages: list[dict[str, str]] = [{"role": "system", "content": text_of(raw, 512, rng)}]
+    ours, full, lengths = [], [], []
+    equal = True
+    while not lengths or lengths[-1] < target:
+        messages.append({"role": "user", "content": text_of(raw, turn // 2, rng)})
+        body = {"messages": messages}
+        c0 = time.process_time()
+        ids, rendered = hf.chat(body)
+        ours.append(time.process_time() - c0)
+        c0 = time.process_time()
+        want = raw.encode(rendered, add_special_tokens=False).ids
+        full.append(time.process_time() - c0)
+        equal &= ids == want
+        lengths.append(len(ids))
+        messages.append({"role": "assistant", "content": text_of(raw, turn // 2, rng)})
+    last = slice(-4, None)  # the turns near the target length
+    return {
+        "turns": len(lengths),
+        "final_tokens": lengths[-1],
+        "identical_to_full_encoding": equal,
+        "router_cpu_ms_per_turn_mean": statistics.mean(ours) * 1e3,
+        "full_encode_cpu_ms_per_turn_mean": statistics.mean(full) * 1e3,
+        "router_cpu_ms_last_turns": statistics.mean(ours[last]) * 1e3,
+        "full_encode_cpu_ms_last_turns": statistics.mean(full[last]) * 1e3,
+        "ratio_router_over_full_last_turns": statistics.mean(ours[last])
+        / statistics.mean(full[last]),
+        "segment_cache": {"hits": hf.segments.hits, "misses": hf.segments.misses},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -371,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
             "dynamo": metadata.version("ai-dynamo-runtime") if RadixTree is not None else None,
         },
         "prompt": bench_prompt(args.tokenizer, args.workers) if not args.quick else {},
+        "multi_turn": bench_multi_turn(args.tokenizer) if not args.quick else {},
         "ingest": bench_ingest(args.ingest_pairs, args.workers, 512, args.reps),
         "under_ingest": bench_under_ingest(args.rate, 2.0 if args.quick else 8.0, args.workers),
         "memory": bench_memory(args.pairs, args.workers, 512),
