@@ -9,8 +9,8 @@ either side; the role names what it is deployed as):
   engine's own block hashes here, ``remote_host``, ``remote_port``, ``tp_size``).
   ``do_remote_prefill`` -> pull those blocks from ``remote_host:remote_port`` (the mock's
   HTTP port, ``POST /mock/kv_pull``), land them after the modelled transfer time (its KV
-  events say ``BlockStored``), then decode. A failed pull is recomputed locally, as
-  vLLM's ``kv_load_failure_policy = "recompute"`` does.
+  events say ``BlockStored``), then decode. A failed pull fails the request, as vLLM
+  0.32's default ``kv_load_failure_policy = "fail"`` does.
 - SGLang bootstrap: ``bootstrap_room`` on a prefill-role engine -> prefill only (one
   token), then the room is done; on a decode-role engine -> wait until the room is done
   on ``bootstrap_host:bootstrap_port`` (the prefill mock's HTTP port,
@@ -130,9 +130,9 @@ class PdSide:
         hashes = cache.hash_blocks(prompt)
         if plan.protocol == "vllm":
             ok = await self._pull(body["kv_transfer_params"], hashes)
-            if not ok:  # vLLM recomputes what it could not load
+            if not ok:  # vLLM 0.32's kv_load_failure_policy "fail" (the default)
                 self.counts["transfer_failures"] += 1
-                return
+                raise ApiError(500, "KV load failed: the prefill engine's blocks", "kv_transfer")
         else:
             ok = await self._wait_room(body, plan.room, gone)
             if not ok:
