@@ -19,14 +19,6 @@ from router.config import WorkerSpec
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.xfail(
-    raises=AssertionError,
-    strict=False,
-    reason="the router side (index/ingest.py) drops vLLM's sliding-window BlockStored: it "
-    "carries only the blocks that can serve a hit (here the last 2 of 6-15) with every "
-    "token of the range, so len(token_ids) != n * block_size; measured: predicted 0 where "
-    "vLLM reported 192, 320 and 480 cached tokens (KV-cache groups, issue 14)",
-)
 async def test_a_sliding_window_model_predicts_its_cached_tokens(
     sw_engine: Engine, sw_model_dir: Path, nats_url: str
 ) -> None:
