@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from array import array
 from collections import OrderedDict
@@ -44,7 +45,6 @@ from index.wire import DEFAULT_PREFIX, EPOCH_HEADER, SEQ_HEADER, Subjects
 from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
 from router.events import last_seq
-from router.natsd import free_port
 from router.tokenize import FallbackTokenizer, Tokenizer
 from sim.mock_engine import MockEngine, MockEngineConfig
 from sim.mock_scheduler import Timing
@@ -70,7 +70,12 @@ class Served:
     """An ASGI app under uvicorn on a free loopback port, in the running event loop."""
 
     def __init__(self, app: Any, port: int | None = None) -> None:
-        self.port = port or free_port()
+        # Bound here and handed to uvicorn: a port picked free and bound later was taken by
+        # another test's server in between once under load (EADDRINUSE in test_replicas).
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", port or 0))
+        self.port: int = self.sock.getsockname()[1]
         self.server = uvicorn.Server(
             uvicorn.Config(
                 app,
@@ -89,7 +94,7 @@ class Served:
 
     async def start(self) -> Served:
         self.server.config.setup_event_loop = lambda: None  # type: ignore[method-assign]
-        self.task = asyncio.create_task(self.server.serve())
+        self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
         deadline = time.monotonic() + 10
         while not self.server.started:
             if self.task.done():

@@ -18,11 +18,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from stack import Served, free_port, until
+from stack import Served, until
 
 from agent.node import AgentConfig, NodeAgent
 from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
+from router.natsd import free_port
 from sim.mock_engine import MockEngine, MockEngineConfig
 from sim.mock_scheduler import Timing
 
