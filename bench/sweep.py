@@ -219,7 +219,9 @@ def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 agg[key] = statistics.fmean(vals)
                 agg[f"{key}_min"], agg[f"{key}_max"] = min(vals), max(vals)
             results[p] = agg
-        seed_judged = [judge(r) for r in group if "cache_aware" in r["results"]]
+        seed_judged = [
+            judge(r) for r in group if "cache_aware" in r["results"] and len(policies) > 1
+        ]
         out.append(
             {
                 "setting": name,
