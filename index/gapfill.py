@@ -67,10 +67,13 @@ class GapFillMessage:
         if not isinstance(obj, dict) or obj.get("kind") not in ("batch", "dump", "end"):
             raise ValueError("not a gap-fill message")
         if obj["kind"] == "end":
+            epoch = obj.get("epoch")
+            if epoch is not None and not isinstance(epoch, str):
+                raise ValueError("a gap-fill end's epoch is a string")  # the ingest keys on it
             return cls(
                 "end",
                 int(obj.get("last_seq", -1)),
-                epoch=obj.get("epoch"),
+                epoch=epoch,
                 dump=bool(obj.get("dump")),
             )
         return cls(obj["kind"], int(obj["seq"]), bytes(obj["payload"]))

@@ -87,7 +87,7 @@ class _Worker:
     engine_of: dict[int, EngineHash] = field(default_factory=dict)  # router -> engine hash
     last_seq: dict[int | None, int] = field(default_factory=dict)
     seen: dict[int | None, int] = field(default_factory=dict)  # highest seq seen per rank
-    epoch: object = None
+    epoch: str | None = None
     in_sync: bool = True
     # KV-cache groups past the first (hybrid models): each its own blocks, under its own
     # index key (``group_key``); sequence numbers stay the worker's
@@ -242,7 +242,7 @@ class EventIngest:
             out.append(eh)
         return out
 
-    def epoch(self, worker_id: str) -> object:
+    def epoch(self, worker_id: str) -> str | None:
         """The engine life the applied batches belong to (None: unknown)."""
         w = self._workers.get(worker_id)
         return None if w is None else w.epoch
@@ -271,7 +271,7 @@ class EventIngest:
         payload: bytes,
         *,
         dp_rank: int | None = None,
-        epoch: object = None,
+        epoch: str | None = None,
     ) -> IngestResult:
         """Decode and apply one msgpack batch with the engine's sequence number ``seq``.
 
@@ -301,7 +301,7 @@ class EventIngest:
         batch: DecodedBatch,
         *,
         dp_rank: int | None = None,
-        epoch: object = None,
+        epoch: str | None = None,
     ) -> IngestResult:
         w = self._workers.get(worker_id)
         if w is None:
@@ -358,7 +358,7 @@ class EventIngest:
         batches: list[DecodedBatch],
         *,
         dp_rank: int | None = None,
-        epoch: object = None,
+        epoch: str | None = None,
     ) -> IngestResult:
         """Replace everything known of ``worker_id`` with a full dump taken at ``seq``."""
         w = self._workers.get(worker_id)
@@ -377,7 +377,7 @@ class EventIngest:
         return result
 
     def _epoch_start(
-        self, worker_id: str, w: _Worker, rank: int | None, epoch: object
+        self, worker_id: str, w: _Worker, rank: int | None, epoch: str | None
     ) -> IngestResult:
         """The agent saw the engine restart before any batch of its new life: whatever
         the worker held is gone now, and its next batch is seq 0."""

@@ -106,7 +106,9 @@ class NativeEventIngest(EventIngest):
         core, slot = self.index.locate(worker_id)
         core.mark_out_of_sync(slot)
 
-    def _state(self, worker_id: str) -> tuple[bool, bool, str | None, dict, dict] | None:
+    def _state(
+        self, worker_id: str
+    ) -> tuple[bool, bool, str | None, dict[int | None, int], dict[int | None, int]] | None:
         at = self.index.located(worker_id)
         return None if at is None else at[0].seq_state(at[1])
 
@@ -118,7 +120,7 @@ class NativeEventIngest(EventIngest):
         state = self._state(worker_id)
         return {} if state is None else state[3]
 
-    def epoch(self, worker_id: str) -> object:
+    def epoch(self, worker_id: str) -> str | None:
         state = self._state(worker_id)
         return None if state is None else state[2]
 

@@ -245,10 +245,10 @@ class SegmentCache:
         self.tokens = 0
         self.hits = 0
         self.misses = 0
-        self._lru: OrderedDict[int, array] = OrderedDict()
+        self._lru: OrderedDict[int, array[int]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key: int) -> array | None:
+    def get(self, key: int) -> array[int] | None:
         with self._lock:
             ids = self._lru.get(key)
             if ids is None:
@@ -258,7 +258,7 @@ class SegmentCache:
             self.hits += 1
             return ids
 
-    def put(self, key: int, ids: array) -> None:
+    def put(self, key: int, ids: array[int]) -> None:
         if len(ids) > self.max_tokens:
             return
         with self._lock:
@@ -364,11 +364,12 @@ class HFTokenizer(Tokenizer):
         if missing:
             encoded = self._tok.encode_batch([parts[i] for i in missing], add_special_tokens=False)
             for i, enc in zip(missing, encoded, strict=True):
-                ids = found[i] = array("I", enc.ids)
-                self.segments.put(keys[i], ids)
+                fresh = found[i] = array("I", enc.ids)
+                self.segments.put(keys[i], fresh)
         out = array("I")
         for ids in found:
-            out.extend(ids)  # type: ignore[arg-type]
+            assert ids is not None  # every missing segment was encoded just above
+            out.extend(ids)
         return out.tolist()
 
 

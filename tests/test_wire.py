@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import msgpack
+import pytest
+
+from index.gapfill import GapFillMessage
 from index.wire import DEFAULT_PREFIX, DP_RANK_HEADER, EPOCH_HEADER, SEQ_HEADER, Subjects
 
 
@@ -31,3 +35,14 @@ def test_the_old_module_paths_still_import() -> None:
     assert replay.ReplayMessage is gapfill.GapFillMessage
     assert sim_replay.replay_trace is trace_replay.replay_trace
     assert sim_replay.run is trace_replay.run
+
+
+def test_a_gap_fill_end_with_a_non_string_epoch_is_refused() -> None:
+    """The epoch keys the ingest's engine life (the native one takes only a string):
+    anyone who can publish on NATS could send another type."""
+    ok = GapFillMessage("end", 7, epoch="e1").encode()
+    assert GapFillMessage.decode(ok) == GapFillMessage("end", 7, epoch="e1")
+    for bad in (5, ["e1"], {"e": 1}, b"e1"):
+        forged = msgpack.packb({"kind": "end", "epoch": bad, "last_seq": 7}, use_bin_type=True)
+        with pytest.raises(ValueError):
+            GapFillMessage.decode(forged)
