@@ -17,6 +17,7 @@ several groups hold counts once per group in ``len()``/``stats().blocks``.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -50,6 +51,7 @@ class NativePrefixIndex:
         self._at: dict[str, tuple[_native.Core, int]] = {}  # worker -> (core, its slot)
         self._names: list[str | None] = []
         self._free: list[int] = []
+        self._slots_lock = threading.Lock()
         self._core(0)
 
     def _core(self, group: int) -> _native.Core:
@@ -88,21 +90,32 @@ class NativePrefixIndex:
         return self._slot_of.get(worker_id)
 
     def slot(self, worker_id: str) -> int:
-        """The worker's slot, given on first sight (the event path keys by slot)."""
+        """The worker's slot, given on first sight (the event path keys by slot).
+
+        Locked: the ingest thread gives a slot to a worker on its first batch while the
+        event loop may add the same worker (config, discovery, admin). Unlocked, both
+        could pick a slot and the second overwrote the first, with the batch applied
+        there: an applied batch lost, seen as test_attacks_nats timing out ~1 run in 6.
+        """
         slot = self._slot_of.get(worker_id)
         if slot is not None:
             return slot
-        if self._free:
-            slot = self._free.pop()
-            self._names[slot] = worker_id
-        else:
-            slot = len(self._names)
-            self._core(slot // GROUP)
-            self._names.append(worker_id)
-        self._slot_of[worker_id] = slot
-        core = self._at[worker_id] = (self.cores[slot // GROUP], slot % GROUP)
-        core[0].add_slot(core[1])
-        return slot
+        with self._slots_lock:
+            slot = self._slot_of.get(worker_id)
+            if slot is not None:
+                return slot
+            if self._free:
+                slot = self._free.pop()
+                self._names[slot] = worker_id
+            else:
+                slot = len(self._names)
+                self._core(slot // GROUP)
+                self._names.append(worker_id)
+            core = (self.cores[slot // GROUP], slot % GROUP)
+            core[0].add_slot(core[1])
+            self._at[worker_id] = core
+            self._slot_of[worker_id] = slot  # last: the unlocked check above reads it
+            return slot
 
     def add_worker(self, worker_id: str) -> None:
         self.slot(worker_id)
@@ -115,13 +128,14 @@ class NativePrefixIndex:
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget the worker and its blocks; its slot is reused by the next newcomer."""
-        slot = self._slot_of.pop(worker_id, None)
-        if slot is None:
-            return
-        del self._at[worker_id]
-        self.cores[slot // GROUP].drop_slot(slot % GROUP)
-        self._names[slot] = None
-        self._free.append(slot)
+        with self._slots_lock:
+            slot = self._slot_of.pop(worker_id, None)
+            if slot is None:
+                return
+            del self._at[worker_id]
+            self.cores[slot // GROUP].drop_slot(slot % GROUP)
+            self._names[slot] = None
+            self._free.append(slot)
 
     # -- events ------------------------------------------------------------------
     def store(

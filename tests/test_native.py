@@ -215,3 +215,36 @@ def test_native_ingest_survives_damaged_payloads(
             # place they may differ; everything else must agree.
             assert got.errors.get("bad_event", 0) > want.errors.get("bad_event", 0)
             return
+
+
+def _give(idx: object, ids: list[str], out: dict[str, int]) -> None:
+    for w in ids:
+        out[w] = idx.slot(w)  # type: ignore[attr-defined]
+
+
+@needs_native
+def test_a_worker_gets_one_slot_when_two_threads_meet_it_first() -> None:
+    """The ingest thread and the event loop both give slots to workers they see first;
+    a slot handed out twice left an applied batch in an orphaned slot."""
+    import sys
+    import threading
+
+    from index.native_index import NativePrefixIndex
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # thread switches inside slot(), where the race was
+    try:
+        for _ in range(30):
+            idx = NativePrefixIndex()
+            ids = [f"w{i}" for i in range(300)]
+            got: list[dict[str, int]] = [{}, {}]
+            threads = [threading.Thread(target=_give, args=(idx, ids, g)) for g in got]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert got[0] == got[1]
+            assert sorted(idx.workers) == sorted(ids)
+            assert sorted(got[0].values()) == list(range(len(ids)))
+    finally:
+        sys.setswitchinterval(switch)
