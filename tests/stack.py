@@ -483,6 +483,20 @@ class Replica:
             self.served = None
 
 
+async def engine_agent(engine: MockEngine, nats_url: str, **kw: Any) -> NodeAgent:
+    """A started node agent in front of a mock engine: its event and replay endpoints,
+    its worker id, and a short replay timeout (``kw`` overrides any AgentConfig field)."""
+    fields: dict[str, Any] = {
+        "worker_id": engine.cfg.worker_id,
+        "zmq_endpoint": engine.zmq_endpoint or "",
+        "replay_endpoint": engine.replay_endpoint,
+        "engine_url": engine.url,
+        "nats_url": nats_url,
+        "replay_timeout": 0.5,
+    }
+    return await NodeAgent(AgentConfig(**(fields | kw))).start()
+
+
 class MockStack:
     """Mock engines (small GPU caches, so they evict) behind node agents."""
 
@@ -504,19 +518,11 @@ class MockStack:
             )
             engine = await MockEngine(cfg).start()
             self.engines.append(engine)
-            agent = NodeAgent(
-                AgentConfig(
-                    worker_id=cfg.worker_id,
-                    zmq_endpoint=engine.zmq_endpoint or "",
-                    replay_endpoint=engine.replay_endpoint,
-                    engine_url=engine.url,
-                    nats_url=self.nats_url,
-                    load_interval=load_interval,
-                    replay_timeout=0.5,
-                    buffer=buffer,
+            self.agents.append(
+                await engine_agent(
+                    engine, self.nats_url, load_interval=load_interval, buffer=buffer
                 )
             )
-            self.agents.append(await agent.start())
         return self
 
     async def stop(self) -> None:

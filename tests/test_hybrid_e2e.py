@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-from stack import Served, until
+from stack import Served, engine_agent, until
 
-from agent.node import AgentConfig, NodeAgent
+from agent.node import NodeAgent
 from index.groups import GroupSpec
 from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
@@ -52,16 +52,7 @@ async def stack(nats_url: str) -> AsyncIterator[Stack]:
         timing=Timing(speed=200.0),
     )
     engine = await MockEngine(cfg).start()
-    agent = await NodeAgent(
-        AgentConfig(
-            worker_id="h0",
-            zmq_endpoint=engine.zmq_endpoint or "",
-            replay_endpoint=engine.replay_endpoint,
-            engine_url=engine.url,
-            nats_url=nats_url,
-            replay_timeout=0.5,
-        )
-    ).start()
+    agent = await engine_agent(engine, nats_url)
     app = RouterApp(
         RouterConfig(
             nats_url=nats_url,

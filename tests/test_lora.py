@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-from router_double import Served, until
+from stack import Served, engine_agent, until
 
-from agent.node import AgentConfig, NodeAgent
+from agent.node import NodeAgent
 from router.app import RouterApp
 from router.config import ModelSpec, RouterConfig, WorkerSpec
 from router.events import last_seq
@@ -87,17 +87,7 @@ async def stack(nats_url: str) -> AsyncIterator[Stack]:
         )
         engine = await MockEngine(cfg).start()
         engines.append(engine)
-        agent = NodeAgent(
-            AgentConfig(
-                worker_id=cfg.worker_id,
-                zmq_endpoint=engine.zmq_endpoint or "",
-                replay_endpoint=engine.replay_endpoint,
-                engine_url=engine.url,
-                nats_url=nats_url,
-                replay_timeout=0.5,
-            )
-        )
-        agents.append(await agent.start())
+        agents.append(await engine_agent(engine, nats_url))
     app = RouterApp(
         RouterConfig(
             nats_url=nats_url,

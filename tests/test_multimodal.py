@@ -11,9 +11,9 @@ from typing import Any
 
 import httpx
 import pytest
-from router_double import Served, until
+from stack import Served, engine_agent, until
 
-from agent.node import AgentConfig, NodeAgent
+from agent.node import NodeAgent
 from index.hashing import BlockHasher, request_block_hashes
 from index.media import MediaRegistry
 from router.app import RouterApp
@@ -111,16 +111,7 @@ async def stack(nats_url: str) -> AsyncIterator[Stack]:
         timing=Timing(speed=200.0),
     )
     engine = await MockEngine(cfg).start()
-    agent = await NodeAgent(
-        AgentConfig(
-            worker_id="v0",
-            zmq_endpoint=engine.zmq_endpoint or "",
-            replay_endpoint=engine.replay_endpoint,
-            engine_url=engine.url,
-            nats_url=nats_url,
-            replay_timeout=0.5,
-        )
-    ).start()
+    agent = await engine_agent(engine, nats_url)
     app = RouterApp(
         RouterConfig(
             nats_url=nats_url,

@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from stack import Served, until
+from stack import Served, engine_agent, until
 
-from agent.node import AgentConfig, NodeAgent
+from agent.node import NodeAgent
 from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
 from router.natsd import free_port
@@ -95,17 +95,7 @@ async def pd_stack(
                 )
             ).start()
             s.engines[wid] = engine
-            agent = NodeAgent(
-                AgentConfig(
-                    worker_id=wid,
-                    zmq_endpoint=engine.zmq_endpoint or "",
-                    replay_endpoint=engine.replay_endpoint,
-                    engine_url=engine.url,
-                    nats_url=nats_url,
-                    replay_timeout=0.5,
-                )
-            )
-            s.agents.append(await agent.start())
+            s.agents.append(await engine_agent(engine, nats_url, worker_id=wid))
             # the mock's bootstrap server shares its HTTP port
             specs.append(
                 WorkerSpec(wid, engine.url, model=MODEL, role=role, bootstrap_port=engine.port)
