@@ -141,7 +141,9 @@ async def test_a_server_error_that_closes_us_is_a_disconnect_that_reconnects(
         await engine.admit(list(range(16)))
         pool = state.registry.get("w0").pool
         await until(
-            lambda: index_equals_engine(stack) and state.in_sync("w0", pool), what="first batch"
+            lambda: index_equals_engine(stack) and state.in_sync("w0", pool),
+            15,
+            what="first batch",
         )
         lost: list[float] = []
 
@@ -283,7 +285,7 @@ async def test_forged_dp_ranks_do_not_hold_a_worker_out_of_sync(nats_url, make_s
     stack = await make_stack(1, nats_url, events_transport="core")
     engine = stack.engines[0]
     await engine.admit(list(range(40)))
-    await until(lambda: index_equals_engine(stack), what="first batch")
+    await until(lambda: index_equals_engine(stack), 15, what="first batch")
     nc = await nats.connect(nats_url)
     try:
         for i in range(2000):
@@ -302,7 +304,7 @@ async def test_forged_far_ahead_seqs_cost_one_dump_not_minutes(nats_url, make_st
     stack = await make_stack(1, nats_url, events_transport="core")
     engine = stack.engines[0]
     await engine.admit(list(range(40)))
-    await until(lambda: index_equals_engine(stack), what="first batch")
+    await until(lambda: index_equals_engine(stack), 15, what="first batch")
     nc = await nats.connect(nats_url)
     try:
         for i in range(20):
@@ -322,7 +324,7 @@ async def test_a_forged_new_epoch_cannot_wipe_a_worker(nats_url, make_stack) -> 
     stack = await make_stack(1, nats_url, events_transport="core")
     engine = stack.engines[0]
     await engine.admit(list(range(40)))
-    await until(lambda: index_equals_engine(stack), what="first batch")
+    await until(lambda: index_equals_engine(stack), 15, what="first batch")
     held = set(engine.cache)
     nc = await nats.connect(nats_url)
     try:
@@ -344,7 +346,7 @@ async def test_a_real_engine_restart_still_clears_the_worker(nats_url, make_stac
     stack = await make_stack(1, nats_url, events_transport="core")
     engine = stack.engines[0]
     await engine.admit(list(range(40)))
-    await until(lambda: index_equals_engine(stack), what="first batch")
+    await until(lambda: index_equals_engine(stack), 15, what="first batch")
     engine.cache.clear()  # the engine restarts empty: a new epoch, seq from 0
     engine.parent.clear()
     engine.ring.clear()
