@@ -33,7 +33,7 @@ import numpy as np
 from index.hashing import BlockHasher, cacheable_blocks
 from index.ingest import EventIngest
 from index.prefix_index import PrefixIndex
-from policies import RouteRequest, WorkerView, make_policy
+from policies import WorkerView, make_policy
 from policies.base import NO_MATCH
 from policies.cost_model import uncached_tokens
 from policies.pd import DECODE_POLICIES, PdDecision, choose, make_decode_policy
@@ -159,21 +159,9 @@ class PdSimulation(Simulation):
         return views
 
     def _arrive(self, i: int) -> None:
-        tr = self.trace.requests[i]
-        hashes = tr.router_hashes.tolist()
-        route = RouteRequest(
-            request_id=f"r{i}",
-            model="sim",
-            num_tokens=tr.input_len,
-            block_hashes=hashes,
-            block_size=self.block_size,
-            session_key=tr.session,
-            max_tokens=tr.output_len,
-        )
-        tokens = self.trace.tokens(i)
-        req = SimRequest(
-            i, tr.arrival_ms, tr.input_len, tr.output_len, tokens, tr.engine_hashes, route
-        )
+        req = SimRequest.arrival(self.trace, i, self.block_size)
+        route = req.route
+        hashes = route.block_hashes
         self.requests.append(req)
         start = time.perf_counter()
         matches = self.index.match_tiers(hashes)
@@ -192,11 +180,11 @@ class PdSimulation(Simulation):
         req.worker = d
         self.routed[d] += 1
         best = max(v.match.total for v in (*prefill_views, *decode_views))
-        req.best_hit_blocks = min(best, cacheable_blocks(tr.input_len, self.block_size))
+        req.best_hit_blocks = min(best, cacheable_blocks(req.input_len, self.block_size))
         if pd.prefill is None:
             self.counters["local_prefill"] += 1
             held = _held(decode_views, d, self)
-            self._send_decode(req, uncached_tokens(tr.input_len, held, self.block_size))
+            self._send_decode(req, uncached_tokens(req.input_len, held, self.block_size))
             return
         self._send_prefill(req, pd, prefill_views)
 

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from array import array
+from typing import TYPE_CHECKING
 
 from policies import RouteRequest
+
+if TYPE_CHECKING:
+    from sim.traces import Trace
 
 
 class SimRequest:
@@ -63,3 +67,20 @@ class SimRequest:
         self.hit_host_blocks = 0
         self.decode_from = 0  # engine step of the first token
         self.hint_deadline_ms = -1.0  # a prefetch hint's expected admission wait (-1: none)
+
+    @classmethod
+    def arrival(cls, trace: Trace, i: int, block_size: int) -> SimRequest:
+        """Trace request ``i`` as it reaches the router (the mixed and the PD simulator)."""
+        tr = trace.requests[i]
+        route = RouteRequest(
+            request_id=f"r{i}",
+            model="sim",
+            num_tokens=tr.input_len,
+            block_hashes=tr.router_hashes.tolist(),
+            block_size=block_size,
+            session_key=tr.session,
+            max_tokens=tr.output_len,
+        )
+        return cls(
+            i, tr.arrival_ms, tr.input_len, tr.output_len, trace.tokens(i), tr.engine_hashes, route
+        )

@@ -34,10 +34,10 @@ from typing import Any
 
 from index.codec import Event, EventBatch, encode
 from index.groups import clip_matches, parse_groups
-from index.hashing import BlockHasher
+from index.hashing import BlockHasher, cacheable_blocks
 from index.ingest import EventIngest, SeqStatus
 from index.prefix_index import PrefixIndex
-from policies import EngineCosts, PrefetchHint, RouteRequest, WorkerView, make_policy
+from policies import EngineCosts, PrefetchHint, WorkerView, make_policy
 from policies.base import NO_MATCH
 from policies.cost_model import uncached_tokens
 from router.dp import target_id
@@ -216,26 +216,9 @@ class Simulation:
         return min(ks, key=lambda k: (self.engines[k].running + self.engines[k].num_waiting, k))
 
     def _arrive(self, i: int) -> None:
-        tr = self.trace.requests[i]
-        hashes = tr.router_hashes.tolist()
-        route = RouteRequest(
-            request_id=f"r{i}",
-            model="sim",
-            num_tokens=tr.input_len,
-            block_hashes=hashes,
-            block_size=self.block_size,
-            session_key=tr.session,
-            max_tokens=tr.output_len,
-        )
-        req = SimRequest(
-            i,
-            tr.arrival_ms,
-            tr.input_len,
-            tr.output_len,
-            self.trace.tokens(i),
-            tr.engine_hashes,
-            route,
-        )
+        req = SimRequest.arrival(self.trace, i, self.block_size)
+        route = req.route
+        hashes = route.block_hashes
         self.requests.append(req)
         start = time.perf_counter()
         views = self._views(hashes)
@@ -244,11 +227,10 @@ class Simulation:
         w = self._engine_for(decision.worker_id)
         req.worker = w
         chosen = next(v for v in views if v.worker_id == decision.worker_id)
-        req.est_prefill = uncached_tokens(tr.input_len, chosen.match.total, self.block_size)
-        req.promised_blocks = min(chosen.match.total, max(0, (tr.input_len - 1) // self.block_size))
-        req.best_hit_blocks = min(
-            max(v.match.total for v in views), max(0, (tr.input_len - 1) // self.block_size)
-        )
+        req.est_prefill = uncached_tokens(req.input_len, chosen.match.total, self.block_size)
+        cacheable = cacheable_blocks(req.input_len, self.block_size)
+        req.promised_blocks = min(chosen.match.total, cacheable)
+        req.best_hit_blocks = min(max(v.match.total for v in views), cacheable)
         self.inflight[w] += 1
         self.inflight_prefill[w] += req.est_prefill
         self.routed[w] += 1
