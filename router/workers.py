@@ -319,9 +319,13 @@ class WorkerRegistry:
                                 adapters.add(str(m["id"]))
                     worker.models = set(base | adapters) if base else ids
             if worker.load.engine_fresh(self.cfg.load_stale_after) is None:
+                seen = worker.load.engine_seen
                 resp = await client.get(worker.url + "/metrics", timeout=timeout)
                 if resp.status_code == 200:
-                    worker.load.report(parse_engine_metrics(resp.text))
+                    # A push report (kv.load) that came in while the scrape was in flight is
+                    # newer than the scrape: keep it (CI lost a waiting=40 report this way).
+                    if worker.load.engine_seen == seen:
+                        worker.load.report(parse_engine_metrics(resp.text))
                     worker.lora = parse_lora_info(resp.text)
         except (httpx.HTTPError, ValueError, AttributeError, KeyError) as exc:
             log.debug("worker %s: discovery/scrape failed: %s", worker.id, exc)

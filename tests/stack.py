@@ -144,6 +144,9 @@ class EngineDouble:
         self.prefetch: list[dict[str, Any]] = []
         self.fail_with: tuple[int, dict[str, Any]] | None = None
         self.gate: asyncio.Event | None = None  # when set: requests wait for it (load)
+        self.metrics_gate: asyncio.Event | None = None  # when set: /metrics waits for it
+        self.scrapes = 0  # /metrics requests started
+        self.health_checks = 0
         self.inflight = 0
         self.cancelled = 0
         self.token_delay = 0.0
@@ -284,9 +287,13 @@ class EngineDouble:
         return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
     async def _health(self, _req: Request) -> Response:
+        self.health_checks += 1
         return PlainTextResponse("ok")
 
     async def _metrics(self, _req: Request) -> Response:
+        self.scrapes += 1
+        if self.metrics_gate is not None:
+            await self.metrics_gate.wait()
         labels = f'{{model_name="{self.model}",engine="0"}}'
         text = (
             f"vllm:num_requests_running{labels} {self.inflight}\n"

@@ -202,6 +202,23 @@ async def test_saturated_holder_loses_the_request_and_a_prefetch_hint_is_sent(ma
     await nc.close()
 
 
+async def test_a_load_report_during_a_scrape_outlives_the_scrape(make_stack, nats_url):
+    # the scrape started before the push report and answers after it: its numbers are older
+    stack = await make_stack(1, nats_url, load_stale_after=1.0)
+    engine = stack.engines[0]
+    load = stack.state.registry.get("w0").load
+    engine.metrics_gate = asyncio.Event()
+    started = engine.scrapes
+    await until(lambda: engine.scrapes > started, what="a scrape in flight")
+    await engine.report_load(running=4, waiting=40, kv_usage=0.5)
+    await until(lambda: load.engine.waiting == 40, what="push report in")
+    checks = engine.health_checks
+    engine.metrics_gate.set()  # the scrape answers waiting=0
+    # health checks run one after another: the next one starts after the scrape is applied
+    await until(lambda: engine.health_checks > checks, what="the next health check")
+    assert load.engine.waiting == 40
+
+
 async def test_removed_block_is_no_longer_matched(make_stack, nats_url):
     stack = await make_stack(1, nats_url)
     engine = stack.engines[0]
