@@ -12,7 +12,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -41,6 +40,7 @@ from router.feed import EventFeed
 from router.gateway import GatewayRouter
 from router.hints import HintPublisher
 from router.metrics import RouterMetrics, StateCollector
+from router.offload import TokenizePool
 from router.openapi import completion_paths
 from router.passthrough import PATHS as PASSTHROUGH_PATHS
 from router.passthrough import RESPONSES, Passthrough, ResponseLookup
@@ -88,7 +88,9 @@ class RouterState:
         self.discovery = discovery_sources(cfg, self.registry)
         self.tokenizers = TokenizerSet(self._tokenizer_path)
         self.experiment = make_experiment(cfg)
-        self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        self.tokenize_pool = TokenizePool(
+            cfg.tokenize_threads, cfg.tokenize_queue, cfg.tokenize_timeout
+        )
         self.bus = Bus(cfg.nats_url, options=nats_options(cfg)) if cfg.nats_url else None
         self.events = EventSync(self.registry, cfg.subject_prefix, tracing=self.tracing)
         self.feed = EventFeed.from_config(cfg, self.events) if self.bus else None
@@ -100,7 +102,7 @@ class RouterState:
             self.registry,
             self.tokenizers,
             self.experiment,
-            self.executor,
+            self.tokenize_pool,
             blind=self.feed.blind if self.feed is not None else None,
             on_predict=self.replicas.mark if self.replicas is not None else None,
             affinity=self.affinity,
@@ -112,6 +114,7 @@ class RouterState:
         self.metrics = RouterMetrics()
         self.pd: PdRouter | None = None
         self.metrics.add_collector(StateCollector(self.registry, self.counts, self.events.lag))
+        self.metrics.add_collector(self.tokenize_pool)
         self.audit = HitAudit(cfg.audit_bound, self._events_seen)
         self.metrics.add_collector(AuditCollector(self.audit))
         self.capacity: CapacityWatch | None = None
@@ -251,7 +254,7 @@ class RouterState:
             await self.bus.close()
         await self.client.aclose()
         self.upstream.close()
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.tokenize_pool.shutdown()
         if self.tracing is not None:
             self.tracing.shutdown()  # flushes the spans still batched
 

@@ -255,13 +255,18 @@ class PdSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class TokenizerSettings:
-    """Where each model's tokenizer is, and when tokenizing leaves the event loop."""
+    """Where each model's tokenizer is, when tokenizing leaves the event loop, and how
+    much the pool it leaves for may hold (``router.offload``)."""
 
     tokenizer: str | None = setting(
         None, flag="tokenizer.json or its directory, for every model"
     )  # the default for models without their own
     models: dict[str, ModelSpec] = table(dict)
     offload_chars: int = setting(4096, Range(0, 1 << 34))  # longer prompts go to the thread pool
+    tokenize_threads: int = setting(2, Range(1, 256))  # the thread pool's threads
+    # prompts the pool holds (waiting or being tokenized); one more is refused with 429
+    tokenize_queue: int = setting(64, Range(1, 1 << 20))
+    tokenize_timeout: float = setting(30.0, _DURATION)  # a prompt's wait for its tokens; then 503
 
     def tokenizer_for(self, model: str) -> str | None:
         spec = self.models.get(model)

@@ -21,6 +21,8 @@ ErrorCode = Literal[
     "model_not_found", "chat_template_error", "context_length_exceeded",
     "request_too_large", "request_timeout", "too_many_headers", "headers_too_large",
     "header_timeout", "too_many_connections", "upgrade", "client_gone",
+    # the router's tokenize pool is full, or did not tokenize the prompt in time
+    "tokenizer_busy", "tokenizer_timeout",
     # credentials and the admin API
     "invalid_api_key", "unauthorized", "admin_disabled", "worker_not_found",
     "invalid_worker", "off",
@@ -49,6 +51,7 @@ _TYPES = {
     403: "permission_error",
     404: "invalid_request_error",
     413: "invalid_request_error",
+    429: "rate_limit_error",
 }
 
 

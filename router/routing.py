@@ -8,12 +8,10 @@ whole decision.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -31,6 +29,7 @@ from router.fields import check_fields
 from router.media import as_ints, block_keys, expand
 from router.messages import as_messages as anthropic_messages
 from router.messages import check_messages
+from router.offload import TokenizePool
 from router.pools import Pool
 from router.responses import as_messages, check_responses
 from router.tokenize import TokenizerSet, num_tokens
@@ -79,7 +78,7 @@ class Router:
         registry: WorkerRegistry,
         tokenizers: TokenizerSet,
         experiment: Experiment,
-        executor: ThreadPoolExecutor | None = None,
+        tokenize_pool: TokenizePool | None = None,
         *,
         blind: Callable[[float], bool] | None = None,
         on_predict: Callable[[str, Sequence[int], float], None] | None = None,
@@ -89,7 +88,7 @@ class Router:
         self.registry = registry
         self.tokenizers = tokenizers
         self.experiment = experiment
-        self.executor = executor
+        self.tokenize_pool = tokenize_pool  # large prompts go there (None: the event loop)
         # whether the event feed is down too long to trust the index (None: no feed)
         self.blind = blind
         # who else hears of predict-on-route marks (peer replicas; None: no peers)
@@ -131,14 +130,12 @@ class Router:
     async def prepare(
         self, parsed: Parsed, size_hint: int, trace: Trace | None = None
     ) -> Prepared:
-        """Resolve the model's pool and hash the prompt (on the thread pool when large)."""
+        """Resolve the model's pool and hash the prompt (on the tokenize pool when large:
+        ``ApiError`` 429/503 when that is full or too slow, ``router.offload``)."""
         workers = self.workers_for(parsed.model)
         pool = workers[0].pool
-        if size_hint > self.cfg.offload_chars and self.executor is not None:
-            loop = asyncio.get_running_loop()
-            ids, hashes = await loop.run_in_executor(
-                self.executor, self._hash, parsed, pool, trace
-            )
+        if size_hint > self.cfg.offload_chars and self.tokenize_pool is not None:
+            ids, hashes = await self.tokenize_pool.run(self._hash, parsed, pool, trace)
         else:
             ids, hashes = self._hash(parsed, pool, trace)
         request = RouteRequest(
