@@ -4,6 +4,11 @@ A session must stay on one arm, or its cache hits and TTFT would be credited to 
 policies. The arm is a pure function of the key (xxh3 of salt + key mapped onto the
 cumulative weights), so every router replica and every restart agrees without sharing
 state. Requests without a session key get a weighted random arm.
+
+In a disaggregated pool an arm acts on each side: ``policy`` picks the prefill engine
+(and the engine of a mixed pool), ``decode_policy`` (when the arm names one; else the
+router's ``decode_policy``) the decode engine. An arm that varies one side keeps the
+other fixed, so the comparison credits the side it changes.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any
 import xxhash
 
 from .base import Policy
+from .pd import make_decode_policy
 from .registry import make_policy
 
 _TWO64 = float(2**64)
@@ -23,15 +29,19 @@ _TWO64 = float(2**64)
 
 @dataclass(frozen=True, slots=True)
 class Arm:
-    """One arm: ``policy`` built with ``params``, chosen with relative ``weight``."""
+    """One arm: ``policy`` built with ``params``, chosen with relative ``weight``; in a
+    disaggregated pool ``decode_policy`` with ``decode_params`` on the decode side
+    (None: the router's own)."""
 
     name: str
     policy: str
     params: Mapping[str, Any] = field(default_factory=dict)
     weight: float = 1.0
+    decode_policy: str | None = None
+    decode_params: Mapping[str, Any] = field(default_factory=dict)
 
 
-_ARM_KEYS = frozenset({"name", "policy", "weight", "params"})
+_ARM_KEYS = frozenset({"name", "policy", "weight", "params", "decode_policy", "decode_params"})
 
 
 def parse_arm(raw: object, where: str) -> Arm:
@@ -45,18 +55,29 @@ def parse_arm(raw: object, where: str) -> Arm:
     if unknown or missing:
         raise ValueError(
             f"{where}: an arm needs name and policy: unknown key(s) {unknown}, missing "
-            f"key(s) {missing}; expected name, policy, weight, params"
+            f"key(s) {missing}; expected name, policy, weight, params, decode_policy, "
+            "decode_params"
         )
     params = raw.get("params") or {}
     if not isinstance(params, Mapping):
         raise ValueError(f"{where} {raw['name']!r}: params must be a table/dict")
+    decode = raw.get("decode_policy")
+    decode_params = raw.get("decode_params") or {}
+    if decode is not None and not (isinstance(decode, str) and decode):
+        raise ValueError(f"{where} {raw['name']!r}: decode_policy must be a policy name")
+    if not isinstance(decode_params, Mapping):
+        raise ValueError(f"{where} {raw['name']!r}: decode_params must be a table/dict")
+    if decode_params and decode is None:
+        raise ValueError(f"{where} {raw['name']!r}: decode_params without decode_policy")
     try:
         weight = float(raw.get("weight", 1.0))
     except (TypeError, ValueError):
         raise ValueError(f"{where} {raw['name']!r}: weight must be a number") from None
     if not weight > 0:
         raise ValueError(f"{where} {raw['name']!r}: weight must be > 0, got {weight}")
-    return Arm(str(raw["name"]), str(raw["policy"]), dict(params), weight)
+    return Arm(
+        str(raw["name"]), str(raw["policy"]), dict(params), weight, decode, dict(decode_params)
+    )
 
 
 class Experiment:
@@ -89,6 +110,13 @@ class Experiment:
             a.name: make_policy(a.policy, random.Random(self.rng.getrandbits(64)), **a.params)
             for a in arms
         }
+        self._decode: dict[str, Policy] = {
+            a.name: make_decode_policy(
+                a.decode_policy, random.Random(self.rng.getrandbits(64)), **a.decode_params
+            )
+            for a in arms
+            if a.decode_policy is not None
+        }
 
     @classmethod
     def from_config(
@@ -119,3 +147,10 @@ class Experiment:
             return self._policies[name]
         except KeyError:
             raise ValueError(f"no arm named {name!r} in this experiment") from None
+
+    def decode_policy_for(self, arm: Arm | str) -> Policy | None:
+        """The decode-side policy instance of ``arm``; None when it names none."""
+        name = arm if isinstance(arm, str) else arm.name
+        if name not in self._policies:
+            raise ValueError(f"no arm named {name!r} in this experiment")
+        return self._decode.get(name)

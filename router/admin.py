@@ -287,6 +287,8 @@ def admin_router(state: AdminDeps) -> APIRouter:
                 "policy": a.policy,
                 "weight": a.weight,
                 "params": dict(a.params),
+                "decode_policy": a.decode_policy,  # disaggregated pools; None: the router's
+                "decode_params": dict(a.decode_params),
                 "metrics": live.get(a.name, {}),
             }
             for a in state.experiment.arms

@@ -34,13 +34,15 @@ Failures, without duplicated work:
 Metrics per role: ``cache_router_pd_phase_seconds{phase}`` splits the TTFT into the
 prefill engine's queue as the policy estimated it, the prefill exchange and the transfer
 (the decode engine's first byte after the prefill answered: KV pull plus its first
-step); ``cache_router_pd_tpot_seconds`` is the decode stream's time per output event.
+step); ``cache_router_pd_tpot_seconds`` is the decode stream's time per output token
+(``usage.completion_tokens`` where the stream carries it: one event may hold several).
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -49,7 +51,7 @@ from urllib.parse import urlsplit
 import orjson
 from prometheus_client import Counter, Histogram
 
-from policies.base import Decision, NoWorkerError, WorkerView
+from policies.base import Decision, NoWorkerError, Policy, WorkerView
 from policies.pd import PdDecision, choose, make_decode_policy
 from router.errors import ApiError
 from router.load import Flight
@@ -184,9 +186,25 @@ class PdMetrics:
         )
         self.tpot = Histogram(
             "cache_router_pd_tpot_seconds",
-            "Decode engines' time per output event of streamed disaggregated requests",
+            "Decode engines' time per output token of streamed disaggregated requests "
+            "(usage.completion_tokens when the stream carries it, else one per event)",
             ["worker"],
             buckets=PHASE_BUCKETS,
+            registry=registry,
+        )
+        self.arm_tpot = Histogram(
+            "cache_router_pd_arm_tpot_seconds",
+            "Time per output token of streamed disaggregated requests by A/B arm and the "
+            "policy of each side (an arm may vary the prefill side, the decode side or both)",
+            ["arm", "prefill_policy", "decode_policy"],
+            buckets=PHASE_BUCKETS,
+            registry=registry,
+        )
+        self.arm_requests = Counter(
+            "cache_router_pd_arm_requests",
+            "Disaggregated requests by A/B arm, the policy of each side and path (local: "
+            "the decode engine prefilled; its prefill_policy made no choice)",
+            ["arm", "prefill_policy", "decode_policy", "path"],
             registry=registry,
         )
         self.requests = Counter(
@@ -235,7 +253,12 @@ class PdRouter:
         policy = st.experiment.policy_for(prep.arm)
         try:
             decision = choose(
-                prep.request, prefill, decode, policy, self.decode_policy, self.local_prefill_tokens
+                prep.request,
+                prefill,
+                decode,
+                policy,
+                self.decode_for(prep.arm),
+                self.local_prefill_tokens,
             )
         except NoWorkerError as exc:
             raise ApiError(503, str(exc), "no_healthy_worker") from exc
@@ -252,13 +275,19 @@ class PdRouter:
             "reason": d.reason,
             "uncached_on_decode": d.uncached_on_decode,
             "local_prefill_tokens": self.local_prefill_tokens,
-            "decode_policy": self.decode_policy.name,
+            "arm": prep.arm,
+            "prefill_policy": self.state.experiment.policy_for(prep.arm).name,
+            "decode_policy": self.decode_for(prep.arm).name,
             "decode": _side(d.decode, choice.decode_views),
             "prefill": None if d.prefill is None else _side(d.prefill, choice.prefill_views),
         }
 
+    def decode_for(self, arm: str) -> Policy:
+        """The arm's decode-side policy, or the router's (``decode_policy``)."""
+        return self.state.experiment.decode_policy_for(arm) or self.decode_policy
+
     def finish(self, prep: Prepared, d: PdDecision) -> None:
-        self.decode_policy.on_finish(prep.request, d.decode.worker_id)
+        self.decode_for(prep.arm).on_finish(prep.request, d.decode.worker_id)
         if d.prefill is not None:
             self.state.experiment.policy_for(prep.arm).on_finish(prep.request, d.prefill.worker_id)
 
@@ -342,6 +371,8 @@ class PdRouter:
         hit = choice.hit(answering.id, req.block_size)
         path = "local" if prefill is None else "remote"
         self.metrics.requests.labels("decode", decode.id, path).inc()
+        sides = (arm, st.experiment.policy_for(arm).name, self.decode_for(arm).name)
+        self.metrics.arm_requests.labels(*sides, path).inc()
         tpot = _TpotClock(ex.send)
         ex.send = tpot.send
         try:
@@ -368,9 +399,10 @@ class PdRouter:
             self.finish(prep, d)
             if prefill is not None and tpot.first is not None and prep.parsed.stream:
                 self.metrics.phase.labels("transfer", decode.id).observe(tpot.first - prefilled)
-            if tpot.events > 1 and tpot.first is not None:
-                per = (tpot.last - tpot.first) / (tpot.events - 1)
+            per = tpot.tpot()
+            if per is not None:
                 self.metrics.tpot.labels(decode.id).observe(per)
+                self.metrics.arm_tpot.labels(*sides).observe(per)
 
     async def _local(
         self,
@@ -586,17 +618,37 @@ def _side(decision: Decision, views: list[WorkerView]) -> dict[str, Any]:
     }
 
 
-class _TpotClock:
-    """Wraps the client's ``send``: when the first and last SSE events went out, and how
-    many (a decode engine sends about one per token)."""
+_COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
-    __slots__ = ("events", "first", "last", "send_next")
+
+class _TpotClock:
+    """Wraps the client's ``send``: when the first and the last SSE events went out and
+    how many output tokens lay between them. An event can carry several tokens
+    (speculative decoding, an engine's stream interval, a proxy that coalesces), so the
+    count is the engine's ``usage.completion_tokens`` when the stream carries it
+    (``stream_options.include_usage``), else one per event that is not the usage-only one."""
+
+    __slots__ = ("events", "first", "last", "send_next", "tail", "usage_tokens")
 
     def __init__(self, send: Send) -> None:
         self.send_next = send
         self.first: float | None = None
         self.last = 0.0
         self.events = 0
+        self.usage_tokens: int | None = None
+        self.tail = b""
+
+    @property
+    def tokens(self) -> int:
+        """Output tokens of the stream (see the class doc)."""
+        return self.usage_tokens if self.usage_tokens is not None else self.events
+
+    def tpot(self) -> float | None:
+        """Seconds per output token after the first; None with fewer than two."""
+        n = self.tokens
+        if self.first is None or n < 2 or self.last <= self.first:
+            return None
+        return (self.last - self.first) / (n - 1)
 
     async def send(self, message: Message) -> None:
         body = message.get("body")
@@ -604,7 +656,14 @@ class _TpotClock:
             now = time.perf_counter()
             if self.first is None:
                 self.first = now
+            window = self.tail + body  # the usage may be cut between two bodies
+            self.tail = body[-64:]
+            found = _COMPLETION.findall(window) if b"completion_tokens" in window else None
+            if found:
+                self.usage_tokens = int(found[-1])
             n = body.count(b"data: ") - body.count(b"[DONE]")
+            if found and b'"choices":[]' in body.replace(b" ", b""):
+                n -= 1  # the usage-only event carries no token
             if n > 0:
                 self.events += n
                 self.last = now

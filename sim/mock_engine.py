@@ -54,7 +54,7 @@ from sim.mock_openai import (
     usage,
     usage_chunk,
 )
-from sim.mock_pd import PdSide, Plan, Role
+from sim.mock_pd import BOOTSTRAP_TIMEOUT, PdSide, Plan, Role
 from sim.mock_pooling import Pooling
 from sim.mock_publisher import Encoding, KvEventPublisher, wire_hash
 from sim.mock_responses import (
@@ -98,6 +98,8 @@ class MockEngineConfig:
     # endpoints' ports offset by the rank, as vLLM's ``offset_endpoint_port``)
     dp_size: int = 1
     role: Role = "mixed"  # a disaggregated pool's prefill or decode engine (sim.mock_pd)
+    # seconds an SGLang prefill waits for its decode engine to join the bootstrap room
+    bootstrap_timeout: float = BOOTSTRAP_TIMEOUT
     # a hybrid model: its KV-cache groups ("full,sliding_window:64,mamba", group 0 full
     # attention), each group past the first holding up to group_blocks blocks (sim/hybrid.py)
     kv_groups: str = ""
@@ -260,7 +262,13 @@ class MockEngine:
         self.responses = ResponseStore()
         self.prefetched_blocks = 0
         self.pd = PdSide(
-            cfg.role, cfg.worker_id, cfg.host, lambda: self.port, self.cache, self.timing
+            cfg.role,
+            cfg.worker_id,
+            cfg.host,
+            lambda: self.port,
+            self.cache,
+            self.timing,
+            cfg.bootstrap_timeout,
         )
         # W3C trace context of recent requests (vLLM continues the trace it is handed)
         self.traceparents: deque[str | None] = deque(maxlen=1024)
@@ -467,6 +475,10 @@ class MockEngine:
         @app.get("/mock/bootstrap/{room}")
         async def bootstrap(room: int) -> Response:
             return JSONResponse(self.pd.room(room))
+
+        @app.post("/mock/bootstrap/{room}")
+        async def bootstrap_join(room: int) -> Response:
+            return JSONResponse(self.pd.join(room))
 
         return app
 
@@ -779,6 +791,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.role,
         help="a disaggregated pool's prefill or decode engine (both protocols, sim/mock_pd.py)",
     )
+    parser.add_argument(
+        "--bootstrap-timeout",
+        type=float,
+        default=d.bootstrap_timeout,
+        help="seconds an SGLang prefill waits for its decode engine to join the room",
+    )
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -825,6 +843,7 @@ def config_from_args(args: argparse.Namespace) -> MockEngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         timing=Timing(speed=args.speed, decode_tps=args.decode_tps, prefill_tps=args.prefill_tps),
         role=args.role,
+        bootstrap_timeout=args.bootstrap_timeout,
     )
 
 

@@ -11,11 +11,17 @@ either side; the role names what it is deployed as):
   HTTP port, ``POST /mock/kv_pull``), land them after the modelled transfer time (its KV
   events say ``BlockStored``), then decode. A failed pull fails the request, as vLLM
   0.32's default ``kv_load_failure_policy = "fail"`` does.
-- SGLang bootstrap: ``bootstrap_room`` on a prefill-role engine -> prefill only (one
-  token), then the room is done; on a decode-role engine -> wait until the room is done
-  on ``bootstrap_host:bootstrap_port`` (the prefill mock's HTTP port,
-  ``GET /mock/bootstrap/{room}``), land the blocks, decode. A prefill that never comes
-  fails the request, as SGLang's decode side aborts on a transfer failure.
+- SGLang bootstrap: ``bootstrap_room`` on a decode-role engine -> join the room on
+  ``bootstrap_host:bootstrap_port`` (the prefill mock's HTTP port, ``POST
+  /mock/bootstrap/{room}``: SGLang's decode side sends its KV indices there), wait
+  until the room is done (``GET``), land the blocks, decode; a prefill that never
+  comes fails the request, as SGLang's decode side aborts on a transfer failure. On a
+  prefill-role engine -> wait until a decode engine joined the room (SGLang's prefill
+  holds the request in its bootstrap queue until the decode side's transfer info
+  arrives), then prefill only (one token) and the room is done. A decode engine that
+  never joins fails the prefill after ``bootstrap_timeout`` seconds with a 500 naming
+  the room, as SGLang's ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` (default 300 s)
+  aborts a request stuck in ``KVPoll.Bootstrapping``.
 
 The blocks a pull names must be the prompt's blocks as this engine hashes them (engines
 with one ``seed`` agree): a transfer of another prompt is a failed transfer.
@@ -42,6 +48,7 @@ log = logging.getLogger(__name__)
 Role = Literal["mixed", "prefill", "decode"]
 _KEEP = 4096  # pending transfers and rooms remembered at most
 BOOTSTRAP_WAIT = 30.0  # seconds a decode engine waits for its prefill engine
+BOOTSTRAP_TIMEOUT = 30.0  # seconds a prefill engine waits for a decode engine to join
 UNREACHABLE_WAIT = 1.0  # seconds it keeps asking a bootstrap server it cannot reach
 _POLL = 0.005
 
@@ -66,20 +73,27 @@ class PdSide:
         port: Callable[[], int],
         hasher: PrefixCache,
         timing: Timing,
+        bootstrap_timeout: float = BOOTSTRAP_TIMEOUT,
     ) -> None:
+        if not 0 < bootstrap_timeout <= 3600:
+            raise ValueError(f"bootstrap_timeout must be in (0, 3600] s, got {bootstrap_timeout}")
         self.role = role
         self.engine_id = engine_id
         self.host = host
         self.port = port
         self.hasher = hasher  # the engine's block hashes (every rank's are the same)
         self.timing = timing
+        self.bootstrap_timeout = bootstrap_timeout
         self.pending: OrderedDict[tuple[int, ...], float] = OrderedDict()  # blocks kept
-        self.rooms: OrderedDict[int, str] = OrderedDict()  # room -> "pending"/"done"/"failed"
+        # room -> "joined" (a decode engine, no prefill yet), "pending" (a prefill waiting for a
+        # decode engine), "ready" (both), "done", "failed"
+        self.rooms: OrderedDict[int, str] = OrderedDict()
         self.counts: dict[str, int] = {
             "prefills": 0,
             "decodes": 0,
             "blocks_received": 0,
             "transfer_failures": 0,
+            "bootstrap_timeouts": 0,
         }
         self._client: httpx.AsyncClient | None = None
 
@@ -108,7 +122,8 @@ class PdSide:
             if self.role == "prefill":
                 body["max_tokens"] = 1
                 body.pop("max_completion_tokens", None)
-                _put(self.rooms, room, "pending")
+                joined = self.rooms.get(room) == "joined"
+                _put(self.rooms, room, "ready" if joined else "pending")
                 return Plan("prefill", "sglang", room)
             return Plan("decode", "sglang", room)
         return Plan("none")
@@ -123,7 +138,11 @@ class PdSide:
         gone: Callable[[], Awaitable[bool]],
     ) -> None:
         """A decode: get the prompt's blocks from the prefill engine into ``cache`` (the
-        rank's that will decode it) before decoding; ``flush`` sends its KV events."""
+        rank's that will decode it) before decoding; ``flush`` sends its KV events. An
+        SGLang prefill: wait for the decode engine to join the room first."""
+        if plan.side == "prefill" and plan.protocol == "sglang" and plan.room is not None:
+            await self._wait_joined(plan.room, gone)
+            return
         if plan.side != "decode":
             return
         self.counts["decodes"] += 1
@@ -181,6 +200,31 @@ class PdSide:
         """``GET /mock/bootstrap/{room}``: how the prefill of a room is going."""
         return {"room": room, "state": self.rooms.get(room, "unknown")}
 
+    def join(self, room: int) -> dict[str, Any]:
+        """``POST /mock/bootstrap/{room}``: a decode engine joins the room (before or
+        after the prefill request arrived: the two are sent at once)."""
+        state = self.rooms.get(room)
+        if state is None:
+            _put(self.rooms, room, "joined")
+        elif state == "pending":
+            _put(self.rooms, room, "ready")
+        return self.room(room)
+
+    async def _wait_joined(self, room: int, gone: Callable[[], Awaitable[bool]]) -> None:
+        """Hold the prefill until a decode engine joined ``room``; ApiError 500 after
+        ``bootstrap_timeout`` (the room is failed: a late decode engine hears so)."""
+        deadline = time.monotonic() + self.bootstrap_timeout
+        while self.rooms.get(room) == "pending":
+            if time.monotonic() >= deadline or await gone():
+                _put(self.rooms, room, "failed")
+                self.counts["bootstrap_timeouts"] += 1
+                message = (
+                    f"bootstrap room {room}: no decode engine joined within "
+                    f"{self.bootstrap_timeout:g} s (KVPoll.Bootstrapping timed out)"
+                )
+                raise ApiError(500, message, "bootstrap_timeout")
+            await asyncio.sleep(_POLL)
+
     async def _pull(self, params: dict[str, Any], hashes: list[int]) -> bool:
         ids = params.get("remote_block_ids")
         host, port = params.get("remote_host"), params.get("remote_port")
@@ -203,11 +247,16 @@ class PdSide:
         url = f"http://{where}/mock/bootstrap/{room}"
         now = time.monotonic()
         deadline, reached = now + BOOTSTRAP_WAIT, now
+        joined = False
         while now < deadline and now - reached < UNREACHABLE_WAIT:
             if await gone():
                 return False
             try:
-                state = (await self.client().get(url)).json().get("state")
+                if joined:
+                    state = (await self.client().get(url)).json().get("state")
+                else:
+                    state = (await self.client().post(url)).json().get("state")
+                    joined = True
                 reached = time.monotonic()
             except (httpx.HTTPError, ValueError, AttributeError):
                 state = "unreachable"

@@ -201,6 +201,9 @@ class PdSimulation(Simulation):
         self.inflight[p] += 1
         self.inflight_prefill[p] += leg.est_prefill
         self.routed[p] += 1
+        ttl = self.config.predict_ttl_ms / 1000.0
+        if ttl > 0:  # the router's predict-on-route (``--predict-ttl-ms``), as sim.simulator
+            self.index.predict(pd.prefill.worker_id, req.route.block_hashes, ttl)
         if pd.prefill.prefetch is not None:
             leg.hint_deadline_ms = pd.prefill.prefetch.deadline_ms
             self._prefetch(leg, pd.prefill.prefetch)

@@ -47,6 +47,33 @@ def test_roles_from_toml_with_pd_settings(tmp_path):
     assert cfg.decode_policy == "decode_load" and cfg.pd_bootstrap_port == 8998
 
 
+def test_arms_name_each_sides_policy_in_toml(tmp_path):
+    path = tmp_path / "router.toml"
+    path.write_text(
+        PD_TOML
+        + """
+[[arms]]
+name = "decode-rr"
+policy = "cache_aware"
+decode_policy = "round_robin"
+
+[[arms]]
+name = "tight-kv"
+policy = "cache_aware"
+decode_policy = "decode_load"
+decode_params = { kv_full = 0.8 }
+"""
+    )
+    cfg = load_config(path, env={})
+    assert [(a.name, a.policy, a.decode_policy, dict(a.decode_params)) for a in cfg.arms] == [
+        ("decode-rr", "cache_aware", "round_robin", {}),
+        ("tight-kv", "cache_aware", "decode_load", {"kv_full": 0.8}),
+    ]
+    path.write_text(PD_TOML + '[[arms]]\nname = "a"\npolicy = "random"\ndecode_params = {x = 1}\n')
+    with pytest.raises(ConfigError, match="without decode_policy"):
+        load_config(path, env={})
+
+
 def test_roles_from_env_and_flags():
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)

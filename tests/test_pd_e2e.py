@@ -21,6 +21,7 @@ import pytest
 from stack import Served, engine_agent, until
 
 from agent.node import NodeAgent
+from policies.experiments import Arm, Experiment
 from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
 from router.natsd import free_port
@@ -69,6 +70,7 @@ async def pd_stack(
     *,
     dead: tuple[str, ...] = (),
     extra: list[WorkerSpec] | None = None,
+    bootstrap_timeout: float = 30.0,
     **cfg: Any,
 ) -> AsyncIterator[PdStack]:
     """Prefill engines p0, p1 and decode engines d0, d1 (those in ``dead`` are ports
@@ -92,6 +94,7 @@ async def pd_stack(
                     replay_endpoint="tcp://127.0.0.1:*",
                     timing=Timing(speed=50.0),
                     role=role,  # type: ignore[arg-type]
+                    bootstrap_timeout=bootstrap_timeout,
                 )
             ).start()
             s.engines[wid] = engine
@@ -218,8 +221,15 @@ async def test_a_decode_stream_cut_midway_ends_with_an_error_event(
 ) -> None:
     cut = await _cut_stream_server()
     host, port = cut.sockets[0].getsockname()[:2]
+    # SGLang: the prefill engines wait for a decode engine to join the room, which these
+    # "engines" never do: each fails after the bootstrap timeout and is retried
     async with pd_stack(
-        nats_url, protocol, dead=("d0", "d1"), extra=[], decode_policy="round_robin"
+        nats_url,
+        protocol,
+        dead=("d0", "d1"),
+        extra=[],
+        bootstrap_timeout=0.5,
+        decode_policy="round_robin",
     ) as s:
         assert s.app is not None
         for wid in ("d0", "d1"):  # both decode "engines" answer and then break off
@@ -307,3 +317,51 @@ async def _cut_stream_server() -> asyncio.Server:
         writer.transport.abort()
 
     return await asyncio.start_server(serve, "127.0.0.1", 0, family=socket.AF_INET)
+
+
+async def test_arms_act_per_side(nats_url: str, protocol: str) -> None:
+    # arm "dec" varies the decode side only (round robin there), "pre" the prefill side
+    arms = [
+        Arm("dec", "cache_aware", decode_policy="round_robin"),
+        Arm("pre", "round_robin"),
+    ]
+    split = Experiment(arms, salt="default")
+    session = {a: next(f"s{i}" for i in range(1000) if split.assign(f"s{i}").name == a)
+               for a in ("dec", "pre")}  # fmt: skip
+    async with pd_stack(nats_url, protocol, arms=arms) as s:
+        for arm in ("dec", "pre"):
+            before = {d: s.counts(d)["decodes"] for d in ("d0", "d1")}
+            for turn in range(2):
+                answer = await s.client().chat.completions.create(
+                    model=MODEL,
+                    messages=messages(f"turn {turn} of {arm}"),
+                    max_tokens=4,
+                    extra_headers={"x-session-id": session[arm]},
+                )
+                assert answer.usage is not None and answer.usage.completion_tokens == 4
+            if arm == "dec":  # its own round robin: one decode on each engine
+                assert all(s.counts(d)["decodes"] == before[d] + 1 for d in ("d0", "d1"))
+        async with httpx.AsyncClient(headers=AUTH) as client:
+            body = {"model": MODEL, "messages": messages(), "max_tokens": 4}
+            explained = {
+                arm: (
+                    await client.post(
+                        s.url + "/admin/explain", json=body, headers={"x-session-id": sid}
+                    )
+                ).json()["pd"]
+                for arm, sid in session.items()
+            }
+            listed = (await client.get(s.url + "/admin/experiments")).json()["arms"]
+        text = await metrics(s)
+    assert explained["dec"]["arm"] == "dec" and explained["dec"]["decode_policy"] == "round_robin"
+    assert explained["dec"]["prefill_policy"] == "cache_aware"
+    assert explained["pre"]["decode_policy"] == "decode_load"  # the router's own
+    assert explained["pre"]["prefill_policy"] == "round_robin"
+    assert [(a["name"], a["decode_policy"]) for a in listed] == [
+        ("dec", "round_robin"), ("pre", None),
+    ]  # fmt: skip
+    for labels in (
+        'arm="dec",decode_policy="round_robin",path="remote",prefill_policy="cache_aware"',
+        'arm="pre",decode_policy="decode_load",path="remote",prefill_policy="round_robin"',
+    ):
+        assert f"cache_router_pd_arm_requests_total{{{labels}}} 2.0" in text

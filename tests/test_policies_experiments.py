@@ -34,6 +34,26 @@ def test_from_config_builds_one_policy_per_arm() -> None:
         exp.policy_for("nope")
 
 
+def test_an_arm_may_name_the_decode_sides_policy() -> None:
+    exp = Experiment.from_config(
+        [
+            {"name": "dec", "policy": "cache_aware", "decode_policy": "decode_load",
+             "decode_params": {"kv_full": 0.8}},
+            {"name": "rr", "policy": "round_robin", "decode_policy": "round_robin"},
+            {"name": "plain", "policy": "cache_aware"},
+        ]
+    )  # fmt: skip
+    dec = exp.decode_policy_for("dec")
+    assert dec is not None and dec.name == "decode_load" and dec.kv_full == 0.8  # type: ignore[attr-defined]
+    assert exp.decode_policy_for("dec") is dec  # one instance per arm, kept
+    rr = exp.decode_policy_for(exp.arms[1])
+    assert rr is not None and rr.name == "round_robin" and rr is not exp.policy_for("rr")
+    assert exp.decode_policy_for("plain") is None  # the router's own decode policy
+    assert exp.arms[2].decode_policy is None and exp.arms[2].decode_params == {}
+    with pytest.raises(ValueError, match="no arm named"):
+        exp.decode_policy_for("nope")
+
+
 @pytest.mark.parametrize(
     ("config", "message"),
     [
@@ -46,6 +66,19 @@ def test_from_config_builds_one_policy_per_arm() -> None:
         ([{"name": "a", "policy": "random", "weight": "heavy"}], "must be a number"),
         ([{"name": "a", "policy": "random"}, {"name": "a", "policy": "random"}], "duplicate"),
         (["random"], "expected a table"),
+        ([{"name": "a", "policy": "random", "decode_policy": "nope"}], "unknown policy"),
+        ([{"name": "a", "policy": "random", "decode_policy": 3}], "decode_policy must be"),
+        ([{"name": "a", "policy": "random", "decode_params": {"x": 1}}], "without decode_policy"),
+        (
+            [{"name": "a", "policy": "random", "decode_policy": "decode_load",
+              "decode_params": {"kv_full": 2.0}}],
+            "kv_full",
+        ),
+        (
+            [{"name": "a", "policy": "random", "decode_policy": "decode_load",
+              "decode_params": {"nope": 1}}],
+            "decode_load",
+        ),
     ],
 )
 def test_bad_config_is_a_clear_error(config: list, message: str) -> None:
