@@ -15,6 +15,7 @@ setup(
             depends=[
                 "index/native/xxh3.hpp",
                 "index/native/flat_map.hpp",
+                "index/native/node_table.hpp",
                 "index/native/prefix_index.hpp",
                 "index/native/msgpack_reader.hpp",
                 "index/native/events.hpp",

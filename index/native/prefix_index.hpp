@@ -2,11 +2,16 @@
 // index/prefix_index.py (its property tests run against both), in far fewer bytes per
 // (block, worker) pair.
 //
-// Layout: one FlatMap key -> Entry{parent, held mask, tick, flags} (32 B a slot). Most
-// blocks live in one tier (GPU), so per-tier masks are kept only for blocks that sit in
-// another tier too (``split_``). Child counts for the hole accounting are one mask per
-// parent key (slots holding >= 1 child), with exact counts kept only where a slot holds
-// two or more children of one parent (branch points, rare).
+// Layout: one 32 B Node per block {key, held mask, kids mask, parent id + flags, tick} in
+// a NodeTable (node_table.hpp: nodes in chunks, found through 4-byte slots). Most blocks
+// live in one tier (GPU), so per-tier masks are kept only for blocks that sit in another
+// tier too (``split_``). Child counts for the hole accounting are the parent's ``kids``
+// (slots holding >= 1 child), with exact counts kept only where a slot holds two or more
+// children of one parent (branch points, rare). A node nobody holds stays, as a "ghost"
+// with no parent, while some slot holds a child of it; otherwise it is erased.
+//
+// Measured (bench/scale.py, 1M unshared pairs, 16 workers): the index's heap went from
+// 65 B a block (FlatMap of 32 B entries + a FlatMap of 16 B child masks) to ~39 B.
 //
 // Not thread-safe by itself: the binding holds one mutex per index around each call,
 // so a match never sees a half-applied batch.
@@ -19,6 +24,7 @@
 #include <vector>
 
 #include "flat_map.hpp"
+#include "node_table.hpp"
 
 namespace cr {
 
@@ -26,13 +32,16 @@ using Mask = uint64_t;
 constexpr int MAX_SLOTS = 64;
 enum Tier : int { GPU = 0, CPU = 1, DISK = 2, SHARED = 3, NTIERS = 4 };
 
-struct Entry {
-    uint64_t parent;
-    Mask held;  // slots holding the block in any tier
+struct Node {
+    uint64_t key;
+    Mask held;      // slots holding the block in any tier (0: a ghost)
+    Mask kids;      // slots holding >= 1 child of it
+    uint32_t link;  // parent id (NO_PARENT: none) | SPLIT | IN_SHARED
     uint32_t tick;
-    uint32_t flags;
 };
-constexpr uint32_t HAS_PARENT = 1, SPLIT = 2, IN_SHARED = 4;
+constexpr uint32_t NO_PARENT = (1u << 30) - 1, SPLIT = 1u << 30, IN_SHARED = 1u << 31;
+using Nodes = NodeTable<Node>;
+static_assert(Nodes::MAX_NODES < NO_PARENT, "parent ids fit the link field");
 
 struct TierMasks {
     Mask t[NTIERS];
@@ -87,91 +96,101 @@ class PrefixCore {
                uint64_t parent) {
         const Mask b = bit(slot);
         int64_t added = 0, orphans = 0;
-        bool parent_held = !has_parent || held_by(parent, b);
+        uint32_t pid = has_parent ? nodes_.find(parent) : Nodes::NONE;  // NONE: not made yet
+        bool parent_held = !has_parent || (pid != Nodes::NONE && (nodes_.at(pid).held & b));
         for (size_t i = 0; i < n; ++i) {
             const uint64_t h = hashes[i];
             bool inserted;
-            Entry& e = entries_.get_or_insert(h, inserted);
-            if (inserted) {
-                e = Entry{has_parent ? parent : 0, 0, tick_, has_parent ? HAS_PARENT : 0u};
-            } else if (tier_mask(h, e, tier) & b) {
-                parent = h, has_parent = true, parent_held = true;
+            const uint32_t id = nodes_.insert(h, inserted);
+            Node& e = nodes_.at(id);
+            if (!e.held) {
+                // New, or a ghost: it takes this store's parent, as a new block would.
+                if (has_parent && pid == Nodes::NONE) {
+                    pid = nodes_.insert(parent, inserted);
+                    if (inserted) nodes_.at(pid).link = NO_PARENT;  // a ghost, for its kids
+                }
+                e.link = has_parent ? pid : NO_PARENT;
+                e.tick = tick_;
+                ++blocks_;
+            } else if (tier_mask(e, tier) & b) {
+                parent = h, has_parent = true, parent_held = true, pid = id;
                 continue;
             }
             const bool was_held = e.held & b;
-            set_tier(h, e, tier, b);
+            set_tier(e, tier, b);
             ++added;
             if (!was_held) {
-                orphans -= kid_count(slot, h);
-                if (e.flags & HAS_PARENT) {
-                    const uint64_t p = e.parent;
+                orphans -= kid_count(slot, e);
+                const uint32_t p = e.link & NO_PARENT;
+                if (p != NO_PARENT) {
                     kid_inc(slot, p);
-                    if (!((has_parent && p == parent) ? parent_held : held_by(p, b))) ++orphans;
+                    if (!((has_parent && p == pid) ? parent_held : (nodes_.at(p).held & b)))
+                        ++orphans;
                 }
                 if (spec_.size()) {
                     const Mask* s = spec_.find(h);
                     if (s && (*s & b)) ++spec_confirmed;
                 }
             }
-            parent = h, has_parent = true, parent_held = true;
+            parent = h, has_parent = true, parent_held = true, pid = id;
         }
         if (orphans) set_orphans(slot, orphans_[slot] + orphans);
         counts_[slot][tier] += added;
         if (tier == SHARED) shared_total_ += added;
-        if (max_blocks_ && entries_.size() > max_blocks_)
-            evict(static_cast<size_t>(max_blocks_ * 0.9));
+        if (max_blocks_ && blocks_ > max_blocks_) evict(static_cast<size_t>(max_blocks_ * 0.9));
     }
 
     void remove(int slot, const uint64_t* hashes, size_t n, int tier) {
         const Mask b = bit(slot);
         int64_t removed = 0;
         for (size_t i = 0; i < n; ++i) {
-            const uint64_t h = hashes[i];
-            Entry* e = entries_.find(h);
-            if (!e || !(tier_mask(h, *e, tier) & b)) continue;
-            clear_tier(h, *e, tier, b);
+            const uint32_t id = nodes_.find(hashes[i]);
+            if (id == Nodes::NONE) continue;
+            Node& e = nodes_.at(id);
+            if (!(tier_mask(e, tier) & b)) continue;
+            clear_tier(e, tier, b);
             ++removed;
-            if (!(e->held & b)) unhold(h, *e, slot);
-            if (!e->held) entries_.erase(h);
+            if (!(e.held & b)) unhold(id, slot);
+            if (!e.held) {
+                --blocks_;
+                settle_node(id);
+            }
         }
         counts_[slot][tier] -= removed;
         if (tier == SHARED) shared_total_ -= removed;
     }
 
     bool holds(int slot, uint64_t h, int tier) {
-        Entry* e = entries_.find(h);
+        const Node* e = nodes_.get(h);
         if (!e) return false;
-        return (tier < 0 ? e->held : tier_mask(h, *e, tier)) & bit(slot);
+        return (tier < 0 ? e->held : tier_mask(*e, tier)) & bit(slot);
     }
 
     void clear(int slot) {
         const Mask b = bit(slot);
-        std::vector<uint64_t> dead;
-        entries_.for_each([&](uint64_t key, Entry& e) {
-            if (!(e.held & b)) return;
-            if (e.flags & SPLIT) {
-                TierMasks* t = split_.find(key);
-                for (Mask& m : t->t) m &= ~b;
-                settle(key, e, *t);
-            } else {
-                e.held &= ~b;
+        std::vector<uint32_t> dead;
+        nodes_.for_each([&](uint32_t id, Node& e) {
+            e.kids &= ~b;
+            if (e.held & b) {
+                if (e.link & SPLIT) {
+                    TierMasks* t = split_.find(e.key);
+                    for (Mask& m : t->t) m &= ~b;
+                    settle(e, *t);
+                } else {
+                    e.held &= ~b;
+                }
+                if (!e.held) --blocks_;
             }
-            if (!e.held) dead.push_back(key);
+            if (!e.held) dead.push_back(id);
         });
-        for (uint64_t k : dead) entries_.erase(k);
-        dead.clear();
-        kids_.for_each([&](uint64_t key, Mask& m) {
-            m &= ~b;
-            if (!m) dead.push_back(key);
-        });
-        for (uint64_t k : dead) kids_.erase(k);
+        for (uint32_t id : dead) settle_node(id);
         for (auto it = kid_counts_.begin(); it != kid_counts_.end();)
             it = it->first.second == slot ? kid_counts_.erase(it) : std::next(it);
-        dead.clear();
+        std::vector<uint64_t> marks;
         spec_.for_each([&](uint64_t key, Mask& m) {
-            if (m & b) dead.push_back(key);
+            if (m & b) marks.push_back(key);
         });
-        for (uint64_t k : dead) drop_spec(k, slot);
+        for (uint64_t k : marks) drop_spec(k, slot);
         shared_total_ -= counts_[slot][SHARED];
         std::fill(counts_[slot], counts_[slot] + NTIERS, 0);
         set_orphans(slot, 0);
@@ -234,19 +253,19 @@ class PrefixCore {
     // Which of ``hashes`` someone holds in the shared tier (0/1 each, into ``out``).
     void shared_at(const uint64_t* hashes, size_t n, uint8_t* out) {
         for (size_t i = 0; i < n; ++i) {
-            const Entry* e = shared_total_ ? entries_.find(hashes[i]) : nullptr;
-            out[i] = e && (e->flags & IN_SHARED);
+            const Node* e = shared_total_ ? nodes_.get(hashes[i]) : nullptr;
+            out[i] = e && (e->link & IN_SHARED);
         }
     }
 
     // -- stats -------------------------------------------------------------------------
     int64_t shared_total() const { return shared_total_; }
-    size_t size() const { return entries_.size(); }
+    size_t size() const { return blocks_; }
     size_t speculative() const { return spec_.size(); }
     const int64_t* counts(int slot) const { return counts_[slot]; }
     int holey_count() const { return __builtin_popcountll(holey_); }
     size_t bytes() const {
-        return entries_.bytes() + split_.bytes() + kids_.bytes() + spec_.bytes() +
+        return nodes_.bytes() + split_.bytes() + spec_.bytes() +
                kid_counts_.size() * 48 + spec_expiry_.size() * 48 + heap_.capacity() * 24;
     }
 
@@ -259,91 +278,102 @@ class PrefixCore {
     static bool later(const SpecMark& a, const SpecMark& b) { return a.expiry > b.expiry; }
     static Mask bit(int slot) { return Mask{1} << slot; }
 
-    Mask any(const Entry& e) const { return (e.flags & IN_SHARED) ? ~Mask{0} : e.held; }
+    Mask any(const Node& e) const { return (e.link & IN_SHARED) ? ~Mask{0} : e.held; }
 
-    Mask tier_mask(uint64_t key, const Entry& e, int tier) {
-        if (!(e.flags & SPLIT)) return tier == GPU ? e.held : 0;
-        return split_.find(key)->t[tier];
+    Mask tier_mask(const Node& e, int tier) {
+        if (!(e.link & SPLIT)) return tier == GPU ? e.held : 0;
+        return split_.find(e.key)->t[tier];
     }
 
     // Recompute ``held`` and the flags from the per-tier masks; fold back to the
     // GPU-only layout when no other tier is left.
-    void settle(uint64_t key, Entry& e, TierMasks& t) {
+    void settle(Node& e, TierMasks& t) {
         e.held = t.t[GPU] | t.t[CPU] | t.t[DISK] | t.t[SHARED];
-        e.flags &= ~IN_SHARED;
-        if (t.t[SHARED]) e.flags |= IN_SHARED;
+        e.link &= ~IN_SHARED;
+        if (t.t[SHARED]) e.link |= IN_SHARED;
         if (!(t.t[CPU] | t.t[DISK] | t.t[SHARED])) {
-            e.flags &= ~SPLIT;
-            split_.erase(key);
+            e.link &= ~SPLIT;
+            split_.erase(e.key);
         }
     }
 
-    void set_tier(uint64_t key, Entry& e, int tier, Mask b) {
-        if (tier == GPU && !(e.flags & SPLIT)) {
+    void set_tier(Node& e, int tier, Mask b) {
+        if (tier == GPU && !(e.link & SPLIT)) {
             e.held |= b;
             return;
         }
         bool inserted;
-        TierMasks& t = split_.get_or_insert(key, inserted);
-        if (!(e.flags & SPLIT)) {
+        TierMasks& t = split_.get_or_insert(e.key, inserted);
+        if (!(e.link & SPLIT)) {
             t = TierMasks{{e.held, 0, 0, 0}};
-            e.flags |= SPLIT;
+            e.link |= SPLIT;
         }
         t.t[tier] |= b;
-        settle(key, e, t);
+        settle(e, t);
     }
 
-    void clear_tier(uint64_t key, Entry& e, int tier, Mask b) {
-        if (!(e.flags & SPLIT)) {
+    void clear_tier(Node& e, int tier, Mask b) {
+        if (!(e.link & SPLIT)) {
             if (tier == GPU) e.held &= ~b;
             return;
         }
-        TierMasks* t = split_.find(key);
+        TierMasks* t = split_.find(e.key);
         t->t[tier] &= ~b;
-        settle(key, e, *t);
+        settle(e, *t);
     }
 
     bool held_by(uint64_t key, Mask b) {
-        const Entry* e = entries_.find(key);
+        const Node* e = nodes_.get(key);
         return e && (e->held & b);
     }
 
+    // A node nobody holds: a ghost while some slot holds a child of it (the hole
+    // accounting needs its ``kids``), else erased. It forgets its parent either way: a
+    // block stored again takes the parent of that store.
+    void settle_node(uint32_t id) {
+        if (!nodes_.used(id)) return;
+        Node& e = nodes_.at(id);
+        if (e.held) return;
+        e.link = NO_PARENT;
+        if (!e.kids) nodes_.erase(id);
+    }
+
     // -- child counts --------------------------------------------------------------
-    int64_t kid_count(int slot, uint64_t key) {
-        const Mask* m = kids_.find(key);
-        if (!m || !(*m & bit(slot))) return 0;
-        auto it = kid_counts_.find({key, slot});
+    int64_t kid_count(int slot, const Node& e) {
+        if (!(e.kids & bit(slot))) return 0;
+        auto it = kid_counts_.find({e.key, slot});
         return it == kid_counts_.end() ? 1 : it->second;
     }
-    void kid_inc(int slot, uint64_t key) {
-        bool inserted;
-        Mask& m = kids_.get_or_insert(key, inserted);
-        if (!(m & bit(slot))) {
-            m |= bit(slot);
+    void kid_inc(int slot, uint32_t pid) {
+        Node& p = nodes_.at(pid);
+        if (!(p.kids & bit(slot))) {
+            p.kids |= bit(slot);
             return;
         }
-        auto [it, fresh] = kid_counts_.try_emplace({key, slot}, 1);
+        auto [it, fresh] = kid_counts_.try_emplace({p.key, slot}, 1);
         ++it->second;
     }
-    void kid_dec(int slot, uint64_t key) {
-        Mask* m = kids_.find(key);
-        if (!m || !(*m & bit(slot))) return;
-        auto it = kid_counts_.find({key, slot});
+    void kid_dec(int slot, uint32_t pid) {
+        Node& p = nodes_.at(pid);
+        if (!(p.kids & bit(slot))) return;
+        auto it = kid_counts_.find({p.key, slot});
         if (it != kid_counts_.end()) {
             if (--it->second <= 1) kid_counts_.erase(it);
             return;
         }
-        *m &= ~bit(slot);
-        if (!*m) kids_.erase(key);
+        p.kids &= ~bit(slot);
+        if (!p.kids) settle_node(pid);
     }
 
-    // ``slot`` no longer holds ``key`` in any tier: its held children become orphans and
-    // it stops being one.
-    void unhold(uint64_t key, const Entry& e, int slot) {
-        int64_t delta = kid_count(slot, key);
-        if (e.flags & HAS_PARENT) {
-            kid_dec(slot, e.parent);
-            if (!held_by(e.parent, bit(slot))) --delta;
+    // ``slot`` no longer holds node ``id`` in any tier: its held children become
+    // orphans and it stops being one.
+    void unhold(uint32_t id, int slot) {
+        const Node& e = nodes_.at(id);
+        int64_t delta = kid_count(slot, e);
+        const uint32_t p = e.link & NO_PARENT;
+        if (p != NO_PARENT) {
+            kid_dec(slot, p);
+            if (!(nodes_.used(p) && (nodes_.at(p).held & bit(slot)))) --delta;
         }
         if (delta) set_orphans(slot, orphans_[slot] + delta);
     }
@@ -382,8 +412,8 @@ class PrefixCore {
     // -- walks -------------------------------------------------------------------------
     Mask probe(uint64_t h, const FlatMap<Mask>* spec) {
         Mask m = 0;
-        Entry* e = entries_.find(h);
-        if (e) {
+        Node* e = nodes_.get(h);
+        if (e && e->held) {
             m = any(*e);
             e->tick = tick_;
         }
@@ -452,7 +482,8 @@ class PrefixCore {
         int depth = 0;
         for (size_t i = 0; i < n; ++i) {
             const uint64_t h = hashes[i];
-            Entry* e = entries_.find(h);
+            Node* e = nodes_.get(h);
+            if (e && !e->held) e = nullptr;  // a ghost holds nothing
             Mask s = 0;
             if (spec) {
                 const Mask* sp = spec->find(h);
@@ -463,9 +494,9 @@ class PrefixCore {
             if (!e) {
                 m_gpu = m_cpu = m_disk = s;
             } else {
-                m_gpu = tier_mask(h, *e, GPU) | s;
-                m_cpu = m_gpu | tier_mask(h, *e, CPU);
-                m_disk = m_cpu | tier_mask(h, *e, DISK);
+                m_gpu = tier_mask(*e, GPU) | s;
+                m_cpu = m_gpu | tier_mask(*e, CPU);
+                m_disk = m_cpu | tier_mask(*e, DISK);
             }
             if ((a_disk & m_disk) != a_disk) {
                 if (depth) d_disk.record(a_disk & ~m_disk, depth);
@@ -497,37 +528,44 @@ class PrefixCore {
     }
 
     // -- memory --------------------------------------------------------------------------
-    bool is_leaf(uint64_t key, const Entry& e) {
-        const Mask* k = kids_.find(key);
-        return !k || !(*k & e.held);
-    }
+    static bool is_leaf(const Node& e) { return !(e.kids & e.held); }
 
     void evict(size_t target) {
-        std::vector<std::pair<uint32_t, uint64_t>> pool;
-        while (entries_.size() > target) {
-            const size_t excess = entries_.size() - target;
+        struct Aged {
+            uint32_t tick;
+            uint64_t key;
+            uint32_t id;
+            bool operator<(const Aged& o) const { return tick != o.tick ? tick < o.tick : key < o.key; }
+        };
+        std::vector<Aged> pool;
+        while (blocks_ > target) {
+            const size_t excess = blocks_ - target;
             pool.clear();
-            entries_.for_each([&](uint64_t key, Entry& e) {
-                if (is_leaf(key, e)) pool.emplace_back(e.tick, key);
+            nodes_.for_each([&](uint32_t id, Node& e) {
+                if (e.held && is_leaf(e)) pool.push_back({e.tick, e.key, id});
             });
             if (pool.empty())
-                entries_.for_each([&](uint64_t key, Entry& e) { pool.emplace_back(e.tick, key); });
+                nodes_.for_each([&](uint32_t id, Node& e) {
+                    if (e.held) pool.push_back({e.tick, e.key, id});
+                });
             const size_t take = std::min(excess, pool.size());
             std::nth_element(pool.begin(), pool.begin() + (take - 1), pool.end());
             std::sort(pool.begin(), pool.begin() + take);
             for (size_t i = 0; i < take; ++i) {
-                const uint64_t key = pool[i].second;
-                Entry* e = entries_.find(key);
+                const uint32_t id = pool[i].id;
+                Node& e = nodes_.at(id);
                 for (int t = 0; t < NTIERS; ++t) {
-                    for (Mask m = tier_mask(key, *e, t); m; m &= m - 1) {
+                    for (Mask m = tier_mask(e, t); m; m &= m - 1) {
                         --counts_[__builtin_ctzll(m)][t];
                         if (t == SHARED) --shared_total_;
                     }
                 }
-                const Entry copy = *e;
-                for (Mask m = copy.held; m; m &= m - 1) unhold(key, copy, __builtin_ctzll(m));
-                if (copy.flags & SPLIT) split_.erase(key);
-                entries_.erase(key);
+                for (Mask m = e.held; m; m &= m - 1) unhold(id, __builtin_ctzll(m));
+                if (e.link & SPLIT) split_.erase(e.key);
+                e.held = 0;
+                e.link &= NO_PARENT;
+                --blocks_;
+                settle_node(id);
             }
             dropped += take;
         }
@@ -540,9 +578,9 @@ class PrefixCore {
     int64_t counts_[MAX_SLOTS][NTIERS];
     int64_t orphans_[MAX_SLOTS];
     int64_t shared_total_ = 0;
-    FlatMap<Entry> entries_;
+    size_t blocks_ = 0;  // nodes someone holds (the rest are ghosts)
+    Nodes nodes_;
     FlatMap<TierMasks> split_;
-    FlatMap<Mask> kids_;  // parent key -> slots holding >= 1 of its children
     std::unordered_map<std::pair<uint64_t, int>, int64_t, PairHash> kid_counts_;  // when >= 2
     FlatMap<Mask> spec_;
     std::unordered_map<std::pair<uint64_t, int>, double, PairHash> spec_expiry_;
