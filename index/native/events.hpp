@@ -431,9 +431,10 @@ class EventDecoder {
     TierTable tiers_;
 };
 
-struct BlockRef {
+// Packed: a 17 B map slot instead of 24 (8 B less per (block, worker) pair).
+struct __attribute__((packed)) BlockRef {
     uint64_t router;
-    uint64_t tiers;  // bit per tier the worker holds the block in
+    uint8_t tiers;  // bit per tier the worker holds the block in
 };
 
 struct WorkerBlocks {

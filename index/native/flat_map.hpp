@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -20,10 +21,16 @@ class FlatMap {
    public:
     static constexpr uint64_t EMPTY = 0x8F3A71C59D2E4B61ULL;
 
-    struct Slot {
+    // A value of alignment 1 (a packed struct) gets a packed slot: no padding after it.
+    struct AlignedSlot {
         uint64_t key;
         V value;
     };
+    struct __attribute__((packed)) PackedSlot {
+        uint64_t key;
+        V value;
+    };
+    using Slot = std::conditional_t<alignof(V) == 1, PackedSlot, AlignedSlot>;
 
     size_t size() const { return size_ + (has_empty_key_ ? 1 : 0); }
     size_t capacity() const { return slots_.size(); }
