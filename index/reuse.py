@@ -260,10 +260,17 @@ class StackDistance:
                 buckets[self._hot_bucket] += lead * block_size
         # Block hashes are xxh3 outputs (index.hashing), uniform already: no mixing. A
         # plain filter, then the few positions, costs half of filtering (i, h) pairs.
+        # Each position is searched from the previous one on: from the start, a cold
+        # 128K-token prompt (8K blocks, a quarter sampled) cost 100-340 ms here, on the
+        # event loop; from the previous one it is one pass over the hashes in all.
         if threshold == _FULL:
             picked = list(enumerate(hashes))
         else:
-            picked = [(hashes.index(h), h) for h in [h for h in hashes if h < threshold]]
+            picked = []
+            at = -1
+            for h in [h for h in hashes if h < threshold]:
+                at = hashes.index(h, at + 1)
+                picked.append((at, h))
         if not picked:
             return
         self.sampled += len(picked)
