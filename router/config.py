@@ -267,6 +267,10 @@ class TokenizerSettings:
     # prompts the pool holds (waiting or being tokenized); one more is refused with 429
     tokenize_queue: int = setting(64, Range(1, 1 << 20))
     tokenize_timeout: float = setting(30.0, _DURATION)  # a prompt's wait for its tokens; then 503
+    # /v1/completions text prompts go to the engine as the router's token ids (vLLM and
+    # SGLang take ids there), so the engine does not tokenize them again; only for models
+    # with a tokenizer (the fallback's ids are not the engine's). Off: bodies go unchanged.
+    forward_token_ids: bool = setting(False)
 
     def tokenizer_for(self, model: str) -> str | None:
         spec = self.models.get(model)

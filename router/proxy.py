@@ -317,6 +317,7 @@ class Proxy:
         headers = [(k, v) for k, v in scope["headers"] if k not in self.drop]
         if not any(k == b"x-request-id" for k, _ in headers):
             headers.append((b"x-request-id", req.request_id.encode()))
+        out_raw, out_body = prep.engine_body(raw)
         exclude: set[str] = set()
         while True:
             decision, views = st.router.decide(prep, exclude, trace)
@@ -330,7 +331,7 @@ class Proxy:
             flight = worker.rank_load(rank).begin(max(0, req.num_tokens - hit))
             failure: Failure | None = None
             error: UpstreamError | None = None
-            sent, body = forward_rank(headers, raw, prep.parsed.body, rank, worker.dp_field)
+            sent, body = forward_rank(headers, out_raw, out_body, rank, worker.dp_field)
             if trace is not None:
                 sent = [h for h in headers if h[0] not in (b"traceparent", b"tracestate")]
                 parent = trace.begin_upstream(worker.id, worker.url, self.path)

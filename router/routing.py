@@ -61,6 +61,17 @@ class Prepared:
     request: RouteRequest
     arm: str
     pinned: str | None = None  # the worker holding ``previous_response_id`` (Responses API)
+    # a completions text prompt as the router's token ids, sent in its place
+    # (``forward_token_ids``); None: the client's body goes as it came
+    prompt_ids: list[int] | None = None
+
+    def engine_body(self, raw: bytes) -> tuple[bytes, dict[str, Any]]:
+        """The body the engine gets, as bytes and parsed: the client's, or with ``prompt``
+        replaced by ``prompt_ids`` so the engine does not tokenize it again."""
+        if self.prompt_ids is None:
+            return raw, self.parsed.body
+        body = {**self.parsed.body, "prompt": self.prompt_ids}
+        return orjson.dumps(body), body
 
 
 def _bad(
@@ -148,6 +159,8 @@ class Router:
             max_tokens=max_tokens(parsed.body),
         )
         prep = self.prepared(parsed, workers, request)
+        if self.cfg.forward_token_ids and isinstance(ids, list) and _text_prompt(parsed):
+            prep.prompt_ids = ids  # a list: a real tokenizer's ids, never the fallback's
         previous = parsed.body.get("previous_response_id") if parsed.kind == "responses" else None
         if previous is not None and self.affinity is not None:
             prep.pinned = self.affinity.lookup(previous)
@@ -319,6 +332,17 @@ class Router:
             prep.pool.index.predict(worker_id, hashes, ttl)
             if self.on_predict is not None:
                 self.on_predict(worker_id, hashes, ttl)
+
+
+def _text_prompt(parsed: Parsed) -> bool:
+    """A completions request whose one text prompt the engine would tokenize itself
+    (a batch of prompts, token ids or embeddings are sent as they are)."""
+    body = parsed.body
+    return (
+        parsed.kind == "completion"
+        and isinstance(body.get("prompt"), str)
+        and body.get("prompt_embeds") is None
+    )
 
 
 def max_tokens(body: dict[str, Any]) -> Any:

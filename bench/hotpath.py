@@ -1,0 +1,497 @@
+"""The router's own cost on the HTTP path at real prompt lengths, side by side in one run.
+
+cache-router (``router.cli serve`` with a real tokenizer), SGLang's router
+(``sglang_router.launch_router --policy cache_aware``) and ``vllm-router --policy
+cache_aware`` each stand in turn in front of the same canned engine (bench/proxy.py's
+raw HTTP/1.1 server, one process listening on up to 16 ports, so the engine is never
+the bottleneck); ``direct`` is the engine alone. Phases, all printed as one JSON object:
+
+- ``lengths``: cold chat and completions prompts of 100, 2K, 8K, 32K, 128K tokens (each
+  request's text distinct), concurrency 1, 4 workers: router CPU per request (the
+  router's threads' ``schedstat`` run time, nanoseconds, over its process tree) and the
+  p50/p99 it adds to ``direct``; ``tokenizer_cpu_ms`` is this process encoding the same
+  chat text once, the floor for a router that tokenizes;
+- ``multi_turn``: one conversation growing by ~1K tokens a turn to 32K, the whole
+  conversation sent each turn;
+- ``interference``: short chat requests' p99 alone, then while a second client sends
+  cold 128K-token chat prompts back to back;
+- ``saturation``: short chat requests at concurrency 32 through 1, 4 and 16 workers;
+- ``idle_cpu_ms_per_s``: what the router burns with no request (health checks, load
+  scrapes); it is inside every per-request CPU figure, amortized over the requests.
+
+The tokenizer is the given ``tokenizer.json`` (Llama's SentencePiece BPE from
+tests/real_engines/make_model.py) with ``<|im_start|>``/``<|im_end|>`` added as special
+tokens and a ChatML template, written to a temporary directory for cache-router; the
+peers route on text and are given no tokenizer (their cache_aware policies need none).
+
+    flock /work/bench.lock nice -n 5 python bench/hotpath.py \\
+        --tokenizer /tmp/tinymodel/tokenizer.json [--peers-python /work/venv-peers/bin/python]
+
+The machine is shared: compare ratios within one run, and read ``load_average_1m``.
+Never asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import orjson
+from proxy import (  # puts ROOT on sys.path for router.*
+    ROOT,
+    _EngineProtocol,
+    _read_response,
+    _requests,
+    process,
+    wait_http,
+)
+
+from router.natsd import free_ports
+
+LENGTHS = (100, 2048, 8192, 32768, 131072)
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+WORDS = ("cache", "router", "engine", "prefix", "token", "block", "hash", "worker", "latency")
+
+
+# -- the engine: bench/proxy.py's canned server on several ports ---------------------------
+
+
+def run_engine(ports: list[int]) -> None:
+    import uvloop
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        servers = [
+            await loop.create_server(_EngineProtocol, "127.0.0.1", p, backlog=4096) for p in ports
+        ]
+        await asyncio.gather(*(s.serve_forever() for s in servers))
+
+    uvloop.run(serve())
+
+
+# -- CPU of a process tree, in nanoseconds ---------------------------------------------------
+
+
+def _tree(pid: int) -> list[int]:
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat[stat.rfind(")") + 2 :].split()[1])
+    out = []
+    for p in parents:
+        q = p
+        while q and q != pid:
+            q = parents.get(q, 0)
+        if q == pid:
+            out.append(p)
+    return out
+
+
+def cpu_ns(pids: list[int]) -> int:
+    """Run time of every live thread of ``pids`` (schedstat: ns, not 10 ms ticks)."""
+    total = 0
+    for pid in pids:
+        try:
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                total += int((task / "schedstat").read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue
+    return total
+
+
+# -- requests --------------------------------------------------------------------------------
+
+
+class Texts:
+    """Distinct word salad of about ``n`` tokens, calibrated once on the tokenizer."""
+
+    def __init__(self, tok: Any, seed: int = 7) -> None:
+        self.rng = random.Random(seed)
+        sample = self.words(3000)
+        self.tokens_per_word = len(tok.encode(sample, add_special_tokens=False).ids) / 3000
+
+    def words(self, n: int) -> str:
+        r = self.rng
+        return " ".join(f"{r.choice(WORDS)}{r.randrange(100_000)}" for _ in range(n))
+
+    def of(self, tokens: int) -> str:
+        return self.words(max(1, round(tokens / self.tokens_per_word)))
+
+
+def http(path: str, body: dict[str, Any], session: str | None = None) -> bytes:
+    raw = orjson.dumps(body)
+    extra = f"x-session-id: {session}\r\n" if session else ""
+    head = (
+        f"POST {path} HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n{extra}"
+        f"content-length: {len(raw)}\r\n\r\n"
+    )
+    return head.encode() + raw
+
+
+def chat(text: str) -> bytes:
+    body = {"model": "bench", "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+    return http("/v1/chat/completions", body)
+
+
+def completion(text: str) -> bytes:
+    return http("/v1/completions", {"model": "bench", "prompt": text, "max_tokens": 1})
+
+
+async def sequential(port: int, requests: list[bytes]) -> tuple[list[float], int]:
+    """Latencies (s) of ``requests`` one at a time on one keep-alive connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 24)
+    out, errors = [], 0
+    try:
+        for req in requests:
+            t0 = time.perf_counter()
+            writer.write(req)
+            if await _read_response(reader) != 200:
+                errors += 1
+            out.append(time.perf_counter() - t0)
+    finally:
+        writer.close()
+    return out, errors
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(len(s) * q / 100))]
+
+
+# -- phases ----------------------------------------------------------------------------------
+
+
+def phase_lengths(
+    port: int, pids: list[int], bodies: dict[str, dict[int, list[bytes]]]
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for kind, by_length in bodies.items():
+        for n, reqs in by_length.items():
+            c0 = cpu_ns(pids)
+            lat, errors = asyncio.run(sequential(port, reqs))
+            cpu = (cpu_ns(pids) - c0) / len(reqs) / 1e6 if pids else None
+            out[f"{kind}_{n}"] = {
+                "requests": len(reqs),
+                "errors": errors,
+                "cpu_ms_per_request": cpu,
+                "p50_ms": pct(lat, 50) * 1e3,
+                "p99_ms": pct(lat, 99) * 1e3,
+            }
+    return out
+
+
+def phase_multi_turn(port: int, pids: list[int], turns: list[bytes]) -> dict[str, Any]:
+    cpu: list[float] = []
+    lat: list[float] = []
+    errors = 0
+
+    async def run() -> None:
+        nonlocal errors
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 24)
+        try:
+            for req in turns:
+                c0 = cpu_ns(pids)
+                t0 = time.perf_counter()
+                writer.write(req)
+                if await _read_response(reader) != 200:
+                    errors += 1
+                lat.append(time.perf_counter() - t0)
+                cpu.append((cpu_ns(pids) - c0) / 1e6)
+        finally:
+            writer.close()
+
+    asyncio.run(run())
+    last = slice(-4, None)
+    return {
+        "turns": len(turns),
+        "errors": errors,
+        "cpu_ms_per_turn_mean": statistics.mean(cpu) if pids else None,
+        "cpu_ms_last_4_turns": statistics.mean(cpu[last]) if pids else None,
+        "p50_ms": pct(lat, 50) * 1e3,
+        "last_4_turns_ms": statistics.mean(lat[last]) * 1e3,
+    }
+
+
+def phase_interference(port: int, short: list[bytes], long: list[bytes], seconds: float) -> Any:
+    async def shorts(stop: float) -> list[float]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 24)
+        out = []
+        try:
+            i = 0
+            while time.perf_counter() < stop:
+                t0 = time.perf_counter()
+                writer.write(short[i % len(short)])
+                await _read_response(reader)
+                out.append(time.perf_counter() - t0)
+                i += 1
+        finally:
+            writer.close()
+        return out
+
+    async def longs(stop: float) -> int:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 24)
+        sent = 0
+        try:
+            while time.perf_counter() < stop:
+                writer.write(long[sent % len(long)])
+                await _read_response(reader)
+                sent += 1
+        finally:
+            writer.close()
+        return sent
+
+    async def run() -> dict[str, Any]:
+        idle = await shorts(time.perf_counter() + seconds)
+        stop = time.perf_counter() + seconds
+        busy, sent = await asyncio.gather(shorts(stop), longs(stop))
+        return {
+            "idle_p50_ms": pct(idle, 50) * 1e3,
+            "idle_p99_ms": pct(idle, 99) * 1e3,
+            "busy_p50_ms": pct(busy, 50) * 1e3,
+            "busy_p99_ms": pct(busy, 99) * 1e3,
+            "p99_busy_over_idle": pct(busy, 99) / pct(idle, 99),
+            "long_prompts_sent": sent,
+            "short_requests_busy": len(busy),
+        }
+
+    return asyncio.run(run())
+
+
+async def _concurrent(port: int, requests: list[bytes], concurrency: int) -> float:
+    queue = iter(requests)
+
+    async def worker() -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            for req in queue:
+                writer.write(req)
+                await _read_response(reader)
+        finally:
+            writer.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return len(requests) / (time.perf_counter() - t0)
+
+
+# -- the routers -----------------------------------------------------------------------------
+
+
+def commands(urls: list[str], tok_dir: str, peers_py: str | None) -> dict[str, list[str]]:
+    workers = [a for i, u in enumerate(urls) for a in ("--worker", f"w{i}={u}")]
+    out = {
+        "cache_router": [
+            sys.executable, "-m", "router.cli", "serve", "--port", "{port}", *workers,
+            "--policy", "cache_aware", "--tokenizer", tok_dir, "--log-level", "error",
+        ],
+    }  # fmt: skip
+    if peers_py is not None:
+        out["sglang_router"] = [
+            peers_py, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
+            "--policy", "cache_aware", "--host", "127.0.0.1", "--port", "{port}",
+            "--prometheus-port", "{port2}", "--log-level", "error",
+        ]  # fmt: skip
+        vllm = Path(peers_py).parent / "vllm-router"
+        if vllm.exists():
+            out["vllm_router"] = [
+                str(vllm), "--worker-urls", *urls, "--policy", "cache_aware",
+                "--host", "127.0.0.1", "--port", "{port}", "--prometheus-port", "{port2}",
+                "--log-level", "error",
+            ]  # fmt: skip
+    return out
+
+
+class Running:
+    def __init__(self, port: int, pids: list[int]) -> None:
+        self.port = port
+        self.pids = pids
+
+
+@contextlib.contextmanager
+def started(cmd: list[str]) -> Iterator[Running]:
+    port, port2 = free_ports(2)
+    argv = [a.format(port=port, port2=port2) for a in cmd]
+    with process(argv) as proc:
+        wait_http(port, "/health")
+        time.sleep(1.0)  # SGLang activates its workers after /health answers
+        asyncio.run(sequential(port, _requests(port, 50)))  # warm up
+        yield Running(port, [proc.pid, *_tree(proc.pid)])
+
+
+def tokenizer_dir(path: str, into: str) -> Any:
+    from tokenizers import AddedToken, Tokenizer
+
+    raw = Tokenizer.from_file(path)
+    raw.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in ("<|im_start|>", "<|im_end|>")]
+    )
+    raw.save(f"{into}/tokenizer.json")
+    Path(into, "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+    return raw
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokenizer", required=True, help="a tokenizer.json (Llama SentencePiece)")
+    ap.add_argument("--peers-python", default="/work/venv-peers/bin/python")
+    ap.add_argument("--quick", action="store_true", help="short lengths, few requests (smoke)")
+    ap.add_argument("--seconds", type=float, default=4.0, help="each interference half")
+    ap.add_argument("--saturation-requests", type=int, default=3000)
+    args = ap.parse_args()
+    peers_py = args.peers_python
+    if peers_py and not Path(peers_py).exists():
+        peers_py = None
+    lengths = LENGTHS[:2] if args.quick else LENGTHS
+    target = 4096 if args.quick else 32768
+    seconds = 1.0 if args.quick else args.seconds
+    sat_requests = 300 if args.quick else args.saturation_requests
+
+    ports = free_ports(16)
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    with tempfile.TemporaryDirectory() as tok_dir:
+        tok = tokenizer_dir(args.tokenizer, tok_dir)
+        texts = Texts(tok)
+        bodies: dict[str, dict[int, list[bytes]]] = {"chat": {}, "completion": {}}
+        tokens: dict[int, int] = {}
+        tok_ms: dict[int, float] = {}
+        for n in lengths:
+            reps = 3 if args.quick else max(6, min(100, 400_000 // n))
+            chat_texts = [texts.of(n) for _ in range(reps)]
+            bodies["chat"][n] = [chat(t) for t in chat_texts]
+            bodies["completion"][n] = [completion(texts.of(n)) for _ in range(reps)]
+            rendered = f"<|im_start|>user\n{chat_texts[0]}<|im_end|>\n<|im_start|>assistant\n"
+            c0 = time.process_time()
+            tokens[n] = len(tok.encode(rendered, add_special_tokens=False).ids)
+            tok_ms[n] = (time.process_time() - c0) * 1e3
+        messages: list[dict[str, str]] = [{"role": "system", "content": texts.of(512)}]
+        turns, turn_tokens = [], 512
+        while turn_tokens < target:
+            messages.append({"role": "user", "content": texts.of(512)})
+            body = {"model": "bench", "messages": list(messages), "max_tokens": 1}
+            turns.append(http("/v1/chat/completions", body, session="conv"))
+            messages.append({"role": "assistant", "content": texts.of(512)})
+            turn_tokens += 1024
+        long = [chat(texts.of(lengths[-1])) for _ in range(3)]
+
+        result: dict[str, Any] = {
+            "load_average_1m_start": os.getloadavg()[0],
+            "cpu_count": os.cpu_count(),
+            "tokenizer": args.tokenizer,
+            "prompt_tokens": {str(n): tokens[n] for n in lengths},
+            "tokenizer_alone_cpu_ms": {str(n): tok_ms[n] for n in lengths},
+            "multi_turn_final_tokens_about": turn_tokens,
+        }
+        targets = commands(urls, tok_dir, peers_py)
+        with process([sys.executable, __file__, "--engine", *map(str, ports)], cwd=ROOT):
+            for p in ports:
+                wait_http(p, "/health")
+            direct = {
+                "lengths": phase_lengths(ports[0], [], bodies),
+                "multi_turn": phase_multi_turn(ports[0], [], turns),
+            }
+            result["direct"] = direct
+            for name, cmd in targets.items():
+                entry: dict[str, Any] = {}
+                for n_workers in (4, 1, 16):
+                    argv = _with_workers(cmd, urls, n_workers)
+                    with started(argv) as run:
+                        if n_workers == 4:
+                            c0 = cpu_ns(run.pids)
+                            time.sleep(2.0)
+                            # health checks, load scrapes: CPU no request asked for
+                            entry["idle_cpu_ms_per_s"] = (cpu_ns(run.pids) - c0) / 2e6
+                            entry["lengths"] = phase_lengths(run.port, run.pids, bodies)
+                            entry["multi_turn"] = phase_multi_turn(run.port, run.pids, turns)
+                            entry["interference"] = phase_interference(
+                                run.port, _requests(run.port, 64), long, seconds
+                            )
+                        reqs = _requests(run.port, sat_requests)
+                        entry[f"saturation_rps_{n_workers}_workers"] = asyncio.run(
+                            _concurrent(run.port, reqs, 32)
+                        )
+                _added(entry, direct)
+                result[name] = entry
+        result["ratios"] = _ratios(result, lengths)
+        result["load_average_1m_end"] = os.getloadavg()[0]
+    print(json.dumps(result, indent=2))
+
+
+def _with_workers(cmd: list[str], urls: list[str], n: int) -> list[str]:
+    """``cmd`` with only the first ``n`` worker urls."""
+    keep = set(urls[:n])
+    out: list[str] = []
+    skip_value = False
+    for i, a in enumerate(cmd):
+        if skip_value:
+            skip_value = False
+            continue
+        if a == "--worker" and cmd[i + 1].split("=", 1)[1] not in keep:
+            skip_value = True
+            continue
+        if a.startswith("http://") and a not in keep:
+            continue
+        out.append(a)
+    return out
+
+
+def _added(entry: dict[str, Any], direct: dict[str, Any]) -> None:
+    for key, row in entry.get("lengths", {}).items():
+        base = direct["lengths"][key]
+        row["added_p50_ms"] = row["p50_ms"] - base["p50_ms"]
+        row["added_p99_ms"] = row["p99_ms"] - base["p99_ms"]
+    if "multi_turn" in entry:
+        mt, base = entry["multi_turn"], direct["multi_turn"]
+        mt["added_last_4_turns_ms"] = mt["last_4_turns_ms"] - base["last_4_turns_ms"]
+
+
+def _ratios(result: dict[str, Any], lengths: tuple[int, ...]) -> dict[str, Any]:
+    """cache-router over each peer, per measure (below 1: cache-router costs less)."""
+    ours = result.get("cache_router")
+    out: dict[str, Any] = {}
+    for peer in ("sglang_router", "vllm_router"):
+        theirs = result.get(peer)
+        if not isinstance(ours, dict) or not isinstance(theirs, dict):
+            continue
+        r: dict[str, Any] = {}
+        for key, row in ours["lengths"].items():
+            other = theirs["lengths"][key]
+            r[f"{key}_cpu"] = row["cpu_ms_per_request"] / other["cpu_ms_per_request"]
+        mine, other = ours["multi_turn"], theirs["multi_turn"]
+        r["multi_turn_cpu_mean"] = mine["cpu_ms_per_turn_mean"] / other["cpu_ms_per_turn_mean"]
+        r["multi_turn_cpu_last_4"] = mine["cpu_ms_last_4_turns"] / other["cpu_ms_last_4_turns"]
+        for n in (1, 4, 16):
+            key = f"saturation_rps_{n}_workers"
+            r[key] = ours[key] / theirs[key]
+        out[f"cache_router_over_{peer}"] = r
+    return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--engine":
+        run_engine([int(p) for p in sys.argv[2:]])
+    else:
+        main()
