@@ -186,21 +186,32 @@ def pct(values: list[float], q: float) -> float:
 
 
 def phase_lengths(
-    port: int, pids: list[int], bodies: dict[str, dict[int, list[bytes]]]
-) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    targets: dict[str, Running],
+    bodies: dict[str, dict[int, list[bytes]]],
+    floor: dict[int, str],
+    tok: Any,
+) -> dict[str, dict[str, Any]]:
+    """Per kind and length, every target in turn (adjacent in time: the machine's load
+    drifts), and the tokenizer alone on the same chat text just before them."""
+    out: dict[str, dict[str, Any]] = {name: {} for name in targets}
+    out["tokenizer_alone"] = {}
     for kind, by_length in bodies.items():
         for n, reqs in by_length.items():
-            c0 = cpu_ns(pids)
-            lat, errors = asyncio.run(sequential(port, reqs))
-            cpu = (cpu_ns(pids) - c0) / len(reqs) / 1e6 if pids else None
-            out[f"{kind}_{n}"] = {
-                "requests": len(reqs),
-                "errors": errors,
-                "cpu_ms_per_request": cpu,
-                "p50_ms": pct(lat, 50) * 1e3,
-                "p99_ms": pct(lat, 99) * 1e3,
-            }
+            if kind == "chat":
+                c0 = time.process_time()
+                tok.encode(floor[n], add_special_tokens=False)
+                out["tokenizer_alone"][str(n)] = (time.process_time() - c0) * 1e3
+            for name, run in targets.items():
+                c0 = cpu_ns(run.pids)
+                lat, errors = asyncio.run(sequential(run.port, reqs))
+                cpu = (cpu_ns(run.pids) - c0) / len(reqs) / 1e6 if run.pids else None
+                out[name][f"{kind}_{n}"] = {
+                    "requests": len(reqs),
+                    "errors": errors,
+                    "cpu_ms_per_request": cpu,
+                    "p50_ms": pct(lat, 50) * 1e3,
+                    "p99_ms": pct(lat, 99) * 1e3,
+                }
     return out
 
 
@@ -377,16 +388,15 @@ def main() -> None:
         texts = Texts(tok)
         bodies: dict[str, dict[int, list[bytes]]] = {"chat": {}, "completion": {}}
         tokens: dict[int, int] = {}
-        tok_ms: dict[int, float] = {}
+        floor: dict[int, str] = {}  # a rendered chat text of each length
         for n in lengths:
             reps = 3 if args.quick else max(6, min(100, 400_000 // n))
             chat_texts = [texts.of(n) for _ in range(reps)]
             bodies["chat"][n] = [chat(t) for t in chat_texts]
             bodies["completion"][n] = [completion(texts.of(n)) for _ in range(reps)]
             rendered = f"<|im_start|>user\n{chat_texts[0]}<|im_end|>\n<|im_start|>assistant\n"
-            c0 = time.process_time()
+            floor[n] = rendered
             tokens[n] = len(tok.encode(rendered, add_special_tokens=False).ids)
-            tok_ms[n] = (time.process_time() - c0) * 1e3
         messages: list[dict[str, str]] = [{"role": "system", "content": texts.of(512)}]
         turns, turn_tokens = [], 512
         while turn_tokens < target:
@@ -402,39 +412,37 @@ def main() -> None:
             "cpu_count": os.cpu_count(),
             "tokenizer": args.tokenizer,
             "prompt_tokens": {str(n): tokens[n] for n in lengths},
-            "tokenizer_alone_cpu_ms": {str(n): tok_ms[n] for n in lengths},
             "multi_turn_final_tokens_about": turn_tokens,
         }
-        targets = commands(urls, tok_dir, peers_py)
-        with process([sys.executable, __file__, "--engine", *map(str, ports)], cwd=ROOT):
+        commands_of = commands(urls, tok_dir, peers_py)
+        engine = [sys.executable, __file__, "--engine", *map(str, ports)]
+        with process(engine, cwd=ROOT):
             for p in ports:
                 wait_http(p, "/health")
-            direct = {
-                "lengths": phase_lengths(ports[0], [], bodies),
-                "multi_turn": phase_multi_turn(ports[0], [], turns),
-            }
-            result["direct"] = direct
-            for name, cmd in targets.items():
-                entry: dict[str, Any] = {}
-                for n_workers in (4, 1, 16):
-                    argv = _with_workers(cmd, urls, n_workers)
-                    with started(argv) as run:
-                        if n_workers == 4:
-                            c0 = cpu_ns(run.pids)
-                            time.sleep(2.0)
-                            # health checks, load scrapes: CPU no request asked for
-                            entry["idle_cpu_ms_per_s"] = (cpu_ns(run.pids) - c0) / 2e6
-                            entry["lengths"] = phase_lengths(run.port, run.pids, bodies)
-                            entry["multi_turn"] = phase_multi_turn(run.port, run.pids, turns)
-                            entry["interference"] = phase_interference(
-                                run.port, _requests(run.port, 64), long, seconds
-                            )
-                        reqs = _requests(run.port, sat_requests)
-                        entry[f"saturation_rps_{n_workers}_workers"] = asyncio.run(
-                            _concurrent(run.port, reqs, 32)
+            entries: dict[str, dict[str, Any]] = {"direct": {}, **{n: {} for n in commands_of}}
+            for n_workers in (4, 1, 16):
+                with contextlib.ExitStack() as stack:
+                    targets = {
+                        name: stack.enter_context(started(_with_workers(cmd, urls, n_workers)))
+                        for name, cmd in commands_of.items()
+                    }
+                    if n_workers == 4:
+                        _phases(
+                            entries, targets, ports[0], bodies, floor, tok, turns, long, seconds
                         )
-                _added(entry, direct)
-                result[name] = entry
+                    for order in (list(targets), list(targets)[::-1]):  # ABC then CBA
+                        for name in order:
+                            reqs = _requests(targets[name].port, sat_requests)
+                            rps = asyncio.run(_concurrent(targets[name].port, reqs, 32))
+                            key = f"saturation_rps_{n_workers}_workers"
+                            entries[name].setdefault(key, []).append(rps)
+            for name in commands_of:
+                for n_workers in (1, 4, 16):
+                    key = f"saturation_rps_{n_workers}_workers"
+                    entries[name][key] = statistics.mean(entries[name][key])
+                _added(entries[name], entries["direct"])
+            result["tokenizer_alone_cpu_ms"] = entries.pop("tokenizer_alone")
+            result.update(entries)
         result["ratios"] = _ratios(result, lengths)
         result["load_average_1m_end"] = os.getloadavg()[0]
     print(json.dumps(result, indent=2))
@@ -456,6 +464,36 @@ def _with_workers(cmd: list[str], urls: list[str], n: int) -> list[str]:
             continue
         out.append(a)
     return out
+
+
+def _phases(
+    entries: dict[str, dict[str, Any]],
+    targets: dict[str, Running],
+    engine_port: int,
+    bodies: dict[str, dict[int, list[bytes]]],
+    floor: dict[int, str],
+    tok: Any,
+    turns: list[bytes],
+    long: list[bytes],
+    seconds: float,
+) -> None:
+    """The 4-worker phases, every router in turn within each; ``direct`` is the engine."""
+    everyone = {"direct": Running(engine_port, []), **targets}
+    time.sleep(0.5)
+    c0 = {name: cpu_ns(run.pids) for name, run in targets.items()}
+    time.sleep(2.0)
+    for name, run in targets.items():
+        # health checks, load scrapes: CPU no request asked for
+        entries[name]["idle_cpu_ms_per_s"] = (cpu_ns(run.pids) - c0[name]) / 2e6
+    by_target = phase_lengths(everyone, bodies, floor, tok)
+    entries["tokenizer_alone"] = by_target.pop("tokenizer_alone")
+    for name, rows in by_target.items():
+        entries[name]["lengths"] = rows
+    for name, run in everyone.items():
+        entries[name]["multi_turn"] = phase_multi_turn(run.port, run.pids, turns)
+    for name, run in targets.items():
+        short = _requests(run.port, 64)
+        entries[name]["interference"] = phase_interference(run.port, short, long, seconds)
 
 
 def _added(entry: dict[str, Any], direct: dict[str, Any]) -> None:
@@ -487,6 +525,16 @@ def _ratios(result: dict[str, Any], lengths: tuple[int, ...]) -> dict[str, Any]:
             key = f"saturation_rps_{n}_workers"
             r[key] = ours[key] / theirs[key]
         out[f"cache_router_over_{peer}"] = r
+    if isinstance(ours, dict):
+        alone = result["tokenizer_alone_cpu_ms"]
+        out["cache_router_chat_cpu_over_tokenizer_alone"] = {
+            n: ours["lengths"][f"chat_{n}"]["cpu_ms_per_request"] / ms for n, ms in alone.items()
+        }
+        out["short_p99_under_128k_client_over_idle"] = {
+            name: result[name]["interference"]["p99_busy_over_idle"]
+            for name in ("cache_router", "sglang_router", "vllm_router")
+            if name in result
+        }
     return out
 
 
