@@ -32,8 +32,9 @@ ErrorCode = Literal[
     # the Responses API: a stored response lives in one engine
     "response_not_found", "previous_response_not_found", "previous_response_unavailable",
     # prefill/decode disaggregation (router.pd): a prefill answered without its transfer;
-    # the mock engine's KV transfer failing, or pulled twice (sim.mock_pd)
-    "pd_no_transfer_params", "kv_transfer", "transfer_not_found",
+    # the mock engine's KV transfer failing, or pulled twice, or no decode engine joining
+    # the SGLang bootstrap room (sim.mock_pd)
+    "pd_no_transfer_params", "kv_transfer", "transfer_not_found", "bootstrap_timeout",
     # the router itself
     "internal_error",
 ]  # fmt: skip
