@@ -126,3 +126,14 @@ class Policy(ABC):
 
     def on_finish(self, request: RouteRequest, worker_id: str) -> None:  # noqa: B027
         """Called once the request is done (stateful policies may release state)."""
+
+
+def expected_hit_blocks(decision: Decision, chosen: WorkerView) -> int:
+    """Leading blocks the chosen worker is expected to serve from cache: the policy's own
+    estimate where it gives one (``scores[...]["hit_blocks"]``: it may know of blocks the
+    index does not show yet, such as those a request still queued there will compute),
+    else the index's match. The router counts the rest as in-flight prefill."""
+    score = decision.scores.get(chosen.worker_id)
+    hit = score.get("hit_blocks") if score else None
+    own = chosen.match.total
+    return int(hit) if hit is not None and hit > own else own

@@ -327,7 +327,7 @@ class Proxy:
             if worker is None:  # removed between the views and now
                 exclude.add(tid)
                 continue
-            hit = hit_blocks(views, tid) * req.block_size
+            hit = hit_blocks(views, decision) * req.block_size
             flight = worker.rank_load(rank).begin(max(0, req.num_tokens - hit))
             failure: Failure | None = None
             error: UpstreamError | None = None

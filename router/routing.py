@@ -19,7 +19,14 @@ import orjson
 
 from index.groups import clip_matches
 from index.hashing import RouterHash, cacheable_blocks, request_block_hashes
-from policies.base import NO_MATCH, Decision, NoWorkerError, RouteRequest, WorkerView
+from policies.base import (
+    NO_MATCH,
+    Decision,
+    NoWorkerError,
+    RouteRequest,
+    WorkerView,
+    expected_hit_blocks,
+)
 from policies.experiments import Experiment
 from router import fields
 from router.affinity import ResponseAffinity
@@ -354,6 +361,9 @@ def _share(count: int | None, ranks: int) -> int | None:
     return count if count is None or ranks == 1 else -(-count // ranks)
 
 
-def hit_blocks(views: list[WorkerView], worker_id: str) -> int:
-    return next((v.match.total for v in views if v.worker_id == worker_id), 0)
+def hit_blocks(views: list[WorkerView], decision: Decision) -> int:
+    """Blocks the chosen worker is expected to serve from cache (the rest is in-flight
+    prefill): the policy's estimate where it knows more than the index."""
+    chosen = next((v for v in views if v.worker_id == decision.worker_id), None)
+    return 0 if chosen is None else expected_hit_blocks(decision, chosen)
 

@@ -38,7 +38,7 @@ from index.hashing import BlockHasher, cacheable_blocks
 from index.ingest import EventIngest, SeqStatus
 from index.prefix_index import PrefixIndex
 from policies import EngineCosts, PrefetchHint, WorkerView, make_policy
-from policies.base import NO_MATCH
+from policies.base import NO_MATCH, expected_hit_blocks
 from policies.cost_model import uncached_tokens
 from router.dp import target_id
 from sim.batch_engine import BatchEngine
@@ -227,7 +227,9 @@ class Simulation:
         w = self._engine_for(decision.worker_id)
         req.worker = w
         chosen = next(v for v in views if v.worker_id == decision.worker_id)
-        req.est_prefill = uncached_tokens(req.input_len, chosen.match.total, self.block_size)
+        req.est_prefill = uncached_tokens(
+            req.input_len, expected_hit_blocks(decision, chosen), self.block_size
+        )
         cacheable = cacheable_blocks(req.input_len, self.block_size)
         req.promised_blocks = min(chosen.match.total, cacheable)
         req.best_hit_blocks = min(max(v.match.total for v in views), cacheable)

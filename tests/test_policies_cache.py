@@ -12,12 +12,14 @@ from hypothesis import strategies as st
 
 from index.prefix_index import TierMatch
 from policies import EngineCosts, RouteRequest, WorkerView, make_policy
+from policies.base import Decision
 from policies.cost_model import (
     admit_wait_ms,
     estimate_ttft,
     estimate_ttft_prefetched,
     uncached_tokens,
 )
+from router.routing import hit_blocks
 
 BS = 16
 SCORE_KEYS = (
@@ -565,3 +567,42 @@ def test_cache_aware_charges_decode_attention_over_the_context_in_flight() -> No
     assert policy.active_tokens("w0") == policy.active_tokens("w1") == 0
     policy.on_finish(long, "w0")  # a second finish changes nothing
     assert policy.active_tokens("w0") == 0
+
+
+def test_cache_aware_counts_a_session_turn_still_in_flight_as_held_by_its_worker() -> None:
+    """Issue 13's collapse: the next turn arrived while the last one still queued, the
+    index showed its context nowhere, and it went to a shorter queue to recompute it."""
+    policy = make_policy("cache_aware", random.Random(0), session_load=100)
+    turn1 = RouteRequest("t1", "m", 64 * BS, chain(60, 64), BS, session_key="s")
+    assert policy.select(turn1, [WorkerView("w0")]).worker_id == "w0"
+    turn2 = RouteRequest("t2", "m", 80 * BS, chain(61, 16, turn1.block_hashes), BS, "s")
+    # w0 queues turn 1 (64 blocks) and one more request; the index shows no match anywhere
+    busy = WorkerView("w0", inflight_requests=2, inflight_prefill_tokens=80 * BS)
+    idle = WorkerView("w1")
+    d = policy.select(turn2, [busy, idle])
+    assert d.worker_id == "w0"
+    assert d.scores["w0"]["hit_blocks"] == 64 and d.scores["w1"]["hit_blocks"] == 0
+    # blind to what is in flight, the idle worker wins
+    blind = make_policy("cache_aware", random.Random(0), session_load=100, in_flight=False)
+    blind.select(turn1, [WorkerView("w0")])
+    assert blind.select(turn2, [busy, idle]).worker_id == "w1"
+    # once the session's requests are done only the index counts (blocks may be evicted)
+    policy.on_finish(turn1, "w0")
+    policy.on_finish(turn2, "w0")
+    turn3 = RouteRequest("t3", "m", 80 * BS, turn2.block_hashes, BS, session_key="s")
+    assert policy.select(turn3, [busy, idle]).scores["w0"]["hit_blocks"] == 0
+    # a request that shares only part of the last one's prefix is credited that part
+    policy.on_finish(turn3, "w0")
+    assert policy.select(turn1, [WorkerView("w1")]).worker_id == "w1"
+    fork = RouteRequest("f", "m", 40 * BS, chain(62, 10, turn1.block_hashes[:30]), BS, "s")
+    assert policy.select(fork, [busy, idle]).scores["w1"]["hit_blocks"] == 30
+
+
+def test_router_counts_in_flight_prefill_by_the_policys_expected_hit() -> None:
+    vs = [WorkerView("w0", match=tm(gpu=4)), WorkerView("w1")]
+    # the policy knows of 64 blocks the index does not show yet: the router counts them
+    assert hit_blocks(vs, Decision("w0", scores={"w0": {"hit_blocks": 64}})) == 64
+    # never fewer than the index shows, and a policy without scores gets the index's match
+    assert hit_blocks(vs, Decision("w0", scores={"w0": {"hit_blocks": 1}})) == 4
+    assert hit_blocks(vs, Decision("w0")) == 4
+    assert hit_blocks(vs, Decision("w9")) == 0
