@@ -10,11 +10,14 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
+from nats.aio.msg import Msg
 from nats.errors import SlowConsumerError
 from stack import until
 from test_faults_events import Feed, feed
 
 from index.backend import NATIVE
+from index.wire import EPOCH_HEADER, SEQ_HEADER
 from router.ingest_thread import IngestThread
 
 __all__ = ["feed"]  # the fixture, shared
@@ -51,6 +54,42 @@ async def test_a_full_ingest_queue_loses_nothing(feed: Feed) -> None:
     await until(lambda: events.counts["lost_ingest_queue_full"] >= 1, what="refusal counted")
     thread.max_batches = 100
     await until(feed.index_is_engine, timeout=15, what="refused batch fed after the resync")
+    assert ingest.last_seq("w0") == s1
+
+
+async def test_a_batch_arriving_as_a_resync_ends_is_applied(
+    feed: Feed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent answered "nothing after s0"; the engine's next batch comes in live in the
+    same loop turn as the resync finds the worker in sync. It was held for a resync that
+    had just ended, and nothing ever fed it (test_dp_ranks waited for it under load)."""
+    ingest = feed.pool.ingest
+    events = feed.app.state.events
+    [s0] = await feed.make_batches(1)
+    await feed.deliver(s0)
+    await until(feed.index_is_engine, timeout=15, what="clean start")
+    [s1] = await feed.make_batches(1)
+    s1_batch = feed.engine.ring.pop()  # made after the agent's answer: not in it
+    live = Msg(
+        feed.nc,
+        subject="kv.events.w0",
+        data=s1_batch[1],
+        headers={SEQ_HEADER: str(s1), EPOCH_HEADER: feed.engine.epoch},
+    )
+    arrivals: list[asyncio.Task[None]] = []
+    in_sync = ingest.in_sync
+
+    def in_sync_then_a_batch(worker_id: str) -> bool:
+        task = asyncio.current_task()
+        if not arrivals and task is not None and task.get_name() == "resync-w0":
+            arrivals.append(asyncio.ensure_future(events.on_event(live)))  # runs next turn
+        return in_sync(worker_id)
+
+    monkeypatch.setattr(ingest, "in_sync", in_sync_then_a_batch)
+    events.resync("w0")
+    await until(lambda: arrivals and arrivals[0].done(), what="the batch came in")
+    feed.engine.ring.append(s1_batch)
+    await until(feed.index_is_engine, what="the batch applied")
     assert ingest.last_seq("w0") == s1
 
 

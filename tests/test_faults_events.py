@@ -56,6 +56,11 @@ class Feed:
             await self.engine.admit(ids)
         return list(range(first, self.engine.seq + 1))
 
+    def settled(self) -> bool:
+        """The event feed read up to date and no resync in flight (the one every
+        connection starts is over): what a test does next meets a router at rest."""
+        return self.app.state.feed.up_to_date and not self.app.state.events._resync
+
     def caught_up(self) -> bool:
         ingest = self.pool.ingest
         return ingest.last_seq("w0") == self.engine.seq and ingest.in_sync("w0")
@@ -79,8 +84,9 @@ async def feed(nats_url: str) -> AsyncIterator[Feed]:
     served = await Served(app).start()
     nc = await nats.connect(nats_url)
     try:
-        await until(lambda: app.state.bus.connected, what="router on NATS")
-        yield Feed(engine, app, served.url, nc)
+        f = Feed(engine, app, served.url, nc)
+        await until(lambda: app.state.bus.connected and f.settled(), what="router on NATS")
+        yield f
     finally:
         await nc.close()
         await served.stop()
