@@ -44,7 +44,8 @@ class DecodeLoad(Policy):
     """The decode engine where this request's decoding costs least, per candidate::
 
         tpot     = step + (streams + 1) * token + (context + prompt) * kv_read
-        cost     = transfer of the blocks it lacks + waiting * step + output * tpot
+        cost     = transfer_weight * transfer of the blocks it lacks + waiting * step
+                 + output * tpot
 
     ``streams`` are the decode streams there (the router's and the engine's report,
     whichever is larger), ``context`` the KV tokens of the requests this policy sent
@@ -53,6 +54,14 @@ class DecodeLoad(Policy):
     ``kv_usage`` is ``kv_full`` or more has no room for the prompt's pages and would
     preempt: it is taken only when every engine is that full. Ties (within ``tie_ms``)
     break at random.
+
+    ``transfer_weight`` is what a millisecond of transfer counts against one of decoding.
+    At 1 (the client waits for both alike) the rule keeps sessions where their KV is,
+    which costs TPOT: in the PD simulator (4 + 4 engines, BENCHMARKS.md) weight 0 cut
+    TPOT p90 from 8.0 to 7.9 ms on Mooncake synthetic (TTFT p90 5,458 -> 5,388 ms) and
+    from 10.6 to 10.2 ms on the agent trace, but raised the agent trace's TTFT p90 from
+    1,009 to 1,073 ms (100K-token contexts moved between engines) and conversation's
+    TPOT p90 from 9.7 to 9.8 ms; 0.5 was between. It stays 1; an arm can set it.
     """
 
     name = "decode_load"
@@ -65,8 +74,11 @@ class DecodeLoad(Policy):
         kv_full: float = 0.95,
         default_output_tokens: int = 256,
         tie_ms: float = 0.25,
+        transfer_weight: float = 1.0,
     ) -> None:
         super().__init__(rng)
+        if not transfer_weight >= 0:
+            raise ValueError(f"decode_load: transfer_weight must be >= 0, got {transfer_weight}")
         if not 0 < kv_full <= 1:
             raise ValueError(f"decode_load: kv_full must be in (0, 1], got {kv_full}")
         if not default_output_tokens >= 1:
@@ -77,6 +89,7 @@ class DecodeLoad(Policy):
         self.kv_full = kv_full
         self.default_output_tokens = default_output_tokens
         self.tie_ms = tie_ms
+        self.transfer_weight = transfer_weight
         self._active: dict[str, int] = {}
         self._routed: OrderedDict[str, tuple[str, int]] = OrderedDict()
 
@@ -111,7 +124,7 @@ class DecodeLoad(Policy):
             )
             transfer = c.prefetch_ms(max(0, ntok - hit * bs))
             waiting = min(w.engine_waiting or 0, MAX_ENGINE_COUNT) * c.decode_ms_per_step
-            cost = transfer + waiting + out * tpot
+            cost = self.transfer_weight * transfer + waiting + out * tpot
             costs.append(cost)
             scores[w.worker_id] = {
                 "cost_ms": cost,

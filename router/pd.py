@@ -34,7 +34,11 @@ Failures, without duplicated work:
 Metrics per role: ``cache_router_pd_phase_seconds{phase}`` splits the TTFT into the
 prefill engine's queue as the policy estimated it, the prefill exchange and the transfer
 (the decode engine's first byte after the prefill answered: KV pull plus its first
-step); ``cache_router_pd_tpot_seconds`` is the decode stream's time per output token
+step). The queue is estimated because the wire does not carry it: vLLM answers a
+non-streamed request (the prefill) with headers and body together once it is done, a
+streamed one with headers before it is even scheduled, and neither answer nor SGLang's
+names the time queued (the engines count it only in their /metrics histograms, summed
+over requests); ``cache_router_pd_tpot_seconds`` is the decode stream's time per output token
 (``usage.completion_tokens`` where the stream carries it: one event may hold several).
 """
 

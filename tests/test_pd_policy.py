@@ -46,6 +46,19 @@ def test_its_own_prefix_means_less_to_transfer():
     assert decision.scores["d1"]["transfer_ms"] < decision.scores["d0"]["transfer_ms"]
 
 
+def test_transfer_weight_scales_what_a_held_prefix_is_worth():
+    # d1 holds the prompt but decodes 6 more streams: ~0.3 ms more per token
+    views = [view("d0", decode_streams=2), view("d1", blocks=255, decode_streams=8)]
+    req = request(4096, max_tokens=64)
+    held = DecodeLoad(random.Random(0)).select(req, views)
+    assert held.worker_id == "d1"  # 53 ms of transfer saved outweigh 19 ms of decoding
+    blind = DecodeLoad(random.Random(0), transfer_weight=0.0).select(req, views)
+    assert blind.worker_id == "d0"
+    assert blind.scores["d0"]["transfer_ms"] == held.scores["d0"]["transfer_ms"] > 0
+    with pytest.raises(ValueError, match="transfer_weight"):
+        DecodeLoad(transfer_weight=-1.0)
+
+
 def test_a_full_engine_is_avoided_unless_all_are_full():
     policy = DecodeLoad(random.Random(0))
     full = view("d0", kv_usage=0.97)
