@@ -18,6 +18,7 @@
 
 #include "flat_map.hpp"
 #include "msgpack_reader.hpp"
+#include "node_table.hpp"
 #include "prefix_index.hpp"
 #include "xxh3.hpp"
 
@@ -431,23 +432,95 @@ class EventDecoder {
     TierTable tiers_;
 };
 
-// Packed: a 17 B map slot instead of 24 (8 B less per (block, worker) pair).
-struct __attribute__((packed)) BlockRef {
-    uint64_t router;
-    uint8_t tiers;  // bit per tier the worker holds the block in
+// One block a worker holds, by its engine hash (``key``). Packed: 17 B.
+struct __attribute__((packed)) EngineBlock {
+    uint64_t key;     // engine hash
+    uint64_t router;  // (last) router hash
+    uint8_t tiers;    // bit per tier the worker holds the block in
 };
 
-struct WorkerBlocks {
-    FlatMap<BlockRef> blocks;    // engine hash -> (last) router hash, tiers
-    FlatMap<uint64_t> engine_of;  // router hash -> engine hash (prefetch hints)
-    // A block k times the router's (a coarser KV group) is k router blocks: the ones
-    // before its last, by engine hash. Rare, so not in BlockRef.
-    std::unordered_map<uint64_t, std::vector<uint64_t>> spans;
+// A worker's engine hash -> router hash map and its inverse (router -> engine hash, for
+// prefetch hints), as index/ingest.py's ``blocks`` and ``engine_of`` dicts behave.
+//
+// One 17 B record per block in a NodeTable and the inverse as a second IdIndex over the
+// same records: ~29 B a (block, worker) pair, where two FlatMaps (a 17 B and a 16 B slot
+// at a load of ~0.79) took ~42 B (bench/scale.py memory, 1M and 5M pairs).
+class WorkerBlocks {
+   public:
+    size_t size() const { return blocks_.size(); }
+    EngineBlock* find(uint64_t engine) { return blocks_.get(engine); }
+
+    // ``engine`` names router block ``router`` (in tier bit ``tbit`` too); it becomes
+    // ``router``'s engine hash.
+    void store(uint64_t engine, uint64_t router, uint8_t tbit) {
+        bool inserted;
+        const uint32_t id = blocks_.insert(engine, inserted);
+        EngineBlock& b = blocks_.at(id);
+        if (!inserted && b.router != router &&
+            by_router_.find(b.router, router_of()) == id) {
+            // The old router hash keeps naming this engine hash (a dict entry nobody
+            // overwrote); the index stays keyed by each record's current router hash.
+            by_router_.erase(b.router, router_of());
+            bool fresh;
+            stale_.get_or_insert(b.router, fresh) = engine;
+        }
+        b.router = router;
+        b.tiers |= tbit;
+        stale_.erase(router);
+        by_router_.put(router, id, router_of());
+    }
+
+    // Drops tier bit ``tbit``; the block is forgotten when no tier is left.
+    void unstore(EngineBlock& b, uint8_t tbit) {
+        b.tiers &= static_cast<uint8_t>(~tbit);
+        if (b.tiers) return;
+        const uint64_t router = b.router, engine = b.key;
+        by_router_.erase(router, router_of());
+        stale_.erase(router);
+        spans.erase(engine);
+        blocks_.erase(blocks_.find(engine));
+    }
+
+    // ``router``'s engine hash into ``out``; false when there is none.
+    bool engine_of(uint64_t router, uint64_t& out) {
+        const uint32_t id = by_router_.find(router, router_of());
+        if (id != IdIndex::NONE) {
+            out = blocks_.at(id).key;
+            return true;
+        }
+        const uint64_t* stale = stale_.find(router);
+        if (stale) out = *stale;
+        return stale != nullptr;
+    }
+
+    template <class F>
+    void for_each(F&& f) {
+        blocks_.for_each([&](uint32_t, EngineBlock& b) { f(b.key, b.router); });
+    }
+
     void clear() {
-        blocks.clear();
-        engine_of.clear();
+        blocks_.clear();
+        by_router_.clear();
+        stale_.clear();
         spans.clear();
     }
+
+    size_t bytes() const { return blocks_.bytes() + by_router_.bytes() + stale_.bytes(); }
+
+    // A block k times the router's (a coarser KV group) is k router blocks: the ones
+    // before its last, by engine hash. Rare, so not in EngineBlock.
+    std::unordered_map<uint64_t, std::vector<uint64_t>> spans;
+
+   private:
+    struct RouterOf {
+        const NodeTable<EngineBlock>* blocks;
+        uint64_t operator()(uint32_t id) const { return blocks->at(id).router; }
+    };
+    RouterOf router_of() const { return RouterOf{&blocks_}; }
+
+    NodeTable<EngineBlock> blocks_;
+    IdIndex by_router_;
+    FlatMap<uint64_t> stale_;  // router hashes still naming an engine hash re-stored since
 };
 
 // Error names match index/ingest.py's.
@@ -483,7 +556,7 @@ class EventApplier {
 
     size_t bytes() const {
         size_t n = 0;
-        for (const auto& w : workers_) n += w.blocks.bytes() + w.engine_of.bytes();
+        for (const auto& w : workers_) n += w.bytes();
         return n;
     }
 
@@ -501,19 +574,13 @@ class EventApplier {
         if (ev.kind == REMOVED) {
             gone_.clear();
             for (uint64_t eh : ev.hashes) {
-                BlockRef* ref = w.blocks.find(eh);
+                EngineBlock* ref = w.find(eh);
                 if (!ref || !(ref->tiers & tbit)) continue;
                 gone_.push_back(ref->router);
                 auto span = w.spans.find(eh);
                 if (span != w.spans.end())
                     gone_.insert(gone_.end(), span->second.begin(), span->second.end());
-                ref->tiers &= ~tbit;
-                if (!ref->tiers) {
-                    const uint64_t rh = ref->router;
-                    w.blocks.erase(eh);
-                    w.engine_of.erase(rh);
-                    if (span != w.spans.end()) w.spans.erase(span);
-                }
+                w.unstore(*ref, static_cast<uint8_t>(tbit));
             }
             index_.remove(slot, gone_.data(), gone_.size(), ev.tier);
             return nullptr;
@@ -526,7 +593,7 @@ class EventApplier {
         bool has_parent = false;
         uint64_t h = ev.has_root ? ev.root : seed_;
         if (ev.has_parent) {
-            const BlockRef* p = w.blocks.find(ev.parent);
+            const EngineBlock* p = w.find(ev.parent);
             if (!p) return "unknown_parent";
             has_parent = true;
             h = p->router;
@@ -538,12 +605,12 @@ class EventApplier {
         } else {
             hash_with_extras(ev, h);
         }
-        if (quota_ >= 0 && static_cast<int64_t>(w.blocks.size() + n) > quota_) {
+        if (quota_ >= 0 && static_cast<int64_t>(w.size() + n) > quota_) {
             // Keep the leading blocks that fit: a chain's prefix is still a true prefix.
             size_t room = 0, fresh = 0;
             for (uint64_t eh : ev.hashes) {
-                fresh += w.blocks.find(eh) == nullptr;
-                if (static_cast<int64_t>(w.blocks.size() + fresh) > quota_) break;
+                fresh += w.find(eh) == nullptr;
+                if (static_cast<int64_t>(w.size() + fresh) > quota_) break;
                 ++room;
             }
             if (room < n) {
@@ -556,13 +623,8 @@ class EventApplier {
         for (size_t i = 0; i < n; ++i) {
             const uint64_t eh = ev.hashes[i];
             const uint64_t last = router_[(i + 1) * k - 1];
-            bool inserted;
-            BlockRef& ref = w.blocks.get_or_insert(eh, inserted);
-            ref.router = last;
-            ref.tiers |= tbit;
+            w.store(eh, last, static_cast<uint8_t>(tbit));
             if (k > 1) w.spans[eh].assign(router_.begin() + i * k, router_.begin() + (i + 1) * k - 1);
-            bool ins2;
-            w.engine_of.get_or_insert(last, ins2) = eh;
         }
         index_.store(slot, router_.data(), router_.size(), ev.tier, has_parent, parent);
         return nullptr;

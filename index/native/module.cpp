@@ -648,8 +648,8 @@ PYBIND11_MODULE(_native, m) {
                  check_slot(slot);
                  py::dict out;
                  Core::Lock l(c.mu);
-                 c.applier.worker(slot).blocks.for_each([&](uint64_t eh, BlockRef& ref) {
-                     out[py::int_(eh)] = py::int_(ref.router);
+                 c.applier.worker(slot).for_each([&](uint64_t eh, uint64_t router) {
+                     out[py::int_(eh)] = py::int_(router);
                  });
                  return out;
              })
@@ -659,7 +659,7 @@ PYBIND11_MODULE(_native, m) {
                  std::vector<uint64_t> hs = u64s(engine_hashes);
                  py::list out;
                  Core::Lock l(c.mu);
-                 auto& blocks = c.applier.worker(slot).blocks;
+                 auto& blocks = c.applier.worker(slot);
                  for (uint64_t eh : hs) out.append(py::bool_(blocks.find(eh) != nullptr));
                  return out;
              })
@@ -668,11 +668,11 @@ PYBIND11_MODULE(_native, m) {
             std::vector<uint64_t> hs = u64s(router_hashes), out;
             {
                 Core::Lock l(c.mu);
-                auto& eo = c.applier.worker(slot).engine_of;
+                auto& w = c.applier.worker(slot);
+                uint64_t eh;
                 for (uint64_t rh : hs) {
-                    const uint64_t* eh = eo.find(rh);
-                    if (!eh) break;
-                    out.push_back(*eh);
+                    if (!w.engine_of(rh, eh)) break;
+                    out.push_back(eh);
                 }
             }
             return to_list(out);

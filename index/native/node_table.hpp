@@ -1,13 +1,13 @@
 // Nodes by 64-bit key: the nodes live in fixed chunks that never move (a node's 4-byte
 // id stays valid until it is erased, growth copies nothing and leaves no 2x vector
-// slack), found through an open-addressing table of 4-byte slots, each an id and 5 bits
-// of the key's hash (a probe reads a node only on a tag match: 1 in 32 of the others).
+// slack), found through an IdIndex: an open-addressing table of 4-byte slots, each an id
+// and 5 bits of the key's hash (a probe reads a node only on a tag match: 1 in 32 of the
+// others).
 //
-// Why: the index's per-(block, worker) bytes. A FlatMap slot holding the node inline
-// pays its empty slots at the node's size (32 B at a mean load of ~0.65: ~49 B a block);
-// here an empty slot costs 4 B and a node exactly its size (32 B + ~6 B a block).
-// Linear probing, backward-shift deletion; the table grows by 1.5x at a load of 0.85.
-// ``Node`` must have a ``uint64_t key``.
+// Why: per-(block, worker) bytes. A FlatMap slot holding the node inline pays its empty
+// slots at the node's size (32 B at a mean load of ~0.65: ~49 B a block); here an empty
+// slot costs 4 B and a node exactly its size (32 B + ~6 B a block). Linear probing,
+// backward-shift deletion; the table grows by 1.5x at a load of 0.85.
 #pragma once
 
 #include <cstddef>
@@ -18,17 +18,136 @@
 
 namespace cr {
 
-template <class Node>
-class NodeTable {
+// Ids by key, the key of an id read through ``key_of(id)`` (the table keeps no keys).
+class IdIndex {
    public:
     static constexpr uint32_t NONE = 0xFFFFFFFFu;
     static constexpr int ID_BITS = 27;
     static constexpr uint32_t ID_MASK = (1u << ID_BITS) - 1;
-    static constexpr uint32_t MAX_NODES = ID_MASK - 1;  // slot = tag << 27 | (id + 1)
+    static constexpr uint32_t MAX_IDS = ID_MASK - 1;  // slot = tag << 27 | (id + 1)
 
     size_t size() const { return size_; }
+    size_t bytes() const { return slots_.capacity() * sizeof(uint32_t); }
+    bool full() const { return (size_ + 1) * 20 > slots_.size() * 17; }
+    size_t next_capacity() const { return slots_.size() < 16 ? 16 : slots_.size() * 3 / 2; }
+
+    template <class K>
+    uint32_t find(uint64_t key, const K& key_of) const {
+        const size_t i = locate(key, key_of);
+        return i == NPOS ? NONE : (slots_[i] & ID_MASK) - 1;
+    }
+
+    // Adds ``key`` -> ``id`` (the caller checked ``full()`` first and grew); ``key``
+    // must be absent.
+    void add(uint64_t key, uint32_t id) {
+        const uint64_t h = mix(key);
+        size_t i = home(h);
+        while (slots_[i]) i = next(i);
+        slots_[i] = (tag_of(h) << ID_BITS) | (id + 1);
+        ++size_;
+    }
+
+    // Points ``key`` at ``id``, replacing what it pointed at; grows when needed.
+    template <class K>
+    void put(uint64_t key, uint32_t id, const K& key_of) {
+        const size_t i = locate(key, key_of);
+        if (i != NPOS) {
+            slots_[i] = (slots_[i] & ~ID_MASK) | (id + 1);
+            return;
+        }
+        if (full()) regrow(key_of);
+        add(key, id);
+    }
+
+    // The id ``key`` pointed at (now unlinked), or NONE.
+    template <class K>
+    uint32_t erase(uint64_t key, const K& key_of) {
+        size_t i = locate(key, key_of);
+        if (i == NPOS) return NONE;
+        const uint32_t id = (slots_[i] & ID_MASK) - 1;
+        // Backward shift: pull later members of the probe run into the hole.
+        for (size_t j = i;;) {
+            j = next(j);
+            const uint32_t s = slots_[j];
+            if (!s) break;
+            const size_t k = home(mix(key_of((s & ID_MASK) - 1)));
+            const bool stays = i <= j ? (i < k && k <= j) : (i < k || k <= j);
+            if (stays) continue;
+            slots_[i] = s;
+            i = j;
+        }
+        slots_[i] = 0;
+        --size_;
+        return id;
+    }
+
+    // A new table of ``cap`` slots holding the ids ``each_id`` hands out (in the order
+    // of the nodes themselves: sequential reads).
+    template <class K, class Each>
+    void rebuild(size_t cap, const K& key_of, const Each& each_id) {
+        std::vector<uint32_t>(cap, 0).swap(slots_);
+        size_ = 0;
+        each_id([&](uint32_t id) { add(key_of(id), id); });
+    }
+
+    void clear() {
+        std::vector<uint32_t>().swap(slots_);
+        size_ = 0;
+    }
+
+   private:
+    static constexpr size_t NPOS = ~size_t{0};
+
+    static uint64_t mix(uint64_t k) {
+        k ^= k >> 33;
+        k *= 0xFF51AFD7ED558CCDULL;
+        k ^= k >> 33;
+        return k;
+    }
+    static uint32_t tag_of(uint64_t h) { return static_cast<uint32_t>(h & 31); }
+    size_t home(uint64_t h) const {
+        return static_cast<size_t>((static_cast<__uint128_t>(h) * slots_.size()) >> 64);
+    }
+    size_t next(size_t i) const { return i + 1 == slots_.size() ? 0 : i + 1; }
+
+    template <class K>
+    size_t locate(uint64_t key, const K& key_of) const {
+        if (slots_.empty()) return NPOS;
+        const uint64_t h = mix(key);
+        const uint32_t tag = tag_of(h);
+        for (size_t i = home(h);; i = next(i)) {
+            const uint32_t s = slots_[i];
+            if (!s) return NPOS;
+            if ((s >> ID_BITS) == tag && key_of((s & ID_MASK) - 1) == key) return i;
+        }
+    }
+
+    // Grown from its own slots (for an index that does not hold every node).
+    template <class K>
+    void regrow(const K& key_of) {
+        std::vector<uint32_t> old;
+        old.swap(slots_);
+        slots_.assign(old.size() < 16 ? 16 : old.size() * 3 / 2, 0);
+        size_ = 0;
+        for (uint32_t s : old)
+            if (s) add(key_of((s & ID_MASK) - 1), (s & ID_MASK) - 1);
+    }
+
+    std::vector<uint32_t> slots_;
+    size_t size_ = 0;
+};
+
+// Nodes in chunks plus an IdIndex over their ``key`` (``Node`` must have a
+// ``uint64_t key``).
+template <class Node>
+class NodeTable {
+   public:
+    static constexpr uint32_t NONE = IdIndex::NONE;
+    static constexpr uint32_t MAX_NODES = IdIndex::MAX_IDS;
+
+    size_t size() const { return index_.size(); }
     size_t bytes() const {
-        return slots_.capacity() * sizeof(uint32_t) + chunks_.size() * CHUNK * sizeof(Node) +
+        return index_.bytes() + chunks_.size() * CHUNK * sizeof(Node) +
                chunks_.capacity() * sizeof(void*) + free_.capacity() * sizeof(uint32_t) +
                used_.capacity() * sizeof(uint64_t);
     }
@@ -37,17 +156,7 @@ class NodeTable {
     const Node& at(uint32_t id) const { return chunks_[id >> CHUNK_BITS][id & (CHUNK - 1)]; }
     bool used(uint32_t id) const { return id < top_ && (used_[id >> 6] >> (id & 63)) & 1; }
 
-    uint32_t find(uint64_t key) const {
-        if (slots_.empty()) return NONE;
-        const uint64_t h = mix(key);
-        const uint32_t tag = tag_of(h);
-        const size_t cap = slots_.size();
-        for (size_t i = home(h); ; i = i + 1 == cap ? 0 : i + 1) {
-            const uint32_t s = slots_[i];
-            if (!s) return NONE;
-            if ((s >> ID_BITS) == tag && at((s & ID_MASK) - 1).key == key) return (s & ID_MASK) - 1;
-        }
-    }
+    uint32_t find(uint64_t key) const { return index_.find(key, key_of()); }
 
     Node* get(uint64_t key) {
         const uint32_t id = find(key);
@@ -56,47 +165,23 @@ class NodeTable {
 
     // The id of ``key``'s node; a new one (value-initialized but for the key) when absent.
     uint32_t insert(uint64_t key, bool& inserted) {
-        if ((size_ + 1) * 20 > slots_.size() * 17) rehash(slots_.size() < 16 ? 16 : slots_.size() * 3 / 2);
-        const uint64_t h = mix(key);
-        const uint32_t tag = tag_of(h);
-        const size_t cap = slots_.size();
-        size_t i = home(h);
-        for (;; i = i + 1 == cap ? 0 : i + 1) {
-            const uint32_t s = slots_[i];
-            if (!s) break;
-            if ((s >> ID_BITS) == tag && at((s & ID_MASK) - 1).key == key) {
-                inserted = false;
-                return (s & ID_MASK) - 1;
-            }
-        }
-        const uint32_t id = allocate();
+        uint32_t id = find(key);
+        inserted = id == NONE;
+        if (!inserted) return id;
+        if (index_.full())
+            index_.rebuild(index_.next_capacity(), key_of(), [&](auto add) {
+                for_each([&](uint32_t i, Node&) { add(i); });
+            });
+        id = allocate();
         Node& n = at(id);
         n = Node{};
         n.key = key;
-        slots_[i] = (tag << ID_BITS) | (id + 1);
-        ++size_;
-        inserted = true;
+        index_.add(key, id);
         return id;
     }
 
     void erase(uint32_t id) {
-        const size_t cap = slots_.size();
-        const uint32_t want = id + 1;
-        size_t i = home(mix(at(id).key));
-        while ((slots_[i] & ID_MASK) != want) i = i + 1 == cap ? 0 : i + 1;
-        // Backward shift: pull later members of the probe run into the hole.
-        for (size_t j = i;;) {
-            j = j + 1 == cap ? 0 : j + 1;
-            const uint32_t s = slots_[j];
-            if (!s) break;
-            const size_t k = home(mix(at((s & ID_MASK) - 1).key));
-            const bool stays = i <= j ? (i < k && k <= j) : (i < k || k <= j);
-            if (stays) continue;
-            slots_[i] = s;
-            i = j;
-        }
-        slots_[i] = 0;
-        --size_;
+        index_.erase(at(id).key, key_of());
         used_[id >> 6] &= ~(uint64_t{1} << (id & 63));
         free_.push_back(id);
     }
@@ -111,19 +196,20 @@ class NodeTable {
             }
     }
 
+    void clear() {
+        index_.clear();
+        chunks_.clear();
+        std::vector<uint32_t>().swap(free_);
+        std::vector<uint64_t>().swap(used_);
+        top_ = 0;
+    }
+
    private:
     static constexpr int CHUNK_BITS = 14;  // 16K nodes a chunk
     static constexpr uint32_t CHUNK = 1u << CHUNK_BITS;
 
-    static uint64_t mix(uint64_t k) {
-        k ^= k >> 33;
-        k *= 0xFF51AFD7ED558CCDULL;
-        k ^= k >> 33;
-        return k;
-    }
-    static uint32_t tag_of(uint64_t h) { return static_cast<uint32_t>(h & 31); }
-    size_t home(uint64_t h) const {
-        return static_cast<size_t>((static_cast<__uint128_t>(h) * slots_.size()) >> 64);
+    auto key_of() const {
+        return [this](uint32_t id) -> uint64_t { return at(id).key; };
     }
 
     uint32_t allocate() {
@@ -132,7 +218,7 @@ class NodeTable {
             id = free_.back();
             free_.pop_back();
         } else {
-            if (top_ >= MAX_NODES) throw std::length_error("the native index holds at most 2**27 - 2 blocks");
+            if (top_ >= MAX_NODES) throw std::length_error("a native table holds at most 2**27 - 2 keys");
             id = top_++;
             if ((id >> CHUNK_BITS) >= chunks_.size()) chunks_.emplace_back(new Node[CHUNK]);
             if ((id >> 6) >= used_.size()) used_.push_back(0);
@@ -141,23 +227,11 @@ class NodeTable {
         return id;
     }
 
-    // Rebuilt from the nodes in id order (sequential reads, not the old table's order).
-    void rehash(size_t cap) {
-        std::vector<uint32_t>(cap, 0).swap(slots_);
-        for_each([&](uint32_t id, Node& n) {
-            const uint64_t h = mix(n.key);
-            size_t i = home(h);
-            while (slots_[i]) i = i + 1 == cap ? 0 : i + 1;
-            slots_[i] = (tag_of(h) << ID_BITS) | (id + 1);
-        });
-    }
-
-    std::vector<uint32_t> slots_;
+    IdIndex index_;
     std::vector<std::unique_ptr<Node[]>> chunks_;
     std::vector<uint32_t> free_;
     std::vector<uint64_t> used_;  // bit per id: in use
     uint32_t top_ = 0;            // ids below it were handed out once
-    size_t size_ = 0;
 };
 
 }  // namespace cr
