@@ -4,6 +4,8 @@ through the real index, codec and the router's two-sided choice."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -114,3 +116,21 @@ def test_replay_runs_a_pd_pool(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "PREFILL+DECODE" in capsys.readouterr().err
     assert main([*argv, "--policies", "round_robin", "--jobs", "1"]) == 0
     assert "PD rule" in capsys.readouterr().out
+
+
+def test_bench_pd_hits_decomposes_the_prefill_hit_rate(tmp_path: Path) -> None:
+    path = write_sessions(tmp_path / "t.jsonl", sessions=8, turns=4, gap_ms=4.0, turn_tokens=40)
+    bench = Path(__file__).resolve().parent.parent / "bench" / "pd_hits.py"
+    argv = [sys.executable, str(bench), "--trace", str(path), "--block-size", "16"]
+    argv += ["--workers", "2", "--prefill-workers", "2", "--rules", "cache_router,sglang_pd"]
+    argv += ["--params", '{"recompute_weight": 4}', "--decode-params", '{"transfer_weight": 0}']
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["rule"] for r in rows] == ["cache_router", "sglang_pd"]
+    assert rows[0]["params"] == {"recompute_weight": 4} and rows[1]["params"] == {}
+    assert rows[0]["decode_params"] == {"transfer_weight": 0} and rows[1]["decode_params"] == {}
+    for r in rows:
+        assert 0 <= r["index_chosen"] <= r["index_best"] <= 1
+        assert r["left_holder_hit_rate"] == pytest.approx(r["index_best"] - r["index_chosen"])
+        assert 0 < r["hit_rate"] <= 1 and sum(r["prefills_per_engine"].values()) == 32

@@ -1,0 +1,135 @@
+"""Where a PD rule's prefill-side hit rate goes, per rule on a trace. JSON out, one line each.
+
+The PD simulator (``sim/pd.py``, as ``cache-router replay --prefill-workers``) with each
+prefill choice recorded against the router's index at that moment:
+
+- ``index_best``: the hit rate had every prefill gone to the prefill engine with the
+  longest match (what the placement so far makes reachable);
+- ``index_chosen``: the match on the engine the rule picked (``index_best -
+  index_chosen`` is what the choice gave up, ``left_holder_*`` the requests that did);
+- ``hit_rate``: what the engines delivered (above ``index_chosen``: blocks stored or
+  prefetched between the choice and the admission);
+- ``distinct_share``: distinct blocks / blocks held over the prefill engines, sampled
+  every 200 prefills (below 1: the same prefix computed on several engines).
+
+    flock /work/bench.lock nice -n 5 python3 bench/pd_hits.py --trace T --limit 2000 \\
+        --rules cache_router,sglang_pd [--params '{"recompute_weight": 8}'] \\
+        [--decode-params '{"transfer_weight": 0}'] [--seed 1] [--predict-ttl-ms 3000]
+
+``--params`` go to the prefill policy of every rule whose prefill side is
+``cache_aware``, ``--decode-params`` to a ``decode_load`` decode side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import orjson
+
+from index.hashing import cacheable_blocks
+from policies.base import WorkerView
+from policies.pd import DecodeLoad, PdDecision
+from sim.pd import PdSimulation, parse_rule
+from sim.request import SimRequest
+from sim.simulator import SimConfig
+from sim.traces import load_trace
+
+_SAMPLE_EVERY = 200
+
+
+class Recorded(PdSimulation):
+    """The PD simulator, recording each prefill choice against the index."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.choices: dict[int, tuple[int, int, str]] = {}  # best, chosen, engine
+        self.distinct: list[float] = []
+
+    def _send_prefill(self, req: SimRequest, pd: PdDecision, views: list[WorkerView]) -> None:
+        assert pd.prefill is not None
+        cap = cacheable_blocks(req.input_len, self.block_size)
+        best = max(min(v.match.total, cap) for v in views)
+        chosen = next(min(v.match.total, cap) for v in views if v.worker_id == pd.prefill.worker_id)
+        self.choices[req.idx] = (best, chosen, pd.prefill.worker_id)
+        if len(self.choices) % _SAMPLE_EVERY == 0:
+            held = [self.engines[i].cache.gpu_hashes() for i in self.prefill_slots]
+            total = sum(len(h) for h in held)
+            self.distinct.append(round(len(set().union(*held)) / max(total, 1), 3))
+        super()._send_prefill(req, pd, views)
+
+
+def run(trace: Any, rule: str, args: argparse.Namespace) -> dict[str, Any]:
+    prefill, decode = parse_rule(rule)
+    config = SimConfig(
+        workers=args.workers,
+        prefill_workers=args.prefill_workers,
+        seed=args.seed,
+        predict_ttl_ms=args.predict_ttl_ms,
+    )
+    params = args.params if prefill == "cache_aware" else None
+    started = time.perf_counter()
+    sim = Recorded(trace, rule, config, policy_params=params)
+    if decode == DecodeLoad.name and args.decode_params:
+        sim.decode_policy = DecodeLoad(random.Random(config.seed + 1), **args.decode_params)
+    report = sim.run()
+    bs = sim.block_size
+    tokens = sum(r.input_len for r in sim.requests) or 1
+    left = [(b, c) for b, c, _ in sim.choices.values() if c < b]
+    return {
+        "rule": rule,
+        "params": params or {},
+        "decode_params": args.decode_params if decode == DecodeLoad.name else {},
+        "seed": args.seed,
+        "hit_rate": report["hit_rate"],
+        "index_best": sum(b for b, _, _ in sim.choices.values()) * bs / tokens,
+        "index_chosen": sum(c for _, c, _ in sim.choices.values()) * bs / tokens,
+        "left_holder_requests": len(left),
+        "left_holder_hit_rate": sum(b - c for b, c in left) * bs / tokens,
+        "distinct_share": sim.distinct,
+        "prefills_per_engine": dict(sorted(Counter(e for *_, e in sim.choices.values()).items())),
+        "prefill_tokens_computed": sum(sim.engines[i].prefill_tokens for i in sim.prefill_slots),
+        "prefetch_hints": report["prefetch_hints"],
+        "ttft_p90_ms": report["ttft_p90_ms"],
+        "tpot_p90_ms": report["tpot_p90_ms"],
+        "prefill_queue_mean_ms": report["prefill_queue_mean_ms"],
+        "wall_s": time.perf_counter() - started,
+    }
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    value = orjson.loads(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--trace", required=True)
+    parser.add_argument("--limit", type=int)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--rules", default="cache_router,sglang_pd")
+    parser.add_argument("--workers", type=int, default=4, help="decode engines")
+    parser.add_argument("--prefill-workers", type=int, default=4)
+    parser.add_argument("--params", type=_json_object, default={})
+    parser.add_argument("--decode-params", type=_json_object, default={})
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--predict-ttl-ms", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    trace = load_trace(args.trace, block_size=args.block_size, limit=args.limit)
+    for rule in args.rules.split(","):
+        sys.stdout.write(orjson.dumps(run(trace, rule.strip(), args)).decode() + "\n")
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
