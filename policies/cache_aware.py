@@ -22,9 +22,13 @@ by the first queued request, so it cannot pull the pool onto one worker.
 The recompute term is the pool's side of the bill: tokens recomputed although a peer
 holds them are paid once in this request's TTFT and once more by the pool, as compute
 that later requests queue behind and as a second copy that evicts other prefixes. At
-weight 1 a request leaves the holder when the holder's queue costs more than twice
-the saving. (In the trace-replay simulator this raised the hit rate by 1-2 points at
-no TTFT cost; weight 0 is the pure TTFT estimate.)
+weight ``w`` a request leaves the holder when the holder's queue costs more than
+``1 + w`` times the saving; weight 0 is the pure TTFT estimate. The default 3 was
+swept on every trace of ``bench/sweep.py`` (12 settings, 3 seeds; BENCHMARKS.md): against
+weight 1 it keeps 0.6-0.9 more hit points on the Mooncake traces (within a point of
+``sglang_cache_aware`` there, p90 still 0.88-0.97x the best other's), the same hit
+rate on chat and agent traces, p90 within a few percent except ``agent`` x3 seed 1
+(6.8 -> 10.0 s, ``sglang_cache_aware`` 15.6 s).
 
 Prefetch, only where it pays: when a worker ``S`` holds more leading blocks locally than
 the target can reach and the transfer from ``S`` fits in ``prefetch_fraction`` of the
@@ -143,7 +147,7 @@ class CacheAware(Policy):
         costs: EngineCosts | Mapping[str, Any] | None = None,
         prefetch: bool = True,
         prefetch_fraction: float = 0.5,
-        recompute_weight: float = 1.0,
+        recompute_weight: float = 3.0,
         copy_weight: float = 0.5,
         session_load: float = 1.25,
         learn_speed: bool = False,

@@ -379,7 +379,7 @@ def test_cache_aware_ties_break_at_random_not_by_list_order() -> None:
 def test_cache_aware_scores_explain_the_choice() -> None:
     ws = views(2, inflight_prefill_tokens=100, inflight_requests=1, decode_streams=0)
     ws[0].match = tm(gpu=2, cpu=1, disk=1)
-    d = make_policy("cache_aware").select(req(chain(37, 10)), ws)
+    d = make_policy("cache_aware", recompute_weight=1).select(req(chain(37, 10)), ws)
     for s in d.scores.values():
         assert set(s) == set(SCORE_KEYS)
         assert s["ttft_ms"] == pytest.approx(s["queue_ms"] + s["prefill_ms"] + s["load_ms"])
@@ -399,7 +399,7 @@ def test_cache_aware_recompute_weight_keeps_a_prefix_on_its_holder_longer() -> N
     # 100 tokens queued + one step: ~11 ms, between the saving and twice the saving
     ws[0].inflight_requests, ws[0].inflight_prefill_tokens = 1, 100
     pure = make_policy("cache_aware", random.Random(0), recompute_weight=0)
-    pooled = make_policy("cache_aware", random.Random(0))
+    pooled = make_policy("cache_aware", random.Random(0), recompute_weight=1)
     assert pure.select(req(hashes), ws).worker_id == "w1"  # the queue outweighs the hit
     assert pooled.select(req(hashes), ws).worker_id == "w0"  # not once the pool's bill counts
     ws[0].inflight_prefill_tokens = 2000  # a long queue still sends the request away
@@ -451,7 +451,8 @@ def test_policy_scores_equal_the_reference_cost_model(
         w.worker_id = f"w{i}"
     costs = EngineCosts()
     r = req(chain(40, 24), extra_tokens=extra)
-    d = make_policy("cache_aware", random.Random(0), prefetch=prefetch).select(r, ws)
+    policy = make_policy("cache_aware", random.Random(0), prefetch=prefetch, recompute_weight=1)
+    d = policy.select(r, ws)
     for w in ws:
         s = d.scores[w.worker_id]
         m = w.match if w.in_sync else TierMatch(0, 0, 0, 0)
