@@ -14,10 +14,12 @@ the bottleneck); ``direct`` is the engine alone. Phases, all printed as one JSON
 - ``multi_turn``: one conversation growing by ~1K tokens a turn to 32K, the whole
   conversation sent each turn;
 - ``interference``: short chat requests' p99 alone, then while a second client sends
-  cold 128K-token chat prompts back to back;
+  cold 128K-token chat prompts back to back (24 distinct ones, cycled);
 - ``saturation``: short chat requests at concurrency 32 through 1, 4 and 16 workers;
 - ``idle_cpu_ms_per_s``: what the router burns with no request (health checks, load
-  scrapes); it is inside every per-request CPU figure, amortized over the requests.
+  scrapes); it is inside every per-request CPU figure, amortized over the requests;
+- ``cache_router_no_forecast``: cache-router with ``forecast_tracked = 0``, to show what
+  the online capacity forecast (index/reuse.py, on the event loop) costs per request.
 
 The tokenizer is the given ``tokenizer.json`` (Llama's SentencePiece BPE from
 tests/real_engines/make_model.py) with ``<|im_start|>``/``<|im_end|>`` added as special
@@ -320,6 +322,10 @@ def commands(urls: list[str], tok_dir: str, peers_py: str | None) -> dict[str, l
             "--policy", "cache_aware", "--tokenizer", tok_dir, "--log-level", "error",
         ],
     }  # fmt: skip
+    # the same with the capacity forecast off: what its analysis costs (py-spy had it at
+    # about half the CPU of a repeated 128K-token prompt, on the event loop)
+    no_forecast = ["env", "CACHE_ROUTER_FORECAST_TRACKED=0", *out["cache_router"]]
+    out["cache_router_no_forecast"] = no_forecast
     if peers_py is not None:
         out["sglang_router"] = [
             peers_py, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
@@ -405,7 +411,8 @@ def main() -> None:
             turns.append(http("/v1/chat/completions", body, session="conv"))
             messages.append({"role": "assistant", "content": texts.of(512)})
             turn_tokens += 1024
-        long = [chat(texts.of(lengths[-1])) for _ in range(3)]
+        # cold: distinct prompts (a repeated one would find its segments cached)
+        long = [chat(texts.of(lengths[-1])) for _ in range(3 if args.quick else 24)]
 
         result: dict[str, Any] = {
             "load_average_1m_start": os.getloadavg()[0],
@@ -532,7 +539,7 @@ def _ratios(result: dict[str, Any], lengths: tuple[int, ...]) -> dict[str, Any]:
         }
         out["short_p99_under_128k_client_over_idle"] = {
             name: result[name]["interference"]["p99_busy_over_idle"]
-            for name in ("cache_router", "sglang_router", "vllm_router")
+            for name in ("cache_router", "cache_router_no_forecast", "sglang_router", "vllm_router")
             if name in result
         }
     return out
