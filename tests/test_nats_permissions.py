@@ -37,31 +37,50 @@ async def connect(url: str, creds: dict[str, str], errors: list[Exception]) -> A
     return await nats.connect(url, error_cb=on_error, allow_reconnect=False, **creds)
 
 
+async def delivered(agent: Any, subject: str, got: list[tuple[str, bytes]]) -> None:
+    """The agent's own message on ``subject`` reaches the watcher's subscription (sent again
+    until it does): nats-py 2.16's flush() writes its PING ahead of the commands still
+    queued, so a SUB it "flushed" may reach the server after the next publish (that first
+    message was lost in 3 of 100 tries here). Sent again after the forgeries, it also
+    marks their turn: the agent's messages arrive in order, a forgery let through first."""
+    seen = len(got)
+
+    async def arrived() -> bool:
+        await agent.publish(subject, b"own")
+        await agent.flush()
+        await asyncio.sleep(0.05)
+        return len(got) > seen
+
+    await until(arrived, timeout=15, what=f"the agent's own {subject}")
+
+
 async def test_an_agent_cannot_speak_for_another_worker(server: EmbeddedNats) -> None:
     errors: list[Exception] = []
     router = await connect(server.url, {"user": "router", "password": "router-demo-secret"}, errors)
     agent = await connect(server.url, AGENT0, errors)
-    got: list[str] = []
+    got: list[tuple[str, bytes]] = []
 
     async def on_msg(msg: Any) -> None:
-        got.append(msg.subject)
+        got.append((msg.subject, msg.data))
 
     try:
-        await router.subscribe("kv.events.>", cb=on_msg)
+        # kv.load.* first: the server takes one client's commands in order, so once the
+        # agent's events reach the router, its kv.load.* subscription is in place too
         await router.subscribe("kv.load.*", cb=on_msg)
+        await router.subscribe("kv.events.>", cb=on_msg)
         await router.flush()
-        await agent.publish("kv.events.engine-0", b"own")
+        await delivered(agent, "kv.events.engine-0", got)
         await agent.publish("kv.events.engine-1", b"forged")  # another worker's events
         await agent.publish("kv.load.engine-1", b"forged")
         await agent.flush()
         await router.publish("kv.events.engine-0", b"a router forging events")
         await router.flush()
         await until(lambda: len(errors) >= 3, what="three permission violations")
-        await asyncio.sleep(0.2)
+        await delivered(agent, "kv.events.engine-0", got)  # after the forgeries
     finally:
         await agent.close()
         await router.close()
-    assert got == ["kv.events.engine-0"]
+    assert set(got) == {("kv.events.engine-0", b"own")}
     assert all("permissions violation" in str(e).lower() for e in errors), errors
 
 
@@ -143,10 +162,10 @@ async def test_the_region_profile_users_are_held_to_their_cluster(server: Embedd
     router = await connect(server.url, REGION_A, errors)
     agent = await connect(server.url, AGENT_A0, errors)
     watcher = await connect(server.url, {"user": "router", "password": "router-demo-secret"}, [])
-    got: list[str] = []
+    got: list[tuple[str, bytes]] = []
 
     async def on_msg(msg: Any) -> None:
-        got.append(msg.subject)
+        got.append((msg.subject, msg.data))
 
     forged = [
         (agent, "cluster-a.events.a-engine-1"),  # another worker of its cluster
@@ -164,7 +183,7 @@ async def test_the_region_profile_users_are_held_to_their_cluster(server: Embedd
         await watcher.subscribe("cluster-b.>", cb=on_msg)
         await router.flush()
         await watcher.flush()
-        await agent.publish("cluster-a.events.a-engine-0", b"own")
+        await delivered(agent, "cluster-a.events.a-engine-0", got)
         for client, subject in forged:
             await client.publish(subject, b"forged")
         await agent.flush()
@@ -172,12 +191,12 @@ async def test_the_region_profile_users_are_held_to_their_cluster(server: Embedd
         await router.subscribe("cluster-b.events.>")  # reading the other cluster
         await router.flush()
         await until(lambda: len(errors) > len(forged), what="every forgery refused")
-        await asyncio.sleep(0.2)
+        await delivered(agent, "cluster-a.events.a-engine-0", got)  # after the forgeries
     finally:
         await agent.close()
         await router.close()
         await watcher.close()
-    assert got == ["cluster-a.events.a-engine-0"]
+    assert set(got) == {("cluster-a.events.a-engine-0", b"own")}
     assert all("permissions violation" in str(e).lower() for e in errors), errors
     assert any('subscription to "cluster-b.events.>"' in str(e).lower() for e in errors), errors
 
