@@ -132,3 +132,44 @@ async def test_a_bad_entry_does_not_stop_the_analysis() -> None:
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_the_analysis_runs_off_the_event_loop_while_reports_are_read() -> None:
+    """The analysis thread and readers on the loop: every request analysed, on the
+    forecast's own thread, every report readable meanwhile (the lock between them)."""
+    import asyncio
+    import random
+    import threading
+
+    from index.capacity import Sampling
+    from router.capacity import CapacityWatch
+    from router.workers import WorkerRegistry
+
+    watch = CapacityWatch(WorkerRegistry(RouterConfig()), Sampling(max_tracked=512))
+    threads: set[str] = set()
+    observe = watch.drain
+
+    def drain(budget_s: float | None = None) -> int:
+        threads.add(threading.current_thread().name)
+        return observe(budget_s)
+
+    watch.drain = drain  # type: ignore[method-assign]
+    rng = random.Random(3)
+    task = asyncio.create_task(watch.run())
+    try:
+        for i in range(120):
+            hashes = [rng.getrandbits(64) for _ in range(2048)]
+            watch.record(f"model-{i % 3}", 16, f"w{i % 4}", hashes, 2048 * 16)
+            if i % 10 == 0:
+                reports = watch.reports()["models"]
+                assert all(r["model"] in reports for r in reports.values())
+                await asyncio.sleep(0)
+        await until(lambda: watch.analysed == 120, timeout=60, what="every request analysed")
+        models = watch.reports()["models"]
+        assert sorted(models) == ["model-0", "model-1", "model-2"]
+        assert sum(m["requests"] for m in models.values()) == 120
+        assert watch.errors == 0
+        assert threads and all(t.startswith("forecast") for t in threads)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
