@@ -20,6 +20,7 @@ import zmq
 import zmq.asyncio
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from stack import subscribed
 from stack import until as wait_until
 
 from agent.node import AgentConfig, NodeAgent
@@ -85,7 +86,7 @@ class RouterSide:
 
     async def start(self) -> RouterSide:
         await self.nc.subscribe(f"kv.events.{self.worker}", cb=self._on_event)
-        await self.nc.flush()
+        await subscribed(self.nc)
         return self
 
     async def _on_event(self, msg: Msg) -> None:
