@@ -26,9 +26,10 @@ weight ``w`` a request leaves the holder when the holder's queue costs more than
 ``1 + w`` times the saving; weight 0 is the pure TTFT estimate. The default 3 was
 swept on every trace of ``bench/sweep.py`` (12 settings, 3 seeds; BENCHMARKS.md): against
 weight 1 it keeps 0.6-0.9 more hit points on the Mooncake traces (within a point of
-``sglang_cache_aware`` there, p90 still 0.88-0.97x the best other's), the same hit
-rate on chat and agent traces, p90 within a few percent except ``agent`` x3 seed 1
-(6.8 -> 10.0 s, ``sglang_cache_aware`` 15.6 s).
+``sglang_cache_aware`` there, p90 still 0.88-0.97x the best other's, 2-3 % above
+weight 1's), the same hit rate on chat and agent traces with p90 within 2 %, except
+``agent`` at 3x load (p90 4.3 -> 6.0 s on the mean, still a third of
+``sglang_cache_aware``'s) and at 2x on 16 engines (1151 -> 1026 ms).
 
 Prefetch, only where it pays: when a worker ``S`` holds more leading blocks locally than
 the target can reach and the transfer from ``S`` fits in ``prefetch_fraction`` of the
