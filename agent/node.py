@@ -57,7 +57,7 @@ from index.wire import (
     Subjects,
     worker_id_error,
 )
-from router.bus import nats_options
+from router.bus import nats_options, subscriptions_in_place
 from router.jetstream import StreamSpec
 from router.jetstream import ensure_stream as ensure_event_stream
 from router.ratelog import RateLimitedLog
@@ -136,7 +136,8 @@ class NodeAgent:
         await self.nc.subscribe(self.replay_subject, cb=self._on_replay)
         await self.nc.subscribe(self.prefetch_subject, cb=self._on_prefetch)
         await self.nc.subscribe(self.blocks_subject, cb=self._on_blocks)
-        await self.nc.flush()
+        # not flush(): it can return before the SUBs reach the server (see the helper)
+        await subscriptions_in_place(self.nc)
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 0)  # never drop here: the engine's replay is bounded

@@ -189,3 +189,19 @@ class Bus:
                 await asyncio.wait_for(self.nc.drain(), timeout=2)
             except Exception:  # closing anyway
                 await self.nc.close()
+
+
+async def subscriptions_in_place(nc: Client, timeout: float = 10.0) -> None:
+    """Every subscription made on ``nc`` so far is in place on the server (bounded).
+
+    nats-py 2.16's ``flush()`` writes its PING ahead of the commands still queued, so a
+    SUB it "flushed" can reach the server after another client's next publish (a probe lost
+    that first message 19 times in 300 under load). The server takes one client's commands
+    in order: the echo of a message published after the SUBs proves them."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    try:
+        await nc.publish(inbox, b"")
+        await sub.next_msg(timeout=timeout)
+    finally:
+        await sub.unsubscribe()
