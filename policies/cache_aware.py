@@ -405,7 +405,9 @@ class CacheAware(Policy):
         """(worker, blocks): the leading blocks of ``request`` that its session's last
         request, routed and not finished, computes (or holds) on its worker."""
         session = request.session_key
-        last = self._last.get(session) if session is not None else None
+        if session is None:
+            return None, 0
+        last = self._last.get(session)
         if last is None:
             return None, 0
         routed = self._routed.get(last[0])
