@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -137,3 +137,17 @@ def expected_hit_blocks(decision: Decision, chosen: WorkerView) -> int:
     hit = score.get("hit_blocks") if score else None
     own = chosen.match.total
     return int(hit) if hit is not None and hit > own else own
+
+
+def prefix_depth(n: int, held: Callable[[int], bool]) -> int:
+    """The largest ``d <= n`` with ``held(d - 1)`` true, for a ``held`` that is true up to
+    some depth and false after (block hashes chain their parents, so what holds block i
+    holds every block before it): a binary search over depth."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if held(mid - 1):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

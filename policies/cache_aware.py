@@ -111,6 +111,7 @@ from .base import (
     PrefetchHint,
     RouteRequest,
     WorkerView,
+    prefix_depth,
 )
 from .cost_model import EngineCosts, admit_wait_ms, estimate_ttft_prefetched, prefetch_fits
 from .selection import argmin_random, healthy
@@ -415,16 +416,8 @@ class CacheAware(Policy):
             del self._last[session]
             return None, 0
         a, b = last[1], request.block_hashes
-        # block hashes chain their parents: equal at i means equal before i, so the
-        # common prefix is found by bisection
-        lo, hi = 0, min(len(a), len(b))
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if a[mid - 1] == b[mid - 1]:
-                lo = mid
-            else:
-                hi = mid - 1
-        return routed[0], lo
+        # chained hashes: equal at i means equal before i
+        return routed[0], prefix_depth(min(len(a), len(b)), lambda i: a[i] == b[i])
 
     def _release(self, worker_id: str, tokens: int) -> None:
         left = self._active.get(worker_id, 0) - tokens

@@ -26,7 +26,7 @@ import math
 import random
 from collections.abc import Sequence
 
-from .base import Decision, Policy, RouteRequest, WorkerView
+from .base import Decision, Policy, RouteRequest, WorkerView, prefix_depth
 from .selection import argmin_random, healthy
 
 
@@ -48,14 +48,7 @@ class _Active:
         refs = self.refs
         if not refs:
             return 0
-        lo, hi = 0, len(hashes)
-        while lo < hi:
-            mid = (lo + hi + 1) >> 1
-            if hashes[mid - 1] in refs:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return prefix_depth(len(hashes), lambda i: hashes[i] in refs)
 
     def add(self, hashes: Sequence[int], partial: int) -> None:
         refs = self.refs

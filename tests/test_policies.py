@@ -252,3 +252,18 @@ def test_session_affinity_without_key_is_least_load() -> None:
     d = policy.select(req(0, None), views)
     assert d.worker_id == "w1"
     assert "least load" in d.reason
+
+
+@given(st.integers(0, 64), st.integers(0, 64))
+def test_prefix_depth_is_the_first_depth_not_held(n, held_up_to):
+    from policies.base import prefix_depth
+
+    calls: list[int] = []
+
+    def held(i: int) -> bool:
+        calls.append(i)
+        return i < held_up_to
+
+    assert prefix_depth(n, held) == min(n, held_up_to)
+    assert all(0 <= i < n for i in calls)
+    assert len(calls) <= n.bit_length()  # a search, not a scan
