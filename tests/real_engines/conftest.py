@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from vllm_engine import HERE, Engine, engine_python, lora_flags
+from vllm_engine import HERE, Engine, engine_python, lora_flags, running
 
 
 @pytest.fixture(scope="module")
@@ -38,15 +38,8 @@ def engines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         # tcp, bound by vLLM on loopback: the other way users configure it
         Engine("e1", python, model_dir, work, {**base, ints: "1"}, transport="tcp", extra=lora),
     ]
-    try:
-        for e in out:
-            e.start()
-        for e in out:
-            e.wait_ready()
+    with running(out):
         yield out
-    finally:
-        for e in out:
-            e.stop()
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +49,8 @@ def dp_engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     work = tmp_path_factory.mktemp("vllm-dp")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
     engine = Engine("d0", engine_python(), model_dir, work, env, transport="tcp", dp_size=2)
-    try:
-        engine.start()
-        engine.wait_ready()
+    with running([engine]):
         yield engine
-    finally:
-        engine.stop()
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +68,5 @@ def sw_engine(sw_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     work = tmp_path_factory.mktemp("vllm-sw")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
     engine = Engine("s0", engine_python(), sw_model_dir, work, env, gpu_blocks=128)
-    try:
-        engine.start()
-        engine.wait_ready()
+    with running([engine]):
         yield engine
-    finally:
-        engine.stop()

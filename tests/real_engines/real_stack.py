@@ -102,6 +102,13 @@ class Stack:
         await asyncio.sleep(0.3)  # vLLM publishes a step's events after its output
         await until(self.synced, timeout=30, what="router applied every batch")
 
+    async def finish(self, name: str, out: Path) -> dict[str, Any] | None:
+        """The checker's summary (None if it never started), then everything stopped."""
+        try:
+            return self.check.summary(name, out) if self.check is not None else None
+        finally:
+            await self.stop()
+
     async def stop(self) -> None:
         if self.check is not None:
             await self.check.close()

@@ -89,11 +89,7 @@ async def test_vllm_predicted_hits_equal_cached_tokens(
             await check.send(f"after-restart.{i}", "completion", prompt=long_prompt(7 - i, 100))
             await s.settle()
     finally:
-        summary = None
-        if s.check is not None:
-            out = model_dir.parent / "real_engines_summary.json"
-            summary = s.check.summary("two-engines", out)
-        await s.stop()
+        summary = await s.finish("two-engines", model_dir.parent / "real_engines_summary.json")
     assert summary is not None
     assert summary["mismatches"] == [], summary
     assert summary["cached_tokens"] > 0  # warm requests did hit

@@ -48,10 +48,7 @@ async def test_each_rank_is_indexed_and_routed_on_its_own(
                 await check.send(f"new{i}.{turn}", "completion", prompt=long_prompt(i, 40))
                 await s.settle()
     finally:
-        summary = None
-        if s.check is not None:
-            summary = s.check.summary("dp-ranks", model_dir.parent / "real_engines_dp.json")
-        await s.stop()
+        summary = await s.finish("dp-ranks", model_dir.parent / "real_engines_dp.json")
     assert summary is not None
     assert summary["mismatches"] == [], summary
     assert summary["cached_tokens"] > 0

@@ -22,7 +22,7 @@ import openai
 import orjson
 import pytest
 from stack import Served
-from vllm_engine import BLOCK, MODEL, Engine, engine_python
+from vllm_engine import BLOCK, MODEL, Engine, engine_python, running
 
 from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
@@ -57,15 +57,8 @@ def pd_engines(
         PdEngine("p0", python, model_dir, work, env, kv_role="kv_producer", storage=str(storage)),
         PdEngine("d0", python, model_dir, work, env, kv_role="kv_consumer", storage=str(storage)),
     ]
-    try:
-        for e in out:
-            e.start()
-        for e in out:
-            e.wait_ready()
+    with running(out):
         yield out
-    finally:
-        for e in out:
-            e.stop()
 
 
 @pytest.fixture

@@ -35,11 +35,8 @@ async def test_a_sliding_window_model_predicts_its_cached_tokens(
         await check.send("fork", "completion", prompt=long_prompt(2, 60) + " another tail")
         await s.settle()
     finally:
-        summary = None
-        if s.check is not None:
-            out = sw_model_dir.parent / "real_engines_sliding_window.json"
-            summary = s.check.summary("sliding-window", out)
-        await s.stop()
+        out = sw_model_dir.parent / "real_engines_sliding_window.json"
+        summary = await s.finish("sliding-window", out)
     assert summary is not None
     assert summary["mismatches"] == [], summary
     assert summary["cached_tokens"] > 0

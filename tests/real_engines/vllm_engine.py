@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -182,3 +183,17 @@ class Engine:
     def log_tail(self) -> str:
         text = (self.workdir / f"{self.name}.log").read_text(errors="replace")
         return text[-3000:]
+
+
+@contextlib.contextmanager
+def running(engines: Sequence[Engine]) -> Iterator[None]:
+    """Every engine started (all at once: their loads overlap), then ready; all stopped after."""
+    try:
+        for e in engines:
+            e.start()
+        for e in engines:
+            e.wait_ready()
+        yield
+    finally:
+        for e in engines:
+            e.stop()
