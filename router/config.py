@@ -708,11 +708,16 @@ def pool_roles_error(pool: str, roles: AbstractSet[str]) -> str | None:
     return None
 
 
-def role_error(spec: WorkerSpec) -> str | None:
-    """Why a worker's role cannot be served: a prefill or decode engine's DP ranks would
-    need the rank chosen on both sides of the transfer, which router.pd does not do."""
-    if spec.role != "mixed" and spec.dp_size > 1:
-        return f"worker {spec.id}: a {spec.role} worker takes no dp_size (ranks are mixed only)"
+def role_error(spec: WorkerSpec, protocol: PdProtocol) -> str | None:
+    """Why a worker's role cannot be served: an SGLang prefill or decode engine with DP
+    ranks reads its rank from the body (``routed_dp_rank``), never from vLLM's header, so
+    a rank sent there would be lost and the index would match against the wrong cache."""
+    sglang = protocol == "sglang" and spec.role != "mixed"
+    if sglang and spec.dp_size > 1 and spec.dp_field == "header":
+        return (
+            f"worker {spec.id}: an SGLang {spec.role} worker with dp_size > 1 takes "
+            'dp_field = "routed_dp_rank" (or "data_parallel_rank", its older name)'
+        )
     return None
 
 
@@ -720,7 +725,7 @@ def _validate_roles(cfg: RouterConfig) -> None:
     roles: dict[str, set[str]] = {}
     for w in cfg.workers:
         roles.setdefault(w.pool, set()).add(w.role)
-        if (error := role_error(w)) is not None:
+        if (error := role_error(w, cfg.pd_protocol)) is not None:
             raise ConfigError(error)
     for pool, found in roles.items():
         error = pool_roles_error(pool, found)

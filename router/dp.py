@@ -52,6 +52,29 @@ def split_target(tid: str) -> tuple[str, int | None]:
     return tid, None
 
 
+def rank_headers(
+    headers: list[tuple[bytes, bytes]], rank: int | None, field: DpField
+) -> list[tuple[bytes, bytes]]:
+    """``headers`` with the rank header for ``rank`` (unchanged when None); a client's own
+    is replaced: the router's choice is the one the index matched against."""
+    if rank is None:
+        return headers
+    out = [h for h in headers if h[0] != DP_HEADER]
+    if field == "header":
+        out.append((DP_HEADER, str(rank).encode()))
+    return out
+
+
+def rank_body(body: dict[str, Any], rank: int | None, field: DpField) -> dict[str, Any]:
+    """``body`` with ``rank`` in the engine's field (``body`` itself when the rank goes in a
+    header or is None); a client's own rank fields are replaced."""
+    if rank is None or field == "header":
+        return body
+    out = {k: v for k, v in body.items() if k not in ("routed_dp_rank", "data_parallel_rank")}
+    out[field] = rank
+    return out
+
+
 def forward_rank(
     headers: list[tuple[bytes, bytes]],
     raw: bytes,
@@ -59,17 +82,6 @@ def forward_rank(
     rank: int | None,
     field: DpField,
 ) -> tuple[list[tuple[bytes, bytes]], bytes]:
-    """Headers and body that pin the request to ``rank`` (unchanged when None).
-
-    A client's own rank header or field is replaced: the router's choice is the one the
-    index matched against.
-    """
-    if rank is None:
-        return headers, raw
-    headers = [h for h in headers if h[0] != DP_HEADER]
-    if field == "header":
-        headers.append((DP_HEADER, str(rank).encode()))
-        return headers, raw
-    out = {k: v for k, v in body.items() if k not in ("routed_dp_rank", "data_parallel_rank")}
-    out[field] = rank
-    return headers, orjson.dumps(out)
+    """Headers and body that pin the request to ``rank`` (unchanged when None)."""
+    out = rank_body(body, rank, field)
+    return rank_headers(headers, rank, field), raw if out is body else orjson.dumps(out)

@@ -18,6 +18,10 @@ the protocol the engines speak (``pd_protocol``), as their own proxies do it:
   to both engines at once: the decode engine registers in the room, the prefill engine
   sends the KV there. The decode engine's answer goes to the client.
 
+Either side may be a DP rank of its engine (router/dp.py): each choice is a (worker,
+rank) target, and each request carries its own engine's rank (``_sglang_pair`` says how
+SGLang's decode engine learns the prefill's).
+
 Failures, without duplicated work:
 
 - the prefill side fails before the decode engine has produced anything (connect
@@ -57,6 +61,7 @@ from prometheus_client import Counter, Histogram
 
 from policies.base import Decision, NoWorkerError, Policy, WorkerView
 from policies.pd import PdDecision, choose, make_decode_policy
+from router.dp import forward_rank, rank_body, rank_headers
 from router.errors import ApiError
 from router.load import Flight
 from router.proxy import Failure, send_failure
@@ -239,16 +244,17 @@ class PdRouter:
 
     # -- deciding ---------------------------------------------------------------------
     def decide(self, prep: Prepared, exclude: set[str] | frozenset[str] = frozenset()) -> PdChoice:
-        """Both choices among usable workers; ``ApiError`` 503 without a decode engine."""
+        """Both choices among usable targets (a worker, or one of its DP ranks:
+        router/dp.py); ``ApiError`` 503 without a decode engine."""
         st = self.state
         views = st.router.views(prep, exclude)
-        roles = {w.id: w.role for w in prep.workers}
+        roles = {t: w.role for w in prep.workers for t in w.targets}
         prefill = [v for v in views if roles.get(v.worker_id) == "prefill"]
         decode = [v for v in views if roles.get(v.worker_id) == "decode"]
         if prep.parsed.kind not in PD_KINDS:
             prefill = []  # the Responses and Messages APIs carry neither protocol's fields
         if prep.pinned is not None:
-            decode = [v for v in decode if v.worker_id == prep.pinned]
+            decode = [v for v in decode if _worker_of(st, v.worker_id) == prep.pinned]
             prefill = []
         if not decode:
             raise ApiError(
@@ -306,15 +312,18 @@ class PdRouter:
         if not any(k == b"x-request-id" for k, _ in headers):
             headers.append((b"x-request-id", req.request_id.encode()))
         path = proxy.path
+        # ``forward_token_ids``: both engines get the router's ids, so the prefill engine
+        # computes (and the decode engine receives) the blocks the index hashed
+        raw, body = prep.engine_body(raw)
         exclude: set[str] = set()
         # vLLM: the transfer params and the prefill engine holding their blocks, kept for
         # a retried decode engine (the blocks wait there until one pulls them)
-        done: tuple[Worker, dict[str, Any] | None, float] | None = None
+        done: tuple[Target, dict[str, Any] | None, float] | None = None
         while True:
             choice = self.decide(prep, exclude)
             d = choice.decision
-            decode = st.registry.get(d.decode.worker_id)
-            prefill = None if d.prefill is None else st.registry.get(d.prefill.worker_id)
+            decode = _target(st, d.decode.worker_id)
+            prefill = None if d.prefill is None else _target(st, d.prefill.worker_id)
             gone = d.decode.worker_id if decode is None else None
             if d.prefill is not None and prefill is None:
                 gone = d.prefill.worker_id
@@ -324,23 +333,30 @@ class PdRouter:
                 continue
             try:
                 if prefill is None:
-                    resp, flight = await self._local(decode, choice, prep, raw, headers, path)
+                    resp, flight = await self._local(decode, choice, prep, raw, body, headers, path)
                     prefilled = time.perf_counter()
                 elif self.protocol == "vllm":
                     if done is None:
-                        params = await self._vllm_prefill(prefill, choice, prep, headers, path)
+                        params = await self._vllm_prefill(
+                            prefill, choice, prep, body, headers, path
+                        )
                         done = (prefill, params, time.perf_counter())
                     prefill, params, prefilled = done
-                    body = raw if params is None else vllm_decode_body(prep.parsed.body, params)
-                    resp, flight = await self._send_decode(decode, prep, body, headers, 0, path)
+                    w = decode.worker
+                    if params is None:
+                        sent, out = forward_rank(headers, raw, body, decode.rank, w.dp_field)
+                    else:
+                        sent = rank_headers(headers, decode.rank, w.dp_field)
+                        out = vllm_decode_body(rank_body(body, decode.rank, w.dp_field), params)
+                    resp, flight = await self._send_decode(decode, prep, out, sent, 0, path)
                 else:
                     resp, flight = await self._sglang_pair(
-                        prefill, decode, choice, prep, headers, path
+                        prefill, decode, choice, prep, body, headers, path
                     )
                     prefilled = time.perf_counter()
             except _Failed as f:
                 self.finish(prep, d)
-                if f.worker is prefill:
+                if prefill is not None and f.worker is prefill.worker:
                     done = None
                 proxy._failed(f.worker, f.failure, f.error, prep.arm, exclude)
                 continue
@@ -360,8 +376,8 @@ class PdRouter:
         ex: Exchange,
         prep: Prepared,
         choice: PdChoice,
-        decode: Worker,
-        prefill: Worker | None,
+        decode: Target,
+        prefill: Target | None,
         resp: Response,
         flight: Flight,
         prefilled: float,
@@ -371,8 +387,8 @@ class PdRouter:
         req = prep.request
         d = choice.decision
         arm = prep.arm
-        answering = prefill or decode  # whose cache the prompt's hit was counted on
-        hit = choice.hit(answering.id, req.block_size)
+        answering = (prefill or decode).id  # whose cache the prompt's hit was counted on
+        hit = choice.hit(answering, req.block_size)
         path = "local" if prefill is None else "remote"
         self.metrics.requests.labels("decode", decode.id, path).inc()
         sides = (arm, st.experiment.policy_for(arm).name, self.decode_for(arm).name)
@@ -382,7 +398,7 @@ class PdRouter:
         try:
             if d.prefill is not None and d.prefill.prefetch is not None:
                 await st.hints.publish(d.prefill.prefetch, req, prep.pool)
-            st.router.predict(prep, answering.id)
+            st.router.predict(prep, answering)
             if prefill is not None:
                 st.router.predict(prep, decode.id)  # the transferred blocks land there too
             series = st.metrics.series(arm, decode.id)
@@ -391,7 +407,7 @@ class PdRouter:
             series.routed_hit_tokens.inc(hit)
             if st.capacity is not None and req.block_hashes:  # where the prompt is cached
                 st.capacity.record(
-                    req.model, req.block_size, answering.id, req.block_hashes, req.num_tokens, 0
+                    req.model, req.block_size, answering, req.block_hashes, req.num_tokens, 0
                 )
             remote = prefill is not None
             await proxy._stream(
@@ -410,20 +426,22 @@ class PdRouter:
 
     async def _local(
         self,
-        decode: Worker,
+        decode: Target,
         choice: PdChoice,
         prep: Prepared,
         raw: bytes,
+        body: dict[str, Any],
         headers: list[tuple[bytes, bytes]],
         path: str,
     ) -> tuple[Response, Flight]:
-        """The decode engine prefills the prompt itself: the client's body unchanged."""
+        """The decode engine prefills the prompt itself: the client's body (with its rank)."""
         uncached = max(0, prep.request.num_tokens - choice.hit(decode.id, prep.request.block_size))
-        return await self._send_decode(decode, prep, raw, headers, uncached, path)
+        sent, out = forward_rank(headers, raw, body, decode.rank, decode.worker.dp_field)
+        return await self._send_decode(decode, prep, out, sent, uncached, path)
 
     async def _send_decode(
         self,
-        decode: Worker,
+        decode: Target,
         prep: Prepared,
         body: bytes,
         headers: list[tuple[bytes, bytes]],
@@ -431,12 +449,13 @@ class PdRouter:
         path: str,
     ) -> tuple[Response, Flight]:
         st = self.state
-        flight = decode.load.begin(prefill_tokens)
+        w = decode.worker
+        flight = w.rank_load(decode.rank).begin(prefill_tokens)
         try:
-            resp = await st.upstream.send(decode.url, path, headers, body, st.cfg.request_timeout)
+            resp = await st.upstream.send(w.url, path, headers, body, st.cfg.request_timeout)
         except UpstreamError as exc:
             flight.finish()
-            raise _Failed(decode, send_failure(exc), exc) from exc
+            raise _Failed(w, send_failure(exc), exc) from exc
         except BaseException:
             flight.finish()
             raise
@@ -444,18 +463,23 @@ class PdRouter:
 
     async def _vllm_prefill(
         self,
-        prefill: Worker,
+        prefill: Target,
         choice: PdChoice,
         prep: Prepared,
+        body: dict[str, Any],
         headers: list[tuple[bytes, bytes]],
         path: str,
     ) -> dict[str, Any] | None:
         """The prefill exchange; the ``kv_transfer_params`` its answer carries. None from
         a connector that keys the KV by the prompt itself (vLLM's ExampleConnector and
         shared-storage ones answer without them): the decode request goes as the client
-        sent it and its engine's connector finds the KV, as vLLM's toy proxy does."""
-        body = vllm_prefill_body(prep.parsed.body)
-        answer = await self._prefill_exchange(prefill, choice, prep, headers, body, path)
+        sent it and its engine's connector finds the KV, as vLLM's toy proxy does. With
+        DP ranks the params name the prefill rank's own engine (vLLM gives each rank its
+        engine id and side-channel port), so the decode engine pulls from that rank."""
+        field = prefill.worker.dp_field
+        sent = rank_headers(headers, prefill.rank, field)
+        out = vllm_prefill_body(rank_body(body, prefill.rank, field))
+        answer = await self._prefill_exchange(prefill, choice, prep, sent, out, path)
         params = transfer_params(answer)
         if params is None:
             self.metrics.requests.labels("prefill", prefill.id, "no_transfer_params").inc()
@@ -463,7 +487,7 @@ class PdRouter:
 
     async def _prefill_exchange(
         self,
-        prefill: Worker,
+        prefill: Target,
         choice: PdChoice,
         prep: Prepared,
         headers: list[tuple[bytes, bytes]],
@@ -479,61 +503,79 @@ class PdRouter:
         req = prep.request
         d = choice.decision
         assert d.prefill is not None
-        hit = choice.hit(prefill.id, req.block_size)
-        flight = prefill.load.begin(max(0, req.num_tokens - hit))
-        queue_ms = d.prefill.scores.get(prefill.id, {}).get("queue_ms")
+        w, tid = prefill.worker, prefill.id
+        hit = choice.hit(tid, req.block_size)
+        flight = w.rank_load(prefill.rank).begin(max(0, req.num_tokens - hit))
+        queue_ms = d.prefill.scores.get(tid, {}).get("queue_ms")
         if queue_ms is not None:
-            self.metrics.phase.labels("prefill_queue", prefill.id).observe(queue_ms / 1000.0)
-        self.metrics.requests.labels("prefill", prefill.id, "remote").inc()
+            self.metrics.phase.labels("prefill_queue", tid).observe(queue_ms / 1000.0)
+        self.metrics.requests.labels("prefill", tid, "remote").inc()
         started = time.perf_counter()
         resp: Response | None = None
         try:
-            resp = await st.upstream.send(prefill.url, path, headers, body, st.cfg.request_timeout)
+            resp = await st.upstream.send(w.url, path, headers, body, st.cfg.request_timeout)
             if accepted is not None and resp.status < 400:
                 accepted.append((resp, flight))
                 return b""
             answer = await _read(resp, st.cfg.request_timeout)
         except UpstreamError as exc:
-            st.metrics.error(prep.arm, prefill.id, "prefill_" + type(exc).__name__)
-            raise _Failed(prefill, prefill_failure(exc), exc) from exc
+            st.metrics.error(prep.arm, tid, "prefill_" + type(exc).__name__)
+            raise _Failed(w, prefill_failure(exc), exc) from exc
         finally:
             if accepted is None or not accepted:
                 flight.finish()
                 if resp is not None:
                     resp.close()
-        self.metrics.phase.labels("prefill", prefill.id).observe(time.perf_counter() - started)
+        self.metrics.phase.labels("prefill", tid).observe(time.perf_counter() - started)
         status = resp.status
         if status >= 500:
-            raise _Failed(prefill, PREFILL_STATUS, UpstreamError(f"prefill status {status}"))
+            raise _Failed(w, PREFILL_STATUS, UpstreamError(f"prefill status {status}"))
         if status >= 400:
             raise _EngineAnswer(status, answer)
-        st.registry.request_succeeded(prefill)
+        st.registry.request_succeeded(w)
         cached = _cached(answer)
         if cached is not None:
-            st.metrics.series(prep.arm, prefill.id).hit_tokens.inc(cached)
-            st.audit.record(prefill.id, hit, cached)
+            st.metrics.series(prep.arm, tid).hit_tokens.inc(cached)
+            st.audit.record(tid, hit, cached)
         return answer
 
     async def _sglang_pair(
         self,
-        prefill: Worker,
-        decode: Worker,
+        prefill: Target,
+        decode: Target,
         choice: PdChoice,
         prep: Prepared,
+        body: dict[str, Any],
         headers: list[tuple[bytes, bytes]],
         path: str,
     ) -> tuple[Response, Flight]:
         """Both engines at once with one bootstrap room; the decode engine's response
-        once the prefill engine has accepted the request too (its headers are in)."""
-        host = urlsplit(prefill.url).hostname or ""
-        port = prefill.bootstrap_port or self.bootstrap_port
-        room = self.rng.getrandbits(63)
-        body = sglang_body(prep.parsed.body, host, port, room)
+        once the prefill engine has accepted the request too (its headers are in).
+
+        DP ranks as SGLang's gateway names them: the prefill engine's rank in its field
+        (``routed_dp_rank``), the decode engine's in its own and the prefill's as
+        ``disagg_prefill_dp_rank`` (where the KV waits). The room is drawn with ``room %
+        prefill dp_size`` equal to the prefill rank: SGLang's PD load balancing
+        (``follow_bootstrap_room``) and an older decode engine's receiver
+        (``target_dp_group = bootstrap_room % prefill_dp_size``) read the rank from it.
+        Some older releases took a decode request's ``data_parallel_rank`` as the prefill's
+        DP group as well: with those, ranks of the two sides pair up only when equal."""
+        p, dec = prefill.worker, decode.worker
+        host = urlsplit(p.url).hostname or ""
+        port = p.bootstrap_port or self.bootstrap_port
+        room = bootstrap_room(self.rng, prefill.rank, p.dp_size)
+        p_body = sglang_body(rank_body(body, prefill.rank, p.dp_field), host, port, room)
+        d_fields = rank_body(body, decode.rank, dec.dp_field)
+        if prefill.rank is not None:
+            d_fields = {**d_fields, "disagg_prefill_dp_rank": prefill.rank}
+        d_body = sglang_body(d_fields, host, port, room)
+        p_headers = rank_headers(headers, prefill.rank, p.dp_field)
+        d_headers = rank_headers(headers, decode.rank, dec.dp_field)
         accepted: list[tuple[Response, Flight]] = []
         p_task = asyncio.ensure_future(
-            self._prefill_exchange(prefill, choice, prep, headers, body, path, accepted)
+            self._prefill_exchange(prefill, choice, prep, p_headers, p_body, path, accepted)
         )
-        d_task = asyncio.ensure_future(self._send_decode(decode, prep, body, headers, 0, path))
+        d_task = asyncio.ensure_future(self._send_decode(decode, prep, d_body, d_headers, 0, path))
         try:
             await _both(p_task, d_task)
         except BaseException:
@@ -567,6 +609,36 @@ class PdRouter:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass(slots=True, frozen=True)
+class Target:
+    """One side's engine: the worker, its DP rank (None: a worker without ranks) and the
+    target's name (router/dp.py), which labels its metrics and index rows."""
+
+    worker: Worker
+    rank: int | None
+    id: str
+
+
+def _target(st: ProxyDeps, tid: str) -> Target | None:
+    found = st.registry.target(tid)
+    return None if found is None else Target(found[0], found[1], tid)
+
+
+def _worker_of(st: ProxyDeps, tid: str) -> str | None:
+    found = st.registry.target(tid)
+    return None if found is None else found[0].id
+
+
+def bootstrap_room(rng: random.Random, rank: int | None, dp_size: int) -> int:
+    """A random 63-bit room whose remainder by ``dp_size`` is ``rank`` (any room when the
+    prefill engine has no ranks)."""
+    room = rng.getrandbits(63)
+    if rank is None or dp_size <= 1:
+        return room
+    room += rank - room % dp_size
+    return room if room < 1 << 63 else room - dp_size
 
 
 async def _both(

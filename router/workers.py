@@ -153,7 +153,7 @@ class WorkerRegistry:
             if other is not None and other is not pool:
                 raise ValueError(f"model {spec.model} is served by pool {other.name}")
         roles = {w.role for w in self._workers.values() if w.pool is pool} | {spec.role}
-        error = pool_roles_error(pool.name, roles) or role_error(spec)
+        error = pool_roles_error(pool.name, roles) or role_error(spec, self.cfg.pd_protocol)
         if error is not None:
             raise ValueError(error)
         worker = Worker(spec, pool)

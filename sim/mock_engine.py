@@ -269,6 +269,7 @@ class MockEngine:
             self.cache,
             self.timing,
             cfg.bootstrap_timeout,
+            cfg.dp_size,
         )
         # W3C trace context of recent requests (vLLM continues the trace it is handed)
         self.traceparents: deque[str | None] = deque(maxlen=1024)
@@ -314,10 +315,15 @@ class MockEngine:
     def pick_rank(self, headers: Any, body: Any) -> Rank:
         """The rank a request runs on: the one the router named (vLLM's
         ``X-data-parallel-rank`` header, SGLang's ``routed_dp_rank`` / ``data_parallel_rank``
-        field), else the least loaded, as vLLM's internal balancer does."""
+        field), else the least loaded, as vLLM's internal balancer does; an SGLang PD
+        request without one goes to ``bootstrap_room % dp_size`` (SGLang's default PD
+        balancing, ``follow_bootstrap_room``)."""
         named: Any = headers.get("x-data-parallel-rank")
         if named is None and isinstance(body, dict):
             named = body.get("routed_dp_rank", body.get("data_parallel_rank"))
+            room = body.get("bootstrap_room")
+            if named is None and isinstance(room, int) and self.cfg.role != "mixed":
+                named = room % len(self.ranks)
         if named is None:
             return min(self.ranks, key=lambda r: (r.load, r.rank))
         try:
@@ -473,12 +479,12 @@ class MockEngine:
             return JSONResponse(self.pd.pull(await _json(request)))
 
         @app.get("/mock/bootstrap/{room}")
-        async def bootstrap(room: int) -> Response:
-            return JSONResponse(self.pd.room(room))
+        async def bootstrap(room: int, dp_rank: int | None = None) -> Response:
+            return JSONResponse(self.pd.room(room, dp_rank))
 
         @app.post("/mock/bootstrap/{room}")
-        async def bootstrap_join(room: int) -> Response:
-            return JSONResponse(self.pd.join(room))
+        async def bootstrap_join(room: int, dp_rank: int | None = None) -> Response:
+            return JSONResponse(self.pd.join(room, dp_rank))
 
         return app
 
@@ -559,7 +565,8 @@ class MockEngine:
     async def _generate(self, kind: Kind, request: Request) -> Response:
         self.traceparents.append(request.headers.get("traceparent"))
         body = await _json(request)
-        plan = self.pd.plan(body) if isinstance(body, dict) else Plan("none")
+        rank = self.pick_rank(request.headers, body)
+        plan = self.pd.plan(body, rank.rank) if isinstance(body, dict) else Plan("none")
         adapter = body.get("model") if isinstance(body, dict) else None
         lora = adapter if adapter in self.cfg.lora_modules else None
         p = parse_params(kind, body, lora or self.cfg.model)
@@ -574,7 +581,6 @@ class MockEngine:
         else:
             prompt = self.text.completion(body["prompt"])
         seq = self._sequence(p, prompt, lora, keys)  # checked before any transfer
-        rank = self.pick_rank(request.headers, body)
         sched = rank.scheduler
         await self.pd.receive(
             plan, body, prompt, rank.cache, sched.flush_events, request.is_disconnected

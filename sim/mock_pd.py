@@ -25,6 +25,16 @@ either side; the role names what it is deployed as):
 
 The blocks a pull names must be the prompt's blocks as this engine hashes them (engines
 with one ``seed`` agree): a transfer of another prompt is a failed transfer.
+
+DP ranks (``dp_size`` > 1) as the engines keep them: each rank holds its own KV, so a
+transfer is between one prefill rank and one decode rank. vLLM names the prefill rank's
+engine in ``remote_engine_id`` (``<engine id>_dp<rank>``, as vLLM's DP engine cores
+suffix theirs); a pull names it back. SGLang's rooms live per prefill rank: a prefill
+runs on the rank its body names (``routed_dp_rank``), else on ``room % dp_size``
+(SGLang's ``follow_bootstrap_room``); a decode engine joins the room of the rank its
+``disagg_prefill_dp_rank`` names, else of ``room % dp_size`` (SGLang's receiver asks the
+bootstrap server for the prefill's dp size and takes the same remainder). A decode engine
+that joins another rank's room never gets the KV, and both sides time out, as in SGLang.
 """
 
 from __future__ import annotations
@@ -60,6 +70,7 @@ class Plan:
     side: Literal["none", "prefill", "decode"]
     protocol: Literal["vllm", "sglang", ""] = ""
     room: int | None = None
+    rank: int = 0  # the DP rank it runs on
 
 
 class PdSide:
@@ -74,6 +85,7 @@ class PdSide:
         hasher: PrefixCache,
         timing: Timing,
         bootstrap_timeout: float = BOOTSTRAP_TIMEOUT,
+        dp_size: int = 1,
     ) -> None:
         if not 0 < bootstrap_timeout <= 3600:
             raise ValueError(f"bootstrap_timeout must be in (0, 3600] s, got {bootstrap_timeout}")
@@ -84,10 +96,12 @@ class PdSide:
         self.hasher = hasher  # the engine's block hashes (every rank's are the same)
         self.timing = timing
         self.bootstrap_timeout = bootstrap_timeout
-        self.pending: OrderedDict[tuple[int, ...], float] = OrderedDict()  # blocks kept
-        # room -> "joined" (a decode engine, no prefill yet), "pending" (a prefill waiting for a
-        # decode engine), "ready" (both), "done", "failed"
-        self.rooms: OrderedDict[int, str] = OrderedDict()
+        self.dp_size = dp_size
+        # (the rank's engine id, blocks) -> when kept for a pull
+        self.pending: OrderedDict[tuple[str, tuple[int, ...]], float] = OrderedDict()
+        # (room, prefill rank) -> "joined" (a decode engine, no prefill yet), "pending"
+        # (a prefill waiting for a decode engine), "ready" (both), "done", "failed"
+        self.rooms: OrderedDict[tuple[int, int], str] = OrderedDict()
         self.counts: dict[str, int] = {
             "prefills": 0,
             "decodes": 0,
@@ -107,14 +121,18 @@ class PdSide:
         return self._client
 
     # -- requests -------------------------------------------------------------------
-    def plan(self, body: dict[str, Any]) -> Plan:
-        """The side this request takes; a prefill's body is cut to one token."""
+    def rank_engine_id(self, rank: int) -> str:
+        """The engine id of ``rank`` in transfer params (vLLM's DP engine cores')."""
+        return self.engine_id if self.dp_size <= 1 else f"{self.engine_id}_dp{rank}"
+
+    def plan(self, body: dict[str, Any], rank: int = 0) -> Plan:
+        """The side this request takes on ``rank``; a prefill's body is cut to one token."""
         params = body.get("kv_transfer_params")
         if isinstance(params, dict) and params.get("do_remote_decode"):
             body["max_tokens"] = 1
-            return Plan("prefill", "vllm")
+            return Plan("prefill", "vllm", rank=rank)
         if isinstance(params, dict) and params.get("do_remote_prefill"):
-            return Plan("decode", "vllm")
+            return Plan("decode", "vllm", rank=rank)
         room = body.get("bootstrap_room")
         if room is not None and self.role != "mixed":
             if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 1 << 64:
@@ -122,10 +140,10 @@ class PdSide:
             if self.role == "prefill":
                 body["max_tokens"] = 1
                 body.pop("max_completion_tokens", None)
-                joined = self.rooms.get(room) == "joined"
-                _put(self.rooms, room, "ready" if joined else "pending")
-                return Plan("prefill", "sglang", room)
-            return Plan("decode", "sglang", room)
+                joined = self.rooms.get((room, rank)) == "joined"
+                _put(self.rooms, (room, rank), "ready" if joined else "pending")
+                return Plan("prefill", "sglang", room, rank)
+            return Plan("decode", "sglang", room, rank)
         return Plan("none")
 
     async def receive(
@@ -141,7 +159,7 @@ class PdSide:
         rank's that will decode it) before decoding; ``flush`` sends its KV events. An
         SGLang prefill: wait for the decode engine to join the room first."""
         if plan.side == "prefill" and plan.protocol == "sglang" and plan.room is not None:
-            await self._wait_joined(plan.room, gone)
+            await self._wait_joined((plan.room, plan.rank), gone)
             return
         if plan.side != "decode":
             return
@@ -171,15 +189,16 @@ class PdSide:
             return None
         self.counts["prefills"] += 1
         if plan.protocol == "sglang" and plan.room is not None:
-            _put(self.rooms, plan.room, "done" if ok else "failed")
+            _put(self.rooms, (plan.room, plan.rank), "done" if ok else "failed")
             return None
         hashes = self.hasher.hash_blocks(prompt)
+        engine_id = self.rank_engine_id(plan.rank)
         if ok:
-            _put(self.pending, tuple(hashes), time.monotonic())
+            _put(self.pending, (engine_id, tuple(hashes)), time.monotonic())
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_engine_id": self.engine_id,
+            "remote_engine_id": engine_id,
             "remote_block_ids": hashes,
             "remote_host": self.host,
             "remote_port": self.port(),
@@ -188,35 +207,48 @@ class PdSide:
 
     # -- the other engine -------------------------------------------------------------
     def pull(self, request: Any) -> dict[str, Any]:
-        """``POST /mock/kv_pull``: hand over kept blocks (once)."""
+        """``POST /mock/kv_pull``: hand over kept blocks (once), from the rank whose
+        engine id the pull names."""
         ids = request.get("remote_block_ids") if isinstance(request, dict) else None
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
             raise ApiError(400, "remote_block_ids must be a list of ints", "invalid_value")
-        if self.pending.pop(tuple(ids), None) is None:
+        engine_id = request.get("remote_engine_id", self.engine_id)
+        if self.pending.pop((engine_id, tuple(ids)), None) is None:
             raise ApiError(404, "no such transfer (expired or pulled)", "transfer_not_found")
         return {"blocks": len(ids)}
 
-    def room(self, room: int) -> dict[str, Any]:
-        """``GET /mock/bootstrap/{room}``: how the prefill of a room is going."""
-        return {"room": room, "state": self.rooms.get(room, "unknown")}
+    def group(self, room: int, rank: int | None) -> int:
+        """The prefill rank whose room a decode engine means: the one it names, else
+        ``room % dp_size`` (SGLang's receiver without ``disagg_prefill_dp_rank``)."""
+        group = room % self.dp_size if rank is None else rank
+        if not 0 <= group < self.dp_size:
+            raise ApiError(400, f"prefill dp rank {rank} is out of range", "invalid_value")
+        return group
 
-    def join(self, room: int) -> dict[str, Any]:
-        """``POST /mock/bootstrap/{room}``: a decode engine joins the room (before or
-        after the prefill request arrived: the two are sent at once)."""
-        state = self.rooms.get(room)
+    def room(self, room: int, rank: int | None = None) -> dict[str, Any]:
+        """``GET /mock/bootstrap/{room}[?dp_rank=]``: how the prefill of a room is going."""
+        key = (room, self.group(room, rank))
+        return {"room": room, "dp_rank": key[1], "state": self.rooms.get(key, "unknown")}
+
+    def join(self, room: int, rank: int | None = None) -> dict[str, Any]:
+        """``POST /mock/bootstrap/{room}[?dp_rank=]``: a decode engine joins the room
+        (before or after the prefill request arrived: the two are sent at once)."""
+        key = (room, self.group(room, rank))
+        state = self.rooms.get(key)
         if state is None:
-            _put(self.rooms, room, "joined")
+            _put(self.rooms, key, "joined")
         elif state == "pending":
-            _put(self.rooms, room, "ready")
-        return self.room(room)
+            _put(self.rooms, key, "ready")
+        return self.room(room, rank)
 
-    async def _wait_joined(self, room: int, gone: Callable[[], Awaitable[bool]]) -> None:
-        """Hold the prefill until a decode engine joined ``room``; ApiError 500 after
+    async def _wait_joined(self, key: tuple[int, int], gone: Callable[[], Awaitable[bool]]) -> None:
+        """Hold the prefill until a decode engine joined the room; ApiError 500 after
         ``bootstrap_timeout`` (the room is failed: a late decode engine hears so)."""
+        room = key[0]
         deadline = time.monotonic() + self.bootstrap_timeout
-        while self.rooms.get(room) == "pending":
+        while self.rooms.get(key) == "pending":
             if time.monotonic() >= deadline or await gone():
-                _put(self.rooms, room, "failed")
+                _put(self.rooms, key, "failed")
                 self.counts["bootstrap_timeouts"] += 1
                 message = (
                     f"bootstrap room {room}: no decode engine joined within "
@@ -231,10 +263,9 @@ class PdSide:
         if ids != hashes:
             log.warning("kv pull: the transfer names other blocks than this prompt's")
             return False
+        pull = {"remote_block_ids": ids, "remote_engine_id": params.get("remote_engine_id")}
         try:
-            resp = await self.client().post(
-                f"http://{host}:{port}/mock/kv_pull", json={"remote_block_ids": ids}
-            )
+            resp = await self.client().post(f"http://{host}:{port}/mock/kv_pull", json=pull)
         except httpx.HTTPError as exc:
             log.warning("kv pull from %s:%s failed: %s", host, port, exc)
             return False
@@ -245,6 +276,9 @@ class PdSide:
     ) -> bool:
         where = f"{body.get('bootstrap_host')}:{body.get('bootstrap_port')}"
         url = f"http://{where}/mock/bootstrap/{room}"
+        rank = body.get("disagg_prefill_dp_rank")
+        if rank is not None:
+            url += f"?dp_rank={rank}"
         now = time.monotonic()
         deadline, reached = now + BOOTSTRAP_WAIT, now
         joined = False

@@ -99,3 +99,41 @@ async def test_fallback_tokens_and_batches_are_never_forwarded(tok_dir):
 def test_the_setting_is_off_by_default_and_layers():
     assert load_config(env={}).forward_token_ids is False
     assert load_config(env={"CACHE_ROUTER_FORWARD_TOKEN_IDS": "1"}).forward_token_ids is True
+
+
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+async def test_both_engines_of_a_disaggregated_pair_get_the_ids(tok_dir, protocol):
+    """The prefill engine computes, and the decode engine receives, the prompt the router
+    hashed: both get its ids (a vLLM pull names the prefill's block hashes of them)."""
+    ids, _ = HFTokenizer(tok_dir).completion(PROMPT)
+    engines = {}
+    for wid, role in (("p0", "prefill"), ("d0", "decode")):
+        engines[wid] = await MockEngine(
+            MockEngineConfig(
+                worker_id=wid,
+                block_size=4,
+                gpu_blocks=256,
+                timing=Timing(speed=200.0),
+                role=role,
+                bootstrap_timeout=5.0,
+            )
+        ).start()
+    specs = [
+        WorkerSpec(w, e.url, model="mock-model", role=e.cfg.role, bootstrap_port=e.port)
+        for w, e in engines.items()
+    ]
+    cfg = RouterConfig(
+        block_size=4, tokenizer=str(tok_dir), forward_token_ids=True,
+        pd_protocol=protocol, workers=specs,
+    )  # fmt: skip
+    served = await Served(RouterApp(cfg)).start()
+    try:
+        body = {"model": "mock-model", "prompt": PROMPT, "max_tokens": 3}
+        assert await _prompt_tokens(served.url, body) == len(ids)  # the decode engine's usage
+        assert engines["p0"].pd.counts["prefills"] == 1
+        assert engines["p0"].scheduler.prompt_tokens == len(ids)
+        assert engines["d0"].pd.counts["blocks_received"] == len(ids) // 4
+    finally:
+        await served.stop()
+        for e in engines.values():
+            await e.stop()

@@ -115,7 +115,6 @@ def test_bad_roles_say_what_is_wrong(workers, env, message):
     [
         ('role = "both"', "role must be"),
         ("bootstrap_port = 70000", "bootstrap_port"),
-        ('role = "decode"\ndp_size = 2', "takes no dp_size"),
     ],
 )
 def test_bad_worker_tables(tmp_path, extra, message):
@@ -123,6 +122,32 @@ def test_bad_worker_tables(tmp_path, extra, message):
     path.write_text(f'[[workers]]\nid = "d"\nurl = "http://127.0.0.1:1"\n{extra}\n')
     with pytest.raises(ConfigError, match=message):
         load_config(path, env={})
+
+
+@pytest.mark.parametrize(
+    ("protocol", "field"),
+    [("vllm", "header"), ("sglang", "routed_dp_rank"), ("sglang", "data_parallel_rank")],
+)
+def test_prefill_and_decode_workers_take_dp_ranks(tmp_path, protocol, field):
+    path = tmp_path / "r.toml"
+    rows = [
+        f'[[workers]]\nid = "{wid}"\nurl = "http://127.0.0.1:{port}"\nrole = "{role}"\n'
+        f'dp_size = 2\ndp_field = "{field}"\n'
+        for wid, port, role in (("p", 1, "prefill"), ("d", 2, "decode"))
+    ]
+    path.write_text(f'pd_protocol = "{protocol}"\n' + "".join(rows))
+    cfg = load_config(path, env={})
+    reg = WorkerRegistry(cfg)
+    for spec in cfg.workers:
+        reg.add(spec)
+    assert sorted(reg.sources()) == ["d-dp0", "d-dp1", "p-dp0", "p-dp1"]
+    assert {w.id: w.role for w in reg} == {"p": "prefill", "d": "decode"}
+    if protocol == "sglang":  # SGLang reads the rank from the body: a header would be lost
+        path.write_text(path.read_text().replace(field, "header"))
+        with pytest.raises(ConfigError, match="routed_dp_rank"):
+            load_config(path, env={})
+        with pytest.raises(ValueError, match="routed_dp_rank"):  # the admin API's add too
+            reg.add(WorkerSpec("d2", "http://127.0.0.1:3", role="decode", dp_size=2))
 
 
 def test_registry_keeps_a_pool_mixed_or_disaggregated():
