@@ -154,6 +154,10 @@ class NodeAgent:
 
     async def stop(self) -> None:
         self._stopping = True
+        if self._sub is not None:
+            # First, while the monitor socket is still open and read: see _monitor_loop.
+            with contextlib.suppress(zmq.ZMQError):
+                self._sub.disable_monitor()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -165,10 +169,7 @@ class NodeAgent:
             with contextlib.suppress(Exception):  # closing a half-dead connection
                 await self.nc.drain()
             self.nc = None
-        if self._sub is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._sub.disable_monitor()
-            self._sub = None
+        self._sub = None
         if self._http is not None:
             await self._http.aclose()
         self._ctx.destroy(linger=0)
@@ -258,20 +259,34 @@ class NodeAgent:
         """Whatever the engine published before a (re)connect is lost to the SUB socket
         (PUB/SUB slow joiner), and a dropped connection may be a restart, maybe one that
         keeps seqs rising. So on every connect, ask the engine's replay socket rather
-        than wait for a next batch that a quiet engine may never send."""
-        try:
-            while True:
-                event = parse_monitor_message(await monitor.recv_multipart())
-                if event["event"] == zmq.EVENT_DISCONNECTED:
-                    self._suspect_restart = True
-                    self.engine_connected = False
-                elif event["event"] == zmq.EVENT_CONNECTED:
-                    self.engine_connected = True
-                    async with self._engine_lock:
-                        await self._check_restart()
-                        await self._catch_up()
-        finally:
-            monitor.close(linger=0)
+        than wait for a next batch that a quiet engine may never send.
+
+        The monitor socket stays open and read until ``stop`` has disabled the monitor.
+        libzmq's I/O thread sends each monitor event with a blocking send, holding the
+        socket's monitor lock: with this end closed, the next connect or disconnect
+        blocks that thread for good, and with it every socket of the context; then
+        ``disable_monitor`` waits for the lock while holding the GIL, and the process
+        hangs where no timeout can fire (pyzmq #1020; seen here in ``stop`` after an
+        engine restart, about 1 run in 8 of tests/test_quiet_restart.py, and it hung
+        CI). So one bad event is counted, never the end of this loop, and the socket is
+        closed by the context's ``destroy`` in ``stop``, after the monitor is disabled."""
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            try:
+                await self._on_monitor_event(event["event"])
+            except Exception:
+                self.counters["internal_errors"] += 1
+                log.exception("failed to handle engine connection event %s", event)
+
+    async def _on_monitor_event(self, kind: int) -> None:
+        if kind == zmq.EVENT_DISCONNECTED:
+            self._suspect_restart = True
+            self.engine_connected = False
+        elif kind == zmq.EVENT_CONNECTED:
+            self.engine_connected = True
+            async with self._engine_lock:
+                await self._check_restart()
+                await self._catch_up()
 
     async def _watch_connection(self) -> None:
         """Two things a quiet engine would never bring up by itself, checked each second.

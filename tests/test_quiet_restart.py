@@ -13,6 +13,8 @@ engine's next batch (none came, since the router kept sending the prefix elsewhe
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 from stack import Served, until
@@ -83,3 +85,69 @@ async def test_a_quiet_engine_restarted_on_an_ipc_endpoint_is_cleared_in_the_rou
             await second.close()
         await agent.stop()
         await served.stop()
+
+
+_SCENARIO = """
+import asyncio, sys
+sys.path.insert(0, "tests")
+from stack import until
+from agent.node import AgentConfig, NodeAgent
+from index.codec import BlockStored
+from router.natsd import free_port
+from sim.mock_publisher import KvEventPublisher
+
+async def main(nats_url, tmp):
+    endpoint, replay = f"ipc://{tmp}/engine.events", f"tcp://127.0.0.1:{free_port()}"
+    pub = KvEventPublisher(endpoint, replay)
+    pub.start()
+    agent = NodeAgent(AgentConfig(worker_id="w", zmq_endpoint=endpoint,
+                                  replay_endpoint=replay, nats_url=nats_url, replay_timeout=0.5))
+    await agent.start()
+    try:
+        await until(lambda: agent.engine_connected, what="agent on the engine")
+
+        async def broken() -> None:
+            raise RuntimeError("a connect handler that fails")
+
+        agent._check_restart = broken
+        for _ in range(2):  # each restart: a disconnect, then a connect that fails
+            await pub.close()
+            await until(lambda: not agent.engine_connected, timeout=15, what="disconnect seen")
+            pub = KvEventPublisher(endpoint, replay)
+            pub.start()
+            await until(lambda: agent.engine_connected, timeout=15, what="reconnect seen")
+        before = agent.stats()["batches"]
+        for _ in range(50):  # PUB/SUB: the first ones may go before the SUB has joined
+            pub.publish([BlockStored([7], None, [1, 2, 3, 4], 4, medium="GPU")])
+            if agent.stats()["batches"] > before:
+                break
+            await asyncio.sleep(0.1)
+        assert agent.stats()["batches"] > before, "the agent no longer reads the engine"
+        assert agent.stats()["internal_errors"] == 2
+    finally:
+        await agent.stop()
+        await pub.close()
+    print("stopped")
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+def test_a_failing_connect_handler_neither_deafens_nor_hangs_the_agent(
+    nats_url: str, tmp_path: Path
+) -> None:
+    """Closing the ZMQ monitor socket while libzmq still sends it events blocks libzmq's
+    I/O thread, and then ``stop`` hangs holding the GIL (agent/node.py, _monitor_loop).
+    A subprocess: a hang must fail this test, not freeze the suite."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _SCENARIO, nats_url, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"the agent hung: {exc.stderr!r}") from None
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "stopped"
