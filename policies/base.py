@@ -66,17 +66,12 @@ class WorkerView:
     ) -> WorkerView:
         """The view the router and the simulator both build: a worker whose events are out
         of sync shows no match, since its index rows may name blocks it no longer holds."""
+        # positional: this runs for every candidate of every request
+        match = match if in_sync else NO_MATCH
         return cls(
-            worker_id=worker_id,
-            match=match if in_sync else NO_MATCH,
-            inflight_requests=inflight_requests,
-            inflight_prefill_tokens=inflight_prefill_tokens,
-            decode_streams=decode_streams,
-            engine_running=engine_running,
-            engine_waiting=engine_waiting,
-            kv_usage=kv_usage,
-            in_sync=in_sync,
-        )
+            worker_id, match, inflight_requests, inflight_prefill_tokens, decode_streams,
+            engine_running, engine_waiting, kv_usage, True, in_sync,
+        )  # fmt: skip
 
 
 # Where a prefetch target loads blocks from: the source's host memory over the network,

@@ -35,6 +35,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from router.coalesce import CoalescingTransport
 from router.errors import error_body
 from router.ratelog import RateLimitedLog
 
@@ -80,6 +81,9 @@ class GuardedHttpTools(HttpToolsProtocol):
     # -- connection ----------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        # every write of one iteration in one syscall (router.coalesce); reading and flow
+        # control stay on the transport itself
+        self.transport = CoalescingTransport(transport, self.loop)  # type: ignore[assignment]
         if len(self.connections) > self.limits.max_connections and not self._evict_one():
             _refusals.warning("connection refused: %d connections open", len(self.connections))
             self._refuse(503, "too many connections", "too_many_connections")

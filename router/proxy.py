@@ -458,9 +458,11 @@ class Proxy:
         out.append((self.worker_header, worker_id.encode()))
         if not st.cfg.gateway:  # what the index predicted; compare usage.cached_tokens
             out.append((HIT_HEADER, str(hit).encode()))
-        await send({"type": "http.response.start", "status": status, "headers": out})
-        ex.started = True
+        start = {"type": "http.response.start", "status": status, "headers": out}
         sse = (resp.header(b"content-type") or b"").startswith(b"text/event-stream")
+        if sse:  # a stream's head goes now; a whole answer's with its first bytes, so
+            ex.started = True  # both leave in one write (router.coalesce)
+            await send(start)
         cached = None
         tail = b""
         head = b""
@@ -483,6 +485,9 @@ class Proxy:
                 tail = chunk[-32:]
                 if resp.drained:  # the last chunk: end the response with it
                     ex.done = True
+                if not ex.started:
+                    ex.started = True
+                    await send(start)
                 await send({"type": "http.response.body", "body": chunk, "more_body": not ex.done})
         except UpstreamError as exc:
             st.metrics.error(arm, worker_id, "upstream_broken")
@@ -490,6 +495,9 @@ class Proxy:
                 st.registry.request_failed(worker, "broken stream")
                 st.registry.suspect(worker)
             if not sse:
+                if not ex.started:  # the status the engine sent, then the cut, as before
+                    ex.started = True
+                    await send(start)
                 raise  # abort the connection: the client must not take a cut body as whole
             ex.done = True
             await send(
@@ -498,6 +506,9 @@ class Proxy:
             return
         if not ex.done:
             ex.done = True
+            if not ex.started:  # an empty body
+                ex.started = True
+                await send(start)
             await send({"type": "http.response.body", "body": b""})
         if not prefilled_remotely:
             if cached is not None and series is not None:

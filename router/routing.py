@@ -250,30 +250,35 @@ class Router:
             matches = clip_matches(matches, hashes, groups, pool.index.holds, pool.block_size)
         stale = self.cfg.load_stale_after
         blind = self.blind is not None and self.blind(now)
+        in_sync = ingest.in_sync
         views = []
         for w in prep.workers:
             if w.id in exclude or not w.usable(now):
                 continue
+            # a DP rank counts this router's requests on it; the engine reports the sum
+            # over its ranks, shared out evenly
+            ranks = w.rank_loads
             engine = w.load.engine_fresh(stale, now)
-            ranks = len(w.rank_loads)
+            running = waiting = kv_usage = None
+            if engine is not None:
+                share = len(ranks) or 1
+                running, waiting = _share(engine.running, share), _share(engine.waiting, share)
+                kv_usage = engine.kv_usage
             for rank, tid in enumerate(w.targets):
                 if tid in exclude:
                     continue
-                # a DP rank counts this router's requests on it; the engine reports the
-                # sum over its ranks, shared out evenly
-                load = w.rank_loads[rank] if ranks else w.load
-                share = max(ranks, 1)
+                load = ranks[rank] if ranks else w.load
                 views.append(
                     WorkerView.of(
                         tid,
                         matches.get(tid, NO_MATCH),
-                        in_sync=not blind and ingest.in_sync(tid),
+                        in_sync=not blind and in_sync(tid),
                         inflight_requests=load.inflight_requests,
                         inflight_prefill_tokens=load.inflight_prefill_tokens,
                         decode_streams=load.decode_streams,
-                        engine_running=_share(engine.running, share) if engine else None,
-                        engine_waiting=_share(engine.waiting, share) if engine else None,
-                        kv_usage=engine.kv_usage if engine else None,
+                        engine_running=running,
+                        engine_waiting=waiting,
+                        kv_usage=kv_usage,
                     )
                 )
         return views
