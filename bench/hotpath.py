@@ -15,7 +15,8 @@ the bottleneck); ``direct`` is the engine alone. Phases, all printed as one JSON
   conversation sent each turn;
 - ``interference``: short chat requests' p99 alone, then while a second client sends
   cold 128K-token chat prompts back to back (24 distinct ones, cycled);
-- ``saturation``: short chat requests at concurrency 32 through 1, 4 and 16 workers;
+- ``saturation``: short chat requests at concurrency 32 through 1, 4 and 16 workers:
+  requests/s and the router's CPU per request (``--saturation-only``: this phase alone);
 - ``idle_cpu_ms_per_s``: what the router burns with no request (health checks, load
   scrapes); it is inside every per-request CPU figure, amortized over the requests;
 - ``cache_router_no_forecast``: cache-router with ``forecast_tracked = 0``, to show what
@@ -91,6 +92,8 @@ def run_engine(ports: list[int]) -> None:
 
 
 def _tree(pid: int) -> list[int]:
+    """The descendants of ``pid`` (not ``pid`` itself: until session 5 it was listed twice,
+    with itself, so every CPU figure of a one-process router read double)."""
     parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -104,7 +107,7 @@ def _tree(pid: int) -> list[int]:
         q = p
         while q and q != pid:
             q = parents.get(q, 0)
-        if q == pid:
+        if q == pid and p != pid:
             out.append(p)
     return out
 
@@ -378,6 +381,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="short lengths, few requests (smoke)")
     ap.add_argument("--seconds", type=float, default=4.0, help="each interference half")
     ap.add_argument("--saturation-requests", type=int, default=3000)
+    ap.add_argument(
+        "--saturation-only", action="store_true", help="only the saturation phase (and ratios)"
+    )
     args = ap.parse_args()
     peers_py = args.peers_python
     if peers_py and not Path(peers_py).exists():
@@ -433,22 +439,35 @@ def main() -> None:
                         name: stack.enter_context(started(_with_workers(cmd, urls, n_workers)))
                         for name, cmd in commands_of.items()
                     }
-                    if n_workers == 4:
+                    if n_workers == 4 and not args.saturation_only:
                         _phases(
                             entries, targets, ports[0], bodies, floor, tok, turns, long, seconds
                         )
                     for order in (list(targets), list(targets)[::-1]):  # ABC then CBA
                         for name in order:
-                            reqs = _requests(targets[name].port, sat_requests)
-                            rps = asyncio.run(_concurrent(targets[name].port, reqs, 32))
-                            key = f"saturation_rps_{n_workers}_workers"
-                            entries[name].setdefault(key, []).append(rps)
+                            run = targets[name]
+                            reqs = _requests(run.port, sat_requests)
+                            c0 = cpu_ns(run.pids)
+                            rps = asyncio.run(_concurrent(run.port, reqs, 32))
+                            cpu_us = (cpu_ns(run.pids) - c0) / len(reqs) / 1e3
+                            for key, value in (
+                                (f"saturation_rps_{n_workers}_workers", rps),
+                                (f"saturation_cpu_us_per_request_{n_workers}_workers", cpu_us),
+                            ):
+                                entries[name].setdefault(key, []).append(value)
             for name in commands_of:
                 for n_workers in (1, 4, 16):
-                    key = f"saturation_rps_{n_workers}_workers"
-                    entries[name][key] = statistics.mean(entries[name][key])
-                _added(entries[name], entries["direct"])
-            result["tokenizer_alone_cpu_ms"] = entries.pop("tokenizer_alone")
+                    for key in (
+                        f"saturation_rps_{n_workers}_workers",
+                        f"saturation_cpu_us_per_request_{n_workers}_workers",
+                    ):
+                        entries[name][key] = statistics.mean(entries[name][key])
+                if not args.saturation_only:
+                    _added(entries[name], entries["direct"])
+            if not args.saturation_only:
+                result["tokenizer_alone_cpu_ms"] = entries.pop("tokenizer_alone")
+            else:
+                del entries["direct"]
             result.update(entries)
         result["ratios"] = _ratios(result, lengths)
         result["load_average_1m_end"] = os.getloadavg()[0]
@@ -522,17 +541,23 @@ def _ratios(result: dict[str, Any], lengths: tuple[int, ...]) -> dict[str, Any]:
         if not isinstance(ours, dict) or not isinstance(theirs, dict):
             continue
         r: dict[str, Any] = {}
-        for key, row in ours["lengths"].items():
+        for key, row in ours.get("lengths", {}).items():
             other = theirs["lengths"][key]
             r[f"{key}_cpu"] = row["cpu_ms_per_request"] / other["cpu_ms_per_request"]
-        mine, other = ours["multi_turn"], theirs["multi_turn"]
-        r["multi_turn_cpu_mean"] = mine["cpu_ms_per_turn_mean"] / other["cpu_ms_per_turn_mean"]
-        r["multi_turn_cpu_last_4"] = mine["cpu_ms_last_4_turns"] / other["cpu_ms_last_4_turns"]
+        if "multi_turn" in ours:
+            mine, other = ours["multi_turn"], theirs["multi_turn"]
+            r["multi_turn_cpu_mean"] = (
+                mine["cpu_ms_per_turn_mean"] / other["cpu_ms_per_turn_mean"]
+            )
+            r["multi_turn_cpu_last_4"] = (
+                mine["cpu_ms_last_4_turns"] / other["cpu_ms_last_4_turns"]
+            )
         for n in (1, 4, 16):
-            key = f"saturation_rps_{n}_workers"
-            r[key] = ours[key] / theirs[key]
+            for what in ("rps", "cpu_us_per_request"):
+                key = f"saturation_{what}_{n}_workers"
+                r[key] = ours[key] / theirs[key]
         out[f"cache_router_over_{peer}"] = r
-    if isinstance(ours, dict):
+    if isinstance(ours, dict) and "lengths" in ours:
         alone = result["tokenizer_alone_cpu_ms"]
         out["cache_router_chat_cpu_over_tokenizer_alone"] = {
             n: ours["lengths"][f"chat_{n}"]["cpu_ms_per_request"] / ms for n, ms in alone.items()

@@ -100,31 +100,46 @@ class HitAudit:
         if a is None:
             return {}
         out: dict[str, str] = {}
-        div = a.divergence()
-        if div is not None and div > self.bound:
+        kinds = self._kinds(worker_id, a)
+        if "divergence" in kinds:
             out["divergence"] = (
-                f"predicted cached tokens differ from the engine's by {div:.0%} over the last "
-                f"{len(a.window)} requests (bound {self.bound:.0%}): check the tokenizer and "
-                "chat template, the block size, and that the worker's events arrive"
+                f"predicted cached tokens differ from the engine's by {a.divergence():.0%} "
+                f"over the last {len(a.window)} requests (bound {self.bound:.0%}): check the "
+                "tokenizer and chat template, the block size, and that the worker's events "
+                "arrive"
             )
-        prefix_traffic = a.repeated_prefixes > 0 or a.reported_tokens > 0
-        if prefix_traffic and not self.events_seen(worker_id):
+        if "no_events" in kinds:
             out["no_events"] = (
                 "serves prefix traffic but no KV event from it ever arrived: check its agent "
                 "and the engine's KV-event endpoint (vLLM binds only tcp://*:PORT or ipc://)"
             )
-        if a.unreported >= MIN_SAMPLES and a.requests == 0:
+        if "no_usage" in kinds:
             out["no_usage"] = (
                 "the engine reports no cached_tokens, so hits cannot be audited "
                 "(vLLM: --enable-prompt-tokens-details)"
             )
         return out
 
+    def _kinds(self, worker_id: str, a: WorkerAudit) -> frozenset[str]:
+        """The kinds of ``warnings`` that hold, without their words (checked per request)."""
+        kinds = []
+        div = a.divergence()
+        if div is not None and div > self.bound:
+            kinds.append("divergence")
+        prefix_traffic = a.repeated_prefixes > 0 or a.reported_tokens > 0
+        if prefix_traffic and not self.events_seen(worker_id):
+            kinds.append("no_events")
+        if a.unreported >= MIN_SAMPLES and a.requests == 0:
+            kinds.append("no_usage")
+        return frozenset(kinds)
+
     def _warn(self, worker_id: str, a: WorkerAudit) -> None:
-        kinds = self.warnings(worker_id)
-        new = frozenset(kinds)
-        for kind in new - a.warned:  # once per onset, not per request
-            log.warning("hit audit: worker %s %s", worker_id, kinds[kind])
+        new = self._kinds(worker_id, a)
+        onset = new - a.warned
+        if onset:  # once per onset, not per request
+            words = self.warnings(worker_id)
+            for kind in sorted(onset):
+                log.warning("hit audit: worker %s %s", worker_id, words[kind])
         a.warned = new
 
     def snapshot(self) -> dict[str, dict[str, object]]:
