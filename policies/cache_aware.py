@@ -87,6 +87,18 @@ sessions can use. Without the bound, agent sessions piled onto the holders of th
 shared prompts (seed 1, 8 engines: 0 to 250 routed requests per engine) and TTFT p90
 was 1.17x ``sglang_cache_aware``'s (1.46x at 16 workers and twice the load).
 
+Cold prefixes can be placed as SGLang's router places them (``place_slack_ms``, off by
+default): a request no worker holds half of goes, among the workers whose cost is within
+``tie_ms + place_slack_ms`` of the best, to the one that computed the fewest blocks for
+this policy so far (SGLang: the tenant with the smallest tree), which evens out what each
+LRU must evict. Measured on the PD simulator's prefill side (``bench/pd_hits.py``,
+Mooncake synthetic, 2,000 requests, 4 + 4 engines; BENCHMARKS.md) it is noise alone
+(hit 0.1396 -> 0.1404 at 500 ms, seed 0; 0.1427 -> 0.1426, seed 1); with no slack limit,
+SGLang's rule for cold prefixes, 0.1422 at a TTFT p90 of 6,619 ms against 5,560: where
+cold prefixes go explains little of the gap to SGLang's rule (0.153). With
+``recompute_weight`` 8 and 500 ms it gave 0.1473 at a TTFT p90 of 5,334 ms (weight 8
+alone 0.1447, 5,724 ms; seed 0 only), so it stays an option, not the default.
+
 Ties (within ``tie_ms``) are broken at random, never by list order. An estimate that
 relies on a prefetch must win by more than ``tie_ms``: the hint may be dropped.
 """
@@ -155,6 +167,7 @@ class CacheAware(Policy):
         learn_speed: bool = False,
         in_flight: bool = True,
         tie_ms: float = 0.25,
+        place_slack_ms: float | None = None,
     ) -> None:
         super().__init__(rng)
         if not 0 < prefetch_fraction <= 1:
@@ -167,6 +180,8 @@ class CacheAware(Policy):
             raise ValueError(f"cache_aware: tie_ms must be >= 0, got {tie_ms}")
         if not copy_weight >= 0:
             raise ValueError(f"cache_aware: copy_weight must be >= 0, got {copy_weight}")
+        if place_slack_ms is not None and not place_slack_ms >= 0:
+            raise ValueError(f"cache_aware: place_slack_ms must be >= 0, got {place_slack_ms}")
         if not session_load >= 1:
             raise ValueError(f"cache_aware: session_load must be >= 1, got {session_load}")
         self.costs = EngineCosts.from_config(costs)
@@ -178,6 +193,10 @@ class CacheAware(Policy):
         self.learn_speed = bool(learn_speed)
         self.in_flight = bool(in_flight)
         self.tie_ms = tie_ms
+        self.place_slack_ms = place_slack_ms
+        # Blocks each worker computed for the requests this policy routed (new content in
+        # its cache): a cold prefix goes where the least was placed (``_place``).
+        self._placed: OrderedDict[str, float] = OrderedDict()
         # Context tokens of the requests this policy routed and that are not finished, per
         # worker: decode attention reads their KV every step (``decode_ms_per_kv_token``).
         self._active: dict[str, int] = {}
@@ -333,8 +352,16 @@ class CacheAware(Policy):
                         + self.tie_ms
                     )
 
-        i = argmin_random(ranked, self.rng, self.tie_ms)
+        placing = self.place_slack_ms is not None
+        if placing:
+            self._meet(cands)
+        if placing and best_hit * 2 <= cacheable:
+            i = self._place(cands, ranked)
+        else:
+            i = argmin_random(ranked, self.rng, self.tie_ms)
         chosen = cands[i].worker_id
+        if placing:
+            self._placed[chosen] += max(0, cacheable - matches[i].total)
         self._track(request.request_id, chosen, ntok, scores[chosen]["ttft_ms"])
         if session is not None and self.in_flight:
             _put(self._last, session, (request.request_id, request.block_hashes))
@@ -425,6 +452,29 @@ class CacheAware(Policy):
             self._active[worker_id] = left
         else:
             self._active.pop(worker_id, None)
+
+    def _place(self, cands: Sequence[WorkerView], ranked: Sequence[float]) -> int:
+        """A cold request (no worker holds half of it): among the workers within
+        ``tie_ms + place_slack_ms`` of the best cost, the one that computed the fewest
+        blocks so far, as SGLang's router sends a request under its ``cache_threshold`` to
+        the tenant with the smallest tree."""
+        lo = min(ranked) + self.tie_ms + (self.place_slack_ms or 0.0)
+        ties = [i for i, v in enumerate(ranked) if v <= lo]
+        keys = [self._placed[cands[i].worker_id] for i in ties]
+        least = min(keys)
+        best = [t for t, k in zip(ties, keys, strict=True) if k == least]
+        return best[0] if len(best) == 1 else best[self.rng.randrange(len(best))]
+
+    def _meet(self, cands: Sequence[WorkerView]) -> None:
+        """Count a worker seen for the first time as having computed the least any other
+        has (a joining engine is no emptier than the emptiest one's share of new work)."""
+        placed = self._placed
+        new = [w.worker_id for w in cands if w.worker_id not in placed]
+        if new:
+            known = [placed[w.worker_id] for w in cands if w.worker_id in placed]
+            floor = min(known, default=0.0)
+            for wid in new:
+                _put(placed, wid, floor)
 
     def _barred(self, session: str | None, cands: Sequence[WorkerView]) -> set[int] | None:
         """For a session's first request, the workers it may not start on; else None.

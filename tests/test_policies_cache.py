@@ -376,6 +376,32 @@ def test_cache_aware_ties_break_at_random_not_by_list_order() -> None:
     assert set(picks) == {"w1", "w2"} and min(picks.values()) > 150
 
 
+def test_cache_aware_places_cold_prefixes_where_the_least_was_computed() -> None:
+    """``place_slack_ms``: a request no worker holds half of goes, among the near-best,
+    to the worker that computed the fewest blocks (SGLang's smallest tree); a warm one
+    still goes to its holder, and an idle worker still beats a queue past the slack."""
+    policy = make_policy("cache_aware", random.Random(5), place_slack_ms=0.0)
+    ws = views(4)
+    sizes = [8, 4, 4, 2, 2, 2, 2, 8]  # blocks per cold prompt
+    picks = [policy.select(req(chain(100 + k, n)), ws).worker_id for k, n in enumerate(sizes)]
+    # computed so far (the last block is never cached): 7, 3, 3, then the 1-block ones
+    # fill the fourth worker up to 3, the next goes to one of the three at 3, the last
+    # 8-block one to another of them
+    assert len(set(picks[:4])) == 4
+    assert picks[3] == picks[4] == picks[5]
+    assert picks[6] != picks[0] and picks[7] not in (picks[0], picks[6])
+    held = chain(200, 10)
+    ws[3].match = tm(gpu=6)  # more than half of it
+    assert policy.select(req(held), ws).worker_id == "w3"
+    busy = views(2)
+    busy[0].inflight_prefill_tokens = 50_000  # far past any slack
+    fresh = make_policy("cache_aware", random.Random(5), place_slack_ms=0.0)
+    fresh.select(req(chain(300, 20)), [busy[1]])  # w1 computed 19 blocks, w0 none
+    assert fresh.select(req(chain(301, 4)), busy).worker_id == "w1"
+    with pytest.raises(ValueError, match="place_slack_ms"):
+        make_policy("cache_aware", place_slack_ms=-1.0)
+
+
 def test_cache_aware_scores_explain_the_choice() -> None:
     ws = views(2, inflight_prefill_tokens=100, inflight_requests=1, decode_streams=0)
     ws[0].match = tm(gpu=2, cpu=1, disk=1)
