@@ -46,6 +46,7 @@ from router.passthrough import PATHS as PASSTHROUGH_PATHS
 from router.passthrough import RESPONSES, Passthrough, ResponseLookup
 from router.pd import PdRouter
 from router.pools import Pool
+from router.prefix_cache import PrefixCache
 from router.proxy import Proxy, ProxyDeps, send_error
 from router.replicas import ReplicaShare, default_replica_id
 from router.routing import Router
@@ -96,6 +97,12 @@ class RouterState:
         self.feed = EventFeed.from_config(cfg, self.events) if self.bus else None
         self.replicas = ReplicaShare.from_config(cfg, self.registry, self.bus)
         self.affinity = ResponseAffinity()
+        # a gateway never tokenizes; 0 MiB turns the cache off
+        self.prefixes = (
+            PrefixCache(cfg.prefix_cache_mb << 20)
+            if cfg.prefix_cache_mb and not cfg.gateway
+            else None
+        )
         router_class = GatewayRouter if cfg.gateway else Router
         self.router = router_class(
             cfg,
@@ -106,6 +113,7 @@ class RouterState:
             blind=self.feed.blind if self.feed is not None else None,
             on_predict=self.replicas.mark if self.replicas is not None else None,
             affinity=self.affinity,
+            prefixes=self.prefixes,
         )
         if self.bus is not None:
             replica = self.replicas.id if self.replicas else cfg.replica_id or default_replica_id()
@@ -115,6 +123,8 @@ class RouterState:
         self.pd: PdRouter | None = None
         self.metrics.add_collector(StateCollector(self.registry, self.counts, self.events.lag))
         self.metrics.add_collector(self.tokenize_pool)
+        if self.prefixes is not None:
+            self.metrics.add_collector(self.prefixes)
         self.audit = HitAudit(cfg.audit_bound, self._events_seen)
         self.metrics.add_collector(AuditCollector(self.audit))
         self.capacity: CapacityWatch | None = None

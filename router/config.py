@@ -271,6 +271,12 @@ class TokenizerSettings:
     # SGLang take ids there), so the engine does not tokenize them again; only for models
     # with a tokenizer (the fallback's ids are not the engine's). Off: bodies go unchanged.
     forward_token_ids: bool = setting(False)
+    # the conversation prefix cache (router.prefix_cache): a chat's token ids and block
+    # hashes up to its last cut point, so the next turn encodes only what is new; 64 MiB
+    # keeps the newest turn of ~450 conversations of 32K tokens. 0: off
+    prefix_cache_mb: int = setting(
+        64, Range(0, 1 << 20), flag="MiB of chat prefixes kept tokenized and hashed (0: off)"
+    )
 
     def tokenizer_for(self, model: str) -> str | None:
         spec = self.models.get(model)

@@ -38,8 +38,9 @@ from router.messages import as_messages as anthropic_messages
 from router.messages import check_messages
 from router.offload import TokenizePool
 from router.pools import Pool
+from router.prefix_cache import PrefixCache
 from router.responses import as_messages, check_responses
-from router.tokenize import TokenizerSet, num_tokens
+from router.tokenize import HFTokenizer, TokenIds, TokenizerSet, has_media, num_tokens
 from router.workers import Worker, WorkerRegistry
 
 if TYPE_CHECKING:
@@ -101,6 +102,7 @@ class Router:
         blind: Callable[[float], bool] | None = None,
         on_predict: Callable[[str, Sequence[int], float], None] | None = None,
         affinity: ResponseAffinity | None = None,
+        prefixes: PrefixCache | None = None,
     ) -> None:
         self.cfg = cfg
         self.registry = registry
@@ -112,6 +114,7 @@ class Router:
         # who else hears of predict-on-route marks (peer replicas; None: no peers)
         self.on_predict = on_predict
         self.affinity = affinity  # response id -> worker (Responses API; None: no pinning)
+        self.prefixes = prefixes  # chats' tokens and hashes by rendered prefix (None: off)
         self._ids = itertools.count()
         self._id_prefix = f"cr-{os.getpid():x}-{os.urandom(3).hex()}-"
 
@@ -187,18 +190,43 @@ class Router:
 
     def _hash(
         self, parsed: Parsed, pool: Pool, trace: Trace | None
-    ) -> tuple[list[int] | bytes, list[RouterHash]]:
+    ) -> tuple[TokenIds, list[RouterHash]]:
         body = parsed.body
         t0 = time.time_ns() if trace is not None else 0
         tok = self.tokenizers.get(parsed.model)
-        if parsed.kind == "chat":
-            ids, _ = tok.chat(body)
-        elif parsed.kind == "responses":
-            ids, _ = tok.chat({"messages": as_messages(body)})
-        elif parsed.kind == "messages":
-            ids, _ = tok.chat({"messages": anthropic_messages(body)})
-        else:
+        salt = body.get("cache_salt")
+        salt = salt if isinstance(salt, str) else None
+        lora_name = self.registry.lora_name(parsed.model)
+        if parsed.kind == "completion":
             ids, _ = tok.completion(body["prompt"], bool(body.get("add_special_tokens", True)))
+        else:
+            if parsed.kind == "chat":
+                chat = body
+            elif parsed.kind == "responses":
+                chat = {"messages": as_messages(body)}
+            else:
+                chat = {"messages": anthropic_messages(body)}
+            if (
+                self.prefixes is not None
+                and isinstance(tok, HFTokenizer)
+                and tok.cuts
+                and not chat.get("add_special_tokens")
+                and not has_media(chat)
+            ):
+                # the conversation prefix cache gives tokens and hashes together
+                text = tok.chat_template.render(chat)
+                marks: list[int] | None = [] if trace is not None else None
+                cached, hashes = self.prefixes.tokens_and_hashes(
+                    tok, text, pool.hasher, lora_name=lora_name or None, cache_salt=salt,
+                    marks=marks,
+                )  # fmt: skip
+                if trace is not None and marks:
+                    attrs = {"cache_router.prompt_tokens": len(cached)}
+                    trace.span("tokenize", t0, marks[0], attrs)
+                    blocks = {"cache_router.blocks": len(hashes)}
+                    trace.span("hash", marks[0], time.time_ns(), blocks)
+                return cached, hashes
+            ids, _ = tok.chat(chat)
         hashable: int | None = None
         media: dict[int, list[Any]] | None = None
         keyed = ids  # the tokens hashed (the engine's own, once media items are expanded)
@@ -215,13 +243,12 @@ class Router:
                         ids = seen.tokens
         elif body.get("prompt_embeds") is not None:
             hashable = 0  # the engine keys these blocks by the embeddings' digest
-        salt = body.get("cache_salt")
         t1 = time.time_ns() if trace is not None else 0
         hashes = request_block_hashes(
             pool.hasher,
             keyed,
-            lora_name=self.registry.lora_name(parsed.model),
-            cache_salt=salt if isinstance(salt, str) else None,
+            lora_name=lora_name,
+            cache_salt=salt,
             hashable_tokens=hashable,
             media_keys=media,
         )
@@ -371,4 +398,3 @@ def hit_blocks(views: list[WorkerView], decision: Decision) -> int:
     prefill): the policy's estimate where it knows more than the index."""
     chosen = next((v for v in views if v.worker_id == decision.worker_id), None)
     return 0 if chosen is None else expected_hit_blocks(decision, chosen)
-
