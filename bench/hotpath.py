@@ -19,6 +19,9 @@ the bottleneck); ``direct`` is the engine alone. Phases, all printed as one JSON
   requests/s and the router's CPU per request (``--saturation-only``: this phase alone);
 - ``idle_cpu_ms_per_s``: what the router burns with no request (health checks, load
   scrapes); it is inside every per-request CPU figure, amortized over the requests;
+- ``cache_router_no_forecast_no_prefix_cache``: that with ``prefix_cache_mb = 0`` too, to
+  show what the conversation prefix cache (router/prefix_cache.py) saves (``ratios``:
+  ``multi_turn_cpu_prefix_cache_on_over_off``);
 - ``cache_router_no_forecast``: cache-router with ``forecast_tracked = 0``, to show what
   the online capacity forecast (index/reuse.py, on the event loop) costs per request.
 
@@ -29,6 +32,7 @@ peers route on text and are given no tokenizer (their cache_aware policies need 
 
     flock /work/bench.lock nice -n 5 python bench/hotpath.py \\
         --tokenizer /tmp/tinymodel/tokenizer.json [--peers-python /work/venv-peers/bin/python]
+        [--saturation-only | --multi-turn-only]
 
 The machine is shared: compare ratios within one run, and read ``load_average_1m``.
 Never asserts.
@@ -200,12 +204,17 @@ def phase_lengths(
     drifts), and the tokenizer alone on the same chat text just before them."""
     out: dict[str, dict[str, Any]] = {name: {} for name in targets}
     out["tokenizer_alone"] = {}
+    out["tokenizer_alone_fast"] = {}
     for kind, by_length in bodies.items():
         for n, reqs in by_length.items():
             if kind == "chat":
                 c0 = time.process_time()
                 tok.encode(floor[n], add_special_tokens=False)
                 out["tokenizer_alone"][str(n)] = (time.process_time() - c0) * 1e3
+                # the same without offsets, as cache-router encodes (encode_batch_fast)
+                c0 = time.process_time()
+                tok.encode_batch_fast([floor[n]], add_special_tokens=False)
+                out["tokenizer_alone_fast"][str(n)] = (time.process_time() - c0) * 1e3
             for name, run in targets.items():
                 c0 = cpu_ns(run.pids)
                 lat, errors = asyncio.run(sequential(run.port, reqs))
@@ -329,6 +338,9 @@ def commands(urls: list[str], tok_dir: str, peers_py: str | None) -> dict[str, l
     # about half the CPU of a repeated 128K-token prompt, on the event loop)
     no_forecast = ["env", "CACHE_ROUTER_FORECAST_TRACKED=0", *out["cache_router"]]
     out["cache_router_no_forecast"] = no_forecast
+    # and the prefix cache off too: what it saves (beside the forecast-off instance, as the
+    # forecast's analysis bursts would hide it)
+    out["cache_router_no_forecast_no_prefix_cache"] = [*no_forecast, "--prefix-cache-mb", "0"]
     if peers_py is not None:
         out["sglang_router"] = [
             peers_py, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
@@ -384,6 +396,9 @@ def main() -> None:
     ap.add_argument(
         "--saturation-only", action="store_true", help="only the saturation phase (and ratios)"
     )
+    ap.add_argument(
+        "--multi-turn-only", action="store_true", help="only the multi-turn phase (and ratios)"
+    )
     args = ap.parse_args()
     peers_py = args.peers_python
     if peers_py and not Path(peers_py).exists():
@@ -433,12 +448,17 @@ def main() -> None:
             for p in ports:
                 wait_http(p, "/health")
             entries: dict[str, dict[str, Any]] = {"direct": {}, **{n: {} for n in commands_of}}
-            for n_workers in (4, 1, 16):
+            for n_workers in (4,) if args.multi_turn_only else (4, 1, 16):
                 with contextlib.ExitStack() as stack:
                     targets = {
                         name: stack.enter_context(started(_with_workers(cmd, urls, n_workers)))
                         for name, cmd in commands_of.items()
                     }
+                    if args.multi_turn_only:
+                        for name, run in {"direct": Running(ports[0], []), **targets}.items():
+                            mt = phase_multi_turn(run.port, run.pids, turns)
+                            entries[name]["multi_turn"] = mt
+                        continue
                     if n_workers == 4 and not args.saturation_only:
                         _phases(
                             entries, targets, ports[0], bodies, floor, tok, turns, long, seconds
@@ -456,7 +476,7 @@ def main() -> None:
                             ):
                                 entries[name].setdefault(key, []).append(value)
             for name in commands_of:
-                for n_workers in (1, 4, 16):
+                for n_workers in () if args.multi_turn_only else (1, 4, 16):
                     for key in (
                         f"saturation_rps_{n_workers}_workers",
                         f"saturation_cpu_us_per_request_{n_workers}_workers",
@@ -464,8 +484,11 @@ def main() -> None:
                         entries[name][key] = statistics.mean(entries[name][key])
                 if not args.saturation_only:
                     _added(entries[name], entries["direct"])
-            if not args.saturation_only:
+            if args.multi_turn_only:
+                pass
+            elif not args.saturation_only:
                 result["tokenizer_alone_cpu_ms"] = entries.pop("tokenizer_alone")
+                result["tokenizer_alone_fast_cpu_ms"] = entries.pop("tokenizer_alone_fast")
             else:
                 del entries["direct"]
             result.update(entries)
@@ -513,6 +536,7 @@ def _phases(
         entries[name]["idle_cpu_ms_per_s"] = (cpu_ns(run.pids) - c0[name]) / 2e6
     by_target = phase_lengths(everyone, bodies, floor, tok)
     entries["tokenizer_alone"] = by_target.pop("tokenizer_alone")
+    entries["tokenizer_alone_fast"] = by_target.pop("tokenizer_alone_fast")
     for name, rows in by_target.items():
         entries[name]["lengths"] = rows
     for name, run in everyone.items():
@@ -555,16 +579,30 @@ def _ratios(result: dict[str, Any], lengths: tuple[int, ...]) -> dict[str, Any]:
         for n in (1, 4, 16):
             for what in ("rps", "cpu_us_per_request"):
                 key = f"saturation_{what}_{n}_workers"
-                r[key] = ours[key] / theirs[key]
+                if key in ours:
+                    r[key] = ours[key] / theirs[key]
         out[f"cache_router_over_{peer}"] = r
+    on = result.get("cache_router_no_forecast", {}).get("multi_turn")
+    off = result.get("cache_router_no_forecast_no_prefix_cache", {}).get("multi_turn")
+    if on and off:  # both with the forecast off
+        out["multi_turn_cpu_prefix_cache_on_over_off"] = {
+            key: on[key] / off[key] for key in ("cpu_ms_per_turn_mean", "cpu_ms_last_4_turns")
+        }
     if isinstance(ours, dict) and "lengths" in ours:
         alone = result["tokenizer_alone_cpu_ms"]
         out["cache_router_chat_cpu_over_tokenizer_alone"] = {
             n: ours["lengths"][f"chat_{n}"]["cpu_ms_per_request"] / ms for n, ms in alone.items()
         }
+        fast = result["tokenizer_alone_fast_cpu_ms"]
+        out["cache_router_chat_cpu_over_tokenizer_alone_fast"] = {
+            n: ours["lengths"][f"chat_{n}"]["cpu_ms_per_request"] / ms for n, ms in fast.items()
+        }
         out["short_p99_under_128k_client_over_idle"] = {
             name: result[name]["interference"]["p99_busy_over_idle"]
-            for name in ("cache_router", "cache_router_no_forecast", "sglang_router", "vllm_router")
+            for name in (
+                "cache_router", "cache_router_no_forecast",
+                "cache_router_no_forecast_no_prefix_cache", "sglang_router", "vllm_router",
+            )
             if name in result
         }
     return out
