@@ -226,6 +226,9 @@ class RoutingSettings:
     experiment: str = setting("default")  # the salt of the arms' request split
     arms: list[Arm] = table(list)  # A/B arms; empty: one, ``policy``
     predict_ttl: float = setting(0.0, _SECONDS)  # a routed prefix counts as cached; 0: off
+    # no x-session-id or user: the session key is a hash of the conversation's opening
+    # (system messages and the first user message; router.session_key)
+    derive_session_key: bool = setting(True)
     max_index_blocks: int | None = setting(None, Range(1, 1 << 40))
     gateway: bool = setting(
         False,

@@ -40,6 +40,7 @@ from router.offload import TokenizePool
 from router.pools import Pool
 from router.prefix_cache import PrefixCache
 from router.responses import as_messages, check_responses
+from router.session_key import derive
 from router.tokenize import HFTokenizer, TokenIds, TokenizerSet, has_media, num_tokens
 from router.workers import Worker, WorkerRegistry
 
@@ -138,14 +139,28 @@ class Router:
         model: str = body["model"]
         stream: bool = body.get("stream", False)
         session = headers.get("x-session-id") or body.get("user")
+        if not (isinstance(session, str) and session):
+            session = self._derived_session(kind, body, model)
         return Parsed(
             kind=kind,
             body=body,
             model=model,
             stream=stream,
-            session_key=session if isinstance(session, str) and session else None,
+            session_key=session,
             request_id=headers.get("x-request-id") or self._id_prefix + str(next(self._ids)),
         )
+
+    def _derived_session(self, kind: Kind, body: dict[str, Any], model: str) -> str | None:
+        """The conversation's own key when the client names none (``router.session_key``)."""
+        if not self.cfg.derive_session_key or kind == "completion":
+            return None
+        if kind == "chat":
+            return derive(model, body["messages"])
+        if kind == "messages":
+            return derive(model, anthropic_messages(body))
+        if body.get("previous_response_id") is not None:
+            return None  # the new turn alone; pinned to the previous response's worker
+        return derive(model, as_messages(body))
 
     # -- tokenize + hash ---------------------------------------------------------
     async def prepare(
