@@ -516,13 +516,15 @@ class MockStack:
         self.engines: list[MockEngine] = []
         self.agents: list[NodeAgent] = []
 
-    async def start(self, n: int, buffer: int = 10_000, load_interval: float = 0) -> MockStack:
+    async def start(
+        self, n: int, buffer: int = 10_000, load_interval: float = 0, gpu_blocks: int = 32
+    ) -> MockStack:
         for i in range(n):
             cfg = MockEngineConfig(
                 worker_id=f"m{i}",
                 model=MODEL,
                 block_size=BS,
-                gpu_blocks=32,
+                gpu_blocks=gpu_blocks,
                 zmq_endpoint="tcp://127.0.0.1:*",
                 replay_endpoint="tcp://127.0.0.1:*",
                 timing=Timing(speed=200.0),
@@ -541,6 +543,15 @@ class MockStack:
             await a.stop()
         for e in self.engines:
             await e.stop()
+
+    def applied(self, replica: Replica) -> bool:
+        """The replica's index has applied every batch the engines have published."""
+        ingest = replica.pool().ingest
+        return all(
+            last_seq(ingest, e.cfg.worker_id) == e.publisher.seq - 1
+            for e in self.engines
+            if e.publisher is not None and e.publisher.seq
+        )
 
     def router_config(self, replica_id: str, **kw: Any) -> RouterConfig:
         return RouterConfig(
