@@ -58,6 +58,9 @@ class Parsed:
     stream: bool
     session_key: str | None
     request_id: str
+    # the conversation as chat messages (None: a completion), converted once for the
+    # session key and the tokenizer both
+    messages: list[dict[str, Any]] | None
 
 
 @dataclass(slots=True)
@@ -138,9 +141,16 @@ class Router:
             check_fields(body, fields.LENGTHS)
         model: str = body["model"]
         stream: bool = body.get("stream", False)
+        messages: list[dict[str, Any]] | None = None
+        if kind == "chat":
+            messages = body["messages"]
+        elif kind == "responses":
+            messages = as_messages(body)
+        elif kind == "messages":
+            messages = anthropic_messages(body)
         session = headers.get("x-session-id") or body.get("user")
         if not (isinstance(session, str) and session):
-            session = self._derived_session(kind, body, model)
+            session = self._derived_session(kind, body, model, messages)
         return Parsed(
             kind=kind,
             body=body,
@@ -148,19 +158,18 @@ class Router:
             stream=stream,
             session_key=session,
             request_id=headers.get("x-request-id") or self._id_prefix + str(next(self._ids)),
+            messages=messages,
         )
 
-    def _derived_session(self, kind: Kind, body: dict[str, Any], model: str) -> str | None:
+    def _derived_session(
+        self, kind: Kind, body: dict[str, Any], model: str, messages: list[dict[str, Any]] | None
+    ) -> str | None:
         """The conversation's own key when the client names none (``router.session_key``)."""
-        if not self.cfg.derive_session_key or kind == "completion":
+        if not self.cfg.derive_session_key or messages is None:
             return None
-        if kind == "chat":
-            return derive(model, body["messages"])
-        if kind == "messages":
-            return derive(model, anthropic_messages(body))
-        if body.get("previous_response_id") is not None:
+        if kind == "responses" and body.get("previous_response_id") is not None:
             return None  # the new turn alone; pinned to the previous response's worker
-        return derive(model, as_messages(body))
+        return derive(model, messages)
 
     # -- tokenize + hash ---------------------------------------------------------
     async def prepare(
@@ -215,12 +224,7 @@ class Router:
         if parsed.kind == "completion":
             ids, _ = tok.completion(body["prompt"], bool(body.get("add_special_tokens", True)))
         else:
-            if parsed.kind == "chat":
-                chat = body
-            elif parsed.kind == "responses":
-                chat = {"messages": as_messages(body)}
-            else:
-                chat = {"messages": anthropic_messages(body)}
+            chat = body if parsed.kind == "chat" else {"messages": parsed.messages}
             if (
                 self.prefixes is not None
                 and isinstance(tok, HFTokenizer)
