@@ -1,5 +1,6 @@
-"""Shared fixtures: a real nats-server per test module (free port, JetStream on), and
-engine doubles behind a router (``make_stack``; the stacks themselves are in stack.py)."""
+"""Shared fixtures: a real nats-server per test module (free port, JetStream on), engine
+doubles behind a router (``make_stack``; the stacks themselves are in stack.py), and real
+tokenizers with chat templates (``spm``, ``byte_bpe``, ``hf``: tokenizer_files.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import nats
 import pytest
 from stack import DoubleStack
+from tokenizer_files import byte_bpe, hf, spm  # noqa: F401  (fixtures)
 
 from router.natsd import EmbeddedNats
 

@@ -11,23 +11,14 @@ from __future__ import annotations
 
 from array import array
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_tokenize_segments import CHATML, LLAMA2, _write, byte_bpe, spm  # noqa: F401
+from tokenizer_files import CHATML, _write
 from tokenizers import Tokenizer
 
 from index.hashing import BlockHasher, request_block_hashes
 from router.prefix_cache import PrefixCache, last_cuts
 from router.tokenize import HFTokenizer, _segments
-
-
-@pytest.fixture(scope="module", params=["spm-chatml", "spm-llama2", "bpe-chatml"])
-def hf(request, tmp_path_factory) -> HFTokenizer:
-    name = request.param
-    tok = request.getfixturevalue("spm" if name.startswith("spm") else "byte_bpe")
-    template = LLAMA2 if name.endswith("llama2") else CHATML
-    return HFTokenizer(_write(tmp_path_factory.mktemp(name), tok, template))
 
 
 def full(hf: HFTokenizer, text: str) -> list[int]:
