@@ -7,6 +7,7 @@ the agents republish on NATS, the router consumes it.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -44,6 +45,14 @@ class Stack:
             last_seq(ingest, a.cfg.worker_id) == a.core.last_seq
             for a in self.agents
             if a.core.last_seq is not None and a.core.last_seq >= 0
+        )
+
+    def idle_since(self, t: float) -> bool:
+        """Every engine reported an empty queue after monotonic time ``t``: with 60-token
+        prompts a stale report of the last turn still running outweighs the whole hit."""
+        return all(
+            w.load.engine_seen > t and not w.load.engine.running and not w.load.engine.waiting
+            for w in self.app.state.registry
         )
 
 
@@ -92,7 +101,9 @@ async def test_conversation_stays_on_its_engine_and_hits_grow(stack: Stack) -> N
             assert text and usage is not None
             cached.append(usage.prompt_tokens_details.cached_tokens if turn else 0)
             messages.append({"role": "assistant", "content": text})
+            done = time.monotonic()
             await until(stack.synced, what="events through the agents")
+            await until(lambda t=done: stack.idle_since(t), what="idle load reports")
     finally:
         await client.close()
     assert len(set(workers)) == 1, workers
