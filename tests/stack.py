@@ -10,9 +10,11 @@
   tokenizes with the router's tokenizer classes, as a real engine uses the model's.
 - ``DoubleStack`` (fixture ``make_stack`` in conftest.py): engine doubles behind one
   router, in-process.
-- ``MockStack`` and ``Replica``: mock engines (``sim.mock_engine``, KV events over ZMQ)
-  behind real node agents, which create the event stream, and router replicas serving
-  HTTP in-process, for the replica, capacity and NATS-fault tests.
+- ``MockStack`` and ``Replica``: mock engines (``sim.mock_engine``, KV events over ZMQ;
+  ``mock_engine_config`` for any engine shape) behind real node agents, which create the
+  event stream, and router replicas serving HTTP in-process, for every test of the whole
+  event path (replicas, capacity, NATS faults, LoRA, media, hybrid models); ``hits`` reads
+  one completion's predicted and engine-reported cached tokens.
 """
 
 from __future__ import annotations
@@ -508,6 +510,20 @@ async def engine_agent(engine: MockEngine, nats_url: str, **kw: Any) -> NodeAgen
     return await NodeAgent(AgentConfig(**(fields | kw))).start()
 
 
+def mock_engine_config(worker_id: str, **kw: Any) -> MockEngineConfig:
+    """A mock engine as the stacks run it: the tests' model and block size, KV events and
+    replay on loopback ports picked free, 200x speed (``kw``: other MockEngineConfig fields)."""
+    fields: dict[str, Any] = {
+        "worker_id": worker_id,
+        "model": MODEL,
+        "block_size": BS,
+        "zmq_endpoint": "tcp://127.0.0.1:*",
+        "replay_endpoint": "tcp://127.0.0.1:*",
+        "timing": Timing(speed=200.0),
+    }
+    return MockEngineConfig(**(fields | kw))
+
+
 class MockStack:
     """Mock engines (small GPU caches, so they evict) behind node agents."""
 
@@ -520,23 +536,17 @@ class MockStack:
         self, n: int, buffer: int = 10_000, load_interval: float = 0, gpu_blocks: int = 32
     ) -> MockStack:
         for i in range(n):
-            cfg = MockEngineConfig(
-                worker_id=f"m{i}",
-                model=MODEL,
-                block_size=BS,
-                gpu_blocks=gpu_blocks,
-                zmq_endpoint="tcp://127.0.0.1:*",
-                replay_endpoint="tcp://127.0.0.1:*",
-                timing=Timing(speed=200.0),
-            )
-            engine = await MockEngine(cfg).start()
-            self.engines.append(engine)
-            self.agents.append(
-                await engine_agent(
-                    engine, self.nats_url, load_interval=load_interval, buffer=buffer
-                )
-            )
+            cfg = mock_engine_config(f"m{i}", gpu_blocks=gpu_blocks)
+            await self.add(cfg, load_interval=load_interval, buffer=buffer)
         return self
+
+    async def add(self, cfg: MockEngineConfig, **agent: Any) -> MockEngine:
+        """One more engine, started, behind its own started agent (``agent``: AgentConfig
+        fields)."""
+        engine = await MockEngine(cfg).start()
+        self.engines.append(engine)
+        self.agents.append(await engine_agent(engine, self.nats_url, **agent))
+        return engine
 
     async def stop(self) -> None:
         for a in self.agents:
@@ -554,15 +564,16 @@ class MockStack:
         )
 
     def router_config(self, replica_id: str, **kw: Any) -> RouterConfig:
-        return RouterConfig(
-            nats_url=self.nats_url,
-            block_size=BS,
-            admin_token="t",
-            health_interval=0.5,
-            replica_id=replica_id,
-            workers=[WorkerSpec(e.cfg.worker_id, e.url, model=MODEL) for e in self.engines],
-            **kw,
-        )
+        """A router for these engines (``kw``: other RouterConfig fields, or overrides)."""
+        fields: dict[str, Any] = {
+            "nats_url": self.nats_url,
+            "block_size": BS,
+            "admin_token": "t",
+            "health_interval": 0.5,
+            "replica_id": replica_id,
+            "workers": [WorkerSpec(e.cfg.worker_id, e.url, model=MODEL) for e in self.engines],
+        }
+        return RouterConfig(**(fields | kw))
 
     def synced(self, replica: Replica) -> bool:
         """The replica applied every batch each agent has published."""
@@ -571,6 +582,16 @@ class MockStack:
             last_seq(ingest, a.cfg.worker_id) == a.core.last_seq and ingest.in_sync(a.cfg.worker_id)
             for a in self.agents
             if a.core.last_seq is not None
+        )
+
+    def delivered(self, replica: Replica) -> bool:
+        """``synced``, and every engine's last batch has reached its agent: the index holds
+        all the engines published (an agent's seq alone can lag the engine's ZMQ send)."""
+        return self.synced(replica) and all(
+            e.publisher is None
+            or e.publisher.seq == 0
+            or a.core.last_seq == e.publisher.seq - 1
+            for e, a in zip(self.engines, self.agents, strict=True)
         )
 
     def engine_blocks(self) -> dict[str, int]:
@@ -601,3 +622,17 @@ async def send(http: httpx.AsyncClient, replica: Replica, text: str) -> str:
     r = await http.post(replica.url + "/v1/completions", json=body)
     assert r.status_code == 200, r.text
     return r.headers["x-cache-router-worker"]
+
+
+async def hits(http: httpx.AsyncClient, prompt: str, model: str = MODEL) -> tuple[str, int, int]:
+    """(the worker, its predicted hit tokens, the engine's cached tokens) of one completion
+    sent to the router ``http`` is based at."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 2}
+    resp = await http.post("/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    cached = resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return (
+        resp.headers["x-cache-router-worker"],
+        int(resp.headers["x-cache-router-hit-tokens"]),
+        cached,
+    )

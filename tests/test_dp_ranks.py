@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from stack import Served, until
+from stack import Served, hits, until
 
 from agent.node import AgentConfig, NodeAgent
 from router.app import RouterApp
@@ -168,24 +168,10 @@ async def stack(request: Any, nats_url: str) -> AsyncIterator[DpStack]:
     await s.engine.stop()
 
 
-async def _complete(http: httpx.AsyncClient, prompt: str) -> tuple[str, int, int]:
-    """(target, predicted hit tokens, the engine's cached tokens) of one completion."""
-    resp = await http.post(
-        "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2}
-    )
-    assert resp.status_code == 200, resp.text
-    cached = resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-    return (
-        resp.headers["x-cache-router-worker"],
-        int(resp.headers["x-cache-router-hit-tokens"]),
-        cached,
-    )
-
-
 async def test_prefix_on_one_rank_is_matched_and_routed_there(stack: DpStack) -> None:
     assert stack.served is not None
     async with httpx.AsyncClient(base_url=stack.served.url, timeout=30) as http:
-        first, predicted, cached = await _complete(http, PROMPT + "first question")
+        first, predicted, cached = await hits(http, PROMPT + "first question")
         assert first in ("e0-dp0", "e0-dp1") and predicted == cached == 0
         rank = int(first[-1])
         other = 1 - rank
@@ -208,7 +194,7 @@ async def test_prefix_on_one_rank_is_matched_and_routed_there(stack: DpStack) ->
         assert rows[f"e0-dp{other}"]["match"]["total"] == 0  # no hit promised on the other rank
         assert body["decision"] == {**body["decision"], "worker": "e0", "dp_rank": rank}
 
-        again, predicted, cached = await _complete(http, PROMPT + "second question")
+        again, predicted, cached = await hits(http, PROMPT + "second question")
         assert again == first
         assert predicted == cached > 0  # the engine delivered exactly the predicted hit
         assert stack.engine.ranks[other].scheduler.prompt_tokens == 0
@@ -243,6 +229,6 @@ async def test_each_rank_matches_only_its_own_prefix(stack: DpStack) -> None:
         for r, p in prompts.items():
             body = {"model": MODEL, "prompt": p + " and a follow-up"}
             why = (await http.post("/admin/explain", headers=AUTH, json=body)).json()
-            target, predicted, cached = await _complete(http, p + " and a follow-up")
+            target, predicted, cached = await hits(http, p + " and a follow-up")
             assert target == f"e0-dp{r}", why
             assert predicted == cached > 0, why

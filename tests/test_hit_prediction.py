@@ -83,9 +83,10 @@ def test_the_audit_window_bound_and_warnings() -> None:
     assert set(audit.warnings("quiet")) == {"no_usage"}
 
 
-async def test_a_worker_without_events_is_flagged_in_admin_and_metrics(nats_url: str) -> None:
-    """One engine's agent runs, the other engine has none (as with vLLM's PUB socket on a
-    non-wildcard endpoint): the audit says which, and the healthy one audits exact."""
+@pytest.fixture
+async def half_blind(nats_url: str) -> AsyncIterator[tuple[MockStack, Replica]]:
+    """Two engines behind a round-robin router: ``m0`` with its agent, ``lonely`` with
+    none, so its events never arrive (as with vLLM's PUB socket on a non-wildcard endpoint)."""
     mocks = await MockStack(nats_url).start(1)
     lonely = await MockEngine(
         MockEngineConfig(worker_id="lonely", model=MODEL, block_size=BS, timing=Timing(speed=200.0))
@@ -95,18 +96,24 @@ async def test_a_worker_without_events_is_flagged_in_admin_and_metrics(nats_url:
         cfg, workers=[*cfg.workers, WorkerSpec("lonely", lonely.url, model=MODEL)]
     )
     replica = await Replica(cfg).start()
-    try:
-        async with httpx.AsyncClient(timeout=10) as http:
-            prompt = [7, *range(1, 3 * BS + 5)]
-            for _ in range(2 * MIN_SAMPLES + 2):
-                await complete(http, replica.url, prompt)
-                await until(lambda: mocks.synced(replica), what="events applied")
-            index = (await http.get(replica.url + "/admin/index", headers=AUTH)).json()
-            metrics = (await http.get(replica.url + "/metrics")).text
-    finally:
-        await replica.stop()
-        await lonely.stop()
-        await mocks.stop()
+    yield mocks, replica
+    await replica.stop()
+    await lonely.stop()
+    await mocks.stop()
+
+
+async def test_a_worker_without_events_is_flagged_in_admin_and_metrics(
+    half_blind: tuple[MockStack, Replica],
+) -> None:
+    """The audit says which worker's events never arrive, and the healthy one audits exact."""
+    mocks, replica = half_blind
+    async with httpx.AsyncClient(timeout=10) as http:
+        prompt = [7, *range(1, 3 * BS + 5)]
+        for _ in range(2 * MIN_SAMPLES + 2):
+            await complete(http, replica.url, prompt)
+            await until(lambda: mocks.synced(replica), what="events applied")
+        index = (await http.get(replica.url + "/admin/index", headers=AUTH)).json()
+        metrics = (await http.get(replica.url + "/metrics")).text
     audit = index["audit"]
     assert audit["m0"]["warnings"] == {} and audit["m0"]["divergence"] == 0.0
     assert audit["m0"]["reported_hit_tokens"] > 0
@@ -116,31 +123,18 @@ async def test_a_worker_without_events_is_flagged_in_admin_and_metrics(nats_url:
     assert 'cache_router_audit_divergence{worker="m0"} 0.0' in metrics
 
 
-async def test_doctor_names_what_is_wrong(nats_url: str) -> None:
-    """On a stack with one healthy worker and one whose events never arrive, the doctor
-    passes the first and fails the second, in text and JSON, with exit status 1."""
+async def test_doctor_names_what_is_wrong(half_blind: tuple[MockStack, Replica]) -> None:
+    """With one healthy worker and one whose events never arrive, the doctor passes the
+    first and fails the second, in text and JSON, with exit status 1."""
     from router.doctor import Check, diagnose, render
 
-    mocks = await MockStack(nats_url).start(1)
-    lonely = await MockEngine(
-        MockEngineConfig(worker_id="lonely", model=MODEL, block_size=BS, timing=Timing(speed=200.0))
-    ).start()
-    cfg = mocks.router_config("r0", policy="round_robin")
-    cfg = dataclasses.replace(
-        cfg, workers=[*cfg.workers, WorkerSpec("lonely", lonely.url, model=MODEL)]
-    )
-    replica = await Replica(cfg).start()
-    try:
-        async with httpx.AsyncClient(timeout=10) as http:
-            for _ in range(2 * MIN_SAMPLES + 2):
-                await complete(http, replica.url, [9, *range(1, 3 * BS + 5)])
-                await until(lambda: mocks.synced(replica), what="events applied")
-        with httpx.Client(timeout=10) as sync_http:
-            checks = await asyncio.to_thread(diagnose, sync_http, replica.url, "t")
-    finally:
-        await replica.stop()
-        await lonely.stop()
-        await mocks.stop()
+    mocks, replica = half_blind
+    async with httpx.AsyncClient(timeout=10) as http:
+        for _ in range(2 * MIN_SAMPLES + 2):
+            await complete(http, replica.url, [9, *range(1, 3 * BS + 5)])
+            await until(lambda: mocks.synced(replica), what="events applied")
+    with httpx.Client(timeout=10) as sync_http:
+        checks = await asyncio.to_thread(diagnose, sync_http, replica.url, "t")
     by = {(c.worker, c.name): c for c in checks}
     for name in ("events", "block_size", "tokenizer.completion", "tokenizer.chat", "hits"):
         assert by[("m0", name)].status == "ok", by[("m0", name)]

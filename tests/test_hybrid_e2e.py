@@ -8,74 +8,42 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-from stack import Served, engine_agent, until
+from stack import BS, MODEL, MockStack, Replica, mock_engine_config, until
 
-from agent.node import NodeAgent
 from index.groups import GroupSpec
-from router.app import RouterApp
-from router.config import RouterConfig, WorkerSpec
-from router.events import last_seq
-from sim.mock_engine import MockEngine, MockEngineConfig
-from sim.mock_scheduler import Timing
 
 AUTH = {"authorization": "Bearer t"}
-BS = 16
-MODEL = "mock-model"
 SYSTEM = (
     "A hybrid model keeps a sliding-window group and a Mamba group beside full attention. " * 12
 )
 
 
-class Stack:
-    def __init__(self, engine: MockEngine, agent: NodeAgent, app: RouterApp, served: Served):
-        self.engine, self.agent, self.app, self.served = engine, agent, app, served
-
-    def synced(self) -> bool:
-        pub = self.engine.publisher
-        assert pub is not None
-        ingest = self.app.state.registry.pools["default"].ingest
-        return pub.seq == 0 or (self.agent.core.last_seq == pub.seq - 1 == last_seq(ingest, "h0"))
-
-
 @pytest.fixture
-async def stack(nats_url: str) -> AsyncIterator[Stack]:
-    cfg = MockEngineConfig(
-        worker_id="h0",
-        model=MODEL,
-        block_size=BS,
-        gpu_blocks=512,
-        kv_groups="full,sliding_window:40,mamba",  # a hit needs 3 window blocks before it
-        group_blocks=20,  # the extra groups turn over much faster than full attention
-        max_num_batched_tokens=48,  # prompts run in chunks: Mamba states at chunk ends
-        zmq_endpoint="tcp://127.0.0.1:*",
-        replay_endpoint="tcp://127.0.0.1:*",
-        timing=Timing(speed=200.0),
-    )
-    engine = await MockEngine(cfg).start()
-    agent = await engine_agent(engine, nats_url)
-    app = RouterApp(
-        RouterConfig(
-            nats_url=nats_url,
-            block_size=BS,
-            admin_token="t",
-            health_interval=0.2,
-            workers=[WorkerSpec("h0", engine.url, model=MODEL)],
+async def stack(nats_url: str) -> AsyncIterator[tuple[MockStack, Replica]]:
+    mocks = MockStack(nats_url)
+    await mocks.add(
+        mock_engine_config(
+            "h0",
+            gpu_blocks=512,
+            kv_groups="full,sliding_window:40,mamba",  # a hit needs 3 window blocks before it
+            group_blocks=20,  # the extra groups turn over much faster than full attention
+            max_num_batched_tokens=48,  # prompts run in chunks: Mamba states at chunk ends
         )
     )
-    served = await Served(app).start()
-    await until(lambda: app.state.bus.connected, what="router on NATS")
-    yield Stack(engine, agent, app, served)
-    await served.stop()
-    await agent.stop()
-    await engine.stop()
+    replica = await Replica(mocks.router_config("r0", health_interval=0.2)).start()
+    yield mocks, replica
+    await replica.stop()
+    await mocks.stop()
 
 
-async def test_no_promised_hit_the_engine_does_not_deliver(stack: Stack) -> None:
-    ingest = stack.app.state.registry.pools["default"].ingest
-    index = stack.app.state.registry.pools["default"].index
+async def test_no_promised_hit_the_engine_does_not_deliver(
+    stack: tuple[MockStack, Replica],
+) -> None:
+    mocks, replica = stack
+    ingest, index = replica.pool().ingest, replica.pool().index
     over = 0  # requests where full attention alone would have promised more
     hits = 0
-    async with httpx.AsyncClient(base_url=stack.served.url, timeout=30) as http:
+    async with httpx.AsyncClient(base_url=replica.url, timeout=30) as http:
         for i in range(28):
             # four topics share the system prompt; each topic's requests extend its last
             topic = i % 4
@@ -92,7 +60,7 @@ async def test_no_promised_hit_the_engine_does_not_deliver(stack: Stack) -> None
             cap = (resp.json()["usage"]["prompt_tokens"] - 1) // BS
             over += min(raw, cap) > seen
             hits += cached > 0
-            await until(stack.synced, what="the engine's events applied")
+            await until(lambda: mocks.delivered(replica), what="the engine's events applied")
     assert ingest.group_specs() == [
         GroupSpec("full"),
         GroupSpec("sliding_window", 40),

@@ -11,21 +11,14 @@ from typing import Any
 
 import httpx
 import pytest
-from stack import Served, engine_agent, until
+from stack import BS, MODEL, MockStack, Replica, mock_engine_config, until
 
-from agent.node import NodeAgent
 from index.hashing import BlockHasher, request_block_hashes
 from index.media import MediaRegistry
-from router.app import RouterApp
-from router.config import RouterConfig, WorkerSpec
-from router.events import last_seq
 from router.media import as_ints, block_keys, expand, media_identifier
 from router.tokenize import FallbackTokenizer
-from sim.mock_engine import MEDIA_PAD, MockEngine, MockEngineConfig, placeholder_run
-from sim.mock_scheduler import Timing
+from sim.mock_engine import MEDIA_PAD, placeholder_run
 
-BS = 16
-MODEL = "mock-model"
 SYSTEM = "You describe pictures for a catalogue, precisely and in few words. " * 3
 
 
@@ -88,53 +81,24 @@ def test_unknown_items_cut_hashing_where_it_always_did() -> None:
     assert h1[:first] == h2[:first] and h1[first] != h2[first]
 
 
-class Stack:
-    def __init__(self, engine: MockEngine, agent: NodeAgent, app: RouterApp, served: Served):
-        self.engine, self.agent, self.app, self.served = engine, agent, app, served
-
-    def synced(self) -> bool:
-        pub = self.engine.publisher
-        assert pub is not None
-        ingest = self.app.state.registry.pools["default"].ingest
-        return pub.seq == 0 or self.agent.core.last_seq == pub.seq - 1 == last_seq(ingest, "v0")
-
-
 @pytest.fixture
-async def stack(nats_url: str) -> AsyncIterator[Stack]:
-    cfg = MockEngineConfig(
-        worker_id="v0",
-        model=MODEL,
-        block_size=BS,
-        gpu_blocks=512,
-        zmq_endpoint="tcp://127.0.0.1:*",
-        replay_endpoint="tcp://127.0.0.1:*",
-        timing=Timing(speed=200.0),
-    )
-    engine = await MockEngine(cfg).start()
-    agent = await engine_agent(engine, nats_url)
-    app = RouterApp(
-        RouterConfig(
-            nats_url=nats_url,
-            block_size=BS,
-            admin_token="t",
-            workers=[WorkerSpec("v0", engine.url, model=MODEL)],
-        )
-    )
-    served = await Served(app).start()
-    await until(lambda: app.state.bus.connected, what="router on NATS")
-    yield Stack(engine, agent, app, served)
-    await served.stop()
-    await agent.stop()
-    await engine.stop()
+async def stack(nats_url: str) -> AsyncIterator[tuple[MockStack, Replica]]:
+    mocks = MockStack(nats_url)
+    await mocks.add(mock_engine_config("v0", gpu_blocks=512))
+    replica = await Replica(mocks.router_config("r0")).start()
+    yield mocks, replica
+    await replica.stop()
+    await mocks.stop()
 
 
 async def _send(
-    stack: Stack, http: httpx.AsyncClient, body: dict[str, Any]
+    stack: tuple[MockStack, Replica], http: httpx.AsyncClient, body: dict[str, Any]
 ) -> tuple[int, int, str]:
+    mocks, replica = stack
     resp = await http.post("/v1/chat/completions", json=body)
     assert resp.status_code == 200, resp.text
     out = resp.json()
-    await until(stack.synced, what="the engine's events applied")
+    await until(lambda: mocks.delivered(replica), what="the engine's events applied")
     predicted = int(resp.headers["x-cache-router-hit-tokens"])
     return (
         predicted,
@@ -143,8 +107,10 @@ async def _send(
     )
 
 
-async def test_a_multimodal_conversation_hits_through_its_image(stack: Stack) -> None:
-    registry = stack.app.state.registry.pools["default"].ingest.media
+async def test_a_multimodal_conversation_hits_through_its_image(
+    stack: tuple[MockStack, Replica],
+) -> None:
+    registry = stack[1].pool().ingest.media
     ask = {"type": "text", "text": "What is on this label? Read every word of it. " * 2}
     # text after the image in the same turn: the engine caches blocks past the item, so its
     # placeholder run shows whole in the events (an image last is learnt a turn later)
@@ -153,7 +119,7 @@ async def test_a_multimodal_conversation_hits_through_its_image(stack: Stack) ->
         len(FallbackTokenizer().encode(f"<|system|>\n{SYSTEM}\n<|user|>\n" + ask["text"], False))
         // 4
     )
-    async with httpx.AsyncClient(base_url=stack.served.url, timeout=30) as http:
+    async with httpx.AsyncClient(base_url=stack[1].url, timeout=30) as http:
         turn1 = [ask, image(7), then]
         predicted, cached, reply = await _send(stack, http, chat(turn1))
         assert predicted == cached == 0

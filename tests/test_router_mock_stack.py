@@ -15,68 +15,37 @@ import httpx
 import nats
 import openai
 import pytest
-from stack import BS, MODEL, MockStack, Served, until
+from stack import BS, MODEL, MockStack, Replica, until
 
-from agent.node import NodeAgent
 from index.codec import BlockRemoved, decode
-from router.app import RouterApp
-from router.config import RouterConfig, WorkerSpec
-from router.events import last_seq
-from sim.mock_engine import MockEngine
 
 AUTH = {"authorization": "Bearer t"}
 SYSTEM = "You are the assistant of a cache-aware router test; answer in a few words. " * 3
 
 
-class Stack:
-    def __init__(self, engines: list[MockEngine], agents: list[NodeAgent], app: RouterApp):
-        self.engines = engines
-        self.agents = agents
-        self.app = app
-        self.served: Served | None = None
-
-    def engine(self, worker_id: str) -> MockEngine:
-        return next(e for e in self.engines if e.cfg.worker_id == worker_id)
-
-    def synced(self) -> bool:
-        """The router applied every batch each agent has published."""
-        ingest = self.app.state.registry.pools["default"].ingest
-        return all(
-            last_seq(ingest, a.cfg.worker_id) == a.core.last_seq
-            for a in self.agents
-            if a.core.last_seq is not None and a.core.last_seq >= 0
-        )
-
-    def idle_since(self, t: float) -> bool:
-        """Every engine reported an empty queue after monotonic time ``t``: with 60-token
-        prompts a stale report of the last turn still running outweighs the whole hit."""
-        return all(
-            w.load.engine_seen > t and not w.load.engine.running and not w.load.engine.waiting
-            for w in self.app.state.registry
-        )
+def idle_since(replica: Replica, t: float) -> bool:
+    """Every engine reported an empty queue after monotonic time ``t``: with 60-token
+    prompts a stale report of the last turn still running outweighs the whole hit."""
+    return all(
+        w.load.engine_seen > t and not w.load.engine.running and not w.load.engine.waiting
+        for w in replica.state.registry
+    )
 
 
 @pytest.fixture
-async def stack(nats_url: str) -> AsyncIterator[Stack]:
+async def stack(nats_url: str) -> AsyncIterator[tuple[MockStack, Replica]]:
     mocks = await MockStack(nats_url).start(3, load_interval=0.1)
-    router_cfg = RouterConfig(
-        nats_url=nats_url,
-        block_size=BS,
-        admin_token="t",
-        health_interval=0.2,
-        workers=[WorkerSpec(e.cfg.worker_id, e.url, model=MODEL) for e in mocks.engines],
-    )
-    s = Stack(mocks.engines, mocks.agents, RouterApp(router_cfg))
-    s.served = await Served(s.app).start()
-    await until(lambda: s.app.state.bus.connected, what="router on NATS")
-    yield s
-    await s.served.stop()
+    replica = await Replica(mocks.router_config("r0", health_interval=0.2)).start()
+    yield mocks, replica
+    await replica.stop()
     await mocks.stop()
 
 
-async def test_conversation_stays_on_its_engine_and_hits_grow(stack: Stack) -> None:
-    assert stack.served is not None
-    client = openai.AsyncOpenAI(base_url=stack.served.url + "/v1", api_key="x", max_retries=0)
+async def test_conversation_stays_on_its_engine_and_hits_grow(
+    stack: tuple[MockStack, Replica],
+) -> None:
+    mocks, replica = stack
+    client = openai.AsyncOpenAI(base_url=replica.url + "/v1", api_key="x", max_retries=0)
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
     workers, cached = [], []
     try:
@@ -102,18 +71,20 @@ async def test_conversation_stays_on_its_engine_and_hits_grow(stack: Stack) -> N
             cached.append(usage.prompt_tokens_details.cached_tokens if turn else 0)
             messages.append({"role": "assistant", "content": text})
             done = time.monotonic()
-            await until(stack.synced, what="events through the agents")
-            await until(lambda t=done: stack.idle_since(t), what="idle load reports")
+            await until(lambda: mocks.synced(replica), what="events through the agents")
+            await until(lambda t=done: idle_since(replica, t), what="idle load reports")
     finally:
         await client.close()
     assert len(set(workers)) == 1, workers
     assert all(b > a for a, b in itertools.pairwise(cached)), cached
 
 
-async def test_router_predicts_exactly_what_the_engines_report(stack: Stack, nats_url) -> None:
+async def test_router_predicts_exactly_what_the_engines_report(
+    stack: tuple[MockStack, Replica], nats_url: str
+) -> None:
     """With evictions going on (32-block engines), the index's match for the chosen worker
     equals the cached tokens the engine then reports: stores and removals both arrive."""
-    assert stack.served is not None
+    mocks, replica = stack
     removed = []
 
     async def on_batch(msg: Any) -> None:
@@ -121,14 +92,14 @@ async def test_router_predicts_exactly_what_the_engines_report(stack: Stack, nat
 
     nc = await nats.connect(nats_url)
     await nc.subscribe("kv.events.>", cb=on_batch)
-    async with httpx.AsyncClient(base_url=stack.served.url, timeout=30) as http:
+    async with httpx.AsyncClient(base_url=replica.url, timeout=30) as http:
         # 5 topics sharing a system prompt, each prompt with its own tail: about 4x what
         # the three 32-block engines can hold, so they evict while the test runs
         prompts = [f"{SYSTEM} topic {i % 5}: " + f"note {i} " * (30 + 2 * i) for i in range(18)]
         checked = 0
         for i, prompt in enumerate(prompts):
             body = {"model": MODEL, "prompt": prompt, "max_tokens": 4}
-            await until(stack.synced, what="events through the agents")
+            await until(lambda: mocks.synced(replica), what="events through the agents")
             r = await http.post("/admin/explain", json=body, headers=AUTH)
             matches = {w["worker_id"]: w["match"]["total"] for w in r.json()["workers"]}
             n = r.json()["num_tokens"]
@@ -141,6 +112,6 @@ async def test_router_predicts_exactly_what_the_engines_report(stack: Stack, nat
             checked += predicted > 0
     await nc.close()
     assert checked >= 5 and removed  # hits were predicted, and evictions did happen
-    pool = stack.app.state.registry.pools["default"]
-    for e in stack.engines:
+    pool = replica.pool()
+    for e in mocks.engines:
         assert pool.index.stats().workers[e.cfg.worker_id]["gpu"] == len(e.cache.gpu_hashes())
