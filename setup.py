@@ -19,6 +19,8 @@ setup(
                 "index/native/prefix_index.hpp",
                 "index/native/msgpack_reader.hpp",
                 "index/native/events.hpp",
+                "index/native/seq.hpp",
+                "index/native/stack_distance.hpp",
             ],
             cxx_std=17,
             extra_compile_args=["-O3"],

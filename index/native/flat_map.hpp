@@ -116,6 +116,13 @@ class FlatMap {
         has_empty_key_ = false;
     }
 
+    // Empty, keeping the slots (a set refilled to the same size right away).
+    void clear_keep() {
+        for (Slot& s : slots_) s.key = EMPTY;
+        size_ = 0;
+        has_empty_key_ = false;
+    }
+
     template <class F>
     void for_each(F&& f) {
         for (Slot& s : slots_)

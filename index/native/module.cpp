@@ -13,6 +13,7 @@
 #include "events.hpp"
 #include "prefix_index.hpp"
 #include "seq.hpp"
+#include "stack_distance.hpp"
 #include "xxh3.hpp"
 
 namespace py = pybind11;
@@ -221,6 +222,23 @@ class Core {
     };
 };
 
+// index/reuse.py's StackDistance (stack_distance.hpp) and the mutex that keeps a report
+// from reading it halfway through a request (the analysis runs with the GIL released).
+struct Stack {
+    StackDistance sd;
+    std::mutex mu;
+
+    Stack(int64_t max_tracked, bool full, uint64_t threshold, int64_t horizon, int64_t hot)
+        : sd(max_tracked, full, threshold, horizon, hot) {}
+
+    void observe(py::handle hashes, int64_t num_tokens, int64_t block_size, bool count) {
+        std::vector<uint64_t> hs = u64s(hashes);
+        py::gil_scoped_release nogil;
+        std::lock_guard<std::mutex> l(mu);
+        sd.observe(hs.data(), hs.size(), num_tokens, block_size, count);
+    }
+};
+
 PEvent event_from_tuple(const py::tuple& t) {
     PEvent ev;
     const std::string kind = t[0].cast<std::string>();
@@ -287,6 +305,49 @@ PYBIND11_MODULE(_native, m) {
         py::arg("tokens"), py::arg("block_size"), py::arg("bigram"), py::arg("seed"),
         "Rolling xxh3_64 hashes of every full block of ``tokens``: a sequence of ints or\n"
         "little-endian u32 bytes. Bit-identical to index.hashing's Python loop.");
+
+    py::class_<Stack>(m, "StackDistance")
+        .def(py::init([](int64_t max_tracked, bool full, uint64_t threshold,
+                         int64_t horizon, int64_t hot_blocks) {
+                 if (max_tracked < 1) throw py::value_error("max_tracked must be >= 1");
+                 if (max_tracked > (int64_t{1} << 30))
+                     throw py::value_error("max_tracked must be <= 2**30");
+                 if (hot_blocks < 0) throw py::value_error("hot_blocks must be >= 0");
+                 return std::make_unique<Stack>(max_tracked, full, threshold, horizon, hot_blocks);
+             }),
+             py::arg("max_tracked"), py::arg("full"), py::arg("threshold"), py::arg("horizon"),
+             py::arg("hot_blocks"),
+             "``full``: every hash sampled, else those below ``threshold``; horizon < 0: none.")
+        .def(
+            "observe",
+            [](Stack& s, py::handle hashes, int64_t num_tokens, int64_t block_size) {
+                if (block_size <= 0) throw py::value_error("block_size must be positive");
+                s.observe(hashes, num_tokens, block_size, true);
+            },
+            py::arg("hashes"), py::arg("num_tokens"), py::arg("block_size"),
+            "One request's full blocks, GIL released: depths, histogram, stack, bounds.")
+        .def(
+            "touch",
+            [](Stack& s, py::handle hashes) { s.observe(hashes, 0, 1, false); },
+            py::arg("hashes"), "Blocks used without a request (a prefetch): no hit recorded.")
+        .def("state",
+             [](Stack& s) {
+                 Core::Lock l(s.mu);
+                 const StackDistance& d = s.sd;
+                 return py::make_tuple(d.full, d.threshold, d.tracked(), d.tokens, d.requests,
+                                       d.accesses, d.sampled);
+             },
+             "(full, threshold, tracked, tokens, requests, accesses, sampled).")
+        .def("curve",
+             [](Stack& s) {
+                 Core::Lock l(s.mu);
+                 return py::make_tuple(s.sd.buckets, s.sd.tokens, s.sd.requests);
+             },
+             "(histogram, tokens, requests), read at one instant.")
+        .def("bytes", [](Stack& s) {
+            Core::Lock l(s.mu);
+            return s.sd.bytes();
+        });
 
     py::class_<Parsed>(m, "ParsedBatch")
         .def_property_readonly("ts", [](const Parsed& p) { return p.batch.ts; })
