@@ -15,6 +15,9 @@
   event stream, and router replicas serving HTTP in-process, for every test of the whole
   event path (replicas, capacity, NATS faults, LoRA, media, hybrid models); ``hits`` reads
   one completion's predicted and engine-reported cached tokens.
+- ``mock_engine_agent`` and ``EngineStack``: a mock engine with its node agents (one per
+  DP rank, named as the router names the rank) and engines by id behind one router, for
+  the PD, PD-DP and DP-rank tests.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from index.wire import DEFAULT_PREFIX, EPOCH_HEADER, SEQ_HEADER, Subjects
 from router.app import RouterApp
 from router.bus import subscriptions_in_place
 from router.config import RouterConfig, WorkerSpec
+from router.dp import target_id
 from router.events import last_seq
 from router.tokenize import FallbackTokenizer, Tokenizer
 from sim.mock_engine import MockEngine, MockEngineConfig
@@ -524,6 +528,87 @@ def mock_engine_config(worker_id: str, **kw: Any) -> MockEngineConfig:
     return MockEngineConfig(**(fields | kw))
 
 
+async def mock_engine_agent(
+    cfg: MockEngineConfig, nats_url: str, **kw: Any
+) -> tuple[MockEngine, list[NodeAgent]]:
+    """A started mock engine and its started node agents: one per DP rank, named as the
+    router names the rank (``router.dp.target_id``) and reading that rank's event and
+    replay endpoints, or one for an engine without ranks (``kw``: AgentConfig fields for
+    each agent). What started is stopped again if a later start fails."""
+    engine = await MockEngine(cfg).start()
+    agents: list[NodeAgent] = []
+    try:
+        if cfg.dp_size == 1:
+            agents.append(await engine_agent(engine, nats_url, **kw))
+        for rank in engine.ranks if cfg.dp_size > 1 else []:
+            assert rank.publisher is not None
+            agent = await engine_agent(
+                engine,
+                nats_url,
+                worker_id=target_id(cfg.worker_id, rank.rank),
+                zmq_endpoint=rank.publisher.endpoint,
+                replay_endpoint=rank.publisher.replay_endpoint,
+                **kw,
+            )
+            agents.append(agent)
+    except BaseException:
+        for a in agents:
+            await a.stop()
+        await engine.stop()
+        raise
+    return engine, agents
+
+
+class EngineStack:
+    """Mock engines (``add``: with their node agents when the stack has NATS) and a router
+    serving them (``serve``): the set-up the end-to-end tests of one feature share;
+    ``stop`` stops the router, then the agents, then the engines."""
+
+    def __init__(self, nats_url: str | None = None) -> None:
+        self.nats_url = nats_url
+        self.engines: dict[str, MockEngine] = {}
+        self.agents: list[NodeAgent] = []
+        self.app: RouterApp | None = None
+        self.served: Served | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.served is not None
+        return self.served.url
+
+    @property
+    def state(self) -> Any:
+        assert self.app is not None
+        return self.app.state
+
+    async def add(self, cfg: MockEngineConfig, **agent_kw: Any) -> MockEngine:
+        if self.nats_url is None:
+            engine = await MockEngine(cfg).start()
+        else:
+            engine, agents = await mock_engine_agent(cfg, self.nats_url, **agent_kw)
+            self.agents.extend(agents)
+        self.engines[cfg.worker_id] = engine
+        return engine
+
+    async def serve(self, cfg: RouterConfig) -> Served:
+        """The router on ``cfg``, serving; on NATS (connected) when ``cfg`` names it."""
+        self.app = RouterApp(cfg)
+        self.served = await Served(self.app).start()
+        if cfg.nats_url is not None:
+            await until(lambda: self.state.bus.connected, what="router on NATS")
+        return self.served
+
+    async def stop(self) -> None:
+        if self.served is not None:
+            await self.served.stop()
+            self.served = None
+        for a in self.agents:
+            await a.stop()
+        for e in self.engines.values():
+            await e.stop()
+        self.agents, self.engines = [], {}
+
+
 class MockStack:
     """Mock engines (small GPU caches, so they evict) behind node agents."""
 
@@ -541,11 +626,11 @@ class MockStack:
         return self
 
     async def add(self, cfg: MockEngineConfig, **agent: Any) -> MockEngine:
-        """One more engine, started, behind its own started agent (``agent``: AgentConfig
-        fields)."""
-        engine = await MockEngine(cfg).start()
+        """One more engine, started, behind its own started agents (one per DP rank;
+        ``agent``: AgentConfig fields)."""
+        engine, agents = await mock_engine_agent(cfg, self.nats_url, **agent)
         self.engines.append(engine)
-        self.agents.append(await engine_agent(engine, self.nats_url, **agent))
+        self.agents.extend(agents)
         return engine
 
     async def stop(self) -> None:

@@ -14,20 +14,15 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from stack import Served, hits, until
+from stack import BS, MODEL, EngineStack, hits, mock_engine_config, until
 
-from agent.node import AgentConfig, NodeAgent
-from router.app import RouterApp
 from router.config import ConfigError, RouterConfig, WorkerSpec, worker_spec
 from router.dp import DP_HEADER, forward_rank, split_target, target_id, target_ids
 from router.events import last_seq
 from router.workers import WorkerRegistry
-from sim.mock_engine import MockEngine, MockEngineConfig, offset_endpoint
-from sim.mock_scheduler import Timing
+from sim.mock_engine import MockEngine, offset_endpoint
 
 AUTH = {"authorization": "Bearer t"}
-BS = 16
-MODEL = "mock-model"
 PROMPT = "Data-parallel ranks each keep their own KV cache, so a prefix lives on one. " * 4
 
 
@@ -97,16 +92,14 @@ def test_offset_endpoint_follows_vllm() -> None:
 # -- end to end ----------------------------------------------------------------------
 
 
-class DpStack:
-    def __init__(self, engine: MockEngine, agents: list[NodeAgent], app: RouterApp) -> None:
-        self.engine = engine
-        self.agents = agents
-        self.app = app
-        self.served: Served | None = None
+class DpStack(EngineStack):
+    @property
+    def engine(self) -> MockEngine:
+        return self.engines["e0"]
 
     def synced(self) -> bool:
         """Every batch each rank published is applied by the router (through its agent)."""
-        ingest = self.app.state.registry.pools["default"].ingest
+        ingest = self.state.registry.pools["default"].ingest
         for rank, agent in zip(self.engine.ranks, self.agents, strict=True):
             assert rank.publisher is not None
             published = rank.publisher.seq - 1
@@ -117,55 +110,26 @@ class DpStack:
         return True
 
 
-async def dp_stack(nats_url: str, dp_field: str) -> DpStack:
-    cfg = MockEngineConfig(
-        worker_id="e0",
-        model=MODEL,
-        block_size=BS,
-        gpu_blocks=256,
-        dp_size=2,
-        zmq_endpoint="tcp://127.0.0.1:*",
-        replay_endpoint="tcp://127.0.0.1:*",
-        timing=Timing(speed=200.0),
-    )
-    engine = await MockEngine(cfg).start()
-    agents = []
-    for rank in engine.ranks:
-        assert rank.publisher is not None
-        agent = NodeAgent(
-            AgentConfig(
-                worker_id=target_id("e0", rank.rank),  # one agent per rank, named as its target
-                zmq_endpoint=rank.publisher.endpoint,
-                replay_endpoint=rank.publisher.replay_endpoint,
-                engine_url=engine.url,
-                nats_url=nats_url,
-                replay_timeout=0.5,
-            )
-        )
-        agents.append(await agent.start())
-    router_cfg = RouterConfig(
-        nats_url=nats_url,
-        block_size=BS,
-        admin_token="t",
-        health_interval=0.2,
-        predict_ttl=0,  # only the engines' own events say where a prefix is
-        workers=[WorkerSpec("e0", engine.url, model=MODEL, dp_size=2, dp_field=dp_field)],  # type: ignore[arg-type]
-    )
-    s = DpStack(engine, agents, RouterApp(router_cfg))
-    s.served = await Served(s.app).start()
-    await until(lambda: s.app.state.bus.connected, what="router on NATS")
-    return s
-
-
 @pytest.fixture(params=["header", "routed_dp_rank"])
 async def stack(request: Any, nats_url: str) -> AsyncIterator[DpStack]:
-    s = await dp_stack(nats_url, request.param)
-    yield s
-    assert s.served is not None
-    await s.served.stop()
-    for a in s.agents:
-        await a.stop()
-    await s.engine.stop()
+    s = DpStack(nats_url)
+    try:
+        # an agent per rank, named as its target
+        engine = await s.add(mock_engine_config("e0", gpu_blocks=256, dp_size=2))
+        dp_field = request.param
+        await s.serve(
+            RouterConfig(
+                nats_url=nats_url,
+                block_size=BS,
+                admin_token="t",
+                health_interval=0.2,
+                predict_ttl=0,  # only the engines' own events say where a prefix is
+                workers=[WorkerSpec("e0", engine.url, model=MODEL, dp_size=2, dp_field=dp_field)],
+            )
+        )
+        yield s
+    finally:
+        await s.stop()
 
 
 async def test_prefix_on_one_rank_is_matched_and_routed_there(stack: DpStack) -> None:

@@ -18,71 +18,44 @@ from typing import Any
 
 import httpx
 import pytest
-from stack import Served, engine_agent, until
+from stack import BS, MODEL, EngineStack, mock_engine_config, until
 
-from agent.node import NodeAgent
-from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
-from router.dp import target_id
 from router.pd import bootstrap_room
 from sim.mock_engine import MockEngine, MockEngineConfig
 from sim.mock_scheduler import Timing
 
-BS = 16
-MODEL = "mock-model"
 PROMPT = "Ranks of a disaggregated pool each keep their own KV cache; route to one. " * 6
 FIELD = {"vllm": "header", "sglang": "routed_dp_rank"}
 
 
-class Stack:
-    def __init__(self) -> None:
-        self.engines: dict[str, MockEngine] = {}
-        self.agents: list[NodeAgent] = []
-        self.app: RouterApp | None = None
-        self.served: Served | None = None
-
+class Stack(EngineStack):
     def computed(self, wid: str) -> list[int]:
         """Prompt tokens each rank of ``wid`` computed."""
         return [r.scheduler.prompt_tokens for r in self.engines[wid].ranks]
 
     def holds(self, tid: str, tokens: int) -> bool:
-        assert self.app is not None
-        stats = self.app.state.registry.pools["default"].index.stats()
+        stats = self.state.registry.pools["default"].index.stats()
         return stats.workers.get(tid, {}).get("gpu", 0) * BS >= tokens - BS
 
 
 @contextlib.asynccontextmanager
 async def pd_dp_stack(nats_url: str, protocol: str, **cfg: Any) -> AsyncIterator[Stack]:
     """Prefill engine p0 and decode engine d0, two ranks each, an agent per rank."""
-    s = Stack()
+    s = Stack(nats_url)
     specs = []
     try:
         for wid, role in (("p0", "prefill"), ("d0", "decode")):
-            engine = await MockEngine(
-                MockEngineConfig(
-                    worker_id=wid,
-                    model=MODEL,
-                    block_size=BS,
+            engine = await s.add(
+                mock_engine_config(
+                    wid,
                     gpu_blocks=256,
                     dp_size=2,
-                    zmq_endpoint="tcp://127.0.0.1:*",
-                    replay_endpoint="tcp://127.0.0.1:*",
                     timing=Timing(speed=50.0),
-                    role=role,  # type: ignore[arg-type]
+                    role=role,
                     bootstrap_timeout=5.0,
                 )
-            ).start()
-            s.engines[wid] = engine
-            for rank in engine.ranks:
-                assert rank.publisher is not None
-                agent = await engine_agent(
-                    engine,
-                    nats_url,
-                    worker_id=target_id(wid, rank.rank),  # one agent per rank
-                    zmq_endpoint=rank.publisher.endpoint,
-                    replay_endpoint=rank.publisher.replay_endpoint,
-                )
-                s.agents.append(agent)
+            )
             specs.append(
                 WorkerSpec(
                     wid,
@@ -94,7 +67,7 @@ async def pd_dp_stack(nats_url: str, protocol: str, **cfg: Any) -> AsyncIterator
                     dp_field=FIELD[protocol],  # type: ignore[arg-type]
                 )
             )
-        s.app = RouterApp(
+        await s.serve(
             RouterConfig(
                 nats_url=nats_url,
                 block_size=BS,
@@ -105,16 +78,9 @@ async def pd_dp_stack(nats_url: str, protocol: str, **cfg: Any) -> AsyncIterator
                 **cfg,
             )
         )
-        s.served = await Served(s.app).start()
-        await until(lambda: s.app.state.bus.connected, what="router on NATS")  # type: ignore[union-attr]
         yield s
     finally:
-        if s.served is not None:
-            await s.served.stop()
-        for a in s.agents:
-            await a.stop()
-        for e in s.engines.values():
-            await e.stop()
+        await s.stop()
 
 
 async def _chat(http: httpx.AsyncClient, turn: str) -> tuple[str, dict[str, Any]]:
@@ -137,57 +103,57 @@ def _prefill_target(metrics: str) -> list[str]:
 
 @pytest.mark.parametrize("protocol", ["vllm", "sglang"])
 async def test_each_side_runs_on_the_rank_the_router_chose(nats_url: str, protocol: str) -> None:
-    async with pd_dp_stack(nats_url, protocol) as s:
-        assert s.served is not None
-        async with httpx.AsyncClient(base_url=s.served.url, timeout=30) as http:
-            decode, answer = await _chat(http, "which rank?")
-            assert decode in ("d0-dp0", "d0-dp1")
-            assert answer["usage"]["completion_tokens"] == 5
-            prompt = answer["usage"]["prompt_tokens"]
-            chosen = _prefill_target((await http.get("/metrics")).text)
-            assert len(chosen) == 1
-            p_rank, d_rank = int(chosen[0][-1]), int(decode[-1])
-            # the prefill rank the router chose computed the prompt, the other nothing
-            assert s.computed("p0")[p_rank] == prompt and s.computed("p0")[1 - p_rank] == 0
-            # the decode rank it chose received the blocks and generated; the other idled
-            d_ranks = s.engines["d0"].ranks
-            assert d_ranks[d_rank].scheduler.generation_tokens == 5
-            assert d_ranks[1 - d_rank].scheduler.generation_tokens == 0
-            assert not d_ranks[1 - d_rank].cache.gpu_hashes()
-            assert s.engines["d0"].pd.counts["blocks_received"] == prompt // BS
-            # each rank's own KV events say so, under its target name
-            await until(lambda: s.holds(decode, prompt), what="decode rank indexed")
-            await until(lambda: s.holds(chosen[0], prompt), what="prefill rank indexed")
+    async with (
+        pd_dp_stack(nats_url, protocol) as s,
+        httpx.AsyncClient(base_url=s.url, timeout=30) as http,
+    ):
+        decode, answer = await _chat(http, "which rank?")
+        assert decode in ("d0-dp0", "d0-dp1")
+        assert answer["usage"]["completion_tokens"] == 5
+        prompt = answer["usage"]["prompt_tokens"]
+        chosen = _prefill_target((await http.get("/metrics")).text)
+        assert len(chosen) == 1
+        p_rank, d_rank = int(chosen[0][-1]), int(decode[-1])
+        # the prefill rank the router chose computed the prompt, the other nothing
+        assert s.computed("p0")[p_rank] == prompt and s.computed("p0")[1 - p_rank] == 0
+        # the decode rank it chose received the blocks and generated; the other idled
+        d_ranks = s.engines["d0"].ranks
+        assert d_ranks[d_rank].scheduler.generation_tokens == 5
+        assert d_ranks[1 - d_rank].scheduler.generation_tokens == 0
+        assert not d_ranks[1 - d_rank].cache.gpu_hashes()
+        assert s.engines["d0"].pd.counts["blocks_received"] == prompt // BS
+        # each rank's own KV events say so, under its target name
+        await until(lambda: s.holds(decode, prompt), what="decode rank indexed")
+        await until(lambda: s.holds(chosen[0], prompt), what="prefill rank indexed")
 
-            # the next turn of the conversation: its prefix is on that prefill rank
-            _, _again = await _chat(http, "and again?")
-            assert _prefill_target((await http.get("/metrics")).text) == chosen
-            p_sched = s.engines["p0"].ranks[p_rank].scheduler
-            assert p_sched.prefix_hits >= prompt // BS * BS - BS
-            assert s.computed("p0")[1 - p_rank] == 0
-            # fresh prompts (each a new room and a new choice on both sides) all arrive
-            for i in range(4):
-                fresh = {"role": "user", "content": f"conversation {i}: " + PROMPT[i:]}
-                resp = await http.post(
-                    "/v1/chat/completions",
-                    json={"model": MODEL, "max_tokens": 2, "messages": [fresh]},
-                )
-                assert resp.status_code == 200, resp.text
-            explain = await http.post(
-                "/admin/explain",
-                headers={"authorization": "Bearer t"},
-                json={"model": MODEL, "messages": [{"role": "user", "content": PROMPT}]},
+        # the next turn of the conversation: its prefix is on that prefill rank
+        _, _again = await _chat(http, "and again?")
+        assert _prefill_target((await http.get("/metrics")).text) == chosen
+        p_sched = s.engines["p0"].ranks[p_rank].scheduler
+        assert p_sched.prefix_hits >= prompt // BS * BS - BS
+        assert s.computed("p0")[1 - p_rank] == 0
+        # fresh prompts (each a new room and a new choice on both sides) all arrive
+        for i in range(4):
+            fresh = {"role": "user", "content": f"conversation {i}: " + PROMPT[i:]}
+            resp = await http.post(
+                "/v1/chat/completions",
+                json={"model": MODEL, "max_tokens": 2, "messages": [fresh]},
             )
-            pd = explain.json()["pd"]
-            assert set(pd["prefill"]["candidates"]) == {"p0-dp0", "p0-dp1"}
-            assert set(pd["decode"]["candidates"]) == {"d0-dp0", "d0-dp1"}
+            assert resp.status_code == 200, resp.text
+        explain = await http.post(
+            "/admin/explain",
+            headers={"authorization": "Bearer t"},
+            json={"model": MODEL, "messages": [{"role": "user", "content": PROMPT}]},
+        )
+        pd = explain.json()["pd"]
+        assert set(pd["prefill"]["candidates"]) == {"p0-dp0", "p0-dp1"}
+        assert set(pd["decode"]["candidates"]) == {"d0-dp0", "d0-dp1"}
 
 
 @pytest.mark.parametrize("protocol", ["vllm", "sglang"])
 async def test_a_local_prefill_runs_on_the_chosen_decode_rank(nats_url: str, protocol: str) -> None:
     async with pd_dp_stack(nats_url, protocol, pd_local_prefill_tokens=1 << 20) as s:
-        assert s.served is not None
-        async with httpx.AsyncClient(base_url=s.served.url, timeout=30) as http:
+        async with httpx.AsyncClient(base_url=s.url, timeout=30) as http:
             decode, answer = await _chat(http, "local, please")
         d_rank = int(decode[-1])
         assert s.computed("d0")[d_rank] == answer["usage"]["prompt_tokens"]

@@ -18,49 +18,25 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from stack import Served, engine_agent, until
+from stack import BS, MODEL, EngineStack, mock_engine_config, until
 
-from agent.node import NodeAgent
 from policies.experiments import Arm, Experiment
-from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
 from router.natsd import free_port
-from sim.mock_engine import MockEngine, MockEngineConfig
 from sim.mock_scheduler import Timing
 
-BS = 16
-MODEL = "mock-model"
 AUTH = {"authorization": "Bearer t"}
 SYSTEM = "You are the assistant of a disaggregated cache-aware router test; be brief. " * 4
 
 pytestmark = pytest.mark.parametrize("protocol", ["vllm", "sglang"])
 
 
-class PdStack:
-    def __init__(self) -> None:
-        self.engines: dict[str, MockEngine] = {}
-        self.agents: list[NodeAgent] = []
-        self.app: RouterApp | None = None
-        self.served: Served | None = None
-
-    @property
-    def url(self) -> str:
-        assert self.served is not None
-        return self.served.url
-
+class PdStack(EngineStack):
     def client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0)
 
     def counts(self, wid: str) -> dict[str, int]:
         return self.engines[wid].pd.counts
-
-    async def stop(self) -> None:
-        if self.served is not None:
-            await self.served.stop()
-        for a in self.agents:
-            await a.stop()
-        for e in self.engines.values():
-            await e.stop()
 
 
 @contextlib.asynccontextmanager
@@ -75,7 +51,7 @@ async def pd_stack(
 ) -> AsyncIterator[PdStack]:
     """Prefill engines p0, p1 and decode engines d0, d1 (those in ``dead`` are ports
     nobody listens on), each mock with a node agent on NATS, and the router."""
-    s = PdStack()
+    s = PdStack(nats_url)
     specs: list[WorkerSpec] = []
     try:
         for wid in ("p0", "p1", "d0", "d1"):
@@ -84,37 +60,30 @@ async def pd_stack(
                 url = f"http://127.0.0.1:{free_port()}"
                 specs.append(WorkerSpec(wid, url, model=MODEL, role=role, bootstrap_port=1))
                 continue
-            engine = await MockEngine(
-                MockEngineConfig(
-                    worker_id=wid,
-                    model=MODEL,
-                    block_size=BS,
+            engine = await s.add(
+                mock_engine_config(
+                    wid,
                     gpu_blocks=256,
-                    zmq_endpoint="tcp://127.0.0.1:*",
-                    replay_endpoint="tcp://127.0.0.1:*",
                     timing=Timing(speed=50.0),
-                    role=role,  # type: ignore[arg-type]
+                    role=role,
                     bootstrap_timeout=bootstrap_timeout,
                 )
-            ).start()
-            s.engines[wid] = engine
-            s.agents.append(await engine_agent(engine, nats_url, worker_id=wid))
+            )
             # the mock's bootstrap server shares its HTTP port
             specs.append(
                 WorkerSpec(wid, engine.url, model=MODEL, role=role, bootstrap_port=engine.port)
             )
-        router_cfg = RouterConfig(
-            nats_url=nats_url,
-            block_size=BS,
-            admin_token="t",
-            health_interval=30.0,  # a dead engine is found by the requests, not the checker
-            pd_protocol=protocol,  # type: ignore[arg-type]
-            workers=specs + (extra or []),
-            **cfg,
+        await s.serve(
+            RouterConfig(
+                nats_url=nats_url,
+                block_size=BS,
+                admin_token="t",
+                health_interval=30.0,  # a dead engine is found by the requests, not the checker
+                pd_protocol=protocol,  # type: ignore[arg-type]
+                workers=specs + (extra or []),
+                **cfg,
+            )
         )
-        s.app = RouterApp(router_cfg)
-        s.served = await Served(s.app).start()
-        await until(lambda: s.app.state.bus.connected, what="router on NATS")  # type: ignore[union-attr]
         yield s
     finally:
         await s.stop()
@@ -126,8 +95,7 @@ def messages(turn: str = "what is disaggregation?") -> list[dict[str, str]]:
 
 def decode_holds(s: PdStack, wid: str, tokens: int) -> bool:
     """The router's index (fed by the decode engine's KV events) holds the prompt there."""
-    assert s.app is not None
-    stats = s.app.state.registry.pools["default"].index.stats()
+    stats = s.state.registry.pools["default"].index.stats()
     return stats.workers.get(wid, {}).get("gpu", 0) * BS >= tokens - BS
 
 
@@ -231,9 +199,8 @@ async def test_a_decode_stream_cut_midway_ends_with_an_error_event(
         bootstrap_timeout=0.5,
         decode_policy="round_robin",
     ) as s:
-        assert s.app is not None
         for wid in ("d0", "d1"):  # both decode "engines" answer and then break off
-            s.app.state.registry.get(wid).url = f"http://{host}:{port}"  # type: ignore[union-attr]
+            s.state.registry.get(wid).url = f"http://{host}:{port}"  # type: ignore[union-attr]
         body = {"model": MODEL, "messages": messages(), "max_tokens": 8, "stream": True}
         async with httpx.AsyncClient(timeout=10) as client:
             resp = await client.post(s.url + "/v1/chat/completions", json=body)
