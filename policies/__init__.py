@@ -17,7 +17,7 @@ Plain synchronous code: a policy sees ``RouteRequest`` and ``WorkerView``s and r
 
 from .base import Decision, NoWorkerError, Policy, PrefetchHint, RouteRequest, WorkerView
 from .cost_model import EngineCosts
-from .registry import POLICY_NAMES, make_policy, policy_params
+from .registry import POLICY_NAMES, make_policy, make_prefill_policy, policy_params
 
 __all__ = [
     "POLICY_NAMES",
@@ -29,5 +29,6 @@ __all__ = [
     "RouteRequest",
     "WorkerView",
     "make_policy",
+    "make_prefill_policy",
     "policy_params",
 ]

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from index.prefix_index import TierMatch
 
@@ -107,6 +107,10 @@ class Policy(ABC):
     """Chooses a worker for a request. Subclasses set ``name`` and implement ``select``."""
 
     name: ClassVar[str]
+    # What the policy takes in place of its defaults on the prefill engines of a
+    # disaggregated pool (``registry.make_prefill_policy``): a prefill pool computes
+    # prompts only, so what a queued token and a recomputed one cost there differ.
+    prefill_params: ClassVar[Mapping[str, Any]] = {}
 
     def __init__(self, rng: random.Random | None = None) -> None:
         self.rng = rng or random.Random()

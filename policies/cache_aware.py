@@ -153,6 +153,7 @@ class CacheAware(Policy):
     """Minimum estimated TTFT (plus the pool's recompute cost), with prefetch hints."""
 
     name = "cache_aware"
+    prefill_params = {"recompute_weight": 8.0, "place_slack_ms": 500.0}
 
     def __init__(
         self,

@@ -8,7 +8,10 @@ state. Requests without a session key get a weighted random arm.
 In a disaggregated pool an arm acts on each side: ``policy`` picks the prefill engine
 (and the engine of a mixed pool), ``decode_policy`` (when the arm names one; else the
 router's ``decode_policy``) the decode engine. An arm that varies one side keeps the
-other fixed, so the comparison credits the side it changes.
+other fixed, so the comparison credits the side it changes. The prefill side has its
+own instance of ``policy``: the class's ``prefill_params`` in place of its defaults,
+then the arm's ``params``, then its ``prefill_params`` (a prefill pool's costs are not
+a mixed pool's: ``policies.cache_aware``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import xxhash
 
 from .base import Policy
 from .pd import make_decode_policy
-from .registry import make_policy
+from .registry import make_policy, make_prefill_policy
 
 _TWO64 = float(2**64)
 
@@ -31,7 +34,8 @@ _TWO64 = float(2**64)
 class Arm:
     """One arm: ``policy`` built with ``params``, chosen with relative ``weight``; in a
     disaggregated pool ``decode_policy`` with ``decode_params`` on the decode side
-    (None: the router's own)."""
+    (None: the router's own) and ``policy`` with ``prefill_params`` over ``params`` on
+    the prefill side."""
 
     name: str
     policy: str
@@ -39,9 +43,12 @@ class Arm:
     weight: float = 1.0
     decode_policy: str | None = None
     decode_params: Mapping[str, Any] = field(default_factory=dict)
+    prefill_params: Mapping[str, Any] = field(default_factory=dict)
 
 
-_ARM_KEYS = frozenset({"name", "policy", "weight", "params", "decode_policy", "decode_params"})
+_ARM_KEYS = frozenset(
+    {"name", "policy", "weight", "params", "decode_policy", "decode_params", "prefill_params"}
+)
 
 
 def parse_arm(raw: object, where: str) -> Arm:
@@ -56,11 +63,12 @@ def parse_arm(raw: object, where: str) -> Arm:
         raise ValueError(
             f"{where}: an arm needs name and policy: unknown key(s) {unknown}, missing "
             f"key(s) {missing}; expected name, policy, weight, params, decode_policy, "
-            "decode_params"
+            "decode_params, prefill_params"
         )
     params = raw.get("params") or {}
-    if not isinstance(params, Mapping):
-        raise ValueError(f"{where} {raw['name']!r}: params must be a table/dict")
+    prefill_params = raw.get("prefill_params") or {}
+    if not isinstance(params, Mapping) or not isinstance(prefill_params, Mapping):
+        raise ValueError(f"{where} {raw['name']!r}: params and prefill_params must be tables/dicts")
     decode = raw.get("decode_policy")
     decode_params = raw.get("decode_params") or {}
     if decode is not None and not (isinstance(decode, str) and decode):
@@ -76,7 +84,13 @@ def parse_arm(raw: object, where: str) -> Arm:
     if not weight > 0:
         raise ValueError(f"{where} {raw['name']!r}: weight must be > 0, got {weight}")
     return Arm(
-        str(raw["name"]), str(raw["policy"]), dict(params), weight, decode, dict(decode_params)
+        str(raw["name"]),
+        str(raw["policy"]),
+        dict(params),
+        weight,
+        decode,
+        dict(decode_params),
+        dict(prefill_params),
     )
 
 
@@ -117,6 +131,14 @@ class Experiment:
             for a in arms
             if a.decode_policy is not None
         }
+        self._prefill: dict[str, Policy] = {
+            a.name: make_prefill_policy(
+                a.policy,
+                random.Random(self.rng.getrandbits(64)),
+                **{**a.params, **a.prefill_params},
+            )
+            for a in arms
+        }
 
     @classmethod
     def from_config(
@@ -145,6 +167,14 @@ class Experiment:
         name = arm if isinstance(arm, str) else arm.name
         try:
             return self._policies[name]
+        except KeyError:
+            raise ValueError(f"no arm named {name!r} in this experiment") from None
+
+    def prefill_policy_for(self, arm: Arm | str) -> Policy:
+        """The instance of ``arm``'s policy that picks prefill engines (see the module doc)."""
+        name = arm if isinstance(arm, str) else arm.name
+        try:
+            return self._prefill[name]
         except KeyError:
             raise ValueError(f"no arm named {name!r} in this experiment") from None
 

@@ -44,6 +44,13 @@ def _lookup(name: str) -> type[Policy]:
     return cls
 
 
+def make_prefill_policy(name: str, rng: random.Random | None = None, **params: Any) -> Policy:
+    """Policy ``name`` for a disaggregated pool's prefill engines: its class's
+    ``prefill_params`` in place of its defaults, then ``params`` (ValueError as
+    ``make_policy``)."""
+    return make_policy(name, rng, **{**_lookup(name).prefill_params, **params})
+
+
 def make_policy(name: str, rng: random.Random | None = None, **params: Any) -> Policy:
     """Build policy ``name`` with ``params`` (ValueError on an unknown name or parameter)."""
     cls = _lookup(name)

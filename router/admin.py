@@ -289,6 +289,7 @@ def admin_router(state: AdminDeps) -> APIRouter:
                 "params": dict(a.params),
                 "decode_policy": a.decode_policy,  # disaggregated pools; None: the router's
                 "decode_params": dict(a.decode_params),
+                "prefill_params": dict(a.prefill_params),  # over params, on prefill engines
                 "metrics": live.get(a.name, {}),
             }
             for a in state.experiment.arms

@@ -60,7 +60,9 @@ log = logging.getLogger(__name__)
 
 def make_experiment(cfg: RouterConfig) -> Experiment:
     """The configured A/B arms, or one arm named after the policy."""
-    arms = list(cfg.arms) or [Arm(cfg.policy, cfg.policy, cfg.policy_params)]
+    arms = list(cfg.arms) or [
+        Arm(cfg.policy, cfg.policy, cfg.policy_params, prefill_params=cfg.prefill_params)
+    ]
     return Experiment(arms, salt=cfg.experiment)
 
 

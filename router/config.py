@@ -254,6 +254,10 @@ class PdSettings:
     decode_policy: str = setting(
         "decode_load", flag="disaggregated pools: the decode side's policy (decode_load)"
     )
+    # the prefill engines' instance of ``policy`` (without ``arms``; an arm has its own):
+    # these over ``policy_params``, over the policy's prefill-side defaults
+    # (``Policy.prefill_params``)
+    prefill_params: dict[str, Any] = table(dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -547,10 +551,15 @@ def worker_spec(raw: Any, where: str) -> WorkerSpec:
     return check_worker(spec, where)
 
 
-def _policy_params(value: Any, where: str) -> dict[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{where}: policy_params must be a table")
-    return dict(value)
+def _params(key: str) -> Callable[[Any, str], dict[str, Any]]:
+    """The parser of a policy parameters table (``policy_params``, ``prefill_params``)."""
+
+    def parse(value: Any, where: str) -> dict[str, Any]:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: {key} must be a table")
+        return dict(value)
+
+    return parse
 
 
 def _workers(value: Any, where: str) -> list[WorkerSpec]:
@@ -585,7 +594,8 @@ def _api_keys(value: Any, where: str) -> list[str]:
 
 # How each table setting is read from TOML (``where`` names the file in errors).
 TABLE_PARSERS: dict[str, Callable[[Any, str], Any]] = {
-    "policy_params": _policy_params,
+    "policy_params": _params("policy_params"),
+    "prefill_params": _params("prefill_params"),
     "workers": _workers,
     "models": _models,
     "arms": _arms,

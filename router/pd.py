@@ -260,7 +260,7 @@ class PdRouter:
             raise ApiError(
                 503, f"no healthy decode worker for model {prep.parsed.model}", "no_healthy_worker"
             )
-        policy = st.experiment.policy_for(prep.arm)
+        policy = st.experiment.prefill_policy_for(prep.arm)
         try:
             decision = choose(
                 prep.request,
@@ -286,7 +286,7 @@ class PdRouter:
             "uncached_on_decode": d.uncached_on_decode,
             "local_prefill_tokens": self.local_prefill_tokens,
             "arm": prep.arm,
-            "prefill_policy": self.state.experiment.policy_for(prep.arm).name,
+            "prefill_policy": self.state.experiment.prefill_policy_for(prep.arm).name,
             "decode_policy": self.decode_for(prep.arm).name,
             "decode": _side(d.decode, choice.decode_views),
             "prefill": None if d.prefill is None else _side(d.prefill, choice.prefill_views),
@@ -299,7 +299,8 @@ class PdRouter:
     def finish(self, prep: Prepared, d: PdDecision) -> None:
         self.decode_for(prep.arm).on_finish(prep.request, d.decode.worker_id)
         if d.prefill is not None:
-            self.state.experiment.policy_for(prep.arm).on_finish(prep.request, d.prefill.worker_id)
+            prefill_policy = self.state.experiment.prefill_policy_for(prep.arm)
+            prefill_policy.on_finish(prep.request, d.prefill.worker_id)
 
     # -- forwarding -------------------------------------------------------------------
     async def forward(
@@ -391,7 +392,7 @@ class PdRouter:
         hit = choice.hit(answering, req.block_size)
         path = "local" if prefill is None else "remote"
         self.metrics.requests.labels("decode", decode.id, path).inc()
-        sides = (arm, st.experiment.policy_for(arm).name, self.decode_for(arm).name)
+        sides = (arm, st.experiment.prefill_policy_for(arm).name, self.decode_for(arm).name)
         self.metrics.arm_requests.labels(*sides, path).inc()
         tpot = _TpotClock(ex.send)
         ex.send = tpot.send

@@ -33,7 +33,7 @@ import numpy as np
 from index.hashing import BlockHasher, cacheable_blocks
 from index.ingest import EventIngest
 from index.prefix_index import PrefixIndex
-from policies import WorkerView, make_policy
+from policies import WorkerView, make_prefill_policy
 from policies.base import NO_MATCH
 from policies.cost_model import uncached_tokens
 from policies.pd import DECODE_POLICIES, PdDecision, choose, make_decode_policy
@@ -90,7 +90,9 @@ class PdSimulation(Simulation):
         self.config = config
         self.costs = config.costs
         self.block_size = trace.block_size
-        self.policy = make_policy(prefill, random.Random(config.seed), **(policy_params or {}))
+        self.policy = make_prefill_policy(
+            prefill, random.Random(config.seed), **(policy_params or {})
+        )
         self.decode_policy = make_decode_policy(decode, random.Random(config.seed + 1))
         self.progress = progress
         self.now = 0.0

@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from router import serve
+from router.app import make_experiment
 from router.config import ConfigError, RouterConfig, WorkerSpec, load_config
 from router.workers import WorkerRegistry
 
@@ -71,6 +72,25 @@ decode_params = { kv_full = 0.8 }
     ]
     path.write_text(PD_TOML + '[[arms]]\nname = "a"\npolicy = "random"\ndecode_params = {x = 1}\n')
     with pytest.raises(ConfigError, match="without decode_policy"):
+        load_config(path, env={})
+
+
+def test_the_prefill_side_takes_its_own_parameters_in_toml(tmp_path):
+    """``prefill_params`` go over ``policy_params`` on the prefill engines only."""
+    path = tmp_path / "router.toml"
+    path.write_text(
+        "policy_params = { recompute_weight = 2.0 }\n"
+        "prefill_params = { place_slack_ms = 100.0 }\n" + PD_TOML
+    )
+    cfg = load_config(path, env={})
+    assert cfg.policy_params == {"recompute_weight": 2.0}
+    assert cfg.prefill_params == {"place_slack_ms": 100.0}
+    exp = make_experiment(cfg)
+    prefill, mixed = exp.prefill_policy_for("cache_aware"), exp.policy_for("cache_aware")
+    assert (prefill.recompute_weight, prefill.place_slack_ms) == (2.0, 100.0)  # type: ignore[attr-defined]
+    assert (mixed.recompute_weight, mixed.place_slack_ms) == (2.0, None)  # type: ignore[attr-defined]
+    path.write_text("prefill_params = 3\n" + PD_TOML)
+    with pytest.raises(ConfigError, match="prefill_params must be a table"):
         load_config(path, env={})
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from policies import POLICY_NAMES
+from policies.cache_aware import CacheAware
 from policies.dynamo_kv import DynamoKv
 from policies.experiments import Arm, Experiment
 
@@ -54,6 +55,38 @@ def test_an_arm_may_name_the_decode_sides_policy() -> None:
         exp.decode_policy_for("nope")
 
 
+def test_the_prefill_side_has_its_own_instance_and_parameters() -> None:
+    """A disaggregated pool's prefill engines get the policy's prefill-side defaults
+    (``Policy.prefill_params``), then the arm's ``params``, then its ``prefill_params``;
+    a mixed pool's instance keeps the plain defaults."""
+    exp = Experiment.from_config(
+        [
+            {"name": "plain", "policy": "cache_aware"},
+            {"name": "tuned", "policy": "cache_aware", "params": {"recompute_weight": 2.0}},
+            {"name": "sided", "policy": "cache_aware", "params": {"recompute_weight": 2.0},
+             "prefill_params": {"recompute_weight": 5.0, "tie_ms": 1.0}},
+            {"name": "rr", "policy": "round_robin"},
+        ]
+    )  # fmt: skip
+    mixed, prefill = exp.policy_for("plain"), exp.prefill_policy_for("plain")
+    assert isinstance(mixed, CacheAware) and isinstance(prefill, CacheAware)
+    assert prefill is not mixed and exp.prefill_policy_for("plain") is prefill  # kept
+    assert mixed.recompute_weight == 3.0 and mixed.place_slack_ms is None
+    for key, value in CacheAware.prefill_params.items():
+        assert getattr(prefill, key) == value
+    assert CacheAware.prefill_params["recompute_weight"] != mixed.recompute_weight
+    tuned = exp.prefill_policy_for("tuned")
+    assert isinstance(tuned, CacheAware) and tuned.recompute_weight == 2.0
+    assert tuned.place_slack_ms == CacheAware.prefill_params["place_slack_ms"]
+    sided = exp.prefill_policy_for("sided")
+    assert isinstance(sided, CacheAware) and (sided.recompute_weight, sided.tie_ms) == (5.0, 1.0)
+    assert exp.policy_for("sided").recompute_weight == 2.0  # type: ignore[attr-defined]
+    assert exp.arms[2].prefill_params == {"recompute_weight": 5.0, "tie_ms": 1.0}
+    assert exp.prefill_policy_for("rr").name == "round_robin"  # no prefill-side defaults
+    with pytest.raises(ValueError, match="no arm named"):
+        exp.prefill_policy_for("nope")
+
+
 @pytest.mark.parametrize(
     ("config", "message"),
     [
@@ -69,6 +102,8 @@ def test_an_arm_may_name_the_decode_sides_policy() -> None:
         ([{"name": "a", "policy": "random", "decode_policy": "nope"}], "unknown policy"),
         ([{"name": "a", "policy": "random", "decode_policy": 3}], "decode_policy must be"),
         ([{"name": "a", "policy": "random", "decode_params": {"x": 1}}], "without decode_policy"),
+        ([{"name": "a", "policy": "random", "prefill_params": {"x": 1}}], "no parameter"),
+        ([{"name": "a", "policy": "random", "prefill_params": 3}], "must be tables"),
         (
             [{"name": "a", "policy": "random", "decode_policy": "decode_load",
               "decode_params": {"kv_full": 2.0}}],

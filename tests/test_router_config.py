@@ -213,7 +213,9 @@ def test_every_setting_keeps_its_toml_key_and_env_variable(tmp_path):
     from router.config import SCALARS, TABLES
 
     assert sorted(SCALARS) == sorted(SCALAR_NAMES)
-    assert sorted(TABLES) == ["api_keys", "arms", "discovery", "models", "policy_params", "workers"]
+    assert sorted(TABLES) == [
+        "api_keys", "arms", "discovery", "models", "policy_params", "prefill_params", "workers"
+    ]
     for name in SCALAR_NAMES:
         if name.startswith("nats_tls_") or name == "nats_credentials":
             continue  # must name a file: covered by tests/test_security.py
