@@ -91,13 +91,20 @@ Cold prefixes can be placed as SGLang's router places them (``place_slack_ms``, 
 default): a request no worker holds half of goes, among the workers whose cost is within
 ``tie_ms + place_slack_ms`` of the best, to the one that computed the fewest blocks for
 this policy so far (SGLang: the tenant with the smallest tree), which evens out what each
-LRU must evict. Measured on the PD simulator's prefill side (``bench/pd_hits.py``,
-Mooncake synthetic, 2,000 requests, 4 + 4 engines; BENCHMARKS.md) it is noise alone
-(hit 0.1396 -> 0.1404 at 500 ms, seed 0; 0.1427 -> 0.1426, seed 1); with no slack limit,
-SGLang's rule for cold prefixes, 0.1422 at a TTFT p90 of 6,619 ms against 5,560: where
-cold prefixes go explains little of the gap to SGLang's rule (0.153). With
-``recompute_weight`` 8 and 500 ms it gave 0.1473 at a TTFT p90 of 5,334 ms (weight 8
-alone 0.1447, 5,724 ms; seed 0 only), so it stays an option, not the default.
+LRU must evict. Alone it is noise (PD simulator, ``bench/pd_hits.py``, Mooncake
+synthetic, 2,000 requests, 4 + 4 engines, BENCHMARKS.md: hit 0.1396 -> 0.1404 at 500 ms,
+seed 0); with no slack limit, SGLang's rule for cold prefixes, 0.1422 at a TTFT p90 of
+6,619 ms against 5,560.
+
+On a disaggregated pool's prefill engines the policy runs with ``prefill_params``
+(``recompute_weight`` 8, ``place_slack_ms`` 500; ``Experiment.prefill_policy_for``): a
+prefill engine only computes prompts, so a recomputed prefix is all extra work for the
+pool and its copy evicts other prompts' KV with nothing else in the cache to buffer it,
+while a mixed pool's steps are mostly decoding (where issue 13's sweep set weight 3).
+Measured on the same simulator (seeds 0-4, BENCHMARKS.md): hit 0.1473 / 0.1490 on seeds
+0 / 1 against 0.1396 / 0.1427 with the mixed defaults, TTFT p90 5,334 / 5,374 ms against
+5,560 / 5,575; weights 12-64 and slacks 250-2,000 ms moved the hit rate by less than the
+seed-to-seed spread.
 
 Ties (within ``tie_ms``) are broken at random, never by list order. An estimate that
 relies on a prefetch must win by more than ``tie_ms``: the hint may be dropped.

@@ -3,7 +3,8 @@
 A pool whose workers have roles (``prefill``, ``decode``) is disaggregated; the proxy
 hands its requests here. ``policies.pd.choose`` picks the decode engine (load, KV room,
 its own prefix) and, unless the decode engine's uncached suffix is under
-``pd_local_prefill_tokens``, a prefill engine (the arm's policy: cache-aware). Then, in
+``pd_local_prefill_tokens``, a prefill engine (the arm's policy, its prefill-side
+instance: ``Experiment.prefill_policy_for``). Then, in
 the protocol the engines speak (``pd_protocol``), as their own proxies do it:
 
 - ``vllm`` (KV connectors: NixlConnector, P2pNcclConnector, Mooncake; vLLM's
@@ -38,12 +39,19 @@ Failures, without duplicated work:
 Metrics per role: ``cache_router_pd_phase_seconds{phase}`` splits the TTFT into the
 prefill engine's queue as the policy estimated it, the prefill exchange and the transfer
 (the decode engine's first byte after the prefill answered: KV pull plus its first
-step). The queue is estimated because the wire does not carry it: vLLM answers a
+step). The queue is estimated because no answer on the path carries it: vLLM answers a
 non-streamed request (the prefill) with headers and body together once it is done, a
-streamed one with headers before it is even scheduled, and neither answer nor SGLang's
-names the time queued (the engines count it only in their /metrics histograms, summed
-over requests); ``cache_router_pd_tpot_seconds`` is the decode stream's time per output token
-(``usage.completion_tokens`` where the stream carries it: one event may hold several).
+streamed one with headers before it is even scheduled. Both engines measure each
+request's queue time, neither puts it in an OpenAI answer (read in their code, session
+6): vLLM v1 keeps ``queued_ts``/``scheduled_ts`` per request (``RequestStateStats``) and
+sends their difference only to the ``vllm:request_queue_time_seconds`` histogram and to
+OpenTelemetry spans (``gen_ai.latency.time_in_queue``, with ``--otlp-traces-endpoint``);
+SGLang puts ``queue_time`` in ``meta_info`` with ``--enable-metrics``, which only its
+native ``/generate`` answer carries (its OpenAI answers' ``sglext`` holds
+``routed_experts`` and ``cached_tokens_details``), and the PD path carries chat and
+completions only (``PD_KINDS``). ``cache_router_pd_tpot_seconds`` is the decode stream's
+time per output token (``usage.completion_tokens`` where the stream carries it: one event
+may hold several).
 """
 
 from __future__ import annotations

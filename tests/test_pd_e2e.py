@@ -129,6 +129,12 @@ async def test_a_request_is_prefilled_on_one_engine_and_decoded_on_another(
         remote = f'{{path="remote",role="decode",worker="{worker}"}} 1.0'
         assert "cache_router_pd_requests_total" + remote in text
         assert 'cache_router_pd_phase_seconds_count{phase="prefill_queue"' in text
+        # the prefill choice was the prefill-side instance's, with its own parameters
+        exp = s.state.experiment
+        prefill, mixed = exp.prefill_policy_for("cache_aware"), exp.policy_for("cache_aware")
+        assert prefill is not mixed and prefill.place_slack_ms is not None  # type: ignore[attr-defined]
+        assert prefill._placed[prefills[0]] > 0  # type: ignore[attr-defined]
+        assert prefill._recent and not mixed._recent  # type: ignore[attr-defined]
 
 
 async def test_streaming_comes_from_the_decode_engine(nats_url: str, protocol: str) -> None:
