@@ -91,20 +91,24 @@ Cold prefixes can be placed as SGLang's router places them (``place_slack_ms``, 
 default): a request no worker holds half of goes, among the workers whose cost is within
 ``tie_ms + place_slack_ms`` of the best, to the one that computed the fewest blocks for
 this policy so far (SGLang: the tenant with the smallest tree), which evens out what each
-LRU must evict. Alone it is noise (PD simulator, ``bench/pd_hits.py``, Mooncake
-synthetic, 2,000 requests, 4 + 4 engines, BENCHMARKS.md: hit 0.1396 -> 0.1404 at 500 ms,
-seed 0); with no slack limit, SGLang's rule for cold prefixes, 0.1422 at a TTFT p90 of
-6,619 ms against 5,560.
+LRU must evict. Not a session's request where sessions are long (the bounded placement
+above applies): there a first request decides where the session's later turns queue,
+which the blocks computed do not measure (agent trace, PD prefill side: TTFT p90 1,010
+-> 1,047 ms at 500 ms without this exception). Alone it is noise (PD simulator,
+``bench/pd_hits.py``, Mooncake synthetic, 2,000 requests, 4 + 4 engines, BENCHMARKS.md:
+hit 0.1396 -> 0.1404 at 500 ms, seed 0); with no slack limit, SGLang's rule for cold
+prefixes, 0.1422 at a TTFT p90 of 6,619 ms against 5,560.
 
 On a disaggregated pool's prefill engines the policy runs with ``prefill_params``
 (``recompute_weight`` 8, ``place_slack_ms`` 500; ``Experiment.prefill_policy_for``): a
 prefill engine only computes prompts, so a recomputed prefix is all extra work for the
 pool and its copy evicts other prompts' KV with nothing else in the cache to buffer it,
 while a mixed pool's steps are mostly decoding (where issue 13's sweep set weight 3).
-Measured on the same simulator (seeds 0-4, BENCHMARKS.md): hit 0.1473 / 0.1490 on seeds
-0 / 1 against 0.1396 / 0.1427 with the mixed defaults, TTFT p90 5,334 / 5,374 ms against
-5,560 / 5,575; weights 12-64 and slacks 250-2,000 ms moved the hit rate by less than the
-seed-to-seed spread.
+Measured on the same simulator (BENCHMARKS.md): Mooncake synthetic, seeds 0-4, hit
+0.1473-0.1490 (mean 0.1480) against 0.1396 / 0.1427 on seeds 0 / 1 with the mixed
+defaults, TTFT p90 5,233-5,454 ms against 5,560 / 5,575; Mooncake conversation 0.177
+against 0.164 (TTFT p90 6,662 against 6,959 ms); the agent trace unchanged. Weights
+12-64 and slacks 250-2,000 ms moved the hit rate by less than the seed-to-seed spread.
 
 Ties (within ``tie_ms``) are broken at random, never by list order. An estimate that
 relies on a prefetch must win by more than ``tie_ms``: the hint may be dropped.
@@ -363,7 +367,7 @@ class CacheAware(Policy):
         placing = self.place_slack_ms is not None
         if placing:
             self._meet(cands)
-        if placing and best_hit * 2 <= cacheable:
+        if placing and best_hit * 2 <= cacheable and not (session and self._long_sessions()):
             i = self._place(cands, ranked)
         else:
             i = argmin_random(ranked, self.rng, self.tie_ms)
@@ -503,12 +507,17 @@ class CacheAware(Policy):
         if len(seen) > _MAX_TRACKED:
             seen.popitem(last=False)
         m = len(self._recent)
-        if m < _BOUND_TURNS * (self._recent_new + 1):
+        if not self._long_sessions():
             return set()  # a new session, but sessions are too short to bind
         counts = self._recent_count
         cap = math.ceil(self.session_load * (m + 1) / len(cands))
         barred = {i for i, w in enumerate(cands) if counts.get(w.worker_id, 0) + 1 > cap}
         return barred if len(barred) < len(cands) else set()
+
+    def _long_sessions(self) -> bool:
+        """Sessions average ``_BOUND_TURNS`` requests or more over the window: a first
+        placement decides where the later turns queue."""
+        return len(self._recent) >= _BOUND_TURNS * (self._recent_new + 1)
 
     def _count_recent(self, worker_id: str, new_session: bool) -> None:
         recent, counts = self._recent, self._recent_count

@@ -402,6 +402,32 @@ def test_cache_aware_places_cold_prefixes_where_the_least_was_computed() -> None
         make_policy("cache_aware", place_slack_ms=-1.0)
 
 
+def test_cold_placement_leaves_long_sessions_to_the_load_bound() -> None:
+    """Where sessions are long, a session's cold first request goes by its cost, not to
+    the worker that computed the fewest blocks (its later turns will queue there); a
+    request without a session is still placed."""
+
+    def cold_picks(long: bool, sessions: bool) -> list[str]:
+        policy = make_policy("cache_aware", random.Random(6), place_slack_ms=0.0)
+        ws = views(4)
+        policy.select(req(chain(399, 1), rid="meet"), ws)  # all four seen, none computed
+        policy.select(req(chain(400, 60)), [ws[0]])  # w0 computed 59 blocks, the rest none
+        for k in range(12 if long else 0):  # one session's turns: sessions are long
+            turn = RouteRequest(f"t{k}", "m", 2 * BS, chain(500, 2), BS, session_key="s")
+            policy.on_finish(turn, policy.select(turn, ws).worker_id)
+        picks = []
+        for k in range(40):  # cold requests, each a new session's first or no session's
+            key = f"n{k}" if sessions else None
+            r = RouteRequest(f"c{k}", "m", 3 * BS, chain(600 + k, 3), BS, session_key=key)
+            picks.append(policy.select(r, ws).worker_id)
+            policy.on_finish(r, picks[-1])
+        return picks
+
+    assert "w0" not in cold_picks(long=False, sessions=True)  # placed: w0 computed the most
+    assert "w0" in cold_picks(long=True, sessions=True)  # by cost: all four tie
+    assert "w0" not in cold_picks(long=True, sessions=False)
+
+
 def test_cache_aware_scores_explain_the_choice() -> None:
     ws = views(2, inflight_prefill_tokens=100, inflight_requests=1, decode_streams=0)
     ws[0].match = tm(gpu=2, cpu=1, disk=1)
