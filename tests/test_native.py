@@ -331,3 +331,34 @@ def test_a_worker_gets_one_slot_when_two_threads_meet_it_first() -> None:
             assert sorted(got[0].values()) == list(range(len(ids)))
     finally:
         sys.setswitchinterval(switch)
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.integers(0, 2**64 - 1)
+        | st.sampled_from([0, 1, 2**30 - 1, 2**30, 2**60 - 1, 2**60, 2**63, 2**64 - 1]),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_hashes_are_read_exactly(hashes: list[int]) -> None:
+    """Hashes read from a list (the digits fast path) are the values pybind reads."""
+    core = native.Core(0, 24)
+    core.add_slot(0)
+    core.store(0, hashes, 0, None)
+    assert all(core.holds(0, h, 0) for h in hashes)
+    assert len(core) == len(set(hashes))
+
+
+@needs_native
+def test_hashes_out_of_range_are_refused() -> None:
+    core = native.Core(0, 24)
+    core.add_slot(0)
+    for bad in (-1, 2**64, 2**90, -(2**63), "7", 1.0):
+        with pytest.raises((ValueError, TypeError)):
+            core.store(0, [5, bad], 0, None)
+    assert len(core) == 0
+    core.store(0, [True, 2**64 - 1], 0, None)  # an int subclass: the C API's reading
+    assert core.holds(0, 1, 0) and core.holds(0, 2**64 - 1, 0)
