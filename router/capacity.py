@@ -3,12 +3,25 @@
 The request path only appends ``(model, block size, worker, hashes, tokens, prefetched)`` to a
 bounded queue (``record``: a tuple and a deque append; the hashes are the list routing
 already computed). A background task drains it into one ``index.capacity`` forecast
-per model on a thread of its own: one request's analysis cannot be cut (3.5 ms for a
-128K-token prompt's 8K blocks once the sample is full, 8-30 ms while it fills, and
-about half the CPU of a repeated long prompt), and on the event loop it stopped every
-other request that long; on its thread the loop gets the GIL back within the switch
-interval. A lock keeps readers (reports, scrapes) from seeing a half-analysed request.
-A full queue drops the request and counts it (the forecast then runs on a sample).
+per model on a thread of its own, and the stacks are native (``index.native_reuse``):
+each request is one call per stack that reads the hashes and then runs with the GIL
+released, so the event loop keeps running through the analysis instead of waiting for
+the switch interval.
+
+Why: in Python the analysis of a turn of a conversation grown to 33K tokens (2K blocks,
+every block tracked while the 2,048-block sample fills) cost 34-42 ms of CPU for the
+pooled and the worker's stack, and the router's CPU per request over the last 4 turns
+read 32.3 ms with the forecast on against 3.94 off (bench/hotpath.py, session 5); at
+saturation the forecast's thread was 16-21 % of the router's CPU. Native, the same
+turn costs ~1 ms (numbers in BENCHMARKS.md, issue 12). It was bursty because the queue
+is drained every ``POLL_S``: a drain lands inside some requests' CPU windows and not
+others, with all the requests queued since the last one.
+
+Bounds: the queue holds at most ``queue_max`` requests and ``QUEUE_MAX_BLOCKS`` block
+hashes (the lists it keeps alive: 2M hashes are ~75 MB of Python ints); past either, a
+request is dropped and counted (``cache_router_forecast_dropped_requests``), and the
+forecast runs on a sample. A lock keeps readers (reports, scrapes) from seeing a
+half-analysed request; a reader waits at most one request's analysis.
 
 Current sizes come from the index: the blocks each worker holds per tier (``gpu`` and
 ``cpu``) are its capacity once its cache has filled, a lower bound before. Predicted hit
@@ -38,6 +51,7 @@ from router.workers import WorkerRegistry
 log = logging.getLogger(__name__)
 
 QUEUE_MAX = 8192  # requests waiting for analysis (about 20 s at 400 requests/s)
+QUEUE_MAX_BLOCKS = 1 << 21  # block hashes the queued requests hold (256 of 128K tokens)
 POLL_S = 0.1
 CHECK_S = 30.0  # how often the working set is compared with the pool
 
@@ -46,13 +60,20 @@ class CapacityWatch:
     """Per-model forecasts fed off the request path; reports and warnings."""
 
     def __init__(
-        self, registry: WorkerRegistry, sampling: Sampling, queue_max: int = QUEUE_MAX
+        self,
+        registry: WorkerRegistry,
+        sampling: Sampling,
+        queue_max: int = QUEUE_MAX,
+        queue_max_blocks: int = QUEUE_MAX_BLOCKS,
     ) -> None:
         self.registry = registry
         self.sampling = sampling
         self.forecasts: dict[str, CapacityForecast] = {}
         self._queue: deque[tuple[str, int, str, Sequence[int], int, int]] = deque()
         self.queue_max = queue_max
+        self.queue_max_blocks = queue_max_blocks
+        # hashes queued and analysed: one writer each (the loop, the thread), so no lock
+        self._blocks_in = self._blocks_out = 0
         self.dropped = 0
         self.analysed = 0
         self.errors = 0
@@ -71,10 +92,24 @@ class CapacityWatch:
         prefetched: int = 0,
     ) -> None:
         """One routed request; ``prefetched`` leading blocks were hinted to its worker."""
-        if len(self._queue) >= self.queue_max:
+        if (
+            len(self._queue) >= self.queue_max
+            or self.queued_blocks + len(hashes) > self.queue_max_blocks
+        ):
             self.dropped += 1
             return
+        self._blocks_in += len(hashes)
         self._queue.append((model, block_size, worker, hashes, tokens, prefetched))
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for analysis."""
+        return len(self._queue)
+
+    @property
+    def queued_blocks(self) -> int:
+        """Block hashes the waiting requests hold."""
+        return self._blocks_in - self._blocks_out
 
     # -- background -----------------------------------------------------------------
     def drain(self, budget_s: float | None = None) -> int:
@@ -84,15 +119,16 @@ class CapacityWatch:
         done = 0
         while queue:
             model, block_size, worker, hashes, tokens, prefetched = queue.popleft()
+            self._blocks_out += len(hashes)
             with self._lock:
                 fc = forecasts.get(model)
                 if fc is None or fc.block_size != block_size:  # new, or its pool changed
                     fc = forecasts[model] = CapacityForecast(block_size, self.sampling)
                 fc.observe(worker, hashes, tokens, prefetched)
             done += 1
+            self.analysed += 1  # here: a request that raises must not lose the count
             if deadline is not None and time.perf_counter() >= deadline:
                 break
-        self.analysed += done
         return done
 
     async def run(self) -> None:
@@ -138,7 +174,8 @@ class CapacityWatch:
     def reports(self) -> dict[str, Any]:
         return {
             "models": {m: self.report(m) for m in self.models()},
-            "queued": len(self._queue),
+            "queued": self.queued,
+            "queued_blocks": self.queued_blocks,
             "analysed_requests": self.analysed,
             "dropped_requests": self.dropped,
             "errors": self.errors,
@@ -231,6 +268,11 @@ class CapacityCollector(Collector):
             "Requests the forecast skipped because its queue was full",
         )
         dropped.add_metric([], self.watch.dropped)
+        queued = GaugeMetricFamily(
+            "cache_router_forecast_queued_requests",
+            "Requests waiting for the forecast's analysis (its lag)",
+        )
+        queued.add_metric([], self.watch.queued)
         done = self._delivered()
         for model in self.watch.models():
             r = self.watch.report(model)
@@ -250,4 +292,6 @@ class CapacityCollector(Collector):
                     predicted.add_metric([model, wid], w["predicted_hit_rate"])
                 if wid in done:
                     delivered.add_metric([model, wid], done[wid])
-        yield from (predicted, delivered, pooled, ceiling, needed, saturation, short, dropped)
+        yield from (
+            predicted, delivered, pooled, ceiling, needed, saturation, short, dropped, queued
+        )  # fmt: skip

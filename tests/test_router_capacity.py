@@ -121,6 +121,31 @@ def test_full_queue_drops_and_counts() -> None:
         validate(RouterConfig(forecast_tracked=-1))
 
 
+def test_queue_is_bounded_in_blocks_too() -> None:
+    """Long prompts fill the queue's block budget before its request count."""
+    from index.capacity import Sampling
+    from router.capacity import CapacityCollector, CapacityWatch
+    from router.metrics import RouterMetrics
+    from router.workers import WorkerRegistry
+
+    watch = CapacityWatch(WorkerRegistry(RouterConfig()), Sampling(), queue_max_blocks=10)
+    for n in (4, 4, 4, 2):  # the third would hold 12 hashes: dropped; the fourth fits
+        watch.record(MODEL, 16, "w0", list(range(1, n + 1)), n * 16)
+    assert (watch.dropped, watch.queued, watch.queued_blocks) == (1, 3, 10)
+    queued = [
+        s.value
+        for family in CapacityCollector(watch, RouterMetrics()).collect()
+        for s in family.samples
+        if s.name == "cache_router_forecast_queued_requests"
+    ]
+    assert queued == [3]
+    assert watch.drain() == 3
+    assert (watch.queued, watch.queued_blocks) == (0, 0)
+    assert watch.reports()["queued_blocks"] == 0
+    watch.record(MODEL, 16, "w0", list(range(1, 11)), 160)  # room again
+    assert watch.queued == 1 and watch.dropped == 1
+
+
 async def test_a_bad_entry_does_not_stop_the_analysis() -> None:
     import asyncio
 
