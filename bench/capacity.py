@@ -8,8 +8,12 @@ One JSON line per size.
 
 Overhead (``--overhead --trace T``): the router's ``CapacityWatch`` fed the trace as
 8 workers would see it (sessions spread by hash): the request path's ``record`` (ns a
-call), the background analysis (CPU us a request, by ``time.process_time``), and the
-memory the forecasts hold (tracemalloc), at the router's default sampling.
+call), the background analysis (CPU us a request, by ``time.process_time``), the
+memory the forecasts hold (tracemalloc, plus the native stacks' own heap), at the
+router's default sampling, and how late a 1 ms timer on the event loop fires while
+``CapacityWatch.run`` drains the whole trace on its thread (``loop_lag_ms``: what the
+analysis costs the request path). ``CACHE_ROUTER_INDEX=python`` measures the Python
+stacks (index/reuse.py) instead of the native ones.
 
     flock /work/bench.lock nice -n 5 python3 bench/capacity.py --trace T --sizes 4096,16384
     flock /work/bench.lock nice -n 5 python3 bench/capacity.py --overhead --trace T
@@ -18,6 +22,8 @@ memory the forecasts hold (tracemalloc), at the router's default sampling.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import statistics
 import sys
 import time
 import tracemalloc
@@ -103,6 +109,8 @@ def overhead(args: argparse.Namespace) -> None:
     for wid, hashes, n in reqs:
         watch2.record("m", args.block_size, wid, hashes, n)
     fc = watch.forecasts["m"]
+    stacks = [fc.pooled, *fc.workers.values()]
+    native_bytes = sum(s.bytes() for s in stacks if hasattr(s, "bytes"))  # native stacks
     blocks = sum(len(h) for _, h, _ in reqs)
     half = len(reqs) // 2
     cpu_all = time.process_time()
@@ -112,6 +120,7 @@ def overhead(args: argparse.Namespace) -> None:
     first_n = watch2.analysed
     watch2.drain()
     cpu_all = time.process_time() - cpu_all
+    lag = asyncio.run(loop_lag(reqs, args.block_size))
     print(
         orjson.dumps(
             {
@@ -130,13 +139,40 @@ def overhead(args: argparse.Namespace) -> None:
                 / (len(reqs) - first_n)
                 * 1e6,
                 "analysis_cpu_us_per_request_traced": cpu / len(reqs) * 1e6,
-                "memory_bytes": current,
+                "implementation": type(fc.pooled).__name__,
+                "memory_bytes": current + native_bytes,
                 "memory_peak_bytes": peak,
-                "stacks": 1 + len(fc.workers),
+                "stacks": len(stacks),
                 "pooled_sampling_rate": fc.pooled.rate,
+                "loop_lag_ms": lag,
             }
         ).decode()
     )
+
+
+async def loop_lag(reqs: list[tuple[str, list[int], int]], block_size: int) -> dict[str, float]:
+    """A 1 ms timer's lateness on the loop while the forecast's thread drains ``reqs``."""
+    registry = WorkerRegistry(RouterConfig())
+    watch = CapacityWatch(registry, Sampling(), queue_max=len(reqs) + 1, queue_max_blocks=1 << 40)
+    for wid, hashes, n in reqs:
+        watch.record("m", block_size, wid, hashes, n)
+    task = asyncio.create_task(watch.run())
+    late: list[float] = []
+    try:
+        while watch.analysed < len(reqs):
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.001)
+            late.append((time.perf_counter() - t0 - 0.001) * 1e3)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    late.sort()
+    return {
+        "ticks": len(late),
+        "p50": statistics.median(late),
+        "p99": late[int(0.99 * (len(late) - 1))],
+        "max": late[-1],
+    }
 
 
 def main() -> None:

@@ -73,6 +73,7 @@ CHATML = (
     "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+SETTLE_S = 0.5  # longer than the forecast's POLL_S (0.1 s) and one drain
 WORDS = ("cache", "router", "engine", "prefix", "token", "block", "hash", "worker", "latency")
 
 
@@ -230,15 +231,32 @@ def phase_lengths(
 
 
 def phase_multi_turn(port: int, pids: list[int], turns: list[bytes]) -> dict[str, Any]:
+    """Each turn's CPU in its own window; and the ``_settled`` figures: the router's
+    CPU from the first turn (and from the fourth last, after a pause that lets the
+    forecast's queue drain) to 0.5 s past the last, less its idle rate, per turn. The
+    forecast analyses off the request path, every ``POLL_S``: its CPU lands in whichever
+    turn's window a drain falls in, or between turns (32 vs 6 ms in two runs of session 5)."""
     cpu: list[float] = []
     lat: list[float] = []
     errors = 0
+    settled: dict[str, float] = {}
+    last = slice(-4, None)
+    n_last = len(turns[last])
+
+    def idle_rate() -> float:  # router ns of CPU per second of wall, idle
+        c0, t0 = cpu_ns(pids), time.perf_counter()
+        time.sleep(SETTLE_S)
+        return (cpu_ns(pids) - c0) / (time.perf_counter() - t0)
 
     async def run() -> None:
         nonlocal errors
         reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 24)
         try:
-            for req in turns:
+            marks = {0: (cpu_ns(pids), time.perf_counter())}
+            for i, req in enumerate(turns):
+                if i == len(turns) - n_last:
+                    await asyncio.sleep(SETTLE_S)
+                    marks[i] = (cpu_ns(pids), time.perf_counter())
                 c0 = cpu_ns(pids)
                 t0 = time.perf_counter()
                 writer.write(req)
@@ -246,16 +264,26 @@ def phase_multi_turn(port: int, pids: list[int], turns: list[bytes]) -> dict[str
                     errors += 1
                 lat.append(time.perf_counter() - t0)
                 cpu.append((cpu_ns(pids) - c0) / 1e6)
+            await asyncio.sleep(SETTLE_S)
+            c_end, t_end = cpu_ns(pids), time.perf_counter()
+            for key, start, count in (
+                ("cpu_ms_per_turn_mean_settled", 0, len(turns)),
+                ("cpu_ms_last_4_turns_settled", len(turns) - n_last, n_last),
+            ):
+                c0, t0 = marks[start]  # idle CPU over the whole wall time, pauses included
+                settled[key] = (c_end - c0 - idle * (t_end - t0)) / count / 1e6
         finally:
             writer.close()
 
+    idle = idle_rate() if pids else 0.0
     asyncio.run(run())
-    last = slice(-4, None)
     return {
         "turns": len(turns),
         "errors": errors,
         "cpu_ms_per_turn_mean": statistics.mean(cpu) if pids else None,
         "cpu_ms_last_4_turns": statistics.mean(cpu[last]) if pids else None,
+        **(settled if pids else {}),
+        "idle_cpu_ms_per_s": idle / 1e6,
         "p50_ms": pct(lat, 50) * 1e3,
         "last_4_turns_ms": statistics.mean(lat[last]) * 1e3,
     }
@@ -576,6 +604,8 @@ def _ratios(result: dict[str, Any], lengths: tuple[int, ...]) -> dict[str, Any]:
             r["multi_turn_cpu_last_4"] = (
                 mine["cpu_ms_last_4_turns"] / other["cpu_ms_last_4_turns"]
             )
+            for key in ("cpu_ms_per_turn_mean_settled", "cpu_ms_last_4_turns_settled"):
+                r[f"multi_turn_{key}"] = mine[key] / other[key]
         for n in (1, 4, 16):
             for what in ("rps", "cpu_us_per_request"):
                 key = f"saturation_{what}_{n}_workers"
@@ -588,6 +618,15 @@ def _ratios(result: dict[str, Any], lengths: tuple[int, ...]) -> dict[str, Any]:
         out["multi_turn_cpu_prefix_cache_on_over_off"] = {
             key: on[key] / off[key] for key in ("cpu_ms_per_turn_mean", "cpu_ms_last_4_turns")
         }
+    with_forecast = ours.get("multi_turn") if isinstance(ours, dict) else None
+    if with_forecast and on:
+        out["multi_turn_cpu_forecast_on_over_off"] = {
+            key: with_forecast[key] / on[key]
+            for key in (
+                "cpu_ms_per_turn_mean", "cpu_ms_last_4_turns",
+                "cpu_ms_per_turn_mean_settled", "cpu_ms_last_4_turns_settled",
+            )
+        }  # fmt: skip
     if isinstance(ours, dict) and "lengths" in ours:
         alone = result["tokenizer_alone_cpu_ms"]
         out["cache_router_chat_cpu_over_tokenizer_alone"] = {
