@@ -239,20 +239,15 @@ def phase_multi_turn(port: int, pids: list[int], turns: list[bytes]) -> dict[str
     cpu: list[float] = []
     lat: list[float] = []
     errors = 0
-    settled: dict[str, float] = {}
+    marks: dict[int, tuple[int, float]] = {}  # turn -> (router CPU ns, wall) before it
     last = slice(-4, None)
     n_last = len(turns[last])
-
-    def idle_rate() -> float:  # router ns of CPU per second of wall, idle
-        c0, t0 = cpu_ns(pids), time.perf_counter()
-        time.sleep(SETTLE_S)
-        return (cpu_ns(pids) - c0) / (time.perf_counter() - t0)
 
     async def run() -> None:
         nonlocal errors
         reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 24)
         try:
-            marks = {0: (cpu_ns(pids), time.perf_counter())}
+            marks[0] = (cpu_ns(pids), time.perf_counter())
             for i, req in enumerate(turns):
                 if i == len(turns) - n_last:
                     await asyncio.sleep(SETTLE_S)
@@ -265,24 +260,30 @@ def phase_multi_turn(port: int, pids: list[int], turns: list[bytes]) -> dict[str
                 lat.append(time.perf_counter() - t0)
                 cpu.append((cpu_ns(pids) - c0) / 1e6)
             await asyncio.sleep(SETTLE_S)
-            c_end, t_end = cpu_ns(pids), time.perf_counter()
-            for key, start, count in (
-                ("cpu_ms_per_turn_mean_settled", 0, len(turns)),
-                ("cpu_ms_last_4_turns_settled", len(turns) - n_last, n_last),
-            ):
-                c0, t0 = marks[start]  # idle CPU over the whole wall time, pauses included
-                settled[key] = (c_end - c0 - idle * (t_end - t0)) / count / 1e6
+            marks[len(turns)] = (cpu_ns(pids), time.perf_counter())
         finally:
             writer.close()
 
-    idle = idle_rate() if pids else 0.0
     asyncio.run(run())
+    settled: dict[str, float] = {}
+    idle = 0.0  # router ns of CPU per second of wall once idle, warmed up and drained
+    if pids:
+        c0, t0 = cpu_ns(pids), time.perf_counter()
+        time.sleep(SETTLE_S)
+        idle = (cpu_ns(pids) - c0) / (time.perf_counter() - t0)
+        c_end, t_end = marks[len(turns)]
+        for key, start, count in (
+            ("cpu_ms_per_turn_mean_settled", 0, len(turns)),
+            ("cpu_ms_last_4_turns_settled", len(turns) - n_last, n_last),
+        ):
+            c0, t0 = marks[start]  # idle CPU over the whole wall time, pauses included
+            settled[key] = (c_end - c0 - idle * (t_end - t0)) / count / 1e6
     return {
         "turns": len(turns),
         "errors": errors,
         "cpu_ms_per_turn_mean": statistics.mean(cpu) if pids else None,
         "cpu_ms_last_4_turns": statistics.mean(cpu[last]) if pids else None,
-        **(settled if pids else {}),
+        **settled,
         "idle_cpu_ms_per_s": idle / 1e6,
         "p50_ms": pct(lat, 50) * 1e3,
         "last_4_turns_ms": statistics.mean(lat[last]) * 1e3,
