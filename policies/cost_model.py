@@ -162,18 +162,23 @@ def steps_ms(costs: EngineCosts, tokens: float, decode: int, kv_tokens: float = 
 
 
 def queue_wait_ms(
-    costs: EngineCosts, view: WorkerView, fallback_tokens: float, kv_tokens: float = 0.0
+    costs: EngineCosts,
+    view: WorkerView,
+    fallback_tokens: float,
+    kv_tokens: float = 0.0,
+    queued_attn_ms: float = 0.0,
 ) -> float:
     """Expected wait before a new request's prefill starts on ``view``.
 
-    Linear in the queued tokens: their contexts are unknown, and charging the queue as
-    one long sequence would make attention grow with the square of the queue.
+    Linear in the queued tokens, plus ``queued_attn_ms``: the attention of the queued
+    prompts over their own contexts, known for those the policy routed (charging the
+    queue as one long sequence would make attention grow with the square of the queue).
     """
     tokens = queue_tokens(view, fallback_tokens)
     if tokens <= 0:
         return 0.0
     steps = steps_ms(costs, tokens, decode_seqs(view), kv_tokens)
-    return tokens * costs.prefill_ms_per_token + steps
+    return tokens * costs.prefill_ms_per_token + queued_attn_ms + steps
 
 
 def admit_wait_ms(costs: EngineCosts, view: WorkerView, fallback_tokens: float) -> float:
@@ -238,14 +243,16 @@ def estimate_ttft(
     num_tokens: int,
     block_size: int,
     kv_tokens: float = 0.0,
+    queued_attn_ms: float = 0.0,
 ) -> tuple[float, float, float]:
     """(queue_ms, prefill_ms, load_ms) of a request on ``view`` without prefetch.
 
-    ``kv_tokens``: context of the requests in flight on the worker (decode attention).
+    ``kv_tokens``: context of the requests in flight on the worker (decode attention);
+    ``queued_attn_ms``: attention of the prompts queued there (``queue_wait_ms``).
     """
     dec = decode_seqs(view)
     return (
-        queue_wait_ms(costs, view, num_tokens, kv_tokens),
+        queue_wait_ms(costs, view, num_tokens, kv_tokens, queued_attn_ms),
         prefill_time_ms(costs, num_tokens, match.total, block_size, dec, kv_tokens),
         load_time_ms(costs, match, block_size),
     )
@@ -260,6 +267,7 @@ def estimate_ttft_prefetched(
     hit_blocks: int,
     moved_blocks: int,
     kv_tokens: float = 0.0,
+    queued_attn_ms: float = 0.0,
 ) -> tuple[float, float, float]:
     """(queue_ms, prefill_ms, load_ms) when ``moved_blocks`` were pulled in while queued.
 
@@ -270,7 +278,7 @@ def estimate_ttft_prefetched(
     load = load_time_ms(costs, own, block_size) + costs.load_ms("cpu", moved_blocks * block_size)
     dec = decode_seqs(view)
     return (
-        queue_wait_ms(costs, view, num_tokens, kv_tokens),
+        queue_wait_ms(costs, view, num_tokens, kv_tokens, queued_attn_ms),
         prefill_time_ms(costs, num_tokens, hit_blocks, block_size, dec, kv_tokens),
         load,
     )
