@@ -622,6 +622,38 @@ def test_cache_aware_charges_decode_attention_over_the_context_in_flight() -> No
     assert policy.active_tokens("w0") == 0
 
 
+def test_cache_aware_charges_the_queues_attention_over_its_prompts_contexts() -> None:
+    """Issue 13, agent x2 on 16 engines: a 4K-token turn on an 80K context costs 4.3x the
+    linear rate in attention; charged at that rate alone, a queue of such turns looked
+    short and sessions stayed on holders whose requests waited seconds longer."""
+    costs = EngineCosts()
+    policy = make_policy("cache_aware", random.Random(0))
+    # 80K tokens, 5000 of 5000 blocks' prefix held: 0 left but the last block (16 tokens)
+    turn = RouteRequest("turn", "m", 84_000, chain(70, 5250), BS)
+    held = WorkerView("w0", match=tm(gpu=5000))
+    policy.select(turn, [held])
+    left = 84_000 - 5000 * BS
+    attn = costs.attn_ms_per_token_ctx * left * (84_000 - left + 0.5 * left)
+    assert policy.queued_attn_ms("w0") == pytest.approx(attn)
+    # the next request sees it in w0's queue (the router counts the turn's 4000 tokens)
+    queued = WorkerView("w0", inflight_requests=1, inflight_prefill_tokens=left)
+    nxt = req(chain(71, 10), rid="next")
+    d = policy.select(nxt, [queued, WorkerView("w1")])
+    ref = estimate_ttft(costs, queued, tm(), nxt.num_tokens, BS, policy.active_tokens("w0"))
+    assert d.scores["w0"]["queue_ms"] == pytest.approx(ref[0] + attn)
+    assert attn > 3 * left * costs.prefill_ms_per_token  # most of the queue's cost
+    # gone at the turn's first token (and a finish after it changes nothing)
+    policy.on_first_token(turn, "w0", 500.0)
+    assert policy.queued_attn_ms("w0") == 0
+    policy.on_finish(turn, "w0")
+    policy.on_finish(nxt, d.worker_id)
+    assert policy.queued_attn_ms("w0") == policy.queued_attn_ms("w1") == 0
+    # a retried id counts once, where it went last
+    policy.select(turn, [held])
+    policy.select(turn, [WorkerView("w1", match=tm(gpu=5000))])
+    assert policy.queued_attn_ms("w0") == 0 and policy.queued_attn_ms("w1") == pytest.approx(attn)
+
+
 def test_cache_aware_counts_a_session_turn_still_in_flight_as_held_by_its_worker() -> None:
     """Issue 13's collapse: the next turn arrived while the last one still queued, the
     index showed its context nowhere, and it went to a shorter queue to recompute it."""
