@@ -582,7 +582,8 @@ def test_cache_aware_no_hint_to_a_target_without_kv_room(usage: float, hinted: b
 
 
 def test_cache_aware_learns_from_hints_that_do_not_land() -> None:
-    policy = make_policy("cache_aware", random.Random(0))
+    # session_load: session t starts where s's 60 turns went and s is live; unbounded here
+    policy = make_policy("cache_aware", random.Random(0), session_load=100)
     _seen_with_host_memory(policy, 4)
     prior = policy.landing_rate
     hinted = []
@@ -691,3 +692,33 @@ def test_router_counts_in_flight_prefill_by_the_policys_expected_hit() -> None:
     assert hit_blocks(vs, Decision("w0", scores={"w0": {"hit_blocks": 1}})) == 4
     assert hit_blocks(vs, Decision("w0")) == 4
     assert hit_blocks(vs, Decision("w9")) == 0
+
+
+def test_cache_aware_starts_a_session_away_from_a_worker_whose_sessions_are_live() -> None:
+    """Issue 13, agent x2 on 16 engines: counted in routed requests, a new session could
+    start on the holder of its tool prompt while a long session there was still sending
+    steps (two 80-97K-token sessions shared one engine, three engines got none); the live
+    sessions per worker bound it too."""
+    tool = chain(1, 8)
+    idle = [WorkerView(f"w{i}") for i in range(4)]
+
+    def run(policy: object) -> str:
+        # three sessions, 20 steps each, interleaved on w1-w3, all finished ...
+        for step in range(20):
+            for k in (1, 2, 3):
+                r = RouteRequest(f"h{k}.{step}", "m", 32 * BS, chain(10 + k, 32), BS, f"h{k}")
+                policy.select(r, [idle[k]])  # type: ignore[attr-defined]
+                policy.on_finish(r, f"w{k}")  # type: ignore[attr-defined]
+        # ... then one session on w0 sends 10 steps in a row: only it is live
+        for step in range(10):
+            r = RouteRequest(f"a.{step}", "m", 32 * BS, chain(20, 32, tool), BS, "a")
+            policy.select(r, [idle[0]])  # type: ignore[attr-defined]
+        # a new session shares the tool prompt, held on w0 alone; every queue is empty
+        new = RouteRequest("b.0", "m", 40 * BS, chain(30, 32, tool), BS, "b")
+        held = [WorkerView("w0", match=tm(gpu=8)), *idle[1:]]
+        return policy.select(new, held).worker_id  # type: ignore[attr-defined]
+
+    # the request counts alone allow w0 (10 recent requests against 20 on each peer) ...
+    assert run(make_policy("cache_aware", random.Random(0), live_sessions=False)) == "w0"
+    # ... but its one live session is the pool's fair share: the new one starts elsewhere
+    assert run(make_policy("cache_aware", random.Random(0))) != "w0"

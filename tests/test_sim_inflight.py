@@ -52,16 +52,16 @@ def test_cache_aware_sees_what_long_context_turns_queued_on_a_holder_cost(
     agent_trace_2x: Trace,
 ) -> None:
     """``bench/sweep.py``'s ``agent x2 w16 p4096`` seed 1: 16 engines 37 % busy, two long
-    sessions (80-97K tokens) on one engine. With the queue charged at the linear prefill
-    rate, their 2-4K-token turns (4.3x that in attention) made the holder look idle, every
-    turn stayed, its KV filled and turns waited 6-12 s for pages: TTFT p90 1258 ms and
-    p99 8.4 s against ``dynamo_kv``'s 749 ms and 1.4 s. Charging the queue's attention:
-    1041 ms and 2.8 s (still short of ``dynamo_kv``, which spreads sessions by the KV
-    blocks they hold; BENCHMARKS.md)."""
+    sessions (80-97K tokens) on one engine, three engines with none. With the queue
+    charged at the linear prefill rate, their 2-4K-token turns (4.3x that in attention)
+    made the holder look idle, every turn stayed, its KV filled and turns waited 6-12 s
+    for pages: TTFT p90 1258 ms and p99 8.4 s against ``dynamo_kv``'s 749 ms and 1.4 s.
+    Charging the queue's attention: 1041 ms and 2.8 s; also bounding new sessions by the
+    live sessions per worker (not only by recent requests): 744 ms and 1.2 s."""
     config = SimConfig(workers=16, l1_blocks=4096, seed=1, engine_seed=1)
     ours = Simulation(agent_trace_2x, "cache_aware", config).run()
     ref = Simulation(agent_trace_2x, "dynamo_kv", config).run()
     assert ours["rejected"] == ref["rejected"] == 0
     assert ours["hit_rate"] >= ref["hit_rate"]
-    assert ours["ttft_p90_ms"] <= 1.5 * ref["ttft_p90_ms"]
-    assert ours["ttft_p99_ms"] <= 2.5 * ref["ttft_p99_ms"]
+    assert ours["ttft_p90_ms"] <= 1.1 * ref["ttft_p90_ms"]
+    assert ours["ttft_p99_ms"] <= 1.5 * ref["ttft_p99_ms"]
