@@ -562,7 +562,8 @@ class CacheAware(Policy):
         ``n`` workers, a worker may take one more while it stays within
         ``ceil(session_load * (m + 1) / n)``; the least loaded one always fits. Only
         where sessions average ``_BOUND_TURNS`` requests or more: a first placement
-        then decides where the later ones go.
+        then decides where the later ones go. With ``live_sessions`` the same bound on
+        the sessions live per worker (``_live_sessions``): what will keep sending turns.
         """
         if session is None:
             return None
