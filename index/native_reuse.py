@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from index import _native
-from index.reuse import _FULL, ReuseCurve
+from index.reuse import _FULL, ReuseCurve, check_sampling
 
 
 class NativeStackDistance:
@@ -41,14 +41,7 @@ class NativeStackDistance:
         horizon: int | None = None,
         hot_blocks: int = 0,
     ) -> None:
-        if max_tracked < 1:
-            raise ValueError(f"max_tracked must be >= 1, got {max_tracked}")
-        if not 0 < rate <= 1:
-            raise ValueError(f"rate must be in (0, 1], got {rate}")
-        if horizon is not None and horizon < 1:
-            raise ValueError(f"horizon must be >= 1 block, got {horizon}")
-        if hot_blocks < 0:
-            raise ValueError(f"hot_blocks must be >= 0, got {hot_blocks}")
+        check_sampling(max_tracked, rate, horizon, hot_blocks)
         self.max_tracked = max_tracked
         self.hot_blocks = hot_blocks
         self.horizon = horizon

@@ -171,6 +171,18 @@ def saturation(capacities: Sequence[int], rates: Sequence[float], gain: float = 
     return point
 
 
+def check_sampling(max_tracked: int, rate: float, horizon: int | None, hot_blocks: int) -> None:
+    """``ValueError`` for sampling settings no stack distance (Python or native) takes."""
+    if max_tracked < 1:
+        raise ValueError(f"max_tracked must be >= 1, got {max_tracked}")
+    if not 0 < rate <= 1:
+        raise ValueError(f"rate must be in (0, 1], got {rate}")
+    if horizon is not None and horizon < 1:
+        raise ValueError(f"horizon must be >= 1 block, got {horizon}")
+    if hot_blocks < 0:
+        raise ValueError(f"hot_blocks must be >= 0, got {hot_blocks}")
+
+
 class StackDistance:
     """SHARDS-sampled LRU stack distances of one stream of requests' block hashes."""
 
@@ -199,14 +211,7 @@ class StackDistance:
         horizon: int | None = None,
         hot_blocks: int = 0,
     ) -> None:
-        if max_tracked < 1:
-            raise ValueError(f"max_tracked must be >= 1, got {max_tracked}")
-        if not 0 < rate <= 1:
-            raise ValueError(f"rate must be in (0, 1], got {rate}")
-        if horizon is not None and horizon < 1:
-            raise ValueError(f"horizon must be >= 1 block, got {horizon}")
-        if hot_blocks < 0:
-            raise ValueError(f"hot_blocks must be >= 0, got {hot_blocks}")
+        check_sampling(max_tracked, rate, horizon, hot_blocks)
         self.max_tracked = max_tracked
         self.hot_blocks = hot_blocks
         self._hot: dict[int, None] = {}  # the hot set's current generation

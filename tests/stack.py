@@ -392,13 +392,37 @@ class EngineDouble:
 ADMIN_TOKEN = "s3cret"  # DoubleStack's admin_token
 
 
-class DoubleStack:
+class Routed:
+    """A router serving on a loopback port, in-process (``serve``): what ``DoubleStack``
+    and ``EngineStack`` put in front of their engines."""
+
+    app: RouterApp | None = None
+    served: Served | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.served is not None
+        return self.served.url
+
+    @property
+    def state(self) -> Any:
+        assert self.app is not None
+        return self.app.state
+
+    async def serve(self, cfg: RouterConfig) -> Served:
+        """The router on ``cfg``, serving; on NATS (connected) when ``cfg`` names it."""
+        self.app = RouterApp(cfg)
+        self.served = await Served(self.app).start()
+        if cfg.nats_url is not None:
+            await until(lambda: self.state.bus.connected, what="router on NATS")
+        return self.served
+
+
+class DoubleStack(Routed):
     """``n`` engine doubles (``w0``...) behind one in-process router on a loopback port."""
 
     def __init__(self) -> None:
         self.engines: list[EngineDouble] = []
-        self.app: RouterApp | None = None
-        self.served: Served | None = None
         self.clients: list[openai.AsyncOpenAI] = []
 
     @classmethod
@@ -421,21 +445,8 @@ class DoubleStack:
             workers=[WorkerSpec(e.worker_id, e.url, model="m") for e in stack.engines],
             **settings,
         )
-        stack.app = RouterApp(cfg)
-        stack.served = await Served(stack.app).start()
-        if nats_url:
-            await until(lambda: stack.state.bus.connected, what="router on NATS")
+        await stack.serve(cfg)
         return stack
-
-    @property
-    def url(self) -> str:
-        assert self.served is not None
-        return self.served.url
-
-    @property
-    def state(self) -> Any:
-        assert self.app is not None
-        return self.app.state
 
     def client(self) -> openai.AsyncOpenAI:
         client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
@@ -559,7 +570,7 @@ async def mock_engine_agent(
     return engine, agents
 
 
-class EngineStack:
+class EngineStack(Routed):
     """Mock engines (``add``: with their node agents when the stack has NATS) and a router
     serving them (``serve``): the set-up the end-to-end tests of one feature share;
     ``stop`` stops the router, then the agents, then the engines."""
@@ -568,18 +579,6 @@ class EngineStack:
         self.nats_url = nats_url
         self.engines: dict[str, MockEngine] = {}
         self.agents: list[NodeAgent] = []
-        self.app: RouterApp | None = None
-        self.served: Served | None = None
-
-    @property
-    def url(self) -> str:
-        assert self.served is not None
-        return self.served.url
-
-    @property
-    def state(self) -> Any:
-        assert self.app is not None
-        return self.app.state
 
     async def add(self, cfg: MockEngineConfig, **agent_kw: Any) -> MockEngine:
         if self.nats_url is None:
@@ -589,14 +588,6 @@ class EngineStack:
             self.agents.extend(agents)
         self.engines[cfg.worker_id] = engine
         return engine
-
-    async def serve(self, cfg: RouterConfig) -> Served:
-        """The router on ``cfg``, serving; on NATS (connected) when ``cfg`` names it."""
-        self.app = RouterApp(cfg)
-        self.served = await Served(self.app).start()
-        if cfg.nats_url is not None:
-            await until(lambda: self.state.bus.connected, what="router on NATS")
-        return self.served
 
     async def stop(self) -> None:
         if self.served is not None:
