@@ -297,37 +297,36 @@ class Router:
         stale = self.cfg.load_stale_after
         blind = self.blind is not None and self.blind(now)
         in_sync = ingest.in_sync
-        views: list[WorkerView] = []
-        append = views.append
-        # This loop runs for every candidate of every request (16 workers: ~14 % of the
-        # router's samples at saturation, session 5): ``Worker.usable``,
-        # ``WorkerLoad.engine_fresh`` and ``WorkerView.of`` are inlined (the same rules:
-        # an out-of-sync worker shows no match), saving 4 Python calls per candidate.
+        views = []
         for w in prep.workers:
-            if not w.healthy or w.draining or now < w.breaker_until or w.id in exclude:
+            if w.id in exclude or not w.usable(now):
                 continue
             # a DP rank counts this router's requests on it; the engine reports the sum
             # over its ranks, shared out evenly
             ranks = w.rank_loads
-            own = w.load
+            engine = w.load.engine_fresh(stale, now)
             running = waiting = kv_usage = None
-            if now - own.engine_seen <= stale:
-                engine = own.engine
-                running, waiting, kv_usage = engine.running, engine.waiting, engine.kv_usage
-                if ranks:
-                    running, waiting = _share(running, len(ranks)), _share(waiting, len(ranks))
+            if engine is not None:
+                share = len(ranks) or 1
+                running, waiting = _share(engine.running, share), _share(engine.waiting, share)
+                kv_usage = engine.kv_usage
             for rank, tid in enumerate(w.targets):
                 if tid in exclude:
                     continue
-                load = ranks[rank] if ranks else own
-                synced = not blind and in_sync(tid)
-                append(
-                    WorkerView(
-                        tid, matches.get(tid, NO_MATCH) if synced else NO_MATCH,
-                        load.inflight_requests, load.inflight_prefill_tokens,
-                        load.decode_streams, running, waiting, kv_usage, True, synced,
+                load = ranks[rank] if ranks else w.load
+                views.append(
+                    WorkerView.of(
+                        tid,
+                        matches.get(tid, NO_MATCH),
+                        in_sync=not blind and in_sync(tid),
+                        inflight_requests=load.inflight_requests,
+                        inflight_prefill_tokens=load.inflight_prefill_tokens,
+                        decode_streams=load.decode_streams,
+                        engine_running=running,
+                        engine_waiting=waiting,
+                        kv_usage=kv_usage,
                     )
-                )  # fmt: skip
+                )
         return views
 
     def decide(
