@@ -23,7 +23,8 @@ the bottleneck); ``direct`` is the engine alone. Phases, all printed as one JSON
   show what the conversation prefix cache (router/prefix_cache.py) saves (``ratios``:
   ``multi_turn_cpu_prefix_cache_on_over_off``);
 - ``cache_router_no_forecast``: cache-router with ``forecast_tracked = 0``, to show what
-  the online capacity forecast (index/reuse.py, on the event loop) costs per request.
+  the online capacity forecast (index/capacity.py: native stacks on a thread of its own,
+  router/capacity.py) costs per request.
 
 The tokenizer is the given ``tokenizer.json`` (Llama's SentencePiece BPE from
 tests/real_engines/make_model.py) with ``<|im_start|>``/``<|im_end|>`` added as special
@@ -363,8 +364,8 @@ def commands(urls: list[str], tok_dir: str, peers_py: str | None) -> dict[str, l
             "--policy", "cache_aware", "--tokenizer", tok_dir, "--log-level", "error",
         ],
     }  # fmt: skip
-    # the same with the capacity forecast off: what its analysis costs (py-spy had it at
-    # about half the CPU of a repeated 128K-token prompt, on the event loop)
+    # the same with the capacity forecast off: what its analysis costs (session 5, in
+    # Python: 16-21 % of the router's CPU at saturation; native since session 6)
     no_forecast = ["env", "CACHE_ROUTER_FORECAST_TRACKED=0", *out["cache_router"]]
     out["cache_router_no_forecast"] = no_forecast
     # and the prefix cache off too: what it saves (beside the forecast-off instance, as the
