@@ -153,7 +153,13 @@ from .base import (
     WorkerView,
     prefix_depth,
 )
-from .cost_model import EngineCosts, admit_wait_ms, estimate_ttft_prefetched, prefetch_fits
+from .cost_model import (
+    EngineCosts,
+    admit_wait_ms,
+    estimate_ttft_prefetched,
+    prefetch_fits,
+    uncached_tokens,
+)
 from .selection import argmin_random, healthy
 
 _T = TypeVar("_T")
@@ -410,10 +416,7 @@ class CacheAware(Policy):
         if placing:
             self._placed[chosen] += max(0, cacheable - matches[i].total)
         self._track(request.request_id, chosen, ntok, scores[chosen]["ttft_ms"])
-        hit = int(scores[chosen]["hit_blocks"])
-        left = ntok - (hit if hit < cacheable else cacheable) * bs
-        if left < 1:
-            left = 1
+        left = uncached_tokens(ntok, int(scores[chosen]["hit_blocks"]), bs)
         self._queue_attn(request.request_id, chosen, attn * left * (ntok - left + 0.5 * left))
         if session is not None and self.in_flight:
             _put(self._last, session, (request.request_id, request.block_hashes))
