@@ -164,23 +164,19 @@ class Experiment:
 
     def policy_for(self, arm: Arm | str) -> Policy:
         """The policy instance of ``arm`` (one per arm, kept for the experiment's life)."""
-        name = arm if isinstance(arm, str) else arm.name
-        try:
-            return self._policies[name]
-        except KeyError:
-            raise ValueError(f"no arm named {name!r} in this experiment") from None
+        return self._policies[self._name(arm)]
 
     def prefill_policy_for(self, arm: Arm | str) -> Policy:
         """The instance of ``arm``'s policy that picks prefill engines (see the module doc)."""
-        name = arm if isinstance(arm, str) else arm.name
-        try:
-            return self._prefill[name]
-        except KeyError:
-            raise ValueError(f"no arm named {name!r} in this experiment") from None
+        return self._prefill[self._name(arm)]
 
     def decode_policy_for(self, arm: Arm | str) -> Policy | None:
         """The decode-side policy instance of ``arm``; None when it names none."""
+        return self._decode.get(self._name(arm))
+
+    def _name(self, arm: Arm | str) -> str:
+        """``arm``'s name; ValueError when this experiment has no arm of that name."""
         name = arm if isinstance(arm, str) else arm.name
         if name not in self._policies:
             raise ValueError(f"no arm named {name!r} in this experiment")
-        return self._decode.get(name)
+        return name
