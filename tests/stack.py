@@ -53,7 +53,7 @@ from router.config import RouterConfig, WorkerSpec
 from router.dp import target_id
 from router.events import last_seq
 from router.tokenize import FallbackTokenizer, Tokenizer
-from sim.mock_engine import MockEngine, MockEngineConfig
+from sim.mock_engine import MockEngine, MockEngineConfig, Rank
 from sim.mock_scheduler import Timing
 
 ENGINE_SEED = 0x5EED  # engine hashes are not the router's: different function and seed
@@ -607,6 +607,7 @@ class MockStack:
         self.nats_url = nats_url
         self.engines: list[MockEngine] = []
         self.agents: list[NodeAgent] = []
+        self._feeds: list[tuple[Rank, NodeAgent]] = []  # each agent and the rank it reads
 
     async def start(
         self, n: int, buffer: int = 10_000, load_interval: float = 0, gpu_blocks: int = 32
@@ -622,6 +623,7 @@ class MockStack:
         engine, agents = await mock_engine_agent(cfg, self.nats_url, **agent)
         self.engines.append(engine)
         self.agents.extend(agents)
+        self._feeds.extend(zip(engine.ranks, agents, strict=True))
         return engine
 
     async def stop(self) -> None:
@@ -631,12 +633,13 @@ class MockStack:
             await e.stop()
 
     def applied(self, replica: Replica) -> bool:
-        """The replica's index has applied every batch the engines have published."""
+        """The replica's index has applied every batch the engines have published (each
+        rank's under its agent's worker id)."""
         ingest = replica.pool().ingest
         return all(
-            last_seq(ingest, e.cfg.worker_id) == e.publisher.seq - 1
-            for e in self.engines
-            if e.publisher is not None and e.publisher.seq
+            last_seq(ingest, a.cfg.worker_id) == r.publisher.seq - 1
+            for r, a in self._feeds
+            if r.publisher is not None and r.publisher.seq
         )
 
     def router_config(self, replica_id: str, **kw: Any) -> RouterConfig:
@@ -661,14 +664,9 @@ class MockStack:
         )
 
     def delivered(self, replica: Replica) -> bool:
-        """``synced``, and every engine's last batch has reached its agent: the index holds
-        all the engines published (an agent's seq alone can lag the engine's ZMQ send)."""
-        return self.synced(replica) and all(
-            e.publisher is None
-            or e.publisher.seq == 0
-            or a.core.last_seq == e.publisher.seq - 1
-            for e, a in zip(self.engines, self.agents, strict=True)
-        )
+        """``synced`` and ``applied``: the index holds all the engines published, through
+        their agents (an agent's seq alone can lag the engine's ZMQ send)."""
+        return self.synced(replica) and self.applied(replica)
 
     def engine_blocks(self) -> dict[str, int]:
         return {e.cfg.worker_id: len(e.cache.gpu_hashes()) for e in self.engines}
