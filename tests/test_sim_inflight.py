@@ -12,6 +12,8 @@ in flight as holding its prefix on its worker: 0.915 and 6.8 s, 3.2 M.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from sim.gen_trace import generate, write
@@ -22,12 +24,16 @@ CONFIG = SimConfig(workers=8, l1_blocks=4096, seed=1, engine_seed=1)
 
 
 @pytest.fixture(scope="module")
-def agent_trace(tmp_path_factory: pytest.TempPathFactory) -> Trace:
-    path = write(
+def agent_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write(
         tmp_path_factory.mktemp("inflight") / "agent.jsonl",
         generate("agent", sessions=40, seed=1),
     )
-    return load_trace(path, 64, seed=1, engine_seed=1, speedup=3.0)
+
+
+@pytest.fixture(scope="module")
+def agent_trace(agent_path: Path) -> Trace:
+    return load_trace(agent_path, 64, seed=1, engine_seed=1, speedup=3.0)
 
 
 def test_cache_aware_keeps_sessions_whose_last_turn_is_still_queued(agent_trace: Trace) -> None:
@@ -40,12 +46,8 @@ def test_cache_aware_keeps_sessions_whose_last_turn_is_still_queued(agent_trace:
 
 
 @pytest.fixture(scope="module")
-def agent_trace_2x(tmp_path_factory: pytest.TempPathFactory) -> Trace:
-    path = write(
-        tmp_path_factory.mktemp("inflight2x") / "agent.jsonl",
-        generate("agent", sessions=40, seed=1),
-    )
-    return load_trace(path, 64, seed=1, engine_seed=1, speedup=2.0)
+def agent_trace_2x(agent_path: Path) -> Trace:
+    return load_trace(agent_path, 64, seed=1, engine_seed=1, speedup=2.0)
 
 
 def test_cache_aware_sees_what_long_context_turns_queued_on_a_holder_cost(
