@@ -114,7 +114,7 @@ def overhead(args: argparse.Namespace) -> None:
     blocks = sum(len(h) for _, h, _ in reqs)
     half = len(reqs) // 2
     cpu_all = time.process_time()
-    while watch2.analysed < half:
+    while watch2.queued and watch2.analysed < half:
         watch2.drain(0.01)
     cpu_first = time.process_time() - cpu_all
     first_n = watch2.analysed
@@ -158,8 +158,11 @@ async def loop_lag(reqs: list[tuple[str, list[int], int]], block_size: int) -> d
         watch.record("m", block_size, wid, hashes, n)
     task = asyncio.create_task(watch.run())
     late: list[float] = []
+    deadline = time.monotonic() + 600  # a bench must end: a stuck analysis fails it
     try:
-        while watch.analysed < len(reqs):
+        while watch.analysed + watch.errors < len(reqs):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{watch.analysed} of {len(reqs)} requests analysed in 600 s")
             t0 = time.perf_counter()
             await asyncio.sleep(0.001)
             late.append((time.perf_counter() - t0 - 0.001) * 1e3)

@@ -120,13 +120,16 @@ class CapacityWatch:
         while queue:
             model, block_size, worker, hashes, tokens, prefetched = queue.popleft()
             self._blocks_out += len(hashes)
-            with self._lock:
-                fc = forecasts.get(model)
-                if fc is None or fc.block_size != block_size:  # new, or its pool changed
-                    fc = forecasts[model] = CapacityForecast(block_size, self.sampling)
-                fc.observe(worker, hashes, tokens, prefetched)
+            try:
+                with self._lock:
+                    fc = forecasts.get(model)
+                    if fc is None or fc.block_size != block_size:  # new, or its pool changed
+                        fc = forecasts[model] = CapacityForecast(block_size, self.sampling)
+                    fc.observe(worker, hashes, tokens, prefetched)
+                self.analysed += 1
+            except Exception:  # one bad request must not stop the others' analysis
+                self._failed()
             done += 1
-            self.analysed += 1  # here: a request that raises must not lose the count
             if deadline is not None and time.perf_counter() >= deadline:
                 break
         return done
@@ -143,9 +146,13 @@ class CapacityWatch:
                     checked = time.monotonic()
                     self.check()
             except Exception:  # a bug here must not end the forecast for good
-                self.errors += 1
-                if self.errors == 1 or self.errors % 1000 == 0:  # seen, not a flood
-                    log.exception("capacity forecast: analysis failed %d times", self.errors)
+                self._failed()
+
+    def _failed(self) -> None:
+        with self._lock:  # the thread (one request) and the loop (a check) both count here
+            self.errors += 1
+        if self.errors == 1 or self.errors % 1000 == 0:  # seen, not a flood
+            log.exception("capacity forecast: analysis failed %d times", self.errors)
 
     # -- reading --------------------------------------------------------------------
     def capacities(self, model: str) -> dict[str, Tiers]:

@@ -165,6 +165,22 @@ async def test_a_bad_entry_does_not_stop_the_analysis() -> None:
         await asyncio.gather(task, return_exceptions=True)
 
 
+def test_a_bad_entry_is_counted_and_the_drain_goes_on() -> None:
+    """A request whose analysis raises was lost from every count, so a reader waiting
+    for ``analysed + errors`` to reach what it recorded (bench/capacity.py) waited for good."""
+    from index.capacity import Sampling
+    from router.capacity import CapacityWatch
+    from router.workers import WorkerRegistry
+
+    watch = CapacityWatch(WorkerRegistry(RouterConfig()), Sampling())
+    watch.record(MODEL, 16, "w0", [1, 2], 40)
+    watch.record(MODEL, 16, "w0", ["not a hash"], 40)  # type: ignore[list-item]
+    watch.record(MODEL, 16, "w1", [3, 4], 40)
+    assert watch.drain() == 3
+    assert (watch.analysed, watch.errors, watch.queued) == (2, 1, 0)
+    assert watch.reports()["models"][MODEL]["requests"] == 2
+
+
 async def test_the_analysis_runs_off_the_event_loop_while_reports_are_read() -> None:
     """The analysis thread and readers on the loop: every request analysed, on the
     forecast's own thread, every report readable meanwhile (the lock between them)."""
