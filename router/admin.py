@@ -53,6 +53,8 @@ class AdminSettings(Protocol):
     def body_timeout(self) -> float: ...
     @property
     def experiment(self) -> str: ...
+    @property
+    def processes(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +128,18 @@ def admin_router(state: AdminDeps) -> APIRouter:
         in_sync = all(state.in_sync(t, worker.pool) for t in worker.targets)
         return {**worker.describe(now), "in_sync": in_sync}
 
+    def single_process(what: str) -> None:
+        """Refuse a change to the worker set when other processes would not see it."""
+        n = state.cfg.processes
+        if n > 1:
+            raise ApiError(
+                409,
+                f"{what} is refused: this router runs {n} processes (processes = {n}) and the "
+                "change would reach only the one that answered; change the workers in the "
+                "config (or --worker) and restart, or run one process",
+                "multiple_processes",
+            )
+
     def worker_or_404(worker_id: str) -> Any:
         worker = registry.get(worker_id)
         if worker is None:
@@ -139,6 +153,7 @@ def admin_router(state: AdminDeps) -> APIRouter:
 
     @api.post("/workers")
     async def add_worker(request: Request) -> Response:
+        single_process("adding a worker")
         try:
             spec = worker_spec(await _body(request), "worker")
             worker = registry.add(spec)
@@ -150,11 +165,13 @@ def admin_router(state: AdminDeps) -> APIRouter:
 
     @api.post("/workers/{worker_id}/drain")
     async def drain_worker(worker_id: str) -> Response:
+        single_process("draining a worker")
         worker_or_404(worker_id)
         return _json(describe(registry.drain(worker_id), time.monotonic()))
 
     @api.delete("/workers/{worker_id}")
     async def remove_worker(worker_id: str) -> Response:
+        single_process("removing a worker")
         worker_or_404(worker_id)
         worker = registry.remove(worker_id)
         return _json({"removed": worker_id, "inflight_requests": worker.load.inflight_requests})

@@ -328,6 +328,11 @@ class ReplicaSettings:
     )  # None: <host>-<pid>-<random>
     share_interval: float = setting(0.005, Range(0, 3_600.0))  # between messages to peers; 0: off
     peer_ttl: float = setting(3.0, _DURATION)  # a peer silent this long has its load dropped
+    # router processes on one port (SO_REUSEPORT), each a replica of the others (router/
+    # processes.py); more than 1 needs nats_url, where they share load and read events
+    processes: int = setting(
+        1, Range(1, 64), flag="router processes on the port, replicas over NATS (default 1)"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -774,6 +779,16 @@ def _validate_replicas(cfg: RouterConfig) -> None:
         raise ConfigError(f"events_stream {cfg.events_stream!r}: letters, digits, - and _ only")
     if cfg.replica_id is not None and not re.fullmatch(r"[A-Za-z0-9_-]+", cfg.replica_id):
         raise ConfigError(f"replica_id {cfg.replica_id!r}: letters, digits, - and _ only")
+    if cfg.processes > 1 and not cfg.nats_url:
+        raise ConfigError(
+            f"processes = {cfg.processes} needs nats_url: without NATS each process would "
+            "route on its own load and index, blind to the others"
+        )
+    if cfg.processes > 1 and cfg.share_interval <= 0:
+        raise ConfigError(
+            f"processes = {cfg.processes} needs share_interval > 0: the processes share "
+            "their in-flight load over NATS"
+        )
 
 
 _DISCOVERY_KEYS = frozenset(f.name for f in dataclasses.fields(DiscoverySpec))

@@ -25,7 +25,7 @@ ErrorCode = Literal[
     "tokenizer_busy", "tokenizer_timeout",
     # credentials and the admin API
     "invalid_api_key", "unauthorized", "admin_disabled", "worker_not_found",
-    "invalid_worker", "off",
+    "invalid_worker", "off", "multiple_processes",
     # the engines
     "no_healthy_worker", "upstream_unreachable", "upstream_timeout", "upstream_error",
     "upstream_broken", "engine_error", "kv_cache_too_small", "unresolved_blocks",

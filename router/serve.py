@@ -2,13 +2,16 @@
 
 Flags override ``CACHE_ROUTER_*`` env variables, which override the TOML file (see
 ``router.config``). SIGTERM/SIGINT stop accepting connections and let in-flight
-requests, streams included, finish for up to ``drain_timeout`` seconds.
+requests, streams included, finish for up to ``drain_timeout`` seconds. With
+``processes`` > 1 this process supervises that many routers on the port
+(``router.processes``) and serves nothing itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -64,6 +67,13 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from router.app import build_app
+    from router.processes import (
+        Child,
+        ProcessesApp,
+        Supervisor,
+        control_socket,
+        reuseport_socket,
+    )
     from router.ratelog import RateLimitFilter
 
     logging.basicConfig(
@@ -71,14 +81,24 @@ def run(args: argparse.Namespace) -> int:
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per health check otherwise
     logging.getLogger("uvicorn.error").addFilter(RateLimitFilter())  # a line per bad request
+    child = Child.from_env()
+    sockets: list[socket.socket] | None = None
     try:
-        cfg = config_from_args(args)
-        app = build_app(cfg)
+        cfg = child.config() if child is not None else config_from_args(args)
+        if cfg.processes > 1 and child is None:
+            return Supervisor(cfg, args.log_level).run()
+        app: App = build_app(cfg)
+        if child is not None:  # one of the supervisor's processes (router/processes.py)
+            app = ProcessesApp(app, child)
+            sockets = [
+                reuseport_socket(cfg.host, cfg.port),
+                control_socket(child.control_path()),
+            ]
     except (ConfigError, ValueError, OSError) as exc:
         print(f"cache-router serve: {exc}", file=sys.stderr)
         return 2
     server = uvicorn.Server(server_config(app, cfg, log_level=args.log_level.lower()))
-    server.run()
+    server.run(sockets=sockets)
     return 0
 
 
