@@ -47,6 +47,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -66,7 +67,7 @@ from proxy import (  # puts ROOT on sys.path for router.*
     wait_http,
 )
 
-from router.natsd import free_ports
+from router.natsd import EmbeddedNats, free_ports
 
 LENGTHS = (100, 2048, 8192, 32768, 131072)
 CHATML = (
@@ -356,7 +357,9 @@ async def _concurrent(port: int, requests: list[bytes], concurrency: int) -> flo
 # -- the routers -----------------------------------------------------------------------------
 
 
-def commands(urls: list[str], tok_dir: str, peers_py: str | None) -> dict[str, list[str]]:
+def commands(
+    urls: list[str], tok_dir: str, peers_py: str | None, nats_url: str | None, processes: int
+) -> dict[str, list[str]]:
     workers = [a for i, u in enumerate(urls) for a in ("--worker", f"w{i}={u}")]
     out = {
         "cache_router": [
@@ -364,6 +367,11 @@ def commands(urls: list[str], tok_dir: str, peers_py: str | None) -> dict[str, l
             "--policy", "cache_aware", "--tokenizer", tok_dir, "--log-level", "error",
         ],
     }  # fmt: skip
+    if nats_url is not None:
+        # several router processes on the port (router/processes.py), replicas over NATS
+        out[f"cache_router_{processes}_processes"] = [
+            *out["cache_router"], "--processes", str(processes), "--nats-url", nats_url,
+        ]  # fmt: skip
     # the same with the capacity forecast off: what its analysis costs (session 5, in
     # Python: 16-21 % of the router's CPU at saturation; native since session 6)
     no_forecast = ["env", "CACHE_ROUTER_FORECAST_TRACKED=0", *out["cache_router"]]
@@ -399,9 +407,24 @@ def started(cmd: list[str]) -> Iterator[Running]:
     argv = [a.format(port=port, port2=port2) for a in cmd]
     with process(argv) as proc:
         wait_http(port, "/health")
+        if "--processes" in argv:  # /health answers once one of them is up
+            _all_processes_up(port, int(argv[argv.index("--processes") + 1]))
         time.sleep(1.0)  # SGLang activates its workers after /health answers
         asyncio.run(sequential(port, _requests(port, 50)))  # warm up
+        # the supervisor's children are in its tree (all processes summed)
         yield Running(port, [proc.pid, *_tree(proc.pid)])
+
+
+def _all_processes_up(port: int, n: int, timeout: float = 120.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        if len(re.findall(r'^cache_router_process_up\{process="\d+"\} 1\.0$', text, re.M)) >= n:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"not all {n} router processes came up in {timeout} s")
 
 
 def tokenizer_dir(path: str, into: str) -> Any:
@@ -428,6 +451,13 @@ def main() -> None:
     )
     ap.add_argument(
         "--multi-turn-only", action="store_true", help="only the multi-turn phase (and ratios)"
+    )
+    ap.add_argument(
+        "--processes",
+        type=int,
+        default=2,
+        help="also cache-router with this many processes, replicas over an embedded "
+        "nats-server (1: not run)",
     )
     args = ap.parse_args()
     peers_py = args.peers_python
@@ -472,9 +502,11 @@ def main() -> None:
             "prompt_tokens": {str(n): tokens[n] for n in lengths},
             "multi_turn_final_tokens_about": turn_tokens,
         }
-        commands_of = commands(urls, tok_dir, peers_py)
+        nats = EmbeddedNats(jetstream=False) if args.processes > 1 else None
+        nats_url = None if nats is None else nats.start().url
+        commands_of = commands(urls, tok_dir, peers_py, nats_url, args.processes)
         engine = [sys.executable, __file__, "--engine", *map(str, ports)]
-        with process(engine, cwd=ROOT):
+        with process(engine, cwd=ROOT), nats or contextlib.nullcontext():
             for p in ports:
                 wait_http(p, "/health")
             entries: dict[str, dict[str, Any]] = {"direct": {}, **{n: {} for n in commands_of}}
@@ -600,12 +632,8 @@ def _ratios(result: dict[str, Any], lengths: tuple[int, ...]) -> dict[str, Any]:
             r[f"{key}_cpu"] = row["cpu_ms_per_request"] / other["cpu_ms_per_request"]
         if "multi_turn" in ours:
             mine, other = ours["multi_turn"], theirs["multi_turn"]
-            r["multi_turn_cpu_mean"] = (
-                mine["cpu_ms_per_turn_mean"] / other["cpu_ms_per_turn_mean"]
-            )
-            r["multi_turn_cpu_last_4"] = (
-                mine["cpu_ms_last_4_turns"] / other["cpu_ms_last_4_turns"]
-            )
+            r["multi_turn_cpu_mean"] = mine["cpu_ms_per_turn_mean"] / other["cpu_ms_per_turn_mean"]
+            r["multi_turn_cpu_last_4"] = mine["cpu_ms_last_4_turns"] / other["cpu_ms_last_4_turns"]
             for key in ("cpu_ms_per_turn_mean_settled", "cpu_ms_last_4_turns_settled"):
                 r[f"multi_turn_{key}"] = mine[key] / other[key]
         for n in (1, 4, 16):
@@ -614,6 +642,18 @@ def _ratios(result: dict[str, Any], lengths: tuple[int, ...]) -> dict[str, Any]:
                 if key in ours:
                     r[key] = ours[key] / theirs[key]
         out[f"cache_router_over_{peer}"] = r
+    multi = next((v for k, v in result.items() if k.endswith("_processes")), None)
+    if isinstance(ours, dict) and isinstance(multi, dict):  # over one process, and the peers
+        for other in ("cache_router", "sglang_router", "vllm_router"):
+            theirs = result.get(other)
+            if not isinstance(theirs, dict):
+                continue
+            out[f"processes_over_{other}"] = {
+                key: multi[key] / theirs[key]
+                for n in (1, 4, 16)
+                for what in ("rps", "cpu_us_per_request")
+                if (key := f"saturation_{what}_{n}_workers") in multi and key in theirs
+            }
     on = result.get("cache_router_no_forecast", {}).get("multi_turn")
     off = result.get("cache_router_no_forecast_no_prefix_cache", {}).get("multi_turn")
     if on and off:  # both with the forecast off
@@ -641,8 +681,11 @@ def _ratios(result: dict[str, Any], lengths: tuple[int, ...]) -> dict[str, Any]:
         out["short_p99_under_128k_client_over_idle"] = {
             name: result[name]["interference"]["p99_busy_over_idle"]
             for name in (
-                "cache_router", "cache_router_no_forecast",
-                "cache_router_no_forecast_no_prefix_cache", "sglang_router", "vllm_router",
+                "cache_router",
+                "cache_router_no_forecast",
+                "cache_router_no_forecast_no_prefix_cache",
+                "sglang_router",
+                "vllm_router",
             )
             if name in result
         }

@@ -3,7 +3,9 @@
 Operators add, drain and remove workers, read the index and event counters, ask why a
 request would go where it goes (``POST /admin/explain``, which decides without
 sending), and watch the experiment arms. Without a configured token the whole API is
-off: an unauthenticated admin API would let anyone point the router at any URL.
+off: an unauthenticated admin API would let anyone point the router at any URL. With
+``processes`` > 1 the changes to the worker set are refused (``409``): they would reach
+only the process that took the request (``router.processes``).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ def test_quick_run_prints_complete_json(tmp_path: Path) -> None:
     tok.save(str(tmp_path / "tokenizer.json"))
     proc = subprocess.run(
         [sys.executable, str(BENCH), "--quick", "--tokenizer", str(tmp_path / "tokenizer.json"),
-         "--peers-python", str(tmp_path / "no-such-python")],
+         "--peers-python", str(tmp_path / "no-such-python"), "--processes", "1"],
         capture_output=True, text=True, timeout=240, check=False, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -3,6 +3,7 @@ replicas over a real nats-server; restarts, shutdown, /metrics, refused admin ch
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import re
@@ -10,11 +11,13 @@ import signal
 import socket
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
 from stack import EngineDouble, until
 
+from router import serve
 from router.config import ConfigError, load_config
 from router.natsd import free_port
 from router.processes import merge_metrics
@@ -236,8 +239,15 @@ async def test_processes_without_nats_are_refused() -> None:
     assert b"processes = 2 needs nats_url" in err
 
 
-def test_processes_setting_is_bounded_and_layered() -> None:
+def test_processes_setting_is_bounded_and_layered(tmp_path: Path) -> None:
     assert load_config(env={}).processes == 1
+    toml = tmp_path / "router.toml"
+    toml.write_text('processes = 2\nnats_url = "nats://127.0.0.1:4222"\n')
+    assert load_config(toml, env={}).processes == 2
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(["--processes", "5", "--nats-url", "nats://127.0.0.1:4222"])
+    assert serve.config_from_args(args, env={}).processes == 5
     nats = {"CACHE_ROUTER_NATS_URL": "nats://127.0.0.1:4222"}
     assert load_config(env={**nats, "CACHE_ROUTER_PROCESSES": "3"}).processes == 3
     flag = load_config(env={**nats, "CACHE_ROUTER_PROCESSES": "3"}, overrides={"processes": 4})
