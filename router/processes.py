@@ -8,7 +8,8 @@ itself and shares its in-flight load and predict-on-route marks with the others,
 why more than one process needs ``nats_url`` (``router.config`` refuses it otherwise).
 
 - Every child gets the supervisor's resolved config (a pickle in a private 0700
-  directory), so a child restarted after the TOML file changed does not diverge from the
+  directory, removed when the supervisor stops, or by the last child if it was killed),
+  so a child restarted after the TOML file changed does not diverge from the
   others; its replica id is ``<base>-p<index>``, kept across restarts so peers replace its
   rows instead of counting a dead one's load until ``peer_ttl``.
 - A child that dies is restarted after a back-off (0.5 s doubling to 30 s, reset once it
@@ -73,6 +74,7 @@ class Child:
     count: int
     dir: str
     replica_id: str
+    supervisor: int  # its pid
 
     @classmethod
     def from_env(cls, env: dict[str, str] | os._Environ[str] | None = None) -> Child | None:
@@ -88,6 +90,12 @@ class Child:
 
     def control_path(self, index: int | None = None) -> str:
         return str(Path(self.dir, f"{self.index if index is None else index}.sock"))
+
+    def exited(self) -> None:
+        """After serving: a child whose supervisor was killed removes the private
+        directory (the config in it holds the tokens) that the supervisor would have."""
+        if os.getppid() != self.supervisor:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def reuseport_socket(host: str, port: int, *, listen: bool = True) -> socket.socket:
@@ -161,6 +169,12 @@ class ProcessesApp:
         self.child = child
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":  # uvicorn re-raises SIGTERM after it: no later hook
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                self.child.exited()
+            return
         # uvicorn's server address on the unix socket is (path, None): a sibling asking
         server = scope.get("server")
         public = scope["type"] == "http" and server is not None and server[1] is not None
@@ -240,8 +254,8 @@ class Supervisor:
         try:
             Path(self.dir, CONFIG_FILE).write_bytes(pickle.dumps(self.cfg))
             log.info(
-                "supervisor %d: %d router processes on %s:%d",
-                os.getpid(), len(self.slots), self.cfg.host, self.cfg.port,
+                "supervisor %d: %d router processes on %s:%d, private directory %s",
+                os.getpid(), len(self.slots), self.cfg.host, self.cfg.port, self.dir,
             )  # fmt: skip
             code = self._loop()
             self._stop_all()
@@ -288,7 +302,8 @@ class Supervisor:
         return 0
 
     def _start(self, slot: _Slot, now: float) -> None:
-        child = Child(slot.index, len(self.slots), self.dir, f"{self.base_id}-p{slot.index}")
+        replica_id = f"{self.base_id}-p{slot.index}"
+        child = Child(slot.index, len(self.slots), self.dir, replica_id, os.getpid())
         env = {**os.environ, ENV: orjson.dumps(dataclasses.asdict(child)).decode()}
         slot.proc = subprocess.Popen(
             [sys.executable, "-m", "router.cli", "serve", "--log-level", self.log_level],

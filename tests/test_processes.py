@@ -180,13 +180,13 @@ async def _heard(http: httpx.AsyncClient) -> dict[str, float] | None:
     return heard if len(heard) == 2 else None
 
 
-async def test_metrics_token_is_checked_on_every_process(
+async def test_metrics_token_on_every_process_and_no_orphans_of_a_killed_supervisor(
     engine: EngineDouble, nats_url: str
 ) -> None:
     port = free_port()
     sup = await start(
         port, "--processes", "2", "--worker", f"w0={engine.url}", "--nats-url", nats_url,
-        "--metrics-token", "m-secret", "--log-level", "warning",
+        "--metrics-token", "m-secret", "--log-level", "info",
     )  # fmt: skip
     try:
         async with httpx.AsyncClient(base_url=sup.url, timeout=10) as http:
@@ -203,12 +203,23 @@ async def test_metrics_token_is_checked_on_every_process(
             for _ in range(6):  # whichever process answers
                 r = await http.get("/metrics", headers={"connection": "close"})
                 assert r.status_code == 401
-        sup.proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(sup.proc.wait(), 60) == 0
+        children = list(sup.pids().values())
+        assert len(children) == 2
+        # a supervisor killed outright takes its children with it (PDEATHSIG): no orphans
+        sup.proc.kill()
+        await asyncio.wait_for(sup.proc.wait(), 10)
+        await until(lambda: not any(alive(p) for p in children), 60, "the children gone")
+        # and the last of them removed the private directory, with the config in it
+        private = re.search(r"private directory (\S+)", "".join(sup.lines))
+        assert private is not None
+        await until(lambda: not os.path.exists(private[1]), 10, "the private dir removed")
     finally:
         if sup.proc.returncode is None:
             sup.proc.kill()
             await sup.proc.wait()
+        for pid in sup.pids().values():
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 async def test_a_taken_port_stops_the_supervisor_with_a_reason(nats_url: str) -> None:
