@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -77,7 +78,7 @@ class Child:
     supervisor: int  # its pid
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | os._Environ[str] | None = None) -> Child | None:
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Child | None:
         raw = (os.environ if env is None else env).get(ENV)
         return None if raw is None else cls(**orjson.loads(raw))
 
