@@ -72,6 +72,7 @@ def run(trace: Any, rule: str, args: argparse.Namespace) -> dict[str, Any]:
         workers=args.workers,
         prefill_workers=args.prefill_workers,
         seed=args.seed,
+        engine_seed=args.seed,
         predict_ttl_ms=args.predict_ttl_ms,
     )
     params = args.params if prefill == "cache_aware" else None
@@ -121,10 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-workers", type=int, default=4)
     parser.add_argument("--params", type=_json_object, default={})
     parser.add_argument("--decode-params", type=_json_object, default={})
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="token synthesis and policy RNG")
     parser.add_argument("--predict-ttl-ms", type=float, default=0.0)
     args = parser.parse_args(argv)
-    trace = load_trace(args.trace, block_size=args.block_size, limit=args.limit)
+    # the seed synthesizes the tokens and the engines' hashes too, as ``cache-router replay
+    # --seed`` does (until session 7 only the policies got it: seeds differed in tie-breaks)
+    trace = load_trace(
+        args.trace, args.block_size, seed=args.seed, engine_seed=args.seed, limit=args.limit
+    )
     for rule in args.rules.split(","):
         sys.stdout.write(orjson.dumps(run(trace, rule.strip(), args)).decode() + "\n")
         sys.stdout.flush()

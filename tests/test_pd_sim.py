@@ -3,6 +3,7 @@ through the real index, codec and the router's two-sided choice."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from sim.synth import write_sessions
 from sim.traces import Trace, load_trace
 
 BS = 16
+BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +122,7 @@ def test_replay_runs_a_pd_pool(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 def test_bench_pd_hits_decomposes_the_prefill_hit_rate(tmp_path: Path) -> None:
     path = write_sessions(tmp_path / "t.jsonl", sessions=8, turns=4, gap_ms=4.0, turn_tokens=40)
-    bench = Path(__file__).resolve().parent.parent / "bench" / "pd_hits.py"
-    argv = [sys.executable, str(bench), "--trace", str(path), "--block-size", "16"]
+    argv = [sys.executable, str(BENCH / "pd_hits.py"), "--trace", str(path), "--block-size", "16"]
     argv += ["--workers", "2", "--prefill-workers", "2", "--rules", "cache_router,sglang_pd"]
     argv += ["--params", '{"recompute_weight": 4}', "--decode-params", '{"transfer_weight": 0}']
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
@@ -134,3 +135,49 @@ def test_bench_pd_hits_decomposes_the_prefill_hit_rate(tmp_path: Path) -> None:
         assert 0 <= r["index_chosen"] <= r["index_best"] <= 1
         assert r["left_holder_hit_rate"] == pytest.approx(r["index_best"] - r["index_chosen"])
         assert 0 < r["hit_rate"] <= 1 and sum(r["prefills_per_engine"].values()) == 32
+
+
+def test_bench_pd_hits_seed_reaches_the_trace_as_replay_seed_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Mooncake lines: the seed synthesizes their tokens (and the engines their hashes);
+    # bench/pd_hits.py once passed it to the policies only
+    path = tmp_path / "mooncake.jsonl"
+    lines = []
+    for i in range(48):
+        shared = [1000 + i % 5, 2000 + i % 3] if i % 4 else [3000 + i]
+        lines.append(
+            {
+                "timestamp": i * 3,
+                "input_length": 512 * len(shared) + 100 + i,
+                "output_length": 4 + i % 3,
+                "hash_ids": [*shared, 5000 + i],
+            }
+        )
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert load_trace(path, block_size=BS, seed=7).tokens(0) != load_trace(path, BS).tokens(0)
+    spec = importlib.util.spec_from_file_location("pd_hits", BENCH / "pd_hits.py")
+    assert spec is not None and spec.loader is not None
+    pd_hits = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pd_hits)
+    seen: list[tuple[int, int, int]] = []
+
+    class Seen(pd_hits.Recorded):  # type: ignore[name-defined,misc]
+        def __init__(self, trace: Trace, rule: str, config: SimConfig, **kw: object) -> None:
+            seen.append((trace.seed, config.engine_seed, config.seed))
+            super().__init__(trace, rule, config, **kw)
+
+    monkeypatch.setattr(pd_hits, "Recorded", Seen)
+    argv = ["--trace", str(path), "--block-size", str(BS), "--workers", "2"]
+    argv += ["--prefill-workers", "2", "--rules", "cache_router", "--seed", "7"]
+    assert pd_hits.main(argv) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert seen == [(7, 7, 7)]
+    argv = ["replay", "--trace", str(path), "--block-size", str(BS), "--workers", "2"]
+    argv += ["--prefill-workers", "2", "--policies", "cache_router", "--seed", "7"]
+    argv += ["--l1-blocks", str(SimConfig().l1_blocks), "--jobs", "1"]
+    argv += ["--json", str(tmp_path / "r")]
+    assert main(argv) == 0
+    replayed = json.loads((tmp_path / "r").read_text())["results"][0]
+    for key in ("hit_rate", "ttft_p90_ms", "tpot_p90_ms", "prefill_queue_mean_ms"):
+        assert row[key] == replayed[key], key
