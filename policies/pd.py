@@ -35,7 +35,7 @@ from .base import (
 )
 from .cost_model import EngineCosts
 from .registry import POLICY_NAMES, make_policy
-from .selection import argmin_random, healthy
+from .selection import healthy
 
 _MAX_TRACKED = 65_536  # requests remembered at most (finishes never reported are forgotten)
 
@@ -53,15 +53,21 @@ class DecodeLoad(Policy):
     long contexts that, not the stream count, sets the TPOT). An engine whose reported
     ``kv_usage`` is ``kv_full`` or more has no room for the prompt's pages and would
     preempt: it is taken only when every engine is that full. Ties (within ``tie_ms``)
-    break at random.
+    go to the engine holding the most of the prompt, then at random.
 
-    ``transfer_weight`` is what a millisecond of transfer counts against one of decoding.
-    At 1 (the client waits for both alike) the rule keeps sessions where their KV is,
-    which costs TPOT: in the PD simulator (4 + 4 engines, BENCHMARKS.md) weight 0 cut
-    TPOT p90 from 8.0 to 7.9 ms on Mooncake synthetic (TTFT p90 5,458 -> 5,388 ms) and
-    from 10.6 to 10.2 ms on the agent trace, but raised the agent trace's TTFT p90 from
-    1,009 to 1,073 ms (100K-token contexts moved between engines) and conversation's
-    TPOT p90 from 9.7 to 9.8 ms; 0.5 was between. It stays 1; an arm can set it.
+    ``transfer_weight`` is what a millisecond of transfer counts against one of decoding;
+    the blocks an engine holds shorten its transfer either way (the connector pulls only
+    what it lacks). At 1 (the client waits for both alike) the rule kept requests on the
+    engines holding their prefix at the price of TPOT; the default 0 leaves the held
+    prefix to break ties only (among engines within ``tie_ms``, the one holding the most
+    of the prompt). PD simulator, 4 + 4 engines (BENCHMARKS.md, session 7): weight 0
+    against 1 on Mooncake synthetic seed 1 gave TPOT p90 7.91 against 8.00 ms (Dynamo's
+    rule 7.93), TTFT p90 5,953 against 5,975 ms; on the agent trace (seed 0) TPOT p90
+    10.11 against 10.48 ms, TTFT p90 987 against 958 ms (SGLang's rule 1,037); 0.5 kept
+    synthetic's TPOT p90 at 7.98. TTFT p90 is set by the prefill queue (seconds on the
+    Mooncake traces), which the transfer adds little to. A pool with
+    ``pd_local_prefill_tokens`` wants the holder more (there it saves the whole remote
+    prefill, not only the transfer): an arm's ``decode_params`` can set the weight.
 
     ``context`` counts a request from its choice, which comes before its prefill: on the
     Mooncake synthetic trace 80 % of it is requests still queued for a prefill engine.
@@ -80,7 +86,7 @@ class DecodeLoad(Policy):
         kv_full: float = 0.95,
         default_output_tokens: int = 256,
         tie_ms: float = 0.25,
-        transfer_weight: float = 1.0,
+        transfer_weight: float = 0.0,
     ) -> None:
         super().__init__(rng)
         if not transfer_weight >= 0:
@@ -110,6 +116,7 @@ class DecodeLoad(Policy):
         out = request.max_tokens if isinstance(request.max_tokens, int) else 0
         out = min(out, 1 << 20) if out > 0 else self.default_output_tokens
         costs: list[float] = []
+        hits: list[int] = []
         scores: dict[str, dict[str, float]] = {}
         # a retry of a request already counted somewhere must not count itself
         own_worker, own_tokens = self._routed.get(request.request_id, ("", 0))
@@ -132,6 +139,7 @@ class DecodeLoad(Policy):
             waiting = min(w.engine_waiting or 0, MAX_ENGINE_COUNT) * c.decode_ms_per_step
             cost = self.transfer_weight * transfer + waiting + out * tpot
             costs.append(cost)
+            hits.append(hit)
             scores[w.worker_id] = {
                 "cost_ms": cost,
                 "tpot_ms": tpot,
@@ -141,7 +149,11 @@ class DecodeLoad(Policy):
                 "streams": streams,
                 "context_tokens": context,
             }
-        i = argmin_random(costs, self.rng, self.tie_ms)
+        lo = min(costs) + self.tie_ms
+        ties = [i for i, cost in enumerate(costs) if cost <= lo]
+        most = max(hits[i] for i in ties)  # among equals, where the fewest blocks move
+        ties = [i for i in ties if hits[i] == most]
+        i = ties[0] if len(ties) == 1 else ties[self.rng.randrange(len(ties))]
         chosen = cands[i].worker_id
         self._track(request.request_id, chosen, ntok + out)
         reason = f"min decode cost: tpot {scores[chosen]['tpot_ms']:.1f} ms"

@@ -50,13 +50,26 @@ def test_transfer_weight_scales_what_a_held_prefix_is_worth():
     # d1 holds the prompt but decodes 6 more streams: ~0.3 ms more per token
     views = [view("d0", decode_streams=2), view("d1", blocks=255, decode_streams=8)]
     req = request(4096, max_tokens=64)
-    held = DecodeLoad(random.Random(0)).select(req, views)
+    held = DecodeLoad(random.Random(0), transfer_weight=1.0).select(req, views)
     assert held.worker_id == "d1"  # 53 ms of transfer saved outweigh 19 ms of decoding
-    blind = DecodeLoad(random.Random(0), transfer_weight=0.0).select(req, views)
+    blind = DecodeLoad(random.Random(0)).select(req, views)  # the default weight, 0
     assert blind.worker_id == "d0"
     assert blind.scores["d0"]["transfer_ms"] == held.scores["d0"]["transfer_ms"] > 0
     with pytest.raises(ValueError, match="transfer_weight"):
         DecodeLoad(transfer_weight=-1.0)
+
+
+def test_among_equal_engines_the_one_holding_the_prompt_wins():
+    views = [view("d0"), view("d1", blocks=100), view("d2", blocks=200), view("d3")]
+    for seed in range(16):  # not a coin toss
+        decision = DecodeLoad(random.Random(seed)).select(request(4096), views)
+        assert decision.worker_id == "d2"
+    # equal holdings: at random among them
+    views = [view("d0", blocks=200), view("d1", blocks=200), view("d2")]
+    chosen = {
+        DecodeLoad(random.Random(s)).select(request(4096), views).worker_id for s in range(16)
+    }
+    assert chosen == {"d0", "d1"}
 
 
 def test_a_full_engine_is_avoided_unless_all_are_full():
