@@ -40,7 +40,7 @@ from router.feed import EventFeed
 from router.gateway import GatewayRouter
 from router.hints import HintPublisher
 from router.metrics import RouterMetrics, StateCollector
-from router.offload import TokenizePool
+from router.offload import EncodeProcesses, TokenizePool
 from router.openapi import completion_paths
 from router.passthrough import PATHS as PASSTHROUGH_PATHS
 from router.passthrough import RESPONSES, Passthrough, ResponseLookup
@@ -89,7 +89,12 @@ class RouterState:
         for spec in cfg.workers:
             self.registry.add(spec)
         self.discovery = discovery_sources(cfg, self.registry)
-        self.tokenizers = TokenizerSet(self._tokenizer_path)
+        self.encoders = (
+            EncodeProcesses(cfg.tokenize_processes, cfg.tokenize_timeout)
+            if cfg.tokenize_processes
+            else None
+        )
+        self.tokenizers = TokenizerSet(self._tokenizer_path, self.encoders)
         self.experiment = make_experiment(cfg)
         self.tokenize_pool = TokenizePool(
             cfg.tokenize_threads, cfg.tokenize_queue, cfg.tokenize_timeout
@@ -267,6 +272,8 @@ class RouterState:
         await self.client.aclose()
         self.upstream.close()
         self.tokenize_pool.shutdown()
+        if self.encoders is not None:
+            self.encoders.shutdown()
         if self.tracing is not None:
             self.tracing.shutdown()  # flushes the spans still batched
 

@@ -271,6 +271,9 @@ class TokenizerSettings:
     models: dict[str, ModelSpec] = table(dict)
     offload_chars: int = setting(4096, Range(0, 1 << 34))  # longer prompts go to the thread pool
     tokenize_threads: int = setting(2, Range(1, 256))  # the thread pool's threads
+    # processes that encode texts of 64K characters and more (router.offload), started at
+    # the first: their ids, as Python ints, would hold the GIL 5-15 ms at 128K tokens. 0: off
+    tokenize_processes: int = setting(2, Range(0, 256))
     # prompts the pool holds (waiting or being tokenized); one more is refused with 429
     tokenize_queue: int = setting(64, Range(1, 1 << 20))
     tokenize_timeout: float = setting(30.0, _DURATION)  # a prompt's wait for its tokens; then 503

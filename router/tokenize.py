@@ -59,6 +59,7 @@ from tokenizers import Tokenizer as HFRustTokenizer
 from xxhash import xxh3_128_intdigest
 
 from router.errors import ApiError
+from router.offload import EncodeProcesses
 
 log = logging.getLogger(__name__)
 
@@ -334,7 +335,7 @@ class HFTokenizer(Tokenizer):
 
     name = "hf"
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, processes: EncodeProcesses | None = None) -> None:
         path = Path(path)
         folder = path if path.is_dir() else path.parent
         file = path / "tokenizer.json" if path.is_dir() else path
@@ -356,6 +357,7 @@ class HFTokenizer(Tokenizer):
         self.cuts = _cut_tokens(self._tok, source or "", special)
         self.cut_bytes = [t.encode() for t in self.cuts]
         self.segments = SegmentCache()
+        self.processes = processes  # where long texts are encoded (None: here)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         # encode_batch_fast releases the GIL (encode does not), so other requests keep
@@ -389,17 +391,26 @@ class HFTokenizer(Tokenizer):
         found = [self.segments.get(k) for k in keys]
         missing = [i for i, ids in enumerate(found) if ids is None]
         if missing:
-            encoded = self._tok.encode_batch_fast(
-                [parts[i] for i in missing], add_special_tokens=False
-            )
-            for i, enc in zip(missing, encoded, strict=True):
-                fresh = found[i] = array("I", enc.ids)
+            encoded = self._encode_texts([parts[i] for i in missing])
+            for i, fresh in zip(missing, encoded, strict=True):
+                found[i] = fresh
                 self.segments.put(keys[i], fresh)
         out = [array("I") for _ in texts]
         for n, ids in zip(owner, found, strict=True):
             assert ids is not None  # every missing segment was encoded just above
             out[n].extend(ids)
         return out
+
+    def _encode_texts(self, texts: list[str]) -> list[array[int]]:
+        """``encode_batch_fast(texts)`` without special tokens as arrays; long ones in an
+        encode process when there is one (``router.offload.EncodeProcesses``)."""
+        procs = self.processes
+        if procs is not None and sum(map(len, texts)) >= procs.min_chars:
+            ids = procs.encode(self.path, texts)
+            if ids is not None:
+                return ids
+        encoded = self._tok.encode_batch_fast(texts, add_special_tokens=False)
+        return [array("I", e.ids) for e in encoded]
 
 
 def _token_text(value: Any) -> str:
@@ -420,8 +431,11 @@ def _template_source(value: Any) -> str | None:
 class TokenizerSet:
     """One tokenizer per model, loaded once; the fallback where none is configured."""
 
-    def __init__(self, path_for: Callable[[str], str | None]) -> None:
+    def __init__(
+        self, path_for: Callable[[str], str | None], processes: EncodeProcesses | None = None
+    ) -> None:
         self._path_for = path_for
+        self.processes = processes  # given to each HF tokenizer
         self._by_path: dict[str, Tokenizer] = {}
         self._by_model: dict[str, Tokenizer] = {}
         self.fallback = FallbackTokenizer()
@@ -436,7 +450,7 @@ class TokenizerSet:
         else:
             tok = self._by_path.get(path)
             if tok is None:
-                tok = self._by_path[path] = HFTokenizer(path)
+                tok = self._by_path[path] = HFTokenizer(path, self.processes)
                 if not tok.has_template:
                     log.warning("tokenizer %s has no chat template; using the fallback one", path)
         self._by_model[model] = tok

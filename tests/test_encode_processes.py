@@ -1,0 +1,88 @@
+"""Long texts encoded in other processes (router/offload.py ``EncodeProcesses``) give
+exactly the ids the router's own tokenizer gives, through the tokenizer's segments and
+the conversation prefix cache, and a lost or stopped process loses no request: the
+router encodes the text itself."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+
+import pytest
+from tokenizer_files import CHATML, _write
+from tokenizers import Tokenizer
+
+from index.hashing import BlockHasher, request_block_hashes
+from router.offload import EncodeProcesses
+from router.prefix_cache import PrefixCache
+from router.tokenize import HFTokenizer
+
+TEXTS = [
+    "<|im_start|>user\nwhich engine holds 数字 🙂 e\u0301?<|im_end|>\n",
+    "  leading spaces\n\n\ttabs ▁ and </s> <s>[INST]" * 50,
+    "",
+    "a",
+]
+
+
+@pytest.fixture(scope="module")
+def procs() -> Iterator[EncodeProcesses]:
+    p = EncodeProcesses(1, timeout=60.0, min_chars=0)  # every text goes to the process
+    yield p
+    p.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tok(spm: Tokenizer, tmp_path_factory, procs: EncodeProcesses) -> HFTokenizer:
+    return HFTokenizer(_write(tmp_path_factory.mktemp("spm"), spm, CHATML), procs)
+
+
+def own(tok: HFTokenizer, text: str) -> list[int]:
+    ids: list[int] = tok._tok.encode(text, add_special_tokens=False).ids
+    return ids
+
+
+def test_a_process_gives_the_tokenizers_own_ids(tok: HFTokenizer, procs: EncodeProcesses) -> None:
+    got = procs.encode(tok.path, TEXTS)
+    assert got is not None and procs._pool is not None  # it ran in a process
+    assert [a.tolist() for a in got] == [own(tok, t) for t in TEXTS]
+    assert any(len(a) > 100 for a in got)
+
+
+def test_segments_and_the_prefix_cache_through_a_process(tok: HFTokenizer) -> None:
+    messages = [{"role": "system", "content": TEXTS[1]}]
+    cache, hasher = PrefixCache(1 << 24, min_chars=0), BlockHasher(4)
+    for turn in range(3):
+        messages.append({"role": "user", "content": f"question {turn} 数字 " * 20})
+        rendered = tok.chat_template.render({"messages": messages})
+        ids, hashes = cache.tokens_and_hashes(tok, rendered, hasher)
+        assert ids.tolist() == own(tok, rendered)
+        assert hashes == request_block_hashes(hasher, own(tok, rendered))
+        assert tok.encode_segments(rendered) == own(tok, rendered)
+        messages.append({"role": "assistant", "content": f"answer {turn}"})
+    assert cache.hits == 2
+
+
+def test_a_killed_process_loses_no_request(spm: Tokenizer, tmp_path) -> None:
+    procs = EncodeProcesses(1, timeout=60.0, min_chars=0)
+    tok = HFTokenizer(_write(tmp_path, spm, CHATML), procs)
+    try:
+        text = TEXTS[1]
+        assert tok.segment_ids([text])[0].tolist() == own(tok, text)
+        pool = procs._pool
+        assert pool is not None
+        for pid in list(pool._processes):  # type: ignore[attr-defined]
+            os.kill(pid, signal.SIGKILL)
+        tok.segments._lru.clear()  # not from the segment cache: encoded again
+        # the request that finds the pool broken is encoded by the router itself ...
+        assert tok.segment_ids([text + "!"])[0].tolist() == own(tok, text + "!")
+        tok.segments._lru.clear()
+        # ... and the next one starts processes again
+        assert tok.segment_ids([text + "?"])[0].tolist() == own(tok, text + "?")
+        assert procs._pool is not None and procs._pool is not pool
+    finally:
+        procs.shutdown()
+    tok.segments._lru.clear()
+    assert procs.encode(tok.path, [text]) is None  # stopped: the router encodes
+    assert tok.segment_ids([text])[0].tolist() == own(tok, text)
