@@ -25,6 +25,10 @@ the bottleneck); ``direct`` is the engine alone. Phases, all printed as one JSON
 - ``cache_router_no_forecast``: cache-router with ``forecast_tracked = 0``, to show what
   the online capacity forecast (index/capacity.py: native stacks on a thread of its own,
   router/capacity.py) costs per request.
+- ``cache_router_2_processes`` (``--processes N``, default 2; 1: not run): cache-router
+  with ``--processes N`` (router/processes.py: N routers on the port with SO_REUSEPORT,
+  replicas over a nats-server the bench starts); its CPU is every process's, summed, and
+  ``requests_by_process_*`` is how the kernel spread the 32 connections.
 
 The tokenizer is the given ``tokenizer.json`` (Llama's SentencePiece BPE from
 tests/real_engines/make_model.py) with ``<|im_start|>``/``<|im_end|>`` added as special
@@ -537,6 +541,10 @@ def main() -> None:
                                 (f"saturation_cpu_us_per_request_{n_workers}_workers", cpu_us),
                             ):
                                 entries[name].setdefault(key, []).append(value)
+                    for name, run in targets.items():
+                        if name.endswith("_processes"):  # how SO_REUSEPORT spread them
+                            split = _requests_by_process(run.port)
+                            entries[name][f"requests_by_process_{n_workers}_workers"] = split
             for name in commands_of:
                 for n_workers in () if args.multi_turn_only else (1, 4, 16):
                     for key in (
@@ -559,6 +567,17 @@ def main() -> None:
         result["ratios"] = _ratios(result, lengths)
         result["load_average_1m_end"] = os.getloadavg()[0]
     print(json.dumps(result, indent=2))
+
+
+def _requests_by_process(port: int) -> dict[str, float]:
+    """Requests each router process served so far (its /metrics, labelled ``process``)."""
+    import httpx
+
+    out: dict[str, float] = {}
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    for m in re.finditer(r'^cache_router_requests_total\{.*process="(\d+)".*\} (\S+)$', text, re.M):
+        out[m[1]] = out.get(m[1], 0.0) + float(m[2])
+    return out
 
 
 def _with_workers(cmd: list[str], urls: list[str], n: int) -> list[str]:
