@@ -4,8 +4,8 @@ Why not httpx here: in ``bench/proxy.py`` the shared ``httpx.AsyncClient`` alone
 about 2.5 ms of CPU per proxied request at 32 concurrent requests (anyio layers, a
 connection pool that rescans every connection per request), 15x SGLang's whole Rust
 router. A raw asyncio protocol per connection with the C ``httptools`` parser (the one
-uvicorn uses) costs a small fraction of that. httpx still serves the cold paths
-(health checks, metric scrapes, model discovery).
+uvicorn uses) costs a small fraction of that. Health checks and load scrapes use it too
+(``router.workers``); httpx still serves the engines' model lists (``/v1/models``).
 
 Semantics the proxy relies on:
 
