@@ -60,12 +60,12 @@ class DecodeLoad(Policy):
     what it lacks). At 1 (the client waits for both alike) the rule kept requests on the
     engines holding their prefix at the price of TPOT; the default 0 leaves the held
     prefix to break ties only (among engines within ``tie_ms``, the one holding the most
-    of the prompt). PD simulator, 4 + 4 engines (BENCHMARKS.md, session 7): weight 0
-    against 1 on Mooncake synthetic seed 1 gave TPOT p90 7.91 against 8.00 ms (Dynamo's
-    rule 7.93), TTFT p90 5,953 against 5,975 ms; on the agent trace (seed 0) TPOT p90
-    10.11 against 10.48 ms, TTFT p90 987 against 958 ms (SGLang's rule 1,037); 0.5 kept
-    synthetic's TPOT p90 at 7.98. TTFT p90 is set by the prefill queue (seconds on the
-    Mooncake traces), which the transfer adds little to. A pool with
+    of the prompt). PD simulator, 4 + 4 engines (BENCHMARKS.md, session 7): this default
+    against weight 1 on Mooncake synthetic seed 1 gave TPOT p90 7.921 against 8.001 ms
+    (Dynamo's rule 7.925), the same TTFT p90 (5,975 ms); on the agent trace (seed 0) TPOT
+    p90 10.17 against 10.48 ms, TTFT p90 1,004 against 958 ms (SGLang's rule 1,037);
+    weight 0.5 kept synthetic's TPOT p90 at 7.98. TTFT p90 is set by the prefill queue
+    (seconds on the Mooncake traces), which the transfer adds little to. A pool with
     ``pd_local_prefill_tokens`` wants the holder more (there it saves the whole remote
     prefill, not only the transfer): an arm's ``decode_params`` can set the weight.
 
