@@ -34,6 +34,7 @@ import json
 import os
 import random
 import statistics
+import struct
 import subprocess
 import sys
 import threading
@@ -296,6 +297,243 @@ def bench_under_ingest(rate: float, seconds: float, workers: int) -> dict[str, A
     }
 
 
+# -- the router's own event path: NATS -> EventSync -> the ingest thread ---------------------
+
+NATS_RATES = (32_000, 128_000, 512_000)
+
+
+def publish_side(url: str, rate: float, seconds: float, workers: int, warm: int) -> dict[str, Any]:
+    """The engines' side, in its own process: ``warm`` batches at once, then (after a
+    line on stdin) the rest at ``rate`` blocks/s, every batch with its ``Kv-Seq``."""
+    import asyncio
+
+    import nats
+
+    from index.wire import EPOCH_HEADER, SEQ_HEADER, Subjects
+
+    pairs = int(rate * seconds) + EVENT_BLOCKS * warm
+    batches = our_batches(stores(pairs, workers, 512, 5), 512)
+    subjects = Subjects()
+    msgs = [(subjects.events(w), p, {SEQ_HEADER: str(s), EPOCH_HEADER: "e"}) for w, s, p in batches]
+
+    async def run() -> dict[str, Any]:
+        nc = await nats.connect(url, max_reconnect_attempts=0)
+        for subject, payload, headers in msgs[:warm]:
+            await nc.publish(subject, payload, headers=headers)
+        await nc.flush()
+        print(json.dumps({"warm": warm}), flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        live = msgs[warm:]
+        per_tick = max(1, round(rate / EVENT_BLOCKS / 1000))  # batches per ms
+        start = time.perf_counter()
+        for i in range(0, len(live), per_tick):
+            delay = start + i * EVENT_BLOCKS / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            for subject, payload, headers in live[i : i + per_tick]:
+                await nc.publish(subject, payload, headers=headers)
+        await nc.flush()
+        took = time.perf_counter() - start
+        await nc.close()
+        return {"published": len(msgs), "live": len(live), "live_seconds": took}
+
+    return asyncio.run(run())
+
+
+def probe_side(fd: int, interval: float) -> None:
+    """The clients' side, in its own process: a request arrival every ``interval`` s,
+    written to ``fd`` as its send time (CLOCK_MONOTONIC, shared by processes) until
+    stdin closes. The router's loop wakes for it as for a socket."""
+    done = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+    while not done.is_set():
+        os.write(fd, struct.pack("d", time.monotonic()))
+        time.sleep(interval)
+
+
+async def router_side(
+    url: str, transport: str, rate: float, seconds: float, workers: int
+) -> dict[str, Any]:
+    """One run of the router's event path at ``rate``: request p99 event-free and while
+    the publisher sends, batches lost (silently or detected), lag, catch-up.
+
+    The path is the router's own: ``Bus`` -> ``EventFeed`` (core subscription or the
+    JetStream reader) -> ``EventSync.on_event`` on the event loop -> ``IngestThread``
+    -> the native ingest, with its slow-consumer and gap handling. A request here is
+    its index part on the same loop: an arrival from another process (a pipe, woken
+    like a socket) -> ``match_tiers`` of an 8K-token prompt held by worker 0; its time
+    runs from the arrival to the match's end, so a loop busy with events shows in it.
+    """
+    import asyncio
+
+    from router.bus import Bus
+    from router.config import RouterConfig, WorkerSpec
+    from router.events import EventSync, last_seq
+    from router.feed import EventFeed
+    from router.jetstream import StreamSpec
+    from router.workers import WorkerRegistry
+
+    warm = 64
+    registry = WorkerRegistry(RouterConfig(block_size=BLOCK))
+    for w in range(workers):
+        registry.add(WorkerSpec(f"worker-{w}", f"http://127.0.0.1:9/{w}", model="m"))
+    pool = registry.pools["default"]
+    if not pool.ingest.native:
+        return {"skipped": "no native core"}
+    events = EventSync(registry)
+    feed = EventFeed(events, StreamSpec(max_bytes=1 << 31), transport=transport)
+    bus = Bus(url)
+    bus.on_connect(feed.on_connect)
+    bus.on_reconnect(feed.on_reconnect)
+    bus.on_disconnect(feed.on_disconnect)
+    bus.on_error(events.on_nats_error)
+    bus.start()
+    deadline = time.monotonic() + 10
+    while feed.using is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    cmd = [sys.executable, __file__, "--publish-side", url, "--rate", str(rate)]
+    cmd += ["--workers", str(workers), "--nats-seconds", str(seconds)]
+    pub = await asyncio.create_subprocess_exec(
+        *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+    )
+    assert pub.stdin is not None and pub.stdout is not None
+    await asyncio.wait_for(pub.stdout.readline(), 120)  # warm batches published
+
+    def batches_of(n: int) -> list[int]:
+        """Batches per worker among the first ``n`` (``stores``: chains of 32 in turn)."""
+        per = [0] * workers
+        for i in range(n):
+            per[(i // (512 // EVENT_BLOCKS)) % workers] += 1
+        return per
+
+    def missing(w: int, want: list[int]) -> int:
+        last = last_seq(pool.ingest, f"worker-{w}")
+        return want[w] - (0 if last is None else last + 1)
+
+    warm_per = batches_of(warm)
+    deadline = time.monotonic() + 10
+    while any(missing(w, warm_per) for w in range(workers)):
+        if time.monotonic() > deadline:
+            raise SystemExit("the warm batches never arrived")
+        await asyncio.sleep(0.01)
+    # worker 0's first chain: the first 32 batches of ``stores(.., 5)``
+    first = stores(EVENT_BLOCKS * 32, workers, 512, 5)
+    query = BlockHasher(BLOCK).hash_tokens(np.concatenate([t for _, t in first]).tolist())
+    index = pool.index
+    held = index.match_tiers(query)
+    if list(held) != ["worker-0"] or held["worker-0"].total != len(query):
+        raise SystemExit(f"worker 0 does not hold the probe's prompt: {held}")
+
+    total: list[float] = []  # arrival -> match done, us
+    match: list[float] = []  # the match alone, us
+    rfd, wfd = os.pipe()
+    loop = asyncio.get_running_loop()
+
+    def on_request() -> None:
+        for (sent,) in struct.iter_unpack("d", os.read(rfd, 8 * 256)):
+            t0 = time.monotonic()
+            index.match_tiers(query)
+            t1 = time.monotonic()
+            total.append((t1 - sent) * 1e6)
+            match.append((t1 - t0) * 1e6)
+
+    prober = subprocess.Popen(
+        [sys.executable, __file__, "--probe-side", str(wfd)], pass_fds=(wfd,), stdin=subprocess.PIPE
+    )
+    os.close(wfd)
+    loop.add_reader(rfd, on_request)
+    deadline = time.monotonic() + 10
+    while len(total) < 2000 and time.monotonic() < deadline:  # event-free (~1 s)
+        await asyncio.sleep(0.01)
+    idle_total, idle_match = total[:], match[:]
+    total.clear()
+    match.clear()
+    lag_max = [0, 0.0, 0]
+
+    async def watch_lag() -> None:
+        while True:
+            await asyncio.sleep(0.001)
+            queued, age = events.lag()
+            pending = feed.reader.pending if feed.using == "jetstream" else 0
+            lag_max[:] = max(lag_max[0], queued), max(lag_max[1], age), max(lag_max[2], pending)
+
+    watcher = asyncio.create_task(watch_lag())
+    applied_before = pool.ingest.batches_applied
+    pub.stdin.write(b"go\n")
+    await pub.stdin.drain()
+    t0 = time.monotonic()
+    line = await asyncio.wait_for(pub.stdout.readline(), seconds * 10 + 60)
+    live_end = time.monotonic()
+    busy_total, busy_match = total[:], match[:]
+    applied_live = pool.ingest.batches_applied - applied_before
+    loop.remove_reader(rfd)
+    assert prober.stdin is not None
+    prober.stdin.close()
+    prober.wait(10)
+    os.close(rfd)
+    sent = json.loads(line)
+    await asyncio.wait_for(pub.wait(), 10)
+    want = batches_of(sent["published"])
+
+    def synced(w: int) -> bool:
+        return pool.ingest.in_sync(f"worker-{w}")
+
+    deadline = time.monotonic() + 30
+    while any(missing(w, want) and synced(w) for w in range(workers)):
+        if time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.01)
+    caught_up = time.monotonic() - live_end
+    watcher.cancel()
+    # Not applied, the worker out of sync (no agent answers replays here): detected.
+    # Not applied, the worker still "in sync": lost silently.
+    lost_detected = sum(missing(w, want) for w in range(workers) if not synced(w))
+    lost_silent = sum(missing(w, want) for w in range(workers) if synced(w))
+    counts = {k: v for k, v in events.counts.items() if k != "messages"}
+    await feed.close()
+    await events.close()
+    await bus.close()
+    return {
+        "transport": feed.using,
+        "target_blocks_per_s": rate,
+        "published_batches": sent["published"],
+        "published_blocks_per_s": sent["live"] * EVENT_BLOCKS / sent["live_seconds"],
+        "applied_blocks_per_s_while_publishing": applied_live * EVENT_BLOCKS / (live_end - t0),
+        "batches_lost_detected": lost_detected,
+        "batches_lost_silently": lost_silent,
+        "seconds_to_catch_up_after_publishing": caught_up,
+        "lag_max_batches_queued": lag_max[0],
+        "lag_max_seconds": lag_max[1],
+        "lag_max_stream_pending": lag_max[2],
+        "requests_idle": len(idle_total),
+        "requests_under_ingest": len(busy_total),
+        "request_idle_p50_us": pct(idle_total, 50),
+        "request_idle_p99_us": pct(idle_total, 99),
+        "request_under_ingest_p50_us": pct(busy_total, 50),
+        "request_under_ingest_p99_us": pct(busy_total, 99),
+        "p99_ratio_under_ingest_over_idle": pct(busy_total, 99) / pct(idle_total, 99),
+        "match_idle_p99_us": pct(idle_match, 99),
+        "match_under_ingest_p99_us": pct(busy_match, 99),
+        "counts": counts,
+    }
+
+
+def bench_nats(rates: list[float], seconds: float, workers: int) -> list[dict[str, Any]]:
+    """The router's own event path, core NATS and JetStream, at each rate."""
+    import asyncio
+
+    from router.natsd import EmbeddedNats
+
+    if NativePrefixIndex is None:
+        return []
+    out = []
+    for transport in ("core", "jetstream"):
+        for rate in rates:
+            with EmbeddedNats() as server:  # a fresh server (and stream) per run
+                out.append(asyncio.run(router_side(server.url, transport, rate, seconds, workers)))
+    return out
+
+
 def text_of(tok: Any, n_tokens: int, rng: random.Random) -> str:
     words = [
         "cache",
@@ -453,6 +691,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
     p.add_argument("--memory-side", choices=["native", "dynamo"], help=argparse.SUPPRESS)
+    p.add_argument("--publish-side", metavar="URL", help=argparse.SUPPRESS)
+    p.add_argument("--probe-side", type=int, metavar="FD", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--nats-rates",
+        default=",".join(str(r) for r in NATS_RATES),
+        help="nats: comma-separated blocks/s (default 32K, 128K, 512K)",
+    )
+    p.add_argument("--nats-seconds", type=float, default=4.0, help="nats: seconds per rate")
     p.add_argument(
         "--memory-pairs",
         type=int,
@@ -461,11 +707,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--only",
-        help="comma-separated sections to run (prompt,multi_turn,ingest,under_ingest,memory)",
+        help="comma-separated sections to run (prompt,multi_turn,ingest,under_ingest,memory,nats)",
     )
     args = p.parse_args(argv)
     if args.memory_side:  # the child process of bench_memory
         print(json.dumps(memory_side(args.memory_side, args.pairs, args.workers, 512)))
+        return 0
+    if args.probe_side is not None:  # the clients' process of bench_nats
+        probe_side(args.probe_side, 0.0005)
+        return 0
+    if args.publish_side:  # the publisher process of bench_nats
+        sent = publish_side(args.publish_side, args.rate, args.nats_seconds, args.workers, 64)
+        print(json.dumps(sent))
         return 0
     if args.quick:
         args.pairs, args.ingest_pairs, args.reps, args.rate = 32_768, 16_384, 1, 16_000
@@ -489,6 +742,11 @@ def main(argv: list[str] | None = None) -> int:
             args.rate, 2.0 if args.quick else 8.0, args.workers
         ),
         "memory": lambda: memory_at(args.memory_pairs or [args.pairs], args.workers),
+        "nats": lambda: bench_nats(
+            [float(r) for r in args.nats_rates.split(",")],
+            1.0 if args.quick else args.nats_seconds,
+            args.workers,
+        ),
     }
     wanted = args.only.split(",") if args.only else list(sections)
     for name in wanted:
