@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -70,6 +71,10 @@ class SeqStatus(StrEnum):
     # seen; rebuild from expected_seq (0: a dump)
     JUMP = "jump"
     REFUSED = "refused"  # a dp rank past ``max_ranks`` for this worker: dropped, counted
+
+
+# One live batch for ``apply_many``: (worker, seq, msgpack payload, dp rank, epoch).
+Batch = tuple[str, int, bytes, int | None, str | None]
 
 
 @dataclass(slots=True)
@@ -293,6 +298,10 @@ class EventIngest:
             result.errors["malformed_batch"] += 1
             return result
         return self.apply_batch(worker_id, seq, batch, dp_rank=dp_rank, epoch=epoch)
+
+    def apply_many(self, batches: Sequence[Batch]) -> list[IngestResult]:
+        """``apply`` for each batch in order (the native ingest takes a run in one call)."""
+        return [self.apply(w, seq, p, dp_rank=rank, epoch=e) for w, seq, p, rank, e in batches]
 
     def apply_batch(
         self,

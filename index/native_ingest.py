@@ -19,6 +19,7 @@ group 0 goes through the native rules, the other groups' parts (their own index 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 from xxhash import xxh3_64_intdigest
 
@@ -37,6 +38,7 @@ from index.hashing import BlockHasher, event_extras, lora_id_root, token_bytes
 from index.ingest import (
     _TIER_NUM,
     _TIER_OF_MEDIUM,
+    Batch,
     EventIngest,
     IngestResult,
     SeqStatus,
@@ -59,6 +61,7 @@ _STATUS = (
     SeqStatus.REFUSED,
 )
 _SLOW = 7
+_RUN = 64  # batches per native call at most: a resync waits for one run (~1 ms)
 _APPLIED_BATCH, _RESTARTED, _WAS_RESET = 1, 2, 4
 Outcome = tuple[int, int | None, int, dict[str, int] | None, dict[str, int] | None, int]
 
@@ -121,8 +124,8 @@ class NativeEventIngest(EventIngest):
         return {} if state is None else state[3]
 
     def epoch(self, worker_id: str) -> str | None:
-        state = self._state(worker_id)
-        return None if state is None else state[2]
+        at = self.index.located(worker_id)
+        return None if at is None else at[0].epoch(at[1])
 
     def forget_unconfirmed(self, worker_id: str) -> None:
         at = self.index.located(worker_id)
@@ -157,26 +160,75 @@ class NativeEventIngest(EventIngest):
         dp_rank: int | None = None,
         epoch: str | None = None,
     ) -> IngestResult:
+        if self._split_groups:
+            return self._decoded(worker_id, seq, payload, dp_rank, epoch)
         core, slot = self.index.locate(worker_id)
-        quota = self._quota()
-        limit = -1 if quota is None else quota
-        if not self._split_groups:
-            out: Outcome = core.ingest(slot, dp_rank, seq, epoch, payload, limit)
-            if out[5] == _APPLIED_BATCH and out[3] is None and out[4] is None:
-                # The common case, kept short: everything else is _result's.
+        out: Outcome = core.ingest(slot, dp_rank, seq, epoch, payload, self._limit())
+        return self._outcome(worker_id, seq, payload, dp_rank, epoch, out)
+
+    def apply_many(self, batches: Sequence[Batch]) -> list[IngestResult]:
+        """``apply`` for each batch in order, a run of them per native call: the Python
+        and the GIL round trip once per run, not per batch (``Core.ingest_many``)."""
+        results: list[IngestResult] = []
+        i, n = 0, len(batches)
+        while i < n:
+            if self._split_groups:
+                results += super().apply_many(batches[i:])
+                break
+            # A run: one core, workers already seen (a new worker changes the quota).
+            core, slot = self.index.locate(batches[i][0])
+            items = [(slot, batches[i][3], batches[i][1], batches[i][4], batches[i][2])]
+            j = i + 1
+            while j < n and len(items) < _RUN:
+                at = self.index.located(batches[j][0])
+                if at is None or at[0] is not core:
+                    break
+                w, seq, payload, rank, epoch = batches[j]
+                items.append((at[1], rank, seq, epoch, payload))
+                j += 1
+            outs: list[Outcome] = core.ingest_many(items, self._limit())
+            for out in outs[:-1]:  # plain applied batches (Core.ingest_many)
                 self.events_applied += out[2]
                 self.batches_applied += 1
-                return IngestResult(SeqStatus.OK, out[1], out[2])
-            if out[0] != _SLOW:
-                result = self._result(worker_id, out)
-                if result.errors.get("other_kv_group") and out[5] & _APPLIED_BATCH:
-                    self._first_groups(worker_id, payload, result)
-                return result
+                results.append(IngestResult(SeqStatus.OK, out[1], out[2]))
+            w, seq, payload, rank, epoch = batches[i + len(outs) - 1]
+            results.append(self._outcome(w, seq, payload, rank, epoch, outs[-1]))
+            i += len(outs)
+        return results
+
+    def _outcome(
+        self,
+        worker_id: str,
+        seq: int,
+        payload: bytes,
+        dp_rank: int | None,
+        epoch: str | None,
+        out: Outcome,
+    ) -> IngestResult:
+        """A native ingest's outcome as ``apply``'s result; a batch it left to Python
+        (status 7) decoded here."""
+        if out[5] == _APPLIED_BATCH and out[3] is None and out[4] is None:
+            # The common case, kept short: everything else is _result's.
+            self.events_applied += out[2]
+            self.batches_applied += 1
+            return IngestResult(SeqStatus.OK, out[1], out[2])
+        if out[0] != _SLOW:
+            result = self._result(worker_id, out)
+            if result.errors.get("other_kv_group") and out[5] & _APPLIED_BATCH:
+                self._first_groups(worker_id, payload, result)
+            return result
+        return self._decoded(worker_id, seq, payload, dp_rank, epoch)
+
+    def _decoded(
+        self, worker_id: str, seq: int, payload: bytes, dp_rank: int | None, epoch: str | None
+    ) -> IngestResult:
+        """A batch through Python's decoder, then the native rules."""
         try:
             batch = decode(payload)
         except CodecError:
+            core, slot = self.index.locate(worker_id)
             return self._result(
-                worker_id, core.ingest_events(slot, dp_rank, seq, epoch, None, limit)
+                worker_id, core.ingest_events(slot, dp_rank, seq, epoch, None, self._limit())
             )
         return self.apply_batch(worker_id, seq, batch, dp_rank=dp_rank, epoch=epoch)
 

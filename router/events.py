@@ -233,8 +233,9 @@ class EventSync:
             return
         if ingest.native:
             thread = self._ingest_thread()
-            if not thread.submit(
-                lambda: self._apply_live(ingest, worker_id, live),
+            if not thread.submit_run(
+                self._apply_live,
+                (ingest, worker_id, live),
                 lambda result: self._applied(worker_id, live, result),
             ):
                 self._hold(worker_id, live)  # fed after the resync's replay
@@ -266,11 +267,32 @@ class EventSync:
                 span.set_attribute("cache_router.seq_status", str(result.status))
                 return result
 
-    def _apply_live(self, ingest: EventIngest, worker_id: str, live: Live) -> IngestResult | None:
-        """On the ingest thread; None (not applied) when a resync began meanwhile."""
-        if worker_id in self._resync:
-            return None
-        return self._apply(ingest, worker_id, live)
+    def _apply_live(self, run: list[tuple[EventIngest, str, Live]]) -> list[IngestResult | None]:
+        """On the ingest thread, a run of live batches in order, one native call per pool
+        (``EventIngest.apply_many``); None (not applied) where a resync began meanwhile."""
+        results: list[IngestResult | None] = [None] * len(run)
+        if self.tracing is not None:
+            for i, (ingest, worker_id, live) in enumerate(run):
+                if worker_id not in self._resync:
+                    results[i] = self._apply(ingest, worker_id, live)
+            return results
+        todo = [i for i, (_, worker_id, _) in enumerate(run) if worker_id not in self._resync]
+        with self._apply_lock:
+            start = 0
+            while start < len(todo):
+                ingest = run[todo[start]][0]
+                end = start + 1
+                while end < len(todo) and run[todo[end]][0] is ingest:
+                    end += 1
+                part = todo[start:end]
+                batches = [
+                    (w, live.seq, live.payload, live.dp_rank, live.epoch)
+                    for _, w, live in (run[i] for i in part)
+                ]
+                for i, result in zip(part, ingest.apply_many(batches), strict=True):
+                    results[i] = result
+                start = end
+        return results
 
     def _applied(self, worker_id: str, live: Live, result: IngestResult | None) -> None:
         """On the loop: what a live batch's ingest said."""
@@ -450,9 +472,7 @@ class EventSync:
                                 ingest.apply(worker_id, seq, payload, dp_rank=rank, epoch=m.epoch)
                             if m.dump:
                                 seq = m.seq if dump_seq is None else dump_seq
-                                ingest.load_dump(
-                                    worker_id, seq, dump, dp_rank=rank, epoch=m.epoch
-                                )
+                                ingest.load_dump(worker_id, seq, dump, dp_rank=rank, epoch=m.epoch)
                         if m.dump:
                             self.counts["dumps_loaded"] += 1
                         return True

@@ -141,3 +141,41 @@ async def test_ingest_thread_is_bounded_and_reports_errors() -> None:
         release.set()
         thread.close()
     assert not thread.submit(lambda: None)  # closed
+
+
+async def test_ingest_thread_hands_queued_args_over_in_runs() -> None:
+    """Args queued back to back for one ``run`` reach it as one list (at most
+    ``max_run``), in order; a plain call in between ends the run; a run that raises is
+    retried arg by arg, so only the arg that fails alone is reported as an error."""
+    loop = asyncio.get_running_loop()
+    errors: list[BaseException] = []
+    release, started = threading.Event(), threading.Event()
+    thread = IngestThread(loop, max_batches=1000, max_run=4, on_error=errors.append)
+    runs: list[list[int]] = []
+
+    def run(args: list[int]) -> list[int]:
+        runs.append(list(args))
+        if 13 in args:
+            raise ValueError("13")
+        return [a * 10 for a in args]
+
+    done: list[object] = []
+    try:
+        assert thread.submit(lambda: (started.set(), release.wait()))  # holds the queue
+        await until(started.is_set, what="first call running")
+        for a in range(6):
+            assert thread.submit_run(run, a, done.append)
+        assert thread.submit(lambda: "call", done.append)
+        for a in (11, 12, 13, 14):
+            assert thread.submit_run(run, a, done.append)
+        assert thread.lag()[0] == 12
+        release.set()
+        assert await thread.drain(10)
+        await until(lambda: len(done) == 10 and len(errors) == 1, what="all reported")
+        assert done == [0, 10, 20, 30, 40, 50, "call", 110, 120, 140]
+        assert runs == [[0, 1, 2, 3], [4, 5], [11, 12, 13, 14], [11], [12], [13], [14]]
+        assert isinstance(errors[0], ValueError)
+        assert thread.applied == 1 + 6 + 1 + 3
+    finally:
+        release.set()
+        thread.close()

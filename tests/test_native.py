@@ -362,3 +362,56 @@ def test_hashes_out_of_range_are_refused() -> None:
     assert len(core) == 0
     core.store(0, [True, 2**64 - 1], 0, None)  # an int subclass: the C API's reading
     assert core.holds(0, 1, 0) and core.holds(0, 2**64 - 1, 0)
+
+
+@needs_native
+@settings(max_examples=120, deadline=None)
+@given(st.data())
+def test_ingest_many_equals_the_python_ingest_one_batch_at_a_time(data: st.DataObject) -> None:
+    """``apply_many`` (runs of batches per native call, ending early at the first batch
+    that is not a plain apply) against the reference applying them one by one: faulty
+    seqs, epochs, dp ranks, workers on two cores (past 64), runs cut anywhere."""
+    from index import EventIngest
+    from index.native_index import NativePrefixIndex
+
+    workers = ["w1", "w2", "w69"]
+    logs = {w: data.draw(event_batches()) for w in workers}
+    steps = data.draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(workers),
+                st.integers(-1, 12),  # -1: an epoch start
+                st.sampled_from([None, None, 0, 1]),
+                st.sampled_from([None, "a", "a", "b"]),
+                st.booleans(),  # a run ends after this batch
+            ),
+            max_size=40,
+        )
+    )
+    py = EventIngest(
+        PrefixIndex(), BlockHasher(4), max_worker_blocks=data.draw(st.sampled_from([None, 5]))
+    )
+    nat = EventIngest(NativePrefixIndex(), BlockHasher(4), max_worker_blocks=py.max_worker_blocks)
+    for i in range(70):
+        for ing in (py, nat):
+            ing.index.add_worker(f"w{i}")
+    want, got, run = [], [], []
+    for worker, seq, rank, epoch, cut in steps:
+        log = logs[worker]
+        batch = (worker, seq, log[max(seq, 0) % len(log)], rank, epoch)
+        want.append(py.apply(worker, seq, batch[2], dp_rank=rank, epoch=epoch))
+        run.append(batch)
+        if cut:
+            got += nat.apply_many(run)
+            run = []
+    got += nat.apply_many(run)
+    assert got == want
+    for name in ("events_applied", "batches_applied", "duplicates", "gaps", "restarts"):
+        assert getattr(nat, name) == getattr(py, name), name
+    assert nat.errors == py.errors
+    for w in workers:
+        assert nat.engine_blocks(w) == py.engine_blocks(w), w
+        assert nat.in_sync(w) == py.in_sync(w), w
+        assert nat.last_seqs(w) == py.last_seqs(w), w
+        assert nat.epoch(w) == py.epoch(w), w
+    assert nat.index.stats().blocks == py.index.stats().blocks
