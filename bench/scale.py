@@ -12,11 +12,19 @@ Prints one JSON object (never asserts). Sections:
   chat tokenization (segment cache, router/tokenize.py) against ``encode`` of the
   whole rendered text, and the two checked equal.
 - ``ingest``: KV-event ingest alone, ``EventIngest.apply`` on msgpack vLLM batches
-  (16 blocks of 16 tokens each) with the Python and the native index, and Dynamo's
-  ``RadixTree.apply_event`` on the same stores (its JSON form), blocks/s; batches lost
-  (not applied and not reported) counted.
-- ``under_ingest``: match p50/p99 on the main thread, event-free and while a thread
-  applies batches at ``--rate`` blocks/s (the native path releases the GIL).
+  (16 blocks of 16 tokens each) with the Python and the native index, the native one
+  also through ``apply_many`` in runs of 64 (``native_runs``: the router's live path),
+  and Dynamo's ``RadixTree.apply_event`` on the same stores (its JSON form), blocks/s;
+  batches lost (not applied and not reported) counted.
+- ``under_ingest``: match p50/p99 on the main thread, event-free and while a plain
+  thread applies batches at ``--rate`` blocks/s, one ``apply`` per batch: the native
+  core's mutex and the GIL alone, without NATS or the event loop (``nats`` has those).
+- ``nats``: the router's own event path (``Bus`` -> ``EventFeed`` -> ``EventSync`` ->
+  ``IngestThread`` -> the native ingest), core NATS and JetStream, a publisher process
+  at each of ``--nats-rates`` (32K / 128K / 512K blocks/s): batches lost silently (not
+  applied, the worker still "in sync") and detected, the ingest's lag, the catch-up
+  after publishing, and a request's index part on the same event loop (arrivals from
+  another process) p50/p99, event-free and under the events.
 - ``memory``: bytes per (block, worker) pair at ``--pairs`` (or each ``--memory-pairs``)
   unshared pairs: the native core's own heap count and RSS growth; Dynamo's RSS growth
   on the same stores; each side in a fresh process.
@@ -62,6 +70,7 @@ BLOCK = 16
 EVENT_BLOCKS = 16
 VOCAB = 32_000
 LENGTHS = (2048, 8192, 32768, 131072)
+RUN = 64  # batches per native call in the ``native_runs`` ingest (router/ingest_thread.py)
 
 
 def rss() -> int:
@@ -134,14 +143,27 @@ def dynamo_batches(data: list[tuple[int, np.ndarray]], chain: int) -> list[tuple
 # -- sections -------------------------------------------------------------------------------
 
 
-def ingest_ours(index_cls: type, batches: list[tuple[str, int, bytes]]) -> tuple[float, Any]:
+def ingest_ours(
+    index_cls: type, batches: list[tuple[str, int, bytes]], run: int = 1
+) -> tuple[float, Any]:
+    """``apply`` batch by batch (``run`` 1), or ``apply_many`` in runs of ``run`` (the
+    router's live path: router/ingest_thread.py hands queued batches over in runs)."""
     ingest = EventIngest(index_cls(), BlockHasher(BLOCK))
     apply = ingest.apply
     lost = 0
-    t0 = time.perf_counter()
-    for worker, seq, payload in batches:
-        r = apply(worker, seq, payload)
-        lost += r.applied != 1
+    if run > 1:
+        runs = [
+            [(w, seq, p, None, None) for w, seq, p in batches[i : i + run]]
+            for i in range(0, len(batches), run)
+        ]
+        t0 = time.perf_counter()
+        for part in runs:
+            lost += sum(r.applied != 1 for r in ingest.apply_many(part))
+    else:
+        t0 = time.perf_counter()
+        for worker, seq, payload in batches:
+            r = apply(worker, seq, payload)
+            lost += r.applied != 1
     dt = time.perf_counter() - t0
     if lost or ingest.errors or ingest.gaps:
         raise SystemExit(f"ingest did not apply cleanly: {lost} {dict(ingest.errors)}")
@@ -167,6 +189,16 @@ def bench_ingest(pairs: int, workers: int, chain: int, reps: int) -> dict[str, A
             times.append(t)
             del ing
         out[f"{name}_blocks_per_s"] = pairs / statistics.median(times)
+    if NativePrefixIndex is not None:
+        times = []
+        for _ in range(reps):
+            gc.collect()
+            t, ing = ingest_ours(NativePrefixIndex, batches, RUN)
+            times.append(t)
+            del ing
+        impls["native_runs"] = NativePrefixIndex
+        out["native_runs_blocks_per_s"] = pairs / statistics.median(times)
+        out["native_runs_batches_per_call"] = RUN
     out["lost_batches"] = 0  # ingest_ours exits unless every batch was applied
     if RadixTree is not None:
         dyn = dynamo_batches(data, chain)

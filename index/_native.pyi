@@ -1,5 +1,6 @@
 """Types of the native core (index/native/module.cpp)."""
 
+import builtins
 from collections.abc import Sequence
 
 from _typeshed import ReadableBuffer
@@ -69,7 +70,7 @@ class Core:
     ) -> tuple[int, int | None, int, dict[str, int] | None, dict[str, int] | None, int]: ...
     def ingest_many(
         self,
-        items: list[tuple[int, int | None, int, str | None, ReadableBuffer]],
+        items: list[tuple[int, int | None, int, str | None, builtins.bytes]],
         quota: int = -1,
     ) -> list[tuple[int, int | None, int, dict[str, int] | None, dict[str, int] | None, int]]: ...
     def ingest_events(

@@ -125,7 +125,8 @@ class IngestThread:
                 items = [self._queue.popleft()]
                 run = items[0].run
                 if run is not None:
-                    while self._queue and len(items) < self.max_run and self._queue[0].run is run:
+                    # ==, not is: a bound method is a new object at every attribute read
+                    while self._queue and len(items) < self.max_run and self._queue[0].run == run:
                         items.append(self._queue.popleft())
                 self._busy_since = items[0].queued
                 self._running = len(items)

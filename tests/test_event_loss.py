@@ -153,21 +153,24 @@ async def test_ingest_thread_hands_queued_args_over_in_runs() -> None:
     thread = IngestThread(loop, max_batches=1000, max_run=4, on_error=errors.append)
     runs: list[list[int]] = []
 
-    def run(args: list[int]) -> list[int]:
-        runs.append(list(args))
-        if 13 in args:
-            raise ValueError("13")
-        return [a * 10 for a in args]
+    class Sync:  # EventSync submits a bound method: a new object at every read
+        def run(self, args: list[int]) -> list[int]:
+            runs.append(list(args))
+            if 13 in args:
+                raise ValueError("13")
+            return [a * 10 for a in args]
+
+    sync = Sync()
 
     done: list[object] = []
     try:
         assert thread.submit(lambda: (started.set(), release.wait()))  # holds the queue
         await until(started.is_set, what="first call running")
         for a in range(6):
-            assert thread.submit_run(run, a, done.append)
+            assert thread.submit_run(sync.run, a, done.append)
         assert thread.submit(lambda: "call", done.append)
         for a in (11, 12, 13, 14):
-            assert thread.submit_run(run, a, done.append)
+            assert thread.submit_run(sync.run, a, done.append)
         assert thread.lag()[0] == 12
         release.set()
         assert await thread.drain(10)
