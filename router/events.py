@@ -56,6 +56,7 @@ bad_input = RateLimitedLog(log)  # replay answers come from NATS: at most a line
 _RETRY = (SeqStatus.GAP, SeqStatus.MALFORMED, SeqStatus.JUMP)
 _APPLIED = (SeqStatus.OK, SeqStatus.RESTART)
 _CLEAR = encode(EventBatch(0.0, [AllBlocksCleared()]))  # an epoch start's payload
+YIELD_EVERY = 8  # live messages between two yields to the loop (on_event)
 
 
 def last_seq(ingest: EventIngest, worker_id: str) -> int | None:
@@ -106,6 +107,7 @@ class EventSync:
         self.max_queued = max_queued  # live batches waiting for the ingest thread
         self._thread: IngestThread | None = None  # started with the first native batch
         self._apply_lock = threading.Lock()  # the ingest thread vs the resync path
+        self._since_yield = 0  # messages taken since on_event last yielded to the loop
 
     # -- wiring ------------------------------------------------------------------
     async def attach(self, nc: Client) -> None:
@@ -199,7 +201,20 @@ class EventSync:
             self.counts["load_malformed"] += 1
 
     async def on_event(self, msg: Msg) -> None:
-        """One batch on ``<prefix>.events.<worker>`` with its ``Kv-Seq``/``Kv-Epoch`` headers."""
+        """One batch on ``<prefix>.events.<worker>`` with its ``Kv-Seq``/``Kv-Epoch`` headers.
+
+        nats-py hands a subscription's queued messages over without yielding to the loop
+        (its queue ``get`` and this callback never suspend), so a request that arrives
+        behind a socket read's worth of batches waited for all of them; every
+        ``YIELD_EVERY`` messages the loop runs what else is ready.
+        """
+        self._take(msg)
+        self._since_yield += 1
+        if self._since_yield >= YIELD_EVERY:
+            self._since_yield = 0
+            await asyncio.sleep(0)
+
+    def _take(self, msg: Msg) -> None:
         self.counts["messages"] += 1
         worker_id = msg.subject[len(self._events_prefix) :]
         worker = self.registry.source(worker_id)
