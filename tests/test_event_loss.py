@@ -182,3 +182,25 @@ async def test_ingest_thread_hands_queued_args_over_in_runs() -> None:
     finally:
         release.set()
         thread.close()
+
+
+async def test_live_batches_let_the_loop_run_between_them() -> None:
+    """nats-py feeds a subscription's queued messages to ``on_event`` without yielding;
+    ``on_event`` yields every ``YIELD_EVERY`` messages, so a request that arrives behind
+    a socket read's worth of batches waits for a few of them, not for all."""
+    from router.config import RouterConfig
+    from router.events import YIELD_EVERY, EventSync
+    from router.workers import WorkerRegistry
+
+    events = EventSync(WorkerRegistry(RouterConfig()))
+    seen: list[int] = []
+
+    async def request() -> None:
+        seen.append(events.counts["messages"])
+
+    task = asyncio.ensure_future(request())  # ready: runs at the loop's next turn
+    for _ in range(3 * YIELD_EVERY):
+        await events.on_event(Msg(None, subject="kv.events.nobody", data=b"", headers={}))
+    await asyncio.wait_for(task, 5)
+    assert seen == [YIELD_EVERY]
+    assert events.counts["unknown_worker"] == 3 * YIELD_EVERY

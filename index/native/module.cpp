@@ -7,7 +7,6 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <chrono>
 #include <mutex>
 #include <string>
 
@@ -236,39 +235,15 @@ class Core {
         SeqRules::commit(w, rank, seq_no);
     }
 
-    // A call from Python: the mutex at once, or after a short spin (GIL held), or else
-    // blocking with the GIL released. The spin: the ingest holds the mutex for one
-    // batch's apply (~10-20 us of every 125 us at 128K blocks/s), and a match that
-    // slept in the kernel instead waited for its wake-up and a free core, 0.1-20 ms on
-    // 2 loaded cores (session 6's p99 under ingest: 0.9-13.5x the event-free p99).
     struct Lock {
         std::unique_lock<std::mutex> lk;
-        explicit Lock(std::mutex& m) : lk(m, std::defer_lock) {
-            if (spin(lk)) return;
-            py::gil_scoped_release nogil;
-            lk.lock();
+        explicit Lock(std::mutex& m) : lk(m, std::try_to_lock) {
+            if (!lk.owns_lock()) {
+                py::gil_scoped_release nogil;
+                lk.lock();
+            }
         }
     };
-
-    static constexpr auto SPIN = std::chrono::microseconds(50);
-
-    static bool spin(std::unique_lock<std::mutex>& lk) {
-        if (lk.try_lock()) return true;
-        const auto until = std::chrono::steady_clock::now() + SPIN;
-        do {
-            for (int i = 0; i < 32; ++i) pause();
-            if (lk.try_lock()) return true;
-        } while (std::chrono::steady_clock::now() < until);
-        return false;
-    }
-
-    static void pause() {
-#if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
-#elif defined(__aarch64__)
-        asm volatile("yield");
-#endif
-    }
 };
 
 // index/reuse.py's StackDistance (stack_distance.hpp) and the mutex that keeps a report
