@@ -754,6 +754,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.pairs, args.ingest_pairs, args.reps, args.rate = 32_768, 16_384, 1, 16_000
+        args.nats_rates = "16000"
     t0 = time.perf_counter()
     out: dict[str, Any] = {
         "config": {

@@ -31,3 +31,9 @@ def test_quick_run_prints_complete_json() -> None:
         under = out["under_ingest"]
         assert under["achieved_blocks_per_s"] > 0 and under["match_8k_idle_p99_us"] > 0
         assert out["memory"]["native_heap_bytes_per_pair"] > 0
+        assert ingest["native_runs_blocks_per_s"] > 0
+        rows = out["nats"]
+        assert [r["transport"] for r in rows] == ["core", "jetstream"]
+        for row in rows:
+            assert row["published_batches"] > 0 and row["requests_idle"] > 0
+            assert row["request_under_ingest_p99_us"] > 0
