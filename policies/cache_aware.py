@@ -33,13 +33,18 @@ The recompute term is the pool's side of the bill: tokens recomputed although a 
 holds them are paid once in this request's TTFT and once more by the pool, as compute
 that later requests queue behind and as a second copy that evicts other prefixes. At
 weight ``w`` a request leaves the holder when the holder's queue costs more than
-``1 + w`` times the saving; weight 0 is the pure TTFT estimate. The default 3 was
-swept on every trace of ``bench/sweep.py`` (12 settings, 3 seeds; BENCHMARKS.md): against
-weight 1 it keeps 0.6-0.9 more hit points on the Mooncake traces (within a point of
-``sglang_cache_aware`` there, p90 still 0.88-0.97x the best other's, 2-3 % above
-weight 1's), the same hit rate on chat and agent traces with p90 within 2 %, except
-``agent`` at 3x load (p90 4.3 -> 6.0 s on the mean, still a third of
-``sglang_cache_aware``'s) and at 2x on 16 engines (1151 -> 1026 ms).
+``1 + w`` times the saving; weight 0 is the pure TTFT estimate. The default 6 was
+chosen on where the Mooncake hits went (BENCHMARKS.md, session 7): at weight 3, on
+mooncake-conv x1 8 engines seed 1, the requests routed off their best holder (5.5 %)
+lost 2.9 hit points at the decision (in-flight prefixes won 0.95 back), none was lost
+to eviction after routing, and each move was right for its own TTFT (the holder's queue
+1.9 s median, estimated to within 1 %, against 0.35 s elsewhere): the pool's bill, not
+the estimate, was too small. The truer queue (``queued_attn_ms``, below) had made such
+moves more frequent. Weights 6, 8 and 10 (12 settings, 3 seeds) each bring the three
+Mooncake rows within a point of ``sglang_cache_aware`` (-0.07 / -0.6 / -0.6 points at
+6, from -1.4 / -1.3 / -1.5 at 3) with p90 unchanged (0.86-0.96x the best other's); the
+chat and agent rows move within 0.2 points and their seeds' spread. 6 stays below the
+prefill side's 8 (a mixed pool's steps are mostly decoding, below).
 
 Prefetch, only where it pays: when a worker ``S`` holds more leading blocks locally than
 the target can reach and the transfer from ``S`` fits in ``prefetch_fraction`` of the
@@ -120,7 +125,7 @@ On a disaggregated pool's prefill engines the policy runs with ``prefill_params`
 (``recompute_weight`` 8, ``place_slack_ms`` 500; ``Experiment.prefill_policy_for``): a
 prefill engine only computes prompts, so a recomputed prefix is all extra work for the
 pool and its copy evicts other prompts' KV with nothing else in the cache to buffer it,
-while a mixed pool's steps are mostly decoding (where issue 13's sweep set weight 3).
+while a mixed pool's steps are mostly decoding (where issue 13's sweep set weight 6).
 Measured on the same simulator (BENCHMARKS.md): Mooncake synthetic, seeds 0-4, hit
 0.1473-0.1490 (mean 0.1480) against 0.1396 / 0.1427 on seeds 0 / 1 with the mixed
 defaults, TTFT p90 5,233-5,454 ms against 5,560 / 5,575; Mooncake conversation 0.177
@@ -200,7 +205,7 @@ class CacheAware(Policy):
         costs: EngineCosts | Mapping[str, Any] | None = None,
         prefetch: bool = True,
         prefetch_fraction: float = 0.5,
-        recompute_weight: float = 3.0,
+        recompute_weight: float = 6.0,
         copy_weight: float = 0.5,
         session_load: float = 1.25,
         live_sessions: bool = True,

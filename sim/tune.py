@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hosts", help="host pages per engine to try, comma-separated (default: from the forecast)"
     )
     parser.add_argument(
-        "--weights", default="0,1", help="recompute_weight values besides the default 3"
+        "--weights", default="0,1", help="recompute_weight values besides the default 6"
     )
     parser.add_argument("--fractions", default="0.25,1", help="prefetch_fraction besides 0.5")
     parser.add_argument("--jobs", type=int, help="parallel processes (default: one per core)")
