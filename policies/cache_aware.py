@@ -35,16 +35,17 @@ that later requests queue behind and as a second copy that evicts other prefixes
 weight ``w`` a request leaves the holder when the holder's queue costs more than
 ``1 + w`` times the saving; weight 0 is the pure TTFT estimate. The default 6 was
 chosen on where the Mooncake hits went (BENCHMARKS.md, session 7): at weight 3, on
-mooncake-conv x1 8 engines seed 1, the requests routed off their best holder (5.5 %)
+mooncake-conv x1 8 engines seed 1, the requests routed off their best holder (6.4 %)
 lost 2.9 hit points at the decision (in-flight prefixes won 0.95 back), none was lost
-to eviction after routing, and each move was right for its own TTFT (the holder's queue
-1.9 s median, estimated to within 1 %, against 0.35 s elsewhere): the pool's bill, not
-the estimate, was too small. The truer queue (``queued_attn_ms``, below) had made such
-moves more frequent. Weights 6, 8 and 10 (12 settings, 3 seeds) each bring the three
-Mooncake rows within a point of ``sglang_cache_aware`` (-0.07 / -0.6 / -0.6 points at
-6, from -1.4 / -1.3 / -1.5 at 3) with p90 unchanged (0.86-0.96x the best other's); the
-chat and agent rows move within 0.2 points and their seeds' spread. 6 stays below the
-prefill side's 8 (a mixed pool's steps are mostly decoding, below).
+to eviction after routing, and each move was right for its own TTFT (2.3 s at the
+holder, median, against 0.35 s elsewhere; observed / estimated TTFT 0.95-1.01 at the
+median for every queue length): the pool's bill, not the estimate, was too small. The
+truer queue (``queued_attn_ms``, below) had made such moves more frequent. Weights 6
+to 12 (seeds 0-2) each bring the three Mooncake rows of ``bench/sweep.py`` within a
+point of ``sglang_cache_aware`` (-0.1 / -0.6 / -0.6 points at 6, from -1.4 / -1.3 /
+-1.5 at 3) with p90 unchanged (0.86-0.95x the best other's); the chat and agent rows
+move within 0.2 points and their seeds' spread. 6 is the smallest that does, and stays
+below the prefill side's 8 (a mixed pool's steps are mostly decoding, below).
 
 Prefetch, only where it pays: when a worker ``S`` holds more leading blocks locally than
 the target can reach and the transfer from ``S`` fits in ``prefetch_fraction`` of the
