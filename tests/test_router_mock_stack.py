@@ -71,7 +71,7 @@ async def test_conversation_stays_on_its_engine_and_hits_grow(
             cached.append(usage.prompt_tokens_details.cached_tokens if turn else 0)
             messages.append({"role": "assistant", "content": text})
             done = time.monotonic()
-            await until(lambda: mocks.synced(replica), what="events through the agents")
+            await until(lambda: mocks.delivered(replica), what="events through the agents")
             await until(lambda t=done: idle_since(replica, t), what="idle load reports")
     finally:
         await client.close()
@@ -99,7 +99,7 @@ async def test_router_predicts_exactly_what_the_engines_report(
         checked = 0
         for i, prompt in enumerate(prompts):
             body = {"model": MODEL, "prompt": prompt, "max_tokens": 4}
-            await until(lambda: mocks.synced(replica), what="events through the agents")
+            await until(lambda: mocks.delivered(replica), what="events through the agents")
             r = await http.post("/admin/explain", json=body, headers=AUTH)
             matches = {w["worker_id"]: w["match"]["total"] for w in r.json()["workers"]}
             n = r.json()["num_tokens"]
