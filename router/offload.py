@@ -40,6 +40,13 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def timed_out(timeout: float) -> ApiError:
+    """The answer to a prompt the tokenize pool or an encode process did not finish."""
+    return ApiError(
+        503, f"the prompt was not tokenized within {timeout:g} s; retry later", "tokenizer_timeout"
+    )
+
+
 class TokenizePool(Collector):
     """A thread pool that holds at most ``limit`` prompts and waits ``timeout`` seconds
     for each; also the collector of its ``cache_router_tokenize_*`` gauges."""
@@ -78,11 +85,7 @@ class TokenizePool(Collector):
                 # cancelling the wrapper (timeout, client gone) cancels a prompt still waiting
                 return await asyncio.wrap_future(future)
         except TimeoutError:
-            raise ApiError(
-                503,
-                f"the prompt was not tokenized within {self.timeout:g} s; retry later",
-                "tokenizer_timeout",
-            ) from None
+            raise timed_out(self.timeout) from None
 
     def _release(self, _future: Future[Any] | None) -> None:
         with self._lock:
@@ -155,11 +158,7 @@ class EncodeProcesses:
             self._drop(pool, closed=True)
             return None
         except TimeoutError:
-            raise ApiError(
-                503,
-                f"the prompt was not tokenized within {self.timeout:g} s; retry later",
-                "tokenizer_timeout",
-            ) from None
+            raise timed_out(self.timeout) from None
         out = []
         for b in packed:
             ids = array("I")
