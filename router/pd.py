@@ -526,7 +526,7 @@ class PdRouter:
             if accepted is not None and resp.status < 400:
                 accepted.append((resp, flight))
                 return b""
-            answer = await _read(resp, st.cfg.request_timeout)
+            answer = await resp.read(st.cfg.request_timeout, MAX_PREFILL_BODY, "prefill answer")
         except UpstreamError as exc:
             st.metrics.error(prep.arm, tid, "prefill_" + type(exc).__name__)
             raise _Failed(w, prefill_failure(exc), exc) from exc
@@ -602,7 +602,8 @@ class PdRouter:
 
         async def drain() -> None:
             try:
-                await _read(resp, self.state.cfg.request_timeout, keep=False)
+                async for _ in resp.chunks(self.state.cfg.request_timeout):
+                    pass  # read to its end, nothing kept
             except UpstreamError:
                 pass  # the decode engine's stream reports a failed transfer
             finally:
@@ -670,18 +671,6 @@ async def _both(
             resp.close()  # the decode engine waiting in the room is let go
             flight.finish()
         raise
-
-
-async def _read(resp: Response, timeout: float, keep: bool = True) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in resp.chunks(timeout):
-        size += len(chunk)
-        if keep:
-            if size > MAX_PREFILL_BODY:
-                raise UpstreamError(f"prefill answer over {MAX_PREFILL_BODY} bytes")
-            chunks.append(chunk)
-    return b"".join(chunks)
 
 
 async def _send_answer(ex: Exchange, answer: _EngineAnswer) -> None:

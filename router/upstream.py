@@ -156,6 +156,18 @@ class Response:
                 raise self._error
             await self._wait(timeout)
 
+    async def read(self, timeout: float, limit: int, what: str) -> bytes:
+        """The whole body, each wait within ``timeout``; ``UpstreamError`` past ``limit``
+        bytes (``what`` names the answer in it)."""
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in self.chunks(timeout):
+            size += len(chunk)
+            if size > limit:
+                raise UpstreamError(f"{what} over {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     def close(self) -> None:
         """Give up on the rest: the connection cannot carry another request."""
         if not self.complete:

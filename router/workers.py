@@ -345,16 +345,10 @@ class WorkerRegistry:
 
         async def get() -> tuple[int, bytes]:
             resp = await self._raw.send(worker.url, path, [], b"", timeout, b"GET")
-            body, size = [], 0
             try:
-                async for chunk in resp.chunks(timeout):
-                    size += len(chunk)
-                    if size > MAX_SCRAPE_BYTES:
-                        raise UpstreamError(f"{path} over {MAX_SCRAPE_BYTES} bytes")
-                    body.append(chunk)
+                return resp.status, await resp.read(timeout, MAX_SCRAPE_BYTES, path)
             finally:
                 resp.close()  # a no-op once complete; else the connection is dropped
-            return resp.status, b"".join(body)
 
         return await asyncio.wait_for(get(), timeout)
 
