@@ -96,11 +96,6 @@ def cuts_from_end(data: bytes, cuts: list[bytes]) -> Iterator[int]:
                 at[k] = data.rfind(t, 1, i + len(t) - 1)
 
 
-def last_cuts(data: bytes, cuts: list[bytes], limit: int = MAX_PROBES) -> list[int]:
-    """The first ``limit`` offsets of ``cuts_from_end``."""
-    return list(islice(cuts_from_end(data, cuts), limit))
-
-
 class PrefixCache(Collector):
     """Rendered chat prefixes -> ``Prefix``, bounded by ``max_bytes``; thread-safe (the
     tokenize pool's threads use it), and the collector of its ``cache_router_prefix_*``

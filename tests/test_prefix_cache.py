@@ -10,6 +10,7 @@ Llama's SentencePiece model (the real-engine tests' conversion of mistral_common
 from __future__ import annotations
 
 from array import array
+from itertools import islice
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -17,8 +18,13 @@ from tokenizer_files import CHATML, _write
 from tokenizers import Tokenizer
 
 from index.hashing import BlockHasher, request_block_hashes
-from router.prefix_cache import PrefixCache, last_cuts
+from router.prefix_cache import MAX_PROBES, PrefixCache, cuts_from_end
 from router.tokenize import HFTokenizer, _segments
+
+
+def last_cuts(data: bytes, cuts: list[bytes]) -> list[int]:
+    """The cut points a lookup probes (``PrefixCache`` takes at most ``MAX_PROBES``)."""
+    return list(islice(cuts_from_end(data, cuts), MAX_PROBES))
 
 
 def full(hf: HFTokenizer, text: str) -> list[int]:
