@@ -14,7 +14,9 @@ the bottleneck); ``direct`` is the engine alone. Phases, all printed as one JSON
 - ``multi_turn``: one conversation growing by ~1K tokens a turn to 32K, the whole
   conversation sent each turn;
 - ``interference``: short chat requests' p99 alone, then while a second client sends
-  cold 128K-token chat prompts back to back (24 distinct ones, cycled);
+  cold 128K-token chat prompts back to back (24 distinct ones, cycled); only answers
+  with status 200 are timed, the others counted (``--interference-only``: this phase
+  alone, ``--repeat`` times with fresh prompts, and the spread of busy / idle p99);
 - ``saturation``: short chat requests at concurrency 32 through 1, 4 and 16 workers:
   requests/s and the router's CPU per request (``--saturation-only``: this phase alone);
 - ``idle_cpu_ms_per_s``: what the router burns with no request (health checks, load
@@ -37,7 +39,7 @@ peers route on text and are given no tokenizer (their cache_aware policies need 
 
     flock /work/bench.lock nice -n 5 python bench/hotpath.py \\
         --tokenizer /tmp/tinymodel/tokenizer.json [--peers-python /work/venv-peers/bin/python]
-        [--saturation-only | --multi-turn-only]
+        [--saturation-only | --multi-turn-only | --interference-only [--repeat N]]
 
 The machine is shared: compare ratios within one run, and read ``load_average_1m``.
 Never asserts.
@@ -297,46 +299,62 @@ def phase_multi_turn(port: int, pids: list[int], turns: list[bytes]) -> dict[str
 
 
 def phase_interference(port: int, short: list[bytes], long: list[bytes], seconds: float) -> Any:
-    async def shorts(stop: float) -> list[float]:
+    """Short requests one at a time for ``seconds`` alone, then for ``seconds`` while a
+    second connection sends ``long`` prompts back to back. Only answers with status 200
+    are timed: a refused or failed request (a 429 from a full tokenize queue, say) comes
+    back fast and would pass for a fast one; it is counted in the ``*_errors`` instead."""
+
+    async def shorts(stop: float) -> tuple[list[float], int]:
         reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 24)
-        out = []
+        out, errors = [], 0
         try:
             i = 0
             while time.perf_counter() < stop:
                 t0 = time.perf_counter()
                 writer.write(short[i % len(short)])
-                await _read_response(reader)
-                out.append(time.perf_counter() - t0)
+                if await _read_response(reader) == 200:
+                    out.append(time.perf_counter() - t0)
+                else:
+                    errors += 1
                 i += 1
         finally:
             writer.close()
-        return out
+        return out, errors
 
-    async def longs(stop: float) -> int:
+    async def longs(stop: float) -> tuple[int, int]:
         reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 24)
-        sent = 0
+        sent = errors = 0
         try:
             while time.perf_counter() < stop:
                 writer.write(long[sent % len(long)])
-                await _read_response(reader)
+                if await _read_response(reader) != 200:
+                    errors += 1
                 sent += 1
         finally:
             writer.close()
-        return sent
+        return sent, errors
 
     async def run() -> dict[str, Any]:
-        idle = await shorts(time.perf_counter() + seconds)
+        idle, idle_errors = await shorts(time.perf_counter() + seconds)
         stop = time.perf_counter() + seconds
-        busy, sent = await asyncio.gather(shorts(stop), longs(stop))
-        return {
-            "idle_p50_ms": pct(idle, 50) * 1e3,
-            "idle_p99_ms": pct(idle, 99) * 1e3,
-            "busy_p50_ms": pct(busy, 50) * 1e3,
-            "busy_p99_ms": pct(busy, 99) * 1e3,
-            "p99_busy_over_idle": pct(busy, 99) / pct(idle, 99),
+        (busy, busy_errors), (sent, long_errors) = await asyncio.gather(shorts(stop), longs(stop))
+        out: dict[str, Any] = {
+            "short_errors_idle": idle_errors,
+            "short_errors_busy": busy_errors,
             "long_prompts_sent": sent,
+            "long_prompt_errors": long_errors,
+            "short_requests_idle": len(idle),
             "short_requests_busy": len(busy),
         }
+        if idle and busy:
+            out.update(
+                idle_p50_ms=pct(idle, 50) * 1e3,
+                idle_p99_ms=pct(idle, 99) * 1e3,
+                busy_p50_ms=pct(busy, 50) * 1e3,
+                busy_p99_ms=pct(busy, 99) * 1e3,
+                p99_busy_over_idle=pct(busy, 99) / pct(idle, 99),
+            )
+        return out
 
     return asyncio.run(run())
 
@@ -457,13 +475,32 @@ def main() -> None:
         "--multi-turn-only", action="store_true", help="only the multi-turn phase (and ratios)"
     )
     ap.add_argument(
+        "--interference-only",
+        action="store_true",
+        help="only the interference phase, --repeat times, each with its own cold 128K prompts",
+    )
+    ap.add_argument(
+        "--repeat", type=int, default=3, help="repetitions of --interference-only (1-50)"
+    )
+    ap.add_argument(
         "--processes",
         type=int,
         default=2,
         help="also cache-router with this many processes, replicas over an embedded "
         "nats-server (1: not run)",
     )
+    ap.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="also cache_router_baseline: cache-router run from this checkout (before/after)",
+    )
+    ap.add_argument(
+        "--targets", help="comma-separated routers to run (default: all; 'direct' always)"
+    )
     args = ap.parse_args()
+    if not 1 <= args.repeat <= 50:
+        ap.error("--repeat must be 1-50")
+    one_phase = args.multi_turn_only or args.interference_only
     peers_py = args.peers_python
     if peers_py and not Path(peers_py).exists():
         peers_py = None
@@ -498,6 +535,11 @@ def main() -> None:
             turn_tokens += 1024
         # cold: distinct prompts (a repeated one would find its segments cached)
         long = [chat(texts.of(lengths[-1])) for _ in range(3 if args.quick else 24)]
+        # every repetition's prompts cold to every router (a seen one hits its caches)
+        long_by_rep = [long] + [
+            [chat(texts.of(lengths[-1])) for _ in long]
+            for _ in range(args.repeat - 1 if args.interference_only else 0)
+        ]
 
         result: dict[str, Any] = {
             "load_average_1m_start": os.getloadavg()[0],
@@ -506,15 +548,29 @@ def main() -> None:
             "prompt_tokens": {str(n): tokens[n] for n in lengths},
             "multi_turn_final_tokens_about": turn_tokens,
         }
-        nats = EmbeddedNats(jetstream=False) if args.processes > 1 else None
+        multi = args.processes > 1 and (
+            args.targets is None or f"cache_router_{args.processes}_processes" in args.targets
+        )
+        nats = EmbeddedNats(jetstream=False) if multi else None
         nats_url = None if nats is None else nats.start().url
         commands_of = commands(urls, tok_dir, peers_py, nats_url, args.processes)
+        if args.baseline is not None:  # the same router from another checkout, side by side
+            base = ["env", "-C", args.baseline, *commands_of["cache_router"]]
+            commands_of["cache_router_baseline"] = base
+        if args.targets is not None:
+            wanted = args.targets.split(",")
+            unknown = sorted(set(wanted) - set(commands_of))
+            if unknown:
+                ap.error(
+                    f"--targets: unknown {', '.join(unknown)} (known: {', '.join(commands_of)})"
+                )
+            commands_of = {name: commands_of[name] for name in wanted}
         engine = [sys.executable, __file__, "--engine", *map(str, ports)]
         with process(engine, cwd=ROOT), nats or contextlib.nullcontext():
             for p in ports:
                 wait_http(p, "/health")
             entries: dict[str, dict[str, Any]] = {"direct": {}, **{n: {} for n in commands_of}}
-            for n_workers in (4,) if args.multi_turn_only else (4, 1, 16):
+            for n_workers in (4,) if one_phase else (4, 1, 16):
                 with contextlib.ExitStack() as stack:
                     targets = {
                         name: stack.enter_context(started(_with_workers(cmd, urls, n_workers)))
@@ -524,6 +580,9 @@ def main() -> None:
                         for name, run in {"direct": Running(ports[0], []), **targets}.items():
                             mt = phase_multi_turn(run.port, run.pids, turns)
                             entries[name]["multi_turn"] = mt
+                        continue
+                    if args.interference_only:
+                        _interference_reps(entries, targets, long_by_rep, seconds)
                         continue
                     if n_workers == 4 and not args.saturation_only:
                         _phases(
@@ -546,7 +605,7 @@ def main() -> None:
                             split = _requests_by_process(run.port)
                             entries[name][f"requests_by_process_{n_workers}_workers"] = split
             for name in commands_of:
-                for n_workers in () if args.multi_turn_only else (1, 4, 16):
+                for n_workers in () if one_phase else (1, 4, 16):
                     for key in (
                         f"saturation_rps_{n_workers}_workers",
                         f"saturation_cpu_us_per_request_{n_workers}_workers",
@@ -558,6 +617,8 @@ def main() -> None:
                     _added(entries[name], entries["direct"])
             if args.multi_turn_only:
                 pass
+            elif args.interference_only:
+                del entries["direct"]  # the engine alone has no 128K-prompt client
             elif not args.saturation_only:
                 result["tokenizer_alone_cpu_ms"] = entries.pop("tokenizer_alone")
                 result["tokenizer_alone_fast_cpu_ms"] = entries.pop("tokenizer_alone_fast")
@@ -629,6 +690,35 @@ def _phases(
         entries[name]["interference"] = phase_interference(run.port, short, long, seconds)
 
 
+def _interference_reps(
+    entries: dict[str, dict[str, Any]],
+    targets: dict[str, Running],
+    long_by_rep: list[list[bytes]],
+    seconds: float,
+) -> None:
+    """``phase_interference`` once per repetition for every router, the order reversed
+    every other time (the load drifts); the spread of busy / idle p99 over repetitions."""
+    for i, long in enumerate(long_by_rep):
+        for name in list(targets)[:: 1 if i % 2 == 0 else -1]:
+            run = targets[name]
+            rep = phase_interference(run.port, _requests(run.port, 64), long, seconds)
+            rep["load_average_1m"] = os.getloadavg()[0]
+            entries[name].setdefault("interference", []).append(rep)
+    for name in targets:
+        reps = entries[name]["interference"]
+        ratios = [r["p99_busy_over_idle"] for r in reps if "p99_busy_over_idle" in r]
+        entries[name]["interference_spread"] = {
+            "p99_busy_over_idle": ratios,
+            "p99_busy_over_idle_median": statistics.median(ratios) if ratios else None,
+            "idle_p99_ms": [r.get("idle_p99_ms") for r in reps],
+            "busy_p99_ms": [r.get("busy_p99_ms") for r in reps],
+            "errors": sum(
+                r["short_errors_idle"] + r["short_errors_busy"] + r["long_prompt_errors"]
+                for r in reps
+            ),
+        }
+
+
 def _added(entry: dict[str, Any], direct: dict[str, Any]) -> None:
     for key, row in entry.get("lengths", {}).items():
         base = direct["lengths"][key]
@@ -643,7 +733,7 @@ def _ratios(result: dict[str, Any], lengths: tuple[int, ...]) -> dict[str, Any]:
     """cache-router over each peer, per measure (below 1: cache-router costs less)."""
     ours = result.get("cache_router")
     out: dict[str, Any] = {}
-    for peer in ("sglang_router", "vllm_router"):
+    for peer in ("sglang_router", "vllm_router", "cache_router_baseline"):
         theirs = result.get(peer)
         if not isinstance(ours, dict) or not isinstance(theirs, dict):
             continue
@@ -690,6 +780,12 @@ def _ratios(result: dict[str, Any], lengths: tuple[int, ...]) -> dict[str, Any]:
                 "cpu_ms_per_turn_mean_settled", "cpu_ms_last_4_turns_settled",
             )
         }  # fmt: skip
+    spreads = {k: v["interference_spread"] for k, v in result.items()
+               if isinstance(v, dict) and "interference_spread" in v}  # fmt: skip
+    if spreads:  # the issue's target: <= 1.5x
+        out["short_p99_busy_over_idle_median"] = {
+            name: spread["p99_busy_over_idle_median"] for name, spread in spreads.items()
+        }
     if isinstance(ours, dict) and "lengths" in ours:
         alone = result["tokenizer_alone_cpu_ms"]
         out["cache_router_chat_cpu_over_tokenizer_alone"] = {
@@ -700,7 +796,7 @@ def _ratios(result: dict[str, Any], lengths: tuple[int, ...]) -> dict[str, Any]:
             n: ours["lengths"][f"chat_{n}"]["cpu_ms_per_request"] / ms for n, ms in fast.items()
         }
         out["short_p99_under_128k_client_over_idle"] = {
-            name: result[name]["interference"]["p99_busy_over_idle"]
+            name: result[name]["interference"].get("p99_busy_over_idle")
             for name in (
                 "cache_router",
                 "cache_router_no_forecast",

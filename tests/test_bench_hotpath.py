@@ -7,12 +7,13 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench" / "hotpath.py"
 
 
-def test_quick_run_prints_complete_json(tmp_path: Path) -> None:
+def _tokenizer(tmp_path: Path) -> str:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -26,20 +27,48 @@ def test_quick_run_prints_complete_json(tmp_path: Path) -> None:
     )
     tok.train_from_iterator([words] * 10, trainer)
     tok.save(str(tmp_path / "tokenizer.json"))
+    return str(tmp_path / "tokenizer.json")
+
+
+def _run(tmp_path: Path, *extra: str) -> dict[str, Any]:
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--tokenizer", str(tmp_path / "tokenizer.json"),
-         "--peers-python", str(tmp_path / "no-such-python"), "--processes", "1"],
+        [sys.executable, str(BENCH), "--quick", "--tokenizer", _tokenizer(tmp_path),
+         "--peers-python", str(tmp_path / "no-such-python"), "--processes", "1", *extra],
         capture_output=True, text=True, timeout=240, check=False, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout)
+    out: dict[str, Any] = json.loads(proc.stdout)
+    return out
+
+
+def _answered(rep: dict[str, Any]) -> None:
+    """Every request of one interference run answered 200 (failures are counted apart
+    from the timed ones, so a fast refusal cannot pass for a fast answer)."""
+    assert rep["long_prompts_sent"] > 0 and rep["long_prompt_errors"] == 0
+    assert rep["short_errors_idle"] == 0 and rep["short_errors_busy"] == 0
+    assert rep["short_requests_busy"] > 0 and rep["busy_p99_ms"] > 0
+
+
+def test_quick_run_prints_complete_json(tmp_path: Path) -> None:
+    out = _run(tmp_path)
     ours = out["cache_router"]
     for key in ("chat_100", "chat_2048", "completion_100", "completion_2048"):
         row = ours["lengths"][key]
         assert row["errors"] == 0 and row["cpu_ms_per_request"] > 0, key
     assert ours["multi_turn"]["errors"] == 0 and ours["multi_turn"]["turns"] >= 3
-    assert ours["interference"]["long_prompts_sent"] > 0
+    _answered(ours["interference"])
     for n in (1, 4, 16):
         assert ours[f"saturation_rps_{n}_workers"] > 0
     assert "sglang_router" not in out
     assert out["tokenizer_alone_cpu_ms"]["100"] > 0
+
+
+def test_interference_only_repeats_with_the_spread(tmp_path: Path) -> None:
+    out = _run(tmp_path, "--interference-only", "--repeat", "2", "--targets", "cache_router")
+    assert set(out) & {"cache_router", "cache_router_no_forecast", "direct"} == {"cache_router"}
+    reps = out["cache_router"]["interference"]
+    assert len(reps) == 2
+    for rep in reps:
+        _answered(rep)
+    spread = out["cache_router"]["interference_spread"]
+    assert len(spread["p99_busy_over_idle"]) == 2 and spread["errors"] == 0
