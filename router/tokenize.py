@@ -158,6 +158,11 @@ class ChatTemplate:
     def __init__(self, source: str, special: Mapping[str, str] | None = None) -> None:
         self.template: Template = _ENV.from_string(source)
         self.special = dict(special or {})
+        # ``Template.render`` copies the template's globals, a ChainMap over the
+        # environment's, into each render's context, twice: a short chat's render took
+        # 7.9-8.7 us with it, 3.0 without. Flattened once here (``_ENV``'s globals never
+        # change after set-up).
+        self.globals = dict(self.template.globals)
 
     def render(self, body: Mapping[str, Any]) -> str:
         kwargs = dict(body.get("chat_template_kwargs") or {})
@@ -165,8 +170,17 @@ class ChatTemplate:
         for key in ("tools", "documents"):
             if body.get(key) is not None:
                 kwargs.setdefault(key, body[key])
+        template = self.template
+        env = template.environment
         try:
-            return self.template.render(messages=body["messages"], **self.special, **kwargs)
+            # what ``template.render(messages=..., **special, **kwargs)`` does (a key
+            # given twice is still a TypeError), with the globals merged from a dict
+            given = dict(messages=body["messages"], **self.special, **kwargs)
+            ctx = env.context_class(
+                env, {**self.globals, **given}, template.name, template.blocks,
+                globals=self.globals,
+            )  # fmt: skip
+            return env.concat(template.root_render_func(ctx))
         except Exception as exc:  # a template may raise anything on odd input
             raise ApiError(400, f"chat template failed: {exc}", "chat_template_error") from exc
 

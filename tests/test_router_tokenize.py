@@ -107,6 +107,33 @@ def test_template_environment_matches_transformers():
     assert err.value.status == 400 and "roles must alternate" in err.value.message
 
 
+def test_render_equals_jinjas_own_with_globals_macros_and_kwargs():
+    """``ChatTemplate.render`` builds the context itself (globals merged once): it must
+    give what ``Template.render`` gives, globals (namespace, range, strftime_now),
+    macros, imports of none, and ``chat_template_kwargs`` included."""
+    source = (
+        "{% macro turn(m) %}[{{ m.role }}]{{ m.content }}{% endmacro %}"
+        "{% set ns = namespace(n=0) %}"
+        "{% for m in messages %}{% set ns.n = ns.n + 1 %}{{ turn(m) }}{% endfor %}"
+        "{% for i in range(2) %}{{ i }}{% endfor %}|{{ ns.n }}|{{ eos_token }}|"
+        "{{ strftime_now('%Y') | length }}|{{ tools | length if tools else 0 }}|"
+        "{{ add_generation_prompt }}|{{ think | default('none') }}"
+    )
+    t = ChatTemplate(source, {"eos_token": "</s>"})
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    body = {"messages": messages, "tools": [{"type": "function"}],
+            "chat_template_kwargs": {"think": True}}  # fmt: skip
+    want = t.template.render(
+        messages=messages, eos_token="</s>", tools=body["tools"], think=True,
+        add_generation_prompt=True,
+    )  # fmt: skip
+    assert t.render(body) == want == "[user]a[assistant]b01|2|</s>|4|1|True|True"
+    # a kwarg that names a variable the router sets is refused, as before
+    with pytest.raises(ApiError) as err:
+        t.render({"messages": messages, "chat_template_kwargs": {"messages": []}})
+    assert err.value.status == 400 and err.value.code == "chat_template_error"
+
+
 def test_fallback_gives_the_same_hashes_for_the_same_prefix():
     tok = FallbackTokenizer()
     hasher = BlockHasher(4)
