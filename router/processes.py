@@ -24,6 +24,7 @@ why more than one process needs ``nats_url`` (``router.config`` refuses it other
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import dataclasses
@@ -186,13 +187,18 @@ class ProcessesApp:
 
     async def _gathered(self, scope: Scope, send: Send) -> None:
         auth = [(k, v) for k, v in scope["headers"] if k == b"authorization"]
-        texts: dict[int, str | None] = {}
-        for index in range(self.child.count):
-            status, body = await _scrape(self.child.control_path(index), auth)
-            if index == self.child.index and status != 200:  # a refusal (401) is ours to pass
-                await _answer(send, status, body, b"application/json")
-                return
-            texts[index] = body.decode() if status == 200 else None
+        # all at once: one child restarting costs the scrape one SCRAPE_TIMEOUT, not one each
+        indexes = range(self.child.count)
+        answers = await asyncio.gather(
+            *(_scrape(self.child.control_path(i), auth) for i in indexes)
+        )
+        status, body = answers[self.child.index]
+        if status != 200:  # a refusal (401) is ours to pass
+            await _answer(send, status, body, b"application/json")
+            return
+        texts = {
+            i: b.decode() if s == 200 else None for i, (s, b) in zip(indexes, answers, strict=True)
+        }
         await _answer(send, 200, merge_metrics(texts), CONTENT_TYPE_LATEST.encode())
 
 

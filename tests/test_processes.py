@@ -17,10 +17,10 @@ import httpx
 import pytest
 from stack import EngineDouble, until
 
-from router import serve
+from router import processes, serve
 from router.config import ConfigError, load_config
 from router.natsd import free_port
-from router.processes import merge_metrics
+from router.processes import Child, ProcessesApp, merge_metrics
 
 ADMIN = {"authorization": "Bearer admin-secret"}
 
@@ -286,3 +286,58 @@ def test_merged_metrics_label_every_sample_with_its_process() -> None:
     assert samples(text, "cache_router_ttft_seconds_count") == {"0": 3.0, "1": 3.0}
     assert samples(text, "cache_router_process_up") == {"0": 1.0, "1": 1.0, "2": 0.0}
     assert text.count("# TYPE cache_router_requests_total counter") == 1  # one family
+
+
+async def test_merged_metrics_scrape_the_children_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two children that never answer (restarting, hung) are waited for together: one
+    SCRAPE_TIMEOUT for the whole scrape, not one each. Seen by the hung sockets: both are
+    open at the same moment."""
+    monkeypatch.setattr(processes, "SCRAPE_TIMEOUT", 2.0)
+    child = Child(index=0, count=3, dir=str(tmp_path), replica_id="r0", supervisor=os.getppid())
+    own = "# TYPE cache_router_up gauge\ncache_router_up 1.0\n"
+    hung_open = 0
+    most_open = 0
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(own), own.encode()))
+        await writer.drain()
+        writer.close()
+
+    async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal hung_open, most_open
+        hung_open += 1
+        most_open = max(most_open, hung_open)
+        await reader.read()  # until the scraper gives up and closes
+        hung_open -= 1
+        writer.close()
+
+    servers = [await asyncio.start_unix_server(answer, child.control_path(0))]
+    servers += [await asyncio.start_unix_server(hang, child.control_path(i)) for i in (1, 2)]
+    sent: list[dict[str, object]] = []
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    async def unused() -> dict[str, object]:
+        raise AssertionError("the merged scrape reads no request body")
+
+    scope = {
+        "type": "http",
+        "path": "/metrics",
+        "method": "GET",
+        "headers": [],
+        "server": ("127.0.0.1", 8000),
+    }
+    try:
+        await ProcessesApp(app=None, child=child)(scope, unused, send)  # type: ignore[arg-type]
+    finally:
+        for server in servers:
+            server.close()
+    assert sent[0]["status"] == 200
+    body = sent[1]["body"]
+    assert isinstance(body, bytes)
+    assert samples(body.decode(), "cache_router_process_up") == {"0": 1.0, "1": 0.0, "2": 0.0}
+    assert most_open == 2
