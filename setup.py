@@ -21,6 +21,8 @@ setup(
                 "index/native/events.hpp",
                 "index/native/seq.hpp",
                 "index/native/stack_distance.hpp",
+                "index/native/nats_proto.hpp",
+                "index/native/nats_reader.hpp",
             ],
             cxx_std=17,
             extra_compile_args=["-O3"],

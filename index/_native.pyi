@@ -2,6 +2,7 @@
 
 import builtins
 from collections.abc import Sequence
+from typing import Any
 
 from _typeshed import ReadableBuffer
 
@@ -111,3 +112,40 @@ class StackDistance:
     def state(self) -> tuple[bool, int, int, int, int, int, int]: ...
     def curve(self) -> tuple[list[float], int, int]: ...
     def bytes(self) -> int: ...
+
+# (0, subject, headers or None, payload) | (1, worker, seq, rank, epoch, payload, outcome)
+# | (2 subscribed | 3 lost | 4 connection failed, why)
+_Record = tuple[Any, ...]
+
+class EventReader:
+    """A core-NATS subscriber on its own thread (index/native/nats_reader.hpp)."""
+
+    def __init__(
+        self,
+        servers: list[tuple[str, int]],
+        subject: str,
+        prefix: str,
+        user: str,
+        password: str,
+        token: str,
+        name: str,
+        connect_timeout: float,
+        ping_interval: float,
+        max_control: int,
+        max_payload: int,
+        max_queued: int,
+        max_queued_bytes: int,
+    ) -> None: ...
+    def start(self) -> None: ...
+    def close(self) -> None: ...
+    @property
+    def wake_fd(self) -> int: ...
+    @property
+    def up(self) -> bool: ...
+    def route(self, worker: str, core: Core, slot: int, rank: int | None, quota: int) -> None: ...
+    def unroute(self, worker: str) -> None: ...
+    def poll(
+        self, max: int
+    ) -> tuple[list[_Record], list[str], bool, list[tuple[str, int, int]], bool]: ...
+    def lag(self) -> tuple[int, float]: ...
+    def stats(self) -> dict[str, int]: ...

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
+from index.backend import NATIVE
 from index.groups import parse_groups
 from index.wire import DEFAULT_PREFIX, worker_id_error
 from policies.experiments import Arm, parse_arm
@@ -73,6 +74,9 @@ class ConfigError(ValueError):
 
 
 Transport = Literal["auto", "jetstream", "core"]
+# Who reads core NATS events: the compiled core's own thread (router/native_events.py)
+# or nats-py on the event loop; auto: native wherever it can be (router.native_events).
+EventsReader = Literal["auto", "native", "python"]
 # What an engine does in its pool: everything (today's engines), or one side of a
 # prefill/decode-disaggregated pool (``router.pd``).
 Role = Literal["mixed", "prefill", "decode"]
@@ -321,6 +325,10 @@ class ReplicaSettings:
     events_transport: Transport = setting(
         "auto",
         flag="KV events from the JetStream stream or live core NATS (auto: the stream if there)",
+    )
+    events_reader: EventsReader = setting(
+        "auto",
+        flag="who reads core NATS events: the native core's thread or nats-py (auto: native)",
     )
     events_stream: str = setting("KV_EVENTS")  # JetStream stream on <subject_prefix>.events.>
     events_max_age: float = setting(900.0, _DURATION)  # history kept (when this router creates it)
@@ -777,11 +785,34 @@ def check_range(name: str, value: float | None, bounds: Range) -> None:
         raise ConfigError(f"{name} must be at most {high:g}, not {value!r}")
 
 
+def native_reader_problem(cfg: RouterConfig) -> str | None:
+    """Why the native event reader cannot read this config's events (None: it can). It
+    speaks plain core NATS with no auth, user/password or a token; TLS, credentials files
+    and the JetStream stream stay with nats-py."""
+    if not NATIVE:
+        return "the native core is not built (pip install -e . builds it)"
+    if not cfg.nats_url:
+        return "it needs nats_url"
+    if cfg.events_transport == "jetstream":
+        return "it reads core NATS, not the JetStream stream (events_transport = core or auto)"
+    if cfg.nats_credentials is not None:
+        return "it cannot sign with a credentials file (nkeys): leave it to nats-py"
+    if cfg.nats_tls_ca or cfg.nats_tls_cert:
+        return "it speaks no TLS: leave it to nats-py"
+    for url in cfg.nats_url.split(","):
+        parts = urlsplit(url.strip())
+        if parts.scheme not in ("nats", ""):
+            return f"it speaks no {parts.scheme}:// (plain nats:// only)"
+    return None
+
+
 def _validate_replicas(cfg: RouterConfig) -> None:
     if not re.fullmatch(r"[A-Za-z0-9_-]+", cfg.events_stream):
         raise ConfigError(f"events_stream {cfg.events_stream!r}: letters, digits, - and _ only")
     if cfg.replica_id is not None and not re.fullmatch(r"[A-Za-z0-9_-]+", cfg.replica_id):
         raise ConfigError(f"replica_id {cfg.replica_id!r}: letters, digits, - and _ only")
+    if cfg.events_reader == "native" and (problem := native_reader_problem(cfg)) is not None:
+        raise ConfigError(f"events_reader = native: {problem}")
     if cfg.processes > 1 and not cfg.nats_url:
         raise ConfigError(
             f"processes = {cfg.processes} needs nats_url: without NATS each process would "

@@ -26,7 +26,7 @@ import asyncio
 import logging
 import threading
 from collections import Counter
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -50,6 +50,10 @@ from router.ratelog import RateLimitedLog
 from router.tracing import Tracing
 from router.workers import WorkerRegistry
 
+if TYPE_CHECKING:  # both need the native core built
+    from index.native_ingest import NativeEventIngest
+    from router.native_events import NativeEvents
+
 log = logging.getLogger(__name__)
 bad_input = RateLimitedLog(log)  # replay answers come from NATS: at most a line per 10 s
 
@@ -62,6 +66,17 @@ YIELD_EVERY = 8  # live messages between two yields to the loop (on_event)
 def last_seq(ingest: EventIngest, worker_id: str) -> int | None:
     """A worker's last applied seq over its dp ranks (the agent replays one seq space)."""
     return max(ingest.last_seqs(worker_id).values(), default=None)
+
+
+class EventMsg(Protocol):
+    """What a live batch's message carries: a nats-py ``Msg`` or the native reader's."""
+
+    @property
+    def subject(self) -> str: ...
+    @property
+    def headers(self) -> dict[str, str] | None: ...
+    @property
+    def data(self) -> bytes: ...
 
 
 class Live(NamedTuple):
@@ -108,6 +123,9 @@ class EventSync:
         self._thread: IngestThread | None = None  # started with the first native batch
         self._apply_lock = threading.Lock()  # the ingest thread vs the resync path
         self._since_yield = 0  # messages taken since on_event last yielded to the loop
+        # The native reader (router.native_events) when it reads the live events: it
+        # applies a worker's in-order batches itself once routed here (``_applied``).
+        self.native: NativeEvents | None = None
 
     # -- wiring ------------------------------------------------------------------
     async def attach(self, nc: Client) -> None:
@@ -155,28 +173,35 @@ class EventSync:
             self._thread.close()
 
     def lag(self) -> tuple[int, float]:
-        """(live batches queued for the ingest thread, seconds the oldest has waited)."""
-        return (0, 0.0) if self._thread is None else self._thread.lag()
+        """(live batches queued for the ingest thread or the native reader's queue,
+        seconds the oldest has waited)."""
+        n, age = (0, 0.0) if self._thread is None else self._thread.lag()
+        if self.native is not None:
+            queued, oldest = self.native.lag()
+            n, age = n + queued, max(age, oldest)
+        return n, age
 
     async def drain(self, timeout: float = 10.0) -> bool:
         """Wait (bounded) until the batches queued so far are applied."""
         return True if self._thread is None else await self._thread.drain(timeout)
 
     # -- loss ----------------------------------------------------------------------
-    def lost(self, worker_id: str, why: str) -> None:
+    def lost(self, worker_id: str, why: str, *, resync: bool = True) -> None:
         """Batches of ``worker_id`` were lost on the way: stop trusting its index at once
-        and fetch what it missed."""
+        and fetch what it missed (``resync=False``: the caller resyncs once it can, e.g.
+        when its connection is back)."""
         worker = self.registry.source(worker_id)
         if worker is None:
             return
         self.counts[f"lost_{why}"] += 1
         worker.pool.ingest.mark_out_of_sync(worker_id)
-        self.resync(worker_id)
+        if resync:
+            self.resync(worker_id)
 
-    def lost_all(self, why: str) -> None:
+    def lost_all(self, why: str, *, resync: bool = True) -> None:
         """Batches of unknown workers were lost (the event stream skipped): all of them."""
         for source in self.registry.sources():
-            self.lost(source, why)
+            self.lost(source, why, resync=resync)
 
     async def on_nats_error(self, exc: Exception) -> None:
         """The NATS client dropped a message it had no room for (slow consumer)."""
@@ -214,7 +239,41 @@ class EventSync:
             self._since_yield = 0
             await asyncio.sleep(0)
 
-    def _take(self, msg: Msg) -> None:
+    def take(self, msg: EventMsg) -> None:
+        """One live batch's message, the native reader's (``on_event`` for nats-py's)."""
+        self._take(msg)
+
+    def native_applied(self, worker_id: str, batches: int, events: int) -> None:
+        """The native reader applied ``batches`` in-order live batches of the worker."""
+        self.counts["messages"] += batches
+        self.counts["native_applied"] += batches
+        worker = self.registry.source(worker_id)
+        if worker is not None:
+            worker.pool.ingest.events_applied += events
+            worker.pool.ingest.batches_applied += batches
+
+    def native_noted(
+        self,
+        worker_id: str,
+        seq: int,
+        payload: bytes,
+        rank: int | None,
+        epoch: str | None,
+        out: tuple[int, int | None, int, dict[str, int] | None, dict[str, int] | None, int],
+    ) -> None:
+        """The native reader applied a batch whose outcome has counts for Python (errors,
+        quota cuts): they are counted as for a batch applied on the ingest thread."""
+        self.counts["messages"] += 1
+        worker = self.registry.source(worker_id)
+        if worker is None or not worker.pool.ingest.native:
+            return
+        ingest = cast("NativeEventIngest", worker.pool.ingest)
+        live = Live(seq, payload, rank, epoch)
+        with self._apply_lock:  # a hybrid model's first groups are applied here
+            result = ingest._outcome(worker_id, seq, payload, rank, epoch, out)
+        self._applied(worker_id, live, result)
+
+    def _take(self, msg: EventMsg) -> None:
         self.counts["messages"] += 1
         worker_id = msg.subject[len(self._events_prefix) :]
         worker = self.registry.source(worker_id)
@@ -321,6 +380,10 @@ class EventSync:
             result = self._apply(worker.pool.ingest, worker_id, live)
         if result.status in _APPLIED:
             self._rank[worker_id] = live.dp_rank
+            if self.native is not None and self.tracing is None:
+                worker = self.registry.source(worker_id)
+                if worker is not None:
+                    self.native.route(worker_id, worker.pool.ingest, live.dp_rank)
         elif result.status in _RETRY:
             self.counts[str(result.status)] += 1
             if result.status is SeqStatus.GAP:
@@ -349,6 +412,8 @@ class EventSync:
 
     # -- resync ------------------------------------------------------------------
     def _start_resync(self, worker_id: str, from_seq: int) -> None:
+        if self.native is not None:
+            self.native.unroute(worker_id)  # its live batches are held from here
         if worker_id in self._resync or self._nc is None:
             return
         task = asyncio.create_task(

@@ -5,6 +5,10 @@ starts late or comes back replays what it missed from the stream. ``core`` subsc
 the live subjects and relies on agents' replays alone. ``auto`` (the default) takes the
 stream when the server has JetStream and falls back to core NATS when it has none.
 
+The live events of core NATS are read by the native core's own thread
+(``router.native_events``) where it can (``events_reader``): it has its own connection,
+which reconnects by itself; its loss marks every worker out of sync at once.
+
 After every (re)connection, once the stream is read up to its end (or at once with core
 NATS), every worker's agent is asked for batches after the last one applied: that closes
 what no stream holds (batches published while NATS was down).
@@ -21,13 +25,17 @@ from __future__ import annotations
 import logging
 import math
 import time
+from typing import TYPE_CHECKING
 
 from nats.aio.client import Client
 
-from router.config import RouterConfig
+from router.config import RouterConfig, native_reader_problem
 from router.events import EventSync
 from router.jetstream import StreamSpec, jetstream_missing
 from router.stream_reader import StreamReader
+
+if TYPE_CHECKING:
+    from router.native_events import NativeEvents
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +60,7 @@ class EventFeed:
         self.transport = transport
         self.blind_after = blind_after
         self.using: str | None = None  # "jetstream" or "core" once connected
+        self.native: NativeEvents | None = None  # reads core NATS when set (from_config)
         self._broken_since: float | None = -math.inf  # blind until first up to date
         self.reader = StreamReader(
             spec,
@@ -68,7 +77,14 @@ class EventFeed:
         spec = StreamSpec(
             cfg.events_stream, cfg.subject_prefix, cfg.events_max_age, cfg.events_max_bytes
         )
-        return cls(events, spec, transport=cfg.events_transport, blind_after=cfg.blind_after)
+        feed = cls(events, spec, transport=cfg.events_transport, blind_after=cfg.blind_after)
+        if cfg.events_reader != "python" and native_reader_problem(cfg) is None:
+            from router.native_events import NativeEvents  # needs the native core built
+
+            feed.native = NativeEvents(
+                cfg, events, on_up=feed._caught_up, on_lost=feed._native_lost
+            )
+        return feed
 
     @property
     def up_to_date(self) -> bool:
@@ -95,14 +111,20 @@ class EventFeed:
                     self.reader.reattach()
                     return
                 log.warning("NATS has no JetStream: live events only (core NATS)")
-        await self.events.subscribe_events(nc)
         self.using = "core"
+        if self.native is not None:
+            self.events.native = self.native
+            self.native.start()  # once: it reconnects by itself, then resyncs (on_up)
+            if self.native.up:  # a new nats-py client while the reader stayed up
+                self._caught_up()
+            return
+        await self.events.subscribe_events(nc)
         self._caught_up()
 
     async def on_reconnect(self, _nc: Client) -> None:
         if self.using == "jetstream":
             self.reader.reattach()  # resyncs once read up to date
-        else:
+        elif self.native is None or self.native.up:
             self._caught_up()
 
     async def on_disconnect(self) -> None:
@@ -110,11 +132,20 @@ class EventFeed:
 
     async def close(self) -> None:
         await self.reader.close()
+        if self.native is not None:
+            self.native.close()
 
     # -- reader hooks ------------------------------------------------------------
     def _caught_up(self) -> None:
         self._broken_since = None
         self.events.resync_all()
+
+    def _native_lost(self, _why: str) -> None:
+        """The native reader's connection ended: what it did not read is unknown. The
+        resyncs start once it is subscribed again (``_caught_up``): one before would not
+        cover what is published until then, and would back off while NATS is away."""
+        self._lost()
+        self.events.lost_all("native_disconnect", resync=False)
 
     def _lost(self) -> None:
         if self._broken_since is None:

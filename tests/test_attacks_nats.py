@@ -177,7 +177,11 @@ async def test_a_server_error_that_closes_us_is_a_disconnect_that_reconnects(
         server.start()
         await until(lambda: state.bus.connected, timeout=10, what="reconnected")
         await until(
-            lambda: state.feed.up_to_date and index_equals_engine(stack), timeout=15, what="sync"
+            lambda: state.feed.up_to_date
+            and index_equals_engine(stack)
+            and state.in_sync("w0", pool),  # the native reader's loss resyncs it (up to date)
+            timeout=15,
+            what="sync",
         )
         info = await admin_index(stack)
         assert info["pools"]["default"]["in_sync"] == {"w0": True}

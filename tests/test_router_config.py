@@ -177,7 +177,7 @@ def test_a_gateway_without_a_policy_routes_on_sessions(tmp_path):
 SCALAR_NAMES = """
 admin_token audit_bound blind_after block_size body_timeout breaker_cooldown
 breaker_failures connect_retries drain_timeout events_max_age events_max_bytes events_stream
-events_transport experiment forecast_tracked forward_authorization gateway header_timeout
+events_reader events_transport experiment forecast_tracked forward_authorization gateway header_timeout
 health_interval health_timeout healthy_after host idle_timeout load_stale_after max_best_of
 max_body_bytes max_connections max_header_bytes max_header_count max_index_blocks max_n
 max_tokens max_top_logprobs metrics_token nats_credentials nats_password nats_tls_ca
@@ -189,7 +189,7 @@ derive_session_key processes tokenize_processes
 """.split()  # noqa: SIM905
 FLAG_NAMES = """
 --host --port --nats-url --block-size --policy --tokenizer --admin-token --subject-prefix
---gateway --metrics-token --replica-id --events-transport --tracing --pd-protocol
+--gateway --metrics-token --replica-id --events-transport --events-reader --tracing --pd-protocol
 --pd-local-prefill-tokens --decode-policy --prefix-cache-mb
 """.split()  # noqa: SIM905
 

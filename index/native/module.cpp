@@ -7,10 +7,15 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <deque>
 #include <mutex>
+#include <set>
+#include <stdexcept>
 #include <string>
+#include <tuple>
 
 #include "events.hpp"
+#include "nats_reader.hpp"
 #include "prefix_index.hpp"
 #include "seq.hpp"
 #include "stack_distance.hpp"
@@ -206,13 +211,17 @@ class Core {
           decoder({}),
           applier(index, 16, false, 0),
           rules(100000, 64),
-          seq(MAX_SLOTS) {}
+          seq(MAX_SLOTS),
+          gen(MAX_SLOTS, 0) {}
 
     PrefixCore index;
     EventDecoder decoder;
     EventApplier applier;
     SeqRules rules;
     std::vector<SeqState> seq;  // per slot
+    // Per slot, bumped when the slot is given up: a route the event reader took for the
+    // slot's former worker (live_feed.hpp) no longer applies to its next one.
+    std::vector<uint64_t> gen;
     std::mutex mu;
 
     // Clear a worker's blocks, its engine-hash maps and (``all``) its seq state.
@@ -297,6 +306,297 @@ PEvent event_from_tuple(const py::tuple& t) {
     }
     return ev;
 }
+
+
+// The native KV-event reader's half that knows the index (nats_reader.hpp reads the
+// socket): a live batch that is a plain in-order apply for a worker Python routed here
+// (``route``) is checked, decoded and applied on the reader's thread, under the core's
+// mutex as ``ingest_many`` does; everything else (no route, a gap, another epoch, an
+// unreadable header or payload, a batch Python must decode) is queued for Python's
+// EventSync as the message itself, in arrival order. The queue is bounded: a message it
+// has no room for is dropped and its worker named in ``poll``'s dropped list (Python
+// marks it out of sync and resyncs it), never lost silently.
+class LiveFeed : public NatsHandler {
+   public:
+    enum Kind { MESSAGE = 0, NOTED = 1, UP = 2, LOST = 3, FAIL = 4 };
+
+    struct Record {
+        int kind = MESSAGE;
+        std::string subject, headers, payload, text;
+        double queued = 0;
+        // NOTED: applied here with something for Python to count (errors, quota cuts)
+        std::string worker;
+        int64_t rank = NO_RANK, seq = 0;
+        Epoch epoch;
+        SeqDecision d;
+        ApplyResult r;
+        ParsedBatch flags;  // bad/unknown event counts only (events moved out)
+    };
+
+    struct Route {
+        Core* core;
+        int slot;
+        uint64_t gen;
+        int64_t rank, quota;
+        int64_t batches = 0, events = 0;
+    };
+
+    LiveFeed(NatsOptions opts, std::string prefix, size_t max_queued, size_t max_queued_bytes)
+        : prefix_(std::move(prefix)), max_queued_(max_queued),
+          max_queued_bytes_(max_queued_bytes), reader_(std::move(opts), *this) {
+        if (::pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) throw std::runtime_error("pipe failed");
+    }
+    ~LiveFeed() override {
+        reader_.stop();
+        ::close(wake_[0]);
+        ::close(wake_[1]);
+    }
+
+    void start() { reader_.start(); }
+    void stop() { reader_.stop(); }
+    int wake_fd() const { return wake_[0]; }
+
+    void route(const std::string& worker, Core* core, int slot, int64_t rank, int64_t quota) {
+        uint64_t gen;
+        {
+            std::lock_guard<std::mutex> l(core->mu);
+            gen = core->gen[slot];
+        }
+        std::lock_guard<std::mutex> l(routes_mu_);
+        auto [it, fresh] = routes_.try_emplace(worker, Route{core, slot, gen, rank, quota});
+        if (!fresh) {
+            Route& r = it->second;
+            r.core = core, r.slot = slot, r.gen = gen, r.rank = rank, r.quota = quota;
+        }
+    }
+
+    void unroute(const std::string& worker) {
+        std::lock_guard<std::mutex> l(routes_mu_);
+        routes_.erase(worker);
+    }
+
+    // (records, workers whose messages were dropped, all dropped, (worker, batches,
+    // events) applied here since the last poll); at most ``max`` records.
+    void take(size_t max, std::vector<Record>& out, std::vector<std::string>& dropped,
+              bool& dropped_all, std::vector<std::tuple<std::string, int64_t, int64_t>>& applied,
+              bool& more) {
+        wake_pending_ = false;
+        char sink[256];
+        while (::read(wake_[0], sink, sizeof sink) > 0) {
+        }
+        {
+            std::lock_guard<std::mutex> l(q_mu_);
+            while (!queue_.empty() && out.size() < max) {
+                queued_bytes_ -= queue_.front().payload.size();
+                out.push_back(std::move(queue_.front()));
+                queue_.pop_front();
+            }
+            more = !queue_.empty();
+            dropped.assign(dropped_.begin(), dropped_.end());
+            dropped_.clear();
+            dropped_all = dropped_all_;
+            dropped_all_ = false;
+        }
+        std::lock_guard<std::mutex> l(routes_mu_);
+        for (auto& [w, r] : routes_) {
+            if (!r.batches) continue;
+            applied.emplace_back(w, r.batches, r.events);
+            r.batches = r.events = 0;
+        }
+    }
+
+    std::pair<size_t, double> lag() {
+        std::lock_guard<std::mutex> l(q_mu_);
+        if (queue_.empty()) return {0, 0.0};
+        return {queue_.size(), now() - queue_.front().queued};
+    }
+
+    std::atomic<int64_t> messages{0}, applied_here{0}, queue_full{0}, oversized{0};
+    std::atomic<bool> up{false};
+
+    // -- on the reader's thread ----------------------------------------------------
+    void on_up() override {
+        up = true;
+        control(UP, "");
+    }
+    void on_lost(const std::string& why) override {
+        up = false;
+        control(LOST, why);
+    }
+    void on_fail(const std::string& why) override { control(FAIL, why); }
+
+    void on_oversized(std::string_view subject) override {
+        ++oversized;
+        dropped(subject);
+    }
+
+    void on_message(std::string_view subject, std::string_view headers,
+                    std::string_view payload) override {
+        ++messages;
+        if (!try_apply(subject, headers, payload)) {
+            Record rec;
+            rec.subject.assign(subject);
+            rec.headers.assign(headers);
+            rec.payload.assign(payload);
+            push(std::move(rec), subject);
+        }
+    }
+
+   private:
+    static double now() {
+        return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+            .count();
+    }
+
+    static bool int_of(std::string_view s, int64_t lo, int64_t hi, int64_t& out) {
+        if (s.empty() || s.size() > 19) return false;
+        bool neg = s.front() == '-';
+        if (neg) s.remove_prefix(1);
+        if (s.empty()) return false;
+        int64_t v = 0;
+        for (char c : s) {
+            if (c < '0' || c > '9') return false;
+            v = v * 10 + (c - '0');
+        }
+        v = neg ? -v : v;
+        if (v < lo || v > hi) return false;
+        out = v;
+        return true;
+    }
+
+    // Applied here: true. False: nothing changed, Python takes the message.
+    bool try_apply(std::string_view subject, std::string_view headers, std::string_view payload) {
+        if (subject.size() <= prefix_.size() || subject.substr(0, prefix_.size()) != prefix_)
+            return false;
+        const std::string worker(subject.substr(prefix_.size()));
+        std::string_view status;
+        if (headers.empty() || !parse_headers(headers, status, kv_) || !status.empty())
+            return false;
+        int64_t seq = 0, rank = NO_RANK;
+        bool has_seq = false;
+        Epoch epoch;
+        for (const auto& [k, v] : kv_) {  // the last of a repeated key wins, as in Python
+            if (k == "Kv-Seq") {
+                if (!int_of(v, 0, INT64_MAX, seq)) return false;
+                has_seq = true;
+            } else if (k == "Kv-Dp-Rank") {
+                if (v.empty()) rank = NO_RANK;
+                else if (!int_of(v, 0, (1 << 16) - 1, rank)) return false;
+            } else if (k == "Kv-Epoch") {
+                epoch.has = true;
+                epoch.text.assign(v);
+            }
+        }
+        if (!has_seq) return false;
+        Route route{};
+        {
+            std::lock_guard<std::mutex> l(routes_mu_);
+            auto it = routes_.find(worker);
+            if (it == routes_.end()) return false;
+            route = it->second;
+        }
+        if (route.rank != rank) return false;
+        Core& c = *route.core;
+        ParsedBatch parsed;
+        try {
+            c.decoder.parse(reinterpret_cast<const uint8_t*>(payload.data()), payload.size(),
+                            parsed);
+        } catch (const DecodeError&) {
+            return false;
+        }
+        if (parsed.slow) return false;
+        SeqDecision d;
+        ApplyResult r;
+        {
+            std::lock_guard<std::mutex> l(c.mu);
+            const SeqState& w = c.seq[route.slot];
+            if (c.gen[route.slot] != route.gen || !w.known || !w.in_sync || w.epoch != epoch)
+                return false;
+            const int64_t* last = w.last.find(rank);
+            if (!last || seq != *last + 1) return false;
+            c.ingest(route.slot, rank, seq, epoch, &parsed.events, route.quota, d, r);
+        }
+        ++applied_here;
+        const bool plain = d.apply && d.status == SEQ_OK && !d.restarted && !d.reset &&
+                           !d.self_error && r.errors.empty() && !r.quota_cuts &&
+                           !parsed.bad_event && !parsed.unknown_event;
+        if (plain) {
+            std::lock_guard<std::mutex> l(routes_mu_);
+            auto it = routes_.find(worker);
+            if (it != routes_.end()) ++it->second.batches, it->second.events += r.applied;
+            return true;
+        }
+        Record rec;  // applied: Python counts what it said (NativeEventIngest._outcome)
+        rec.kind = NOTED;
+        rec.worker = worker;
+        rec.payload.assign(payload);
+        rec.rank = rank, rec.seq = seq, rec.epoch = epoch, rec.d = d, rec.r = std::move(r);
+        rec.flags.bad_event = parsed.bad_event, rec.flags.unknown_event = parsed.unknown_event;
+        if (!push_anyway(std::move(rec))) {
+            // Its counts are lost, not the batch: the worker is resynced all the same,
+            // so the gap in the counters is the only thing the drop costs.
+            dropped(subject);
+        }
+        return true;
+    }
+
+    void dropped(std::string_view subject) {
+        ++queue_full;
+        std::lock_guard<std::mutex> l(q_mu_);
+        if (subject.size() > prefix_.size() && subject.substr(0, prefix_.size()) == prefix_ &&
+            dropped_.size() < 1024)
+            dropped_.insert(std::string(subject.substr(prefix_.size())));
+        else
+            dropped_all_ = true;
+        wake();
+    }
+
+    void push(Record&& rec, std::string_view subject) {
+        if (!push_anyway(std::move(rec))) dropped(subject);
+    }
+
+    bool push_anyway(Record&& rec) {
+        std::lock_guard<std::mutex> l(q_mu_);
+        if (queue_.size() >= max_queued_ || queued_bytes_ + rec.payload.size() > max_queued_bytes_)
+            return false;
+        rec.queued = now();
+        queued_bytes_ += rec.payload.size();
+        queue_.push_back(std::move(rec));
+        wake();
+        return true;
+    }
+
+    // Connection news: a few per connection, never refused (the queue bound is for
+    // messages; refusing these would hide a loss).
+    void control(int kind, const std::string& why) {
+        Record rec;
+        rec.kind = kind;
+        rec.text = why;
+        std::lock_guard<std::mutex> l(q_mu_);
+        rec.queued = now();
+        queue_.push_back(std::move(rec));
+        wake();
+    }
+
+    void wake() {  // under q_mu_
+        if (!wake_pending_.exchange(true)) {
+            const char b = 1;
+            (void)!::write(wake_[1], &b, 1);
+        }
+    }
+
+    std::string prefix_;
+    size_t max_queued_, max_queued_bytes_, queued_bytes_ = 0;
+    std::mutex routes_mu_, q_mu_;
+    std::unordered_map<std::string, Route> routes_;
+    std::deque<Record> queue_;
+    std::set<std::string> dropped_;
+    bool dropped_all_ = false;
+    std::atomic<bool> wake_pending_{false};
+    int wake_[2];
+    std::vector<std::pair<std::string_view, std::string_view>> kv_;  // reader thread only
+    NatsReader reader_;  // last: its thread stops before the rest is destroyed
+};
 
 }  // namespace
 
@@ -416,6 +716,7 @@ PYBIND11_MODULE(_native, m) {
                  c.index.drop_slot(slot);
                  c.applier.worker(slot).clear();
                  c.seq[slot].forget();
+                 ++c.gen[slot];
              })
         .def("clear",
              [](Core& c, int slot) {
@@ -844,5 +1145,132 @@ PYBIND11_MODULE(_native, m) {
                 }
             }
             return to_list(out);
+        });
+
+    // -- the native KV-event reader (nats_reader.hpp, LiveFeed) ----------------------
+    py::class_<LiveFeed>(m, "EventReader")
+        .def(py::init([](const std::vector<std::pair<std::string, int>>& servers,
+                         const std::string& subject, const std::string& prefix,
+                         const std::string& user, const std::string& password,
+                         const std::string& token, const std::string& name,
+                         double connect_timeout, double ping_interval, size_t max_control,
+                         size_t max_payload, size_t max_queued, size_t max_queued_bytes) {
+                 if (servers.empty()) throw py::value_error("the event reader needs a server");
+                 for (const auto& [h, port] : servers)
+                     if (h.empty() || port <= 0 || port > 65535)
+                         throw py::value_error("a server is (host, port 1..65535)");
+                 if (subject.empty() || subject.find_first_of(" \t\r\n") != std::string::npos)
+                     throw py::value_error("the subject must be one NATS subject");
+                 if (!(connect_timeout > 0 && connect_timeout <= 600) ||
+                     !(ping_interval > 0 && ping_interval <= 600))
+                     throw py::value_error("timeouts must be in (0, 600] seconds");
+                 if (max_control < 256 || max_payload < 1 || max_payload > (1u << 30) ||
+                     max_queued < 1 || max_queued_bytes < max_payload)
+                     throw py::value_error("the reader's bounds are out of range");
+                 NatsOptions o;
+                 o.servers = servers;
+                 o.subject = subject;
+                 o.user = user, o.password = password, o.token = token, o.name = name;
+                 o.connect_timeout_ms = static_cast<int>(connect_timeout * 1000);
+                 o.ping_interval_ms = static_cast<int>(ping_interval * 1000);
+                 o.max_control = max_control;
+                 o.max_payload = max_payload;
+                 return std::make_unique<LiveFeed>(std::move(o), prefix, max_queued,
+                                                   max_queued_bytes);
+             }),
+             py::arg("servers"), py::arg("subject"), py::arg("prefix"), py::arg("user"),
+             py::arg("password"), py::arg("token"), py::arg("name"),
+             py::arg("connect_timeout"), py::arg("ping_interval"), py::arg("max_control"),
+             py::arg("max_payload"), py::arg("max_queued"), py::arg("max_queued_bytes"))
+        .def("start", &LiveFeed::start)
+        .def("close",
+             [](LiveFeed& f) {
+                 py::gil_scoped_release nogil;
+                 f.stop();
+             })
+        .def_property_readonly("wake_fd", &LiveFeed::wake_fd)
+        .def_property_readonly("up", [](LiveFeed& f) { return f.up.load(); })
+        .def(
+            "route",
+            [](LiveFeed& f, const std::string& worker, Core& core, int slot, py::object rank,
+               int64_t quota) {
+                check_slot(slot);
+                const int64_t r = rank_of(rank);
+                py::gil_scoped_release nogil;
+                f.route(worker, &core, slot, r, quota);
+            },
+            py::arg("worker"), py::arg("core"), py::arg("slot"), py::arg("rank"),
+            py::arg("quota"),
+            "Apply ``worker``'s plain in-order live batches here (the caller keeps ``core``\n"
+            "alive while routed).")
+        .def(
+            "unroute",
+            [](LiveFeed& f, const std::string& worker) {
+                py::gil_scoped_release nogil;
+                f.unroute(worker);
+            },
+            py::arg("worker"))
+        .def(
+            "poll",
+            [](LiveFeed& f, size_t max) {
+                std::vector<LiveFeed::Record> recs;
+                std::vector<std::string> dropped;
+                std::vector<std::tuple<std::string, int64_t, int64_t>> applied;
+                bool all = false, more = false;
+                {
+                    py::gil_scoped_release nogil;
+                    f.take(max, recs, dropped, all, applied, more);
+                }
+                py::list out;
+                std::vector<std::pair<std::string_view, std::string_view>> kv;
+                for (auto& rec : recs) {
+                    if (rec.kind == LiveFeed::MESSAGE) {
+                        py::object subject = py::reinterpret_steal<py::object>(
+                            PyUnicode_DecodeUTF8(rec.subject.data(),
+                                                 static_cast<Py_ssize_t>(rec.subject.size()),
+                                                 "replace"));
+                        py::object headers = py::none();
+                        std::string_view status;
+                        if (!rec.headers.empty()) {
+                            py::dict h;
+                            if (parse_headers(rec.headers, status, kv)) {
+                                for (const auto& [k, v] : kv)
+                                    h[py::reinterpret_steal<py::object>(PyUnicode_DecodeUTF8(
+                                        k.data(), static_cast<Py_ssize_t>(k.size()), "replace"))] =
+                                        py::reinterpret_steal<py::object>(PyUnicode_DecodeUTF8(
+                                            v.data(), static_cast<Py_ssize_t>(v.size()),
+                                            "replace"));
+                                if (!status.empty()) h["Status"] = std::string(status);
+                            }
+                            headers = h;
+                        }
+                        out.append(py::make_tuple(0, subject, headers, py::bytes(rec.payload)));
+                    } else if (rec.kind == LiveFeed::NOTED) {
+                        py::object epoch = rec.epoch.has ? py::object(py::str(rec.epoch.text))
+                                                         : py::object(py::none());
+                        out.append(py::make_tuple(1, rec.worker, rec.seq, rank_obj(rec.rank),
+                                                  epoch, py::bytes(rec.payload),
+                                                  outcome(rec.d, rec.r, &rec.flags)));
+                    } else {
+                        out.append(py::make_tuple(rec.kind, rec.text));
+                    }
+                }
+                return py::make_tuple(out, dropped, all, applied, more);
+            },
+            py::arg("max"),
+            "(records, workers with dropped messages, all dropped, (worker, batches, events)\n"
+            "applied here since the last poll, more records waiting).")
+        .def("lag",
+             [](LiveFeed& f) {
+                 py::gil_scoped_release nogil;
+                 return f.lag();
+             })
+        .def("stats", [](LiveFeed& f) {
+            py::dict d;
+            d["messages"] = f.messages.load();
+            d["applied"] = f.applied_here.load();
+            d["dropped"] = f.queue_full.load();
+            d["oversized"] = f.oversized.load();
+            return d;
         });
 }

@@ -1,0 +1,202 @@
+"""Live KV events read off the event loop: the compiled core's own core-NATS subscriber.
+
+Why: with nats-py the event loop itself reads and parses every event message (py-spy of
+``bench/scale.py --only nats``, session 7: ~16 % + ~12 % of the router's samples), so at
+128K blocks/s requests waited behind socket reads of batches and the router fell behind
+(31-66K blocks/s applied). ``index._native.EventReader`` reads its own socket on its own
+thread with no GIL, frames MSG/HMSG, answers PINGs, and applies a routed worker's plain
+in-order live batches itself (the code ``Core.ingest_many`` runs, under the core's
+mutex: a match never sees half a batch). Measured numbers: BENCHMARKS.md, "native
+event reader".
+
+Everything else comes to ``EventSync._take`` as the message, in arrival order, through a
+bounded queue and a pipe the loop watches: no route yet, a gap, another epoch, an
+unreadable header or payload, a batch Python must decode. A worker is routed once
+Python applied one of its live batches in order (``EventSync._applied``) and unrouted
+when a resync starts, so holds, replays and counts stay EventSync's. A message the queue
+has no room for (or one over ``MAX_PAYLOAD``) is dropped and its worker marked out of
+sync and resynced (``lost_native_dropped``); a lost
+connection, a server ``-ERR`` or a missing PONG marks every worker out of sync at once
+and resyncs them when the reader is subscribed again. ``lag()`` adds the queue's length
+and its oldest message's age to the ingest thread's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+from urllib.parse import unquote, urlsplit
+
+from index import _native
+from index.ingest import EventIngest
+from index.native_ingest import NativeEventIngest
+from router.config import RouterConfig
+from router.ratelog import RateLimitedLog
+
+if TYPE_CHECKING:
+    from router.events import EventSync
+
+log = logging.getLogger(__name__)
+failures = RateLimitedLog(log)  # a server that stays away: a line per 10 s at most
+
+POLL_BATCH = 64  # records handled per loop callback: requests run between two batches
+# Batches the reader applied itself wake nobody; their counts (ingest.batches_applied,
+# counts["native_applied"]) are collected this often.
+COUNT_INTERVAL = 0.02
+MAX_QUEUED = 100_000  # messages waiting for Python
+MAX_QUEUED_BYTES = 256 << 20
+MAX_PAYLOAD = 64 << 20  # over nats-server's own max_payload ceiling (64 MB)
+MAX_CONTROL = 4096  # nats-server's default max_control_line
+
+
+class NativeMsg(NamedTuple):
+    """What ``EventSync._take`` reads of a nats-py ``Msg``."""
+
+    subject: str
+    headers: dict[str, str] | None
+    data: bytes
+
+
+def servers_and_auth(cfg: RouterConfig) -> tuple[list[tuple[str, int]], str, str, str]:
+    """(host, port) of each server in ``nats_url``, and the user, password and token:
+    the config's, else a URL's ``user:pass@`` or ``token@`` (as nats-py reads them)."""
+    servers: list[tuple[str, int]] = []
+    user, password, token = cfg.nats_user or "", cfg.nats_password or "", cfg.nats_token or ""
+    for url in (cfg.nats_url or "").split(","):
+        parts = urlsplit(url.strip() if "//" in url else f"nats://{url.strip()}")
+        if not parts.hostname:
+            raise ValueError(f"nats_url {url!r}: no host")
+        servers.append((parts.hostname, parts.port or 4222))
+        if parts.username and not (user or token):
+            if parts.password is not None:
+                user, password = unquote(parts.username), unquote(parts.password)
+            else:
+                token = unquote(parts.username)
+    return servers, user, password, token
+
+
+class NativeEvents:
+    """The reader, its wake-up on the loop, and the routes it applies batches for."""
+
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        events: EventSync,
+        *,
+        on_up: Callable[[], None],
+        on_lost: Callable[[str], None],
+    ) -> None:
+        servers, user, password, token = servers_and_auth(cfg)
+        prefix = f"{cfg.subject_prefix}.events."
+        self.reader = _native.EventReader(
+            servers,
+            f"{prefix}>",
+            prefix,
+            user,
+            password,
+            token,
+            "cache-router-events",
+            connect_timeout=2.0,
+            ping_interval=2.0,
+            max_control=MAX_CONTROL,
+            max_payload=MAX_PAYLOAD,
+            max_queued=MAX_QUEUED,
+            max_queued_bytes=MAX_QUEUED_BYTES,
+        )
+        self.events = events
+        self._on_up = on_up
+        self._on_lost = on_lost
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._scheduled = False
+        self._tick: asyncio.TimerHandle | None = None
+        # worker -> (core, rank, quota) routed; holding the core keeps it alive meanwhile
+        self._routes: dict[str, tuple[_native.Core, int | None, int]] = {}
+        self.failures = 0
+
+    @property
+    def up(self) -> bool:
+        return self.reader.up
+
+    def start(self) -> None:
+        if self._loop is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self.reader.wake_fd, self._wake)
+        self._tick = self._loop.call_later(COUNT_INTERVAL, self._count)
+        self.reader.start()
+
+    def close(self) -> None:
+        if self._tick is not None:
+            self._tick.cancel()
+        if self._loop is not None:
+            self._loop.remove_reader(self.reader.wake_fd)
+        self.reader.close()
+
+    def lag(self) -> tuple[int, float]:
+        return self.reader.lag()
+
+    def stats(self) -> dict[str, int]:
+        return self.reader.stats()
+
+    # -- routes ------------------------------------------------------------------
+    def route(self, worker_id: str, ingest: EventIngest, rank: int | None) -> None:
+        """Let the reader apply ``worker_id``'s next in-order live batches of ``rank``."""
+        # A hybrid model's other groups are applied by Python (NativeEventIngest.apply).
+        if not isinstance(ingest, NativeEventIngest) or ingest._split_groups:
+            return
+        at = ingest.index.located(worker_id)
+        if at is None:
+            return
+        quota = ingest._limit()  # the quota Core.ingest_many gets from apply_many
+        known = self._routes.get(worker_id)
+        if known is not None and known[0] is at[0] and known[1:] == (rank, quota):
+            return
+        self.reader.route(worker_id, at[0], at[1], rank, quota)
+        self._routes[worker_id] = (at[0], rank, quota)
+
+    def unroute(self, worker_id: str) -> None:
+        if self._routes.pop(worker_id, None) is not None:
+            self.reader.unroute(worker_id)
+
+    # -- on the loop ---------------------------------------------------------------
+    def _wake(self) -> None:
+        if not self._scheduled:
+            self._drain()
+
+    def _count(self) -> None:
+        self._wake()
+        assert self._loop is not None
+        self._tick = self._loop.call_later(COUNT_INTERVAL, self._count)
+
+    def _drain(self) -> None:
+        self._scheduled = False
+        records, dropped, dropped_all, applied, more = self.reader.poll(POLL_BATCH)
+        events = self.events
+        for record in records:
+            kind = record[0]
+            if kind == 0:
+                _, subject, headers, data = record
+                events.take(NativeMsg(subject, headers, data))
+            elif kind == 1:
+                _, worker_id, seq, rank, epoch, payload, out = record
+                events.native_noted(worker_id, seq, payload, rank, epoch, out)
+            elif kind == 2:
+                log.info("native event reader subscribed")
+                self._on_up()
+            elif kind == 3:
+                log.warning("native event reader lost its connection: %s", record[1])
+                self._on_lost(str(record[1]))
+            else:
+                self.failures += 1
+                failures.warning("native event reader cannot connect: %s", record[1])
+        for worker_id, batches, applied_events in applied:
+            events.native_applied(worker_id, batches, applied_events)
+        if dropped_all:
+            events.lost_all("native_dropped")
+        for worker_id in dropped:
+            events.lost(worker_id, "native_dropped")
+        if more and self._loop is not None:
+            self._scheduled = True
+            self._loop.call_soon(self._drain)
