@@ -20,7 +20,8 @@ Prints one JSON object (never asserts). Sections:
   thread applies batches at ``--rate`` blocks/s, one ``apply`` per batch: the native
   core's mutex and the GIL alone, without NATS or the event loop (``nats`` has those).
 - ``nats``: the router's own event path (``Bus`` -> ``EventFeed`` -> ``EventSync`` ->
-  ``IngestThread`` -> the native ingest), core NATS and JetStream, a publisher process
+  ``IngestThread`` -> the native ingest), core NATS (read by nats-py and by the native
+  reader, ``--nats-readers``, one after the other) and JetStream, a publisher process
   at each of ``--nats-rates`` (32K / 128K / 512K blocks/s): batches lost silently (not
   applied, the worker still "in sync") and detected, the ingest's lag, the catch-up
   after publishing, and a request's index part on the same event loop (arrivals from
@@ -384,14 +385,16 @@ def probe_side(fd: int, interval: float) -> None:
 
 
 async def router_side(
-    url: str, transport: str, rate: float, seconds: float, workers: int
+    url: str, transport: str, reader: str, rate: float, seconds: float, workers: int
 ) -> dict[str, Any]:
     """One run of the router's event path at ``rate``: request p99 event-free and while
     the publisher sends, batches lost (silently or detected), lag, catch-up.
 
     The path is the router's own: ``Bus`` -> ``EventFeed`` (core subscription or the
     JetStream reader) -> ``EventSync.on_event`` on the event loop -> ``IngestThread``
-    -> the native ingest, with its slow-consumer and gap handling. A request here is
+    -> the native ingest, with its slow-consumer and gap handling; with ``reader``
+    "native" (core NATS) the native reader's thread reads and applies the in-order
+    batches itself (``router.native_events``). A request here is
     its index part on the same loop: an arrival from another process (a pipe, woken
     like a socket) -> ``match_tiers`` of an 8K-token prompt held by worker 0; its time
     runs from the arrival to the match's end, so a loop busy with events shows in it.
@@ -402,7 +405,6 @@ async def router_side(
     from router.config import RouterConfig, WorkerSpec
     from router.events import EventSync, last_seq
     from router.feed import EventFeed
-    from router.jetstream import StreamSpec
     from router.workers import WorkerRegistry
 
     warm = 64
@@ -413,7 +415,13 @@ async def router_side(
     if not pool.ingest.native:
         return {"skipped": "no native core"}
     events = EventSync(registry)
-    feed = EventFeed(events, StreamSpec(max_bytes=1 << 31), transport=transport)
+    cfg = RouterConfig(
+        nats_url=url,
+        events_transport=transport,  # type: ignore[arg-type]
+        events_reader=reader,  # type: ignore[arg-type]
+        events_max_bytes=1 << 31,
+    )
+    feed = EventFeed.from_config(cfg, events)
     bus = Bus(url)
     bus.on_connect(feed.on_connect)
     bus.on_reconnect(feed.on_reconnect)
@@ -421,8 +429,8 @@ async def router_side(
     bus.on_error(events.on_nats_error)
     bus.start()
     deadline = time.monotonic() + 10
-    while feed.using is None and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
+    while not (feed.using and feed.up_to_date) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)  # subscribed: the warm batches are not published before
     cmd = [sys.executable, __file__, "--publish-side", url, "--rate", str(rate)]
     cmd += ["--workers", str(workers), "--nats-seconds", str(seconds)]
     pub = await asyncio.create_subprocess_exec(
@@ -438,9 +446,13 @@ async def router_side(
             per[(i // (512 // EVENT_BLOCKS)) % workers] += 1
         return per
 
-    def missing(w: int, want: list[int]) -> int:
+    def applied(w: int) -> int:
+        """Batches applied in order (the native reader's counts reach the ingest later)."""
         last = last_seq(pool.ingest, f"worker-{w}")
-        return want[w] - (0 if last is None else last + 1)
+        return 0 if last is None else last + 1
+
+    def missing(w: int, want: list[int]) -> int:
+        return want[w] - applied(w)
 
     warm_per = batches_of(warm)
     deadline = time.monotonic() + 10
@@ -490,14 +502,14 @@ async def router_side(
             lag_max[:] = max(lag_max[0], queued), max(lag_max[1], age), max(lag_max[2], pending)
 
     watcher = asyncio.create_task(watch_lag())
-    applied_before = pool.ingest.batches_applied
+    applied_before = sum(applied(w) for w in range(workers))
     pub.stdin.write(b"go\n")
     await pub.stdin.drain()
     t0 = time.monotonic()
     line = await asyncio.wait_for(pub.stdout.readline(), seconds * 10 + 60)
     live_end = time.monotonic()
     busy_total, busy_match = total[:], match[:]
-    applied_live = pool.ingest.batches_applied - applied_before
+    applied_live = sum(applied(w) for w in range(workers)) - applied_before
     loop.remove_reader(rfd)
     assert prober.stdin is not None
     prober.stdin.close()
@@ -527,6 +539,7 @@ async def router_side(
     await bus.close()
     return {
         "transport": feed.using,
+        "reader": "native" if feed.using == "core" and feed.native is not None else "python",
         "target_blocks_per_s": rate,
         "published_batches": sent["published"],
         "published_blocks_per_s": sent["live"] * EVENT_BLOCKS / sent["live_seconds"],
@@ -550,8 +563,11 @@ async def router_side(
     }
 
 
-def bench_nats(rates: list[float], seconds: float, workers: int) -> list[dict[str, Any]]:
-    """The router's own event path, core NATS and JetStream, at each rate."""
+def bench_nats(
+    rates: list[float], seconds: float, workers: int, readers: list[str], transports: list[str]
+) -> list[dict[str, Any]]:
+    """The router's own event path, core NATS (with each of ``readers``, one after the
+    other at each rate, for ratios side by side) and JetStream, at each rate."""
     import asyncio
 
     from router.natsd import EmbeddedNats
@@ -559,10 +575,12 @@ def bench_nats(rates: list[float], seconds: float, workers: int) -> list[dict[st
     if NativePrefixIndex is None:
         return []
     out = []
-    for transport in ("core", "jetstream"):
+    for transport in transports:
         for rate in rates:
-            with EmbeddedNats() as server:  # a fresh server (and stream) per run
-                out.append(asyncio.run(router_side(server.url, transport, rate, seconds, workers)))
+            for reader in readers if transport == "core" else ["python"]:
+                with EmbeddedNats() as server:  # a fresh server (and stream) per run
+                    run = router_side(server.url, transport, reader, rate, seconds, workers)
+                    out.append(asyncio.run(run))
     return out
 
 
@@ -732,6 +750,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--nats-seconds", type=float, default=4.0, help="nats: seconds per rate")
     p.add_argument(
+        "--nats-readers",
+        default="python,native",
+        help="nats: who reads core NATS, comma-separated (events_reader: python, native)",
+    )
+    p.add_argument(
+        "--nats-transports",
+        default="core,jetstream",
+        help="nats: comma-separated transports (core, jetstream)",
+    )
+    p.add_argument(
         "--memory-pairs",
         type=int,
         action="append",
@@ -779,6 +807,8 @@ def main(argv: list[str] | None = None) -> int:
             [float(r) for r in args.nats_rates.split(",")],
             1.0 if args.quick else args.nats_seconds,
             args.workers,
+            args.nats_readers.split(","),
+            args.nats_transports.split(","),
         ),
     }
     wanted = args.only.split(",") if args.only else list(sections)

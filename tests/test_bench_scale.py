@@ -33,7 +33,11 @@ def test_quick_run_prints_complete_json() -> None:
         assert out["memory"]["native_heap_bytes_per_pair"] > 0
         assert ingest["native_runs_blocks_per_s"] > 0
         rows = out["nats"]
-        assert [r["transport"] for r in rows] == ["core", "jetstream"]
+        assert [(r["transport"], r["reader"]) for r in rows] == [
+            ("core", "python"),
+            ("core", "native"),
+            ("jetstream", "python"),
+        ]
         for row in rows:
             assert row["published_batches"] > 0 and row["requests_idle"] > 0
             assert row["request_under_ingest_p99_us"] > 0
