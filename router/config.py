@@ -791,6 +791,10 @@ def native_reader_problem(cfg: RouterConfig) -> str | None:
     and the JetStream stream stay with nats-py."""
     if not NATIVE:
         return "the native core is not built (pip install -e . builds it)"
+    from index import _native  # built: NATIVE
+
+    if not hasattr(_native, "EventReader"):  # a build from before the reader
+        return "the native core was built without it: rebuild (pip install -e .)"
     if not cfg.nats_url:
         return "it needs nats_url"
     if cfg.events_transport == "jetstream":

@@ -28,7 +28,9 @@ from router.app import RouterApp
 from router.config import ConfigError, RouterConfig, WorkerSpec, validate
 from router.natsd import EmbeddedNats, free_port
 
-pytestmark = pytest.mark.skipif(not NATIVE, reason="the native core is not built")
+pytestmark = pytest.mark.skipif(
+    not NATIVE or not hasattr(_native, "EventReader"), reason="no native event reader built"
+)
 
 
 class Pair:
