@@ -76,6 +76,28 @@ class Prefix:
         return len(self.ids) * 4 + len(self.hashes) * _HASH_BYTES + _ENTRY_OVERHEAD
 
 
+@dataclass(slots=True)
+class Lookup:
+    """What ``PrefixCache.lookup`` found for one chat text; ``PrefixCache.finish`` takes it."""
+
+    tok: HFTokenizer
+    text: str
+    hasher: BlockHasher
+    lora_name: str | None
+    cache_salt: str | None
+    scope: Scope
+    data: bytes | None = None  # the text as UTF-8; None: too short for the cache
+    last: int | None = None  # the text's last cut point: where its own prefix will end
+    start: int = 0  # bytes of ``data`` the cached prefix covers
+    prefix: Prefix | None = None
+    key: Key | None = None  # ``prefix``'s
+
+    @property
+    def pending(self) -> int:
+        """Bytes of the text still to encode."""
+        return len(self.text) if self.data is None else len(self.data) - self.start
+
+
 def cuts_from_end(data: bytes, cuts: list[bytes]) -> Iterator[int]:
     """The byte offsets > 0 where a cut token starts in ``data``, last first, each once.
 
@@ -155,48 +177,76 @@ class PrefixCache(Collector):
         """``encode(text, add_special_tokens=False)`` and its block hashes (as
         ``request_block_hashes`` gives them), reusing the longest cached prefix.
         ``marks`` gets the time (``time_ns``) the tokens were ready, for a trace."""
+        found = self.lookup(tok, text, hasher, lora_name=lora_name, cache_salt=cache_salt)
+        return self.finish(found, marks)
+
+    def lookup(
+        self,
+        tok: HFTokenizer,
+        text: str,
+        hasher: BlockHasher,
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> Lookup:
+        """The longest cached prefix of ``text`` (XXH3 probes, no encoding): what is
+        left to encode (``Lookup.pending``) tells whether ``finish`` is worth a thread."""
+        scope: Scope = (
+            tok.path, hasher.block_size, hasher.seed, hasher.bigram, lora_name, cache_salt
+        )  # fmt: skip
+        found = Lookup(tok, text, hasher, lora_name, cache_salt, scope)
         if len(text) < self.min_chars:
-            (ids,) = tok.segment_ids([text])
+            return found  # short: the cache is skipped (``data`` None)
+        data = found.data = text.encode("utf-8", "surrogatepass")
+        view = memoryview(data)
+        cuts = cuts_from_end(data, tok.cut_bytes)
+        last = found.last = next(cuts, None)  # where this request's own prefix will end
+        for b in islice(chain(() if last is None else (last,), cuts), MAX_PROBES):
+            key = (scope, b, xxh3_128_intdigest(view[:b]))
+            prefix = self._get(key)
+            if prefix is not None:
+                found.start, found.prefix, found.key = b, prefix, key
+                break
+        return found
+
+    def finish(
+        self, found: Lookup, marks: list[int] | None = None
+    ) -> tuple[array[int], list[RouterHash]]:
+        """``tokens_and_hashes`` from a ``lookup``: encode and hash the rest, and keep
+        this text's own prefix. ``marks`` gets the time the tokens were ready."""
+        tok, hasher, scope = found.tok, found.hasher, found.scope
+        lora_name, cache_salt = found.lora_name, found.cache_salt
+        data = found.data
+        if data is None:
+            (ids,) = tok.segment_ids([found.text])
             if marks is not None:
                 marks.append(time.time_ns())
             return ids, request_block_hashes(
                 hasher, ids, lora_name=lora_name, cache_salt=cache_salt
             )
-        scope: Scope = (
-            tok.path, hasher.block_size, hasher.seed, hasher.bigram, lora_name, cache_salt
-        )  # fmt: skip
-        data = text.encode("utf-8", "surrogatepass")
-        view = memoryview(data)
-        cuts = cuts_from_end(data, tok.cut_bytes)
-        last = next(cuts, None)  # where this request's own prefix will end
-        start, found, found_key = 0, None, None
-        for b in islice(chain(() if last is None else (last,), cuts), MAX_PROBES):
-            key = (scope, b, xxh3_128_intdigest(view[:b]))
-            found = self._get(key)
-            if found is not None:
-                start, found_key = b, key
-                break
+        start, prefix, last = found.start, found.prefix, found.last
         # the rest, cut at the last cut point so that point's prefix can be kept
         if last is not None and last <= start:
             last = None
         pieces = [data[start:last], data[last:]] if last is not None else [data[start:]]
         encoded = tok.segment_ids([p.decode("utf-8", "surrogatepass") for p in pieces])
-        ids = array("I", found.ids) if found is not None else array("I")
+        ids = array("I", prefix.ids) if prefix is not None else array("I")
         for part in encoded:
             ids.extend(part)
-        reused = len(found.ids) if found is not None else 0
+        reused = len(prefix.ids) if prefix is not None else 0
         with self._lock:
-            self.hits += found is not None
-            self.misses += found is None
+            self.hits += prefix is not None
+            self.misses += prefix is None
             self.tokens_reused += reused
             self.tokens_encoded += len(ids) - reused
         if marks is not None:
             marks.append(time.time_ns())
-        hashes = self._hashes(hasher, ids, found, lora_name, cache_salt)
+        hashes = self._hashes(hasher, ids, prefix, lora_name, cache_salt)
         if last is not None:
             kept = len(ids) - len(encoded[-1])
-            prefix = Prefix(ids[:kept], hashes[: hasher.num_blocks(kept)])
-            self._put((scope, last, xxh3_128_intdigest(view[:last])), prefix, found_key)
+            own = Prefix(ids[:kept], hashes[: hasher.num_blocks(kept)])
+            view = memoryview(data)
+            self._put((scope, last, xxh3_128_intdigest(view[:last])), own, found.key)
         return ids, hashes
 
     @staticmethod

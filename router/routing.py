@@ -38,7 +38,7 @@ from router.messages import as_messages as anthropic_messages
 from router.messages import check_messages
 from router.offload import TokenizePool
 from router.pools import Pool
-from router.prefix_cache import PrefixCache
+from router.prefix_cache import Lookup, PrefixCache
 from router.responses import as_messages, check_responses
 from router.session_key import derive
 from router.tokenize import HFTokenizer, TokenIds, TokenizerSet, has_media, num_tokens
@@ -86,9 +86,7 @@ class Prepared:
         return orjson.dumps(body), body
 
 
-def _bad(
-    message: str, param: str | None = None, code: ErrorCode = "invalid_request"
-) -> ApiError:
+def _bad(message: str, param: str | None = None, code: ErrorCode = "invalid_request") -> ApiError:
     return ApiError(400, message, code, param)
 
 
@@ -172,17 +170,20 @@ class Router:
         return derive(model, messages)
 
     # -- tokenize + hash ---------------------------------------------------------
-    async def prepare(
-        self, parsed: Parsed, size_hint: int, trace: Trace | None = None
-    ) -> Prepared:
+    async def prepare(self, parsed: Parsed, size_hint: int, trace: Trace | None = None) -> Prepared:
         """Resolve the model's pool and hash the prompt (on the tokenize pool when large:
         ``ApiError`` 429/503 when that is full or too slow, ``router.offload``)."""
         workers = self.workers_for(parsed.model)
         pool = workers[0].pool
-        if size_hint > self.cfg.offload_chars and self.tokenize_pool is not None:
-            ids, hashes = await self.tokenize_pool.run(self._hash, parsed, pool, trace)
+        t0 = time.time_ns() if trace is not None else 0
+        found = self._lookup(parsed, pool)
+        # what is left to encode decides: a turn whose conversation is cached encodes only
+        # its new messages, and the hop to a thread (~0.15 ms of CPU) would cost more
+        work = size_hint if found is None else found.pending
+        if work > self.cfg.offload_chars and self.tokenize_pool is not None:
+            ids, hashes = await self.tokenize_pool.run(self._hash, parsed, pool, trace, found, t0)
         else:
-            ids, hashes = self._hash(parsed, pool, trace)
+            ids, hashes = self._hash(parsed, pool, trace, found, t0)
         request = RouteRequest(
             request_id=parsed.request_id,
             model=parsed.model,
@@ -212,11 +213,46 @@ class Router:
         arm = self.experiment.assign(parsed.session_key).name
         return Prepared(parsed, workers[0].pool, workers, request, arm)
 
+    def _lookup(self, parsed: Parsed, pool: Pool) -> Lookup | None:
+        """A chat's rendered text looked up in the conversation prefix cache; None when
+        the cache does not serve this request (off, a completion, media, a tokenizer
+        without cut points, ``add_special_tokens``)."""
+        if self.prefixes is None or parsed.kind == "completion":
+            return None
+        tok = self.tokenizers.get(parsed.model)
+        chat = parsed.body if parsed.kind == "chat" else {"messages": parsed.messages}
+        if (
+            not isinstance(tok, HFTokenizer)
+            or not tok.cuts
+            or chat.get("add_special_tokens")
+            or has_media(chat)
+        ):
+            return None
+        salt = parsed.body.get("cache_salt")
+        return self.prefixes.lookup(
+            tok,
+            tok.chat_template.render(chat),
+            pool.hasher,
+            lora_name=self.registry.lora_name(parsed.model) or None,
+            cache_salt=salt if isinstance(salt, str) else None,
+        )
+
     def _hash(
-        self, parsed: Parsed, pool: Pool, trace: Trace | None
+        self, parsed: Parsed, pool: Pool, trace: Trace | None, found: Lookup | None, t0: int
     ) -> tuple[TokenIds, list[RouterHash]]:
+        """Token ids and block hashes; ``found``: the prefix cache's lookup (``_lookup``),
+        which gives them together. ``t0``: when tokenizing began, for a trace."""
+        if found is not None:
+            assert self.prefixes is not None  # a lookup came from it
+            marks: list[int] | None = [] if trace is not None else None
+            cached, hashes = self.prefixes.finish(found, marks)
+            if trace is not None and marks:
+                attrs = {"cache_router.prompt_tokens": len(cached)}
+                trace.span("tokenize", t0, marks[0], attrs)
+                blocks = {"cache_router.blocks": len(hashes)}
+                trace.span("hash", marks[0], time.time_ns(), blocks)
+            return cached, hashes
         body = parsed.body
-        t0 = time.time_ns() if trace is not None else 0
         tok = self.tokenizers.get(parsed.model)
         salt = body.get("cache_salt")
         salt = salt if isinstance(salt, str) else None
@@ -225,26 +261,6 @@ class Router:
             ids, _ = tok.completion(body["prompt"], bool(body.get("add_special_tokens", True)))
         else:
             chat = body if parsed.kind == "chat" else {"messages": parsed.messages}
-            if (
-                self.prefixes is not None
-                and isinstance(tok, HFTokenizer)
-                and tok.cuts
-                and not chat.get("add_special_tokens")
-                and not has_media(chat)
-            ):
-                # the conversation prefix cache gives tokens and hashes together
-                text = tok.chat_template.render(chat)
-                marks: list[int] | None = [] if trace is not None else None
-                cached, hashes = self.prefixes.tokens_and_hashes(
-                    tok, text, pool.hasher, lora_name=lora_name or None, cache_salt=salt,
-                    marks=marks,
-                )  # fmt: skip
-                if trace is not None and marks:
-                    attrs = {"cache_router.prompt_tokens": len(cached)}
-                    trace.span("tokenize", t0, marks[0], attrs)
-                    blocks = {"cache_router.blocks": len(hashes)}
-                    trace.span("hash", marks[0], time.time_ns(), blocks)
-                return cached, hashes
             ids, _ = tok.chat(chat)
         hashable: int | None = None
         media: dict[int, list[Any]] | None = None

@@ -195,3 +195,42 @@ async def test_router_and_engine_with_the_same_tokenizer_agree_on_blocks(tok_dir
     finally:
         await served.stop()
         await engine.stop()
+
+
+async def test_a_cached_turn_encodes_its_new_text_on_the_loop_a_cold_one_on_the_pool(tok_dir):
+    """Whether a chat goes to the tokenize pool is decided by what is left to encode
+    after the conversation prefix cache, not by the body's size: a turn whose earlier
+    messages are cached encodes its short new text in place (the hop costs more), a
+    cold conversation of the same size still goes to the pool (here shut down, so it is
+    refused: the request that would have hopped is seen)."""
+    cfg = RouterConfig(
+        tokenizer=str(tok_dir),
+        offload_chars=4096,
+        tokenize_processes=0,
+        workers=[WorkerSpec("w0", "http://127.0.0.1:9", model="m")],
+    )
+    app = RouterApp(cfg)
+    router = app.state.router
+    long = " ".join(SENTENCES) * 40  # ~6.5K characters: over offload_chars
+    first = [{"role": "system", "content": long}, {"role": "user", "content": "hello there"}]
+
+    async def prepare(messages: list[dict[str, str]]) -> int:
+        raw = orjson.dumps({"model": "m", "messages": messages})
+        prep = await router.prepare(router.parse("chat", raw, {}), len(raw))
+        return prep.request.num_tokens
+
+    try:
+        assert await prepare(first) == len(HFTokenizer(tok_dir).chat({"messages": first})[0])
+        app.state.tokenize_pool.shutdown()  # from here, a hop is refused (503)
+        turn = [
+            *first,
+            {"role": "assistant", "content": "fine"},
+            {"role": "user", "content": "ok?"},
+        ]
+        ids, _ = HFTokenizer(tok_dir).chat({"messages": turn})
+        assert await prepare(turn) == len(ids)  # on the loop: its new text is short
+        with pytest.raises(ApiError) as refused:
+            await prepare([{"role": "system", "content": long + " cold"}, *first[1:]])
+        assert refused.value.status == 503
+    finally:
+        app.state.tokenize_pool.shutdown()
