@@ -115,15 +115,15 @@ PROCESS_CHARS = 1 << 16
 _loaded: dict[str, Any] = {}  # a process's tokenizers by path
 
 
-def _encode_packed(path: str, texts: list[str]) -> list[bytes]:
-    """In an encode process: ``encode_batch_fast(texts)`` without special tokens, each
-    text's ids packed as native u32."""
+def _encode_packed(path: str, texts: list[str], add_special_tokens: bool) -> list[bytes]:
+    """In an encode process: ``encode_batch_fast(texts)``, each text's ids packed as
+    native u32."""
     from tokenizers import Tokenizer
 
     tok = _loaded.get(path)
     if tok is None:
         tok = _loaded[path] = Tokenizer.from_file(path)
-    encoded = tok.encode_batch_fast(texts, add_special_tokens=False)
+    encoded = tok.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
     return [array("I", e.ids).tobytes() for e in encoded]
 
 
@@ -139,7 +139,9 @@ class EncodeProcesses:
         self._lock = threading.Lock()
         self._closed = False
 
-    def encode(self, path: str, texts: list[str]) -> list[array[int]] | None:
+    def encode(
+        self, path: str, texts: list[str], add_special_tokens: bool = False
+    ) -> list[array[int]] | None:
         """The ids of ``texts`` by the tokenizer at ``path`` (``tokenizer.json``), or None
         when no process can take them now (the caller encodes them itself). Blocks: call
         it from a tokenize thread. ``ApiError`` 503 after ``timeout`` seconds."""
@@ -147,7 +149,8 @@ class EncodeProcesses:
         if pool is None:
             return None
         try:
-            packed = pool.submit(_encode_packed, path, texts).result(self.timeout)
+            future = pool.submit(_encode_packed, path, texts, add_special_tokens)
+            packed = future.result(self.timeout)
         except BrokenProcessPool as exc:  # a process was killed: start them again next time
             log.warning("tokenizer process lost (%s); encoding in the router", exc)
             self._drop(pool, closed=False)

@@ -194,8 +194,9 @@ class Router:
             max_tokens=max_tokens(parsed.body),
         )
         prep = self.prepared(parsed, workers, request)
-        if self.cfg.forward_token_ids and isinstance(ids, list) and _text_prompt(parsed):
-            prep.prompt_ids = ids  # a list: a real tokenizer's ids, never the fallback's
+        if self.cfg.forward_token_ids and not isinstance(ids, bytes) and _text_prompt(parsed):
+            # a real tokenizer's ids (a long prompt's come packed), never the fallback's
+            prep.prompt_ids = ids if isinstance(ids, list) else ids.tolist()
         previous = parsed.body.get("previous_response_id") if parsed.kind == "responses" else None
         if previous is not None and self.affinity is not None:
             prep.pinned = self.affinity.lookup(previous)

@@ -373,7 +373,12 @@ class HFTokenizer(Tokenizer):
         self.segments = SegmentCache()
         self.processes = processes  # where long texts are encoded (None: here)
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool) -> list[int] | array[int]:
+        procs = self.processes
+        if procs is not None and len(text) >= procs.min_chars:
+            # long: in an encode process, as chat segments are (``_encode_texts``); a
+            # completion's ids list built here would hold the GIL (~5 ms at 128K tokens)
+            return self._encode_texts([text], add_special_tokens)[0]
         # encode_batch_fast releases the GIL (encode does not), so other requests keep
         # moving, and skips the offsets no one reads: 34 ms instead of 57 for 32K tokens
         return self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
@@ -415,15 +420,15 @@ class HFTokenizer(Tokenizer):
             out[n].extend(ids)
         return out
 
-    def _encode_texts(self, texts: list[str]) -> list[array[int]]:
-        """``encode_batch_fast(texts)`` without special tokens as arrays; long ones in an
-        encode process when there is one (``router.offload.EncodeProcesses``)."""
+    def _encode_texts(self, texts: list[str], add_special_tokens: bool = False) -> list[array[int]]:
+        """``encode_batch_fast(texts)`` as arrays; long ones in an encode process when
+        there is one (``router.offload.EncodeProcesses``)."""
         procs = self.processes
         if procs is not None and sum(map(len, texts)) >= procs.min_chars:
-            ids = procs.encode(self.path, texts)
+            ids = procs.encode(self.path, texts, add_special_tokens)
             if ids is not None:
                 return ids
-        encoded = self._tok.encode_batch_fast(texts, add_special_tokens=False)
+        encoded = self._tok.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
         return [array("I", e.ids) for e in encoded]
 
 
