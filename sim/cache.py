@@ -304,7 +304,7 @@ class PrefixCache:
         gpu, hashes = self._gpu, req.hashes
         tokens = req.tokens if self.host_blocks else None
         bs = self.block_size
-        stored: list[int] = []
+        stored: list[int | bytes] = []
         first = start = req.committed
         parent = hashes[start - 1] if start else None
         for i in range(start, upto):
@@ -400,7 +400,7 @@ class PrefixCache:
             self._lru.pop(h, None)
         block.ref += 1
 
-    def _flush_stored(self, req: _Request, first: int, stored: list[int]) -> None:
+    def _flush_stored(self, req: _Request, first: int, stored: list[int | bytes]) -> None:
         if not stored:
             return
         bs = self.block_size
@@ -446,7 +446,7 @@ class PrefixCache:
     ) -> bool:
         """Put a block in host memory, evicting the oldest host block when full."""
         host = self._host
-        if parent in host:
+        if parent is not None and parent in host:
             host.move_to_end(parent)  # keep the chain whole: evict someone else
         if len(host) >= self.host_blocks:
             old, _block = host.popitem(last=False)
@@ -458,7 +458,7 @@ class PrefixCache:
     def _place_gpu(self, h: int, parent: int | None, tokens: Sequence[int]) -> bool:
         """Put an unreferenced block in GPU memory; False when only its parent could go."""
         lru = self._lru
-        if parent in lru:
+        if parent is not None and parent in lru:
             lru.move_to_end(parent)
         if self.gpu_used >= self.gpu_blocks:
             if not lru or next(iter(lru)) == parent:
@@ -497,7 +497,7 @@ class PrefixCache:
         for medium, tier in ((CPU, self._host), (GPU, self._gpu)):
             removed = self._removed[medium]
             if removed:
-                gone = [h for h in dict.fromkeys(removed) if h not in tier]
+                gone: list[int | bytes] = [h for h in dict.fromkeys(removed) if h not in tier]
                 if gone:
                     self._events.append(BlockRemoved(block_hashes=gone, medium=medium))
                 removed.clear()
@@ -525,7 +525,7 @@ class PrefixCache:
                 todo.extend(others)
             events.append(
                 BlockStored(
-                    block_hashes=run,
+                    block_hashes=[*run],
                     parent_block_hash=parent,
                     token_ids=tokens,
                     block_size=self.block_size,

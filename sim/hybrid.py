@@ -93,7 +93,7 @@ class ExtraGroups:
                         kv_cache_spec_sliding_window=spec.window or None,
                     )
                 )
-            gone = []
+            gone: list[int | bytes] = []
             while len(lru) > self.capacity:
                 gone.append(lru.popitem(last=False)[0])
             if gone:

@@ -274,7 +274,7 @@ class MockEngine:
         # W3C trace context of recent requests (vLLM continues the trace it is handed)
         self.traceparents: deque[str | None] = deque(maxlen=1024)
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_Metrics(self))  # type: ignore[arg-type]
+        self.registry.register(_Metrics(self))
         self.app = self._build_app()
         self._server: uvicorn.Server | None = None
         self._serve_task: asyncio.Task[None] | None = None

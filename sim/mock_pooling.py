@@ -103,12 +103,12 @@ class Pooling:
         if not isinstance(documents, list) or not all(isinstance(d, str) for d in documents):
             raise ApiError(400, "documents must be a list of strings", "invalid_value")
         top_n = body.get("top_n") or len(documents)
+        scores = [self._similarity(query, self._tokens(d)) for d in documents]
+        order = sorted(range(len(documents)), key=lambda i: scores[i], reverse=True)
         scored = [
-            {"index": i, "document": {"text": d},
-             "relevance_score": self._similarity(query, self._tokens(d))}
-            for i, d in enumerate(documents)
-        ]  # fmt: skip
-        scored.sort(key=lambda r: -r["relevance_score"])
+            {"index": i, "document": {"text": documents[i]}, "relevance_score": scores[i]}
+            for i in order
+        ]
         n = len(query) + sum(len(self._tokens(d)) for d in documents)
         return {"id": f"rerank-{uuid.uuid4().hex}", "model": self.model,
                 "usage": {"total_tokens": n}, "results": scored[:top_n]}  # fmt: skip

@@ -84,10 +84,10 @@ def encode_batch(batch: EventBatch, encoding: Encoding) -> bytes:
     if encoding == "vllm-sha256":
         obj = batch_to_obj(batch, events_as_map=True)
         obj[1] = [_sha256_event(e) for e in obj[1]]
-        return msgpack.packb(obj, use_bin_type=True)
+        return bytes(msgpack.packb(obj, use_bin_type=True))
     obj = batch_to_obj(batch, events_as_map=True)
     obj[1] = [_sglang_event(e) for e in obj[1]]
-    return msgpack.packb(obj, use_bin_type=True)
+    return bytes(msgpack.packb(obj, use_bin_type=True))
 
 
 class KvEventPublisher:

@@ -117,9 +117,14 @@ def response_object(
     created: int,
 ) -> dict[str, Any]:
     """The ``response`` object; ``text`` None: still in progress (no output yet)."""
-    output = []
+    output: list[dict[str, Any]] = []
     if text is not None:
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": None}
+        part: dict[str, Any] = {
+            "type": "output_text",
+            "text": text,
+            "annotations": [],
+            "logprobs": None,
+        }
         output.append({"id": mid, "type": "message", "role": "assistant",
                        "status": "completed", "content": [part]})  # fmt: skip
     return {
@@ -183,7 +188,7 @@ async def stream_events(
     item = {"id": mid, "type": "message", "role": "assistant", "status": "in_progress",
             "content": []}  # fmt: skip
     yield event("response.output_item.added", next(seq), output_index=0, item=item)
-    empty = {"type": "output_text", "text": "", "annotations": [], "logprobs": None}
+    empty: dict[str, Any] = {"type": "output_text", "text": "", "annotations": [], "logprobs": None}
     at = {"item_id": mid, "output_index": 0, "content_index": 0}
     yield event("response.content_part.added", next(seq), **at, part=empty)
     async for piece in pieces:

@@ -26,6 +26,7 @@ from index.codec import Event
 from sim.cache import CacheFullError, PrefixCache
 
 log = logging.getLogger(__name__)
+_ids = itertools.count()  # request ids, "seq-N"
 
 
 @dataclass(slots=True)
@@ -60,9 +61,6 @@ class Sequence:
     done: bool = False
     # Each step's new output pieces; None closes the stream.
     out: asyncio.Queue[list[str] | None] = field(default_factory=asyncio.Queue)
-
-
-_ids = itertools.count()
 
 
 class Scheduler:

@@ -43,10 +43,11 @@ class MockText:
     """Tokenizes requests and makes each request's output text."""
 
     def __init__(self, tokenizer_path: str | None = None) -> None:
-        self.tokenizer: Tokenizer = (
-            HFTokenizer(tokenizer_path) if tokenizer_path else FallbackTokenizer()
-        )
-        self._hf = HFRustTokenizer.from_file(self.tokenizer.path) if tokenizer_path else None
+        self.tokenizer: Tokenizer = FallbackTokenizer()
+        self._hf: HFRustTokenizer | None = None
+        if tokenizer_path:
+            hf = self.tokenizer = HFTokenizer(tokenizer_path)
+            self._hf = HFRustTokenizer.from_file(hf.path)
 
     def chat(self, body: Mapping[str, Any]) -> list[int]:
         return token_list(self.tokenizer.chat(body)[0])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
 PolicyReport = dict[str, Any]
 
 
-def _ratio(values: list[float]) -> float:
+def _ratio(values: Sequence[float]) -> float:
     mean = sum(values) / len(values)
     return max(values) / mean if mean else 1.0
 

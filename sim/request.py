@@ -43,8 +43,8 @@ class SimRequest:
         arrival_ms: float,
         input_len: int,
         output_len: int,
-        tokens: array,
-        engine_hashes: array,
+        tokens: array[int],
+        engine_hashes: array[int],
         route: RouteRequest,
     ) -> None:
         self.idx = idx

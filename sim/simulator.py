@@ -30,7 +30,7 @@ from array import array
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from index.codec import Event, EventBatch, encode
 from index.groups import clip_matches, parse_groups
@@ -256,7 +256,8 @@ class Simulation:
             return
         source = self.engines[self.slot[hint.source_worker]]
         wanted = req.route.block_hashes[: hint.blocks]
-        hashes = self.ingest.engine_hashes(hint.source_worker, wanted)
+        # the simulated engines hash to ints (sim/cache.py), never to bytes
+        hashes = cast("list[int]", self.ingest.engine_hashes(hint.source_worker, wanted))
         gpu, host = source.cache.lookup(hashes)
         n = gpu + host
         if n == 0:
@@ -274,7 +275,9 @@ class Simulation:
         self.counters["prefetch_blocks_sent"] += n - have
         self.at(end, self._prefetch_done, t, req, req.tokens, hashes[:n])
 
-    def _prefetch_done(self, t: int, req: SimRequest, tokens: array, hashes: list[int]) -> None:
+    def _prefetch_done(
+        self, t: int, req: SimRequest, tokens: array[int], hashes: list[int]
+    ) -> None:
         engine = self.engines[t]
         placed = engine.cache.prefetch(tokens, block_hashes=hashes, max_blocks=len(hashes))
         self.counters["prefetch_blocks"] += placed

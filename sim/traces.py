@@ -53,8 +53,8 @@ class TraceRequest:
     input_len: int
     output_len: int
     session: str | None
-    router_hashes: array  # the router's rolling hashes of the prompt's full blocks
-    engine_hashes: array  # the engines' own hashes of the same blocks
+    router_hashes: array[int]  # the router's rolling hashes of the prompt's full blocks
+    engine_hashes: array[int]  # the engines' own hashes of the same blocks
     hash_ids: list[int] | None = None  # Mooncake ids (token source)
     line: int = 0  # position in the file: keys the Mooncake tail's token source
     token_ids: list[int] | None = None  # plain traces keep their tokens
@@ -67,7 +67,7 @@ class Trace:
     seed: int
     requests: list[TraceRequest]
 
-    def tokens(self, i: int) -> array:
+    def tokens(self, i: int) -> array[int]:
         """The prompt of request ``i`` as ``array('I')`` (Mooncake ones are regenerated)."""
         req = self.requests[i]
         if req.token_ids is not None:
@@ -110,7 +110,9 @@ class Trace:
         return hit / total if total else 0.0
 
 
-def _leading_hits(req: TraceRequest, block_size: int, held: set[int] | OrderedDict) -> int:
+def _leading_hits(
+    req: TraceRequest, block_size: int, held: set[int] | OrderedDict[int, None]
+) -> int:
     hashes = req.router_hashes
     cap = min(len(hashes), max(0, (req.input_len - 1) // block_size))
     n = 0
@@ -123,7 +125,8 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     x = x + np.uint64(0x9E3779B97F4A7C15)
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
+    out: np.ndarray = x ^ (x >> np.uint64(31))
+    return out
 
 
 def mooncake_tokens(hash_ids: list[int], input_len: int, index: int, seed: int) -> np.ndarray:

@@ -113,8 +113,10 @@ def search(
 
 
 def _row(l2: int, params: dict[str, Any], rep: PolicyReport) -> dict[str, Any]:
-    keys = ("hit_rate", "hit_rate_gpu", "hit_rate_host", "ttft_mean_ms", "ttft_p50_ms")
-    keys += ("ttft_p90_ms", "ttft_p99_ms", "queue_mean_ms", "prefetch_tokens", "rejected")
+    keys = (
+        "hit_rate", "hit_rate_gpu", "hit_rate_host", "ttft_mean_ms", "ttft_p50_ms",
+        "ttft_p90_ms", "ttft_p99_ms", "queue_mean_ms", "prefetch_tokens", "rejected",
+    )  # fmt: skip
     return {"l2": l2, "params": params, **{k: rep[k] for k in keys}}
 
 
