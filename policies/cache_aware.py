@@ -133,6 +133,19 @@ defaults, TTFT p90 5,233-5,454 ms against 5,560 / 5,575; Mooncake conversation 0
 against 0.164 (TTFT p90 6,662 against 6,959 ms); the agent trace unchanged. Weights
 12-64 and slacks 250-2,000 ms moved the hit rate by less than the seed-to-seed spread.
 
+The prefill side also sets ``recompute_share`` 4: the weight grows with the share of the
+prompt the best holder has, ``recompute_weight * (1 + recompute_share * share)`` (off, 0,
+for mixed pools). Who left a holder (issue 15, Mooncake conversation seed 2, 4 + 4
+engines): 59 requests by the policy's own view (0.48 hit points), 18 of them from a
+holder of 90 % or more of the prompt (0.27 points), typically behind one long prompt
+still prefilling, which the router counts whole until its first token (93K tokens
+counted where 11K were left). Such a request costs its holder only its suffix and a
+peer all of it. PD simulator, seeds 0-2 (BENCHMARKS.md, session 8): conversation hit
+0.1739 / 0.1715 / 0.1669 -> 0.1748 / 0.1760 / 0.1768, TTFT p90 7,010 / 6,966 / 7,203 ->
+7,204 / 6,994 / 6,986 ms; synthetic 0.1476 / 0.1470 / 0.1496 -> 0.1497 / 0.1492 /
+0.1472 (at the prefill engines' capacity, seed noise); agent within 0.01 points. Share
+2 / 8 / 16 on conversation seed 2: 0.1758 / 0.1741 / 0.1768, TTFT p90 up to 7,468 ms.
+
 Ties (within ``tie_ms``) are broken at random, never by list order. An estimate that
 relies on a prefetch must win by more than ``tie_ms``: the hint may be dropped.
 """
@@ -197,7 +210,7 @@ class CacheAware(Policy):
     """Minimum estimated TTFT (plus the pool's recompute cost), with prefetch hints."""
 
     name = "cache_aware"
-    prefill_params = {"recompute_weight": 8.0, "place_slack_ms": 500.0}
+    prefill_params = {"recompute_weight": 8.0, "recompute_share": 4.0, "place_slack_ms": 500.0}
 
     def __init__(
         self,
@@ -207,6 +220,7 @@ class CacheAware(Policy):
         prefetch: bool = True,
         prefetch_fraction: float = 0.5,
         recompute_weight: float = 6.0,
+        recompute_share: float = 0.0,
         copy_weight: float = 0.5,
         session_load: float = 1.25,
         live_sessions: bool = True,
@@ -222,6 +236,10 @@ class CacheAware(Policy):
             )
         if not recompute_weight >= 0:
             raise ValueError(f"cache_aware: recompute_weight must be >= 0, got {recompute_weight}")
+        if not 0 <= recompute_share <= 64:
+            raise ValueError(
+                f"cache_aware: recompute_share must be in [0, 64], got {recompute_share}"
+            )
         if not tie_ms >= 0:
             raise ValueError(f"cache_aware: tie_ms must be >= 0, got {tie_ms}")
         if not copy_weight >= 0:
@@ -234,6 +252,7 @@ class CacheAware(Policy):
         self.prefetch = bool(prefetch)
         self.prefetch_fraction = prefetch_fraction
         self.recompute_weight = recompute_weight
+        self.recompute_share = recompute_share
         self.copy_weight = copy_weight
         self.session_load = session_load
         self.live_sessions = bool(live_sessions)
@@ -373,7 +392,9 @@ class CacheAware(Policy):
                 src_id, src_local, src_queue = w.worker_id, local, queue
 
         # workers are ranked by TTFT plus the pool's cost of recomputing what a peer holds
-        per_block = self.recompute_weight * bs * ppt
+        # issue 15: a holder of most of the prompt is stickier (its share raises the weight)
+        share = min(best_hit, cacheable) / cacheable if cacheable else 0.0
+        per_block = self.recompute_weight * (1.0 + self.recompute_share * share) * bs * ppt
         if best_hit and per_block:
             for i, m in enumerate(matches):
                 if m.total < best_hit:

@@ -7,8 +7,9 @@ import random
 
 import pytest
 
+from index.hashing import cacheable_blocks
 from index.prefix_index import TierMatch
-from policies import RouteRequest, WorkerView, make_policy
+from policies import RouteRequest, WorkerView, make_policy, make_prefill_policy
 from policies.base import NoWorkerError
 from policies.pd import DECODE_POLICIES, DecodeLoad, choose, make_decode_policy
 
@@ -109,6 +110,26 @@ def test_remote_prefill_goes_to_the_prefix_holder():
     )
     assert pd.prefill is not None and pd.prefill.worker_id == "p1"
     assert pd.uncached_on_decode == 4096 and pd.reason == "remote prefill"
+
+
+def test_a_prefill_holder_of_most_of_the_prompt_keeps_it_through_a_long_queue():
+    # p1 holds all of an 8K prompt behind ~7 s of queued prefill (140K tokens); leaving
+    # recomputes 8K tokens (~0.4 s) on an idle p0. A flat weight 8 leaves (7 s > 9 x
+    # 0.4 s); the prefill side's share term (weight 8 x (1 + 4 x 1.0)) stays. A holder
+    # of a tenth of the prompt is still left: the term is the holder's share.
+    req = request(8192)
+    full = cacheable_blocks(8192, BS)
+    for blocks, flat, shared in ((full, "p0", "p1"), (full // 10, "p0", "p0")):
+        views = [view("p0"), view("p1", blocks=blocks, inflight_requests=14,
+                                  inflight_prefill_tokens=140_000)]  # fmt: skip
+        old = make_policy("cache_aware", random.Random(0), recompute_weight=8.0)
+        assert old.select(req, views).worker_id == flat
+        assert (
+            make_prefill_policy("cache_aware", random.Random(0)).select(req, views).worker_id
+            == shared
+        )
+    with pytest.raises(ValueError, match="recompute_share"):
+        make_policy("cache_aware", recompute_share=-1.0)
 
 
 def test_a_short_uncached_suffix_is_prefilled_by_the_decode_engine():
