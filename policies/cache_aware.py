@@ -110,6 +110,26 @@ put two 80-97K-token sessions on one engine and none on three; with it TTFT p90 
 seeds 0-2 goes 818/1041/934 -> 741/744/684 ms (``dynamo_kv`` 740/749/714), agent x3 on
 8 engines 3094/7007/4652 -> 2007/6070/5221 ms, the same hit rates.
 
+The bound has a price: a session started away from the holder of its shared prefix
+recomputes that prefix as a second copy. On chat (20 system prompts of 2-8K tokens,
+sessions of 6.7 turns adding ~1.5K tokens each) that was all of the hit gap to
+``sglang_cache_aware`` (chat x1, 8 engines of 4096 pages, seed 0: first turns 0.0733
+of hit rate against 0.0768 at their best holders, later turns equal), while
+``sglang_cache_aware``, which never replicates for balance, sits at the pool's ceiling
+(every request at its best holder). So a barred worker is spared by what barring it
+costs (``replica_slack``): its factor grows by its lead (the prefix it holds beyond every
+worker the session may start on) over the session's expected later prompt tokens
+(requests per session less one, times the mean growth per request). A chat system
+prompt adds ~0.6 to the factor, an agent tool prompt ~0.07 (22 steps of ~2.6K tokens).
+Seeds 0-2 (BENCHMARKS.md, session 8): chat x2 8 engines 0.8487 / 186 ms -> 0.8525 /
+204 ms (``sglang_cache_aware`` 0.8493 / 209), chat x2 16 engines fast2x 0.8459 / 86 ->
+0.8517 / 84 (0.8505 / 95), chat x1 4096 pages 0.849 / 173 -> 0.8526 / 174 (0.8531 /
+177); the agent rows move within their seeds' spread. Scaling the lead by 1.5-3 (fewer
+copies) gave chat x2 8 engines seed 0 a TTFT p90 of 354-375 ms against 234: a popular
+prompt then stays on one engine. No copies at all (a barred holder always spared while
+no free worker holds the prefix): the ceiling's hit rates, and p90 375 / 185 / 380 ms
+there, agent x2 16 engines seed 0 1405 ms against 741.
+
 Cold prefixes can be placed as SGLang's router places them (``place_slack_ms``, off by
 default): a request no worker holds half of goes, among the workers whose cost is within
 ``tie_ms + place_slack_ms`` of the best, to the one that computed the fewest blocks for
@@ -210,7 +230,12 @@ class CacheAware(Policy):
     """Minimum estimated TTFT (plus the pool's recompute cost), with prefetch hints."""
 
     name = "cache_aware"
-    prefill_params = {"recompute_weight": 8.0, "recompute_share": 4.0, "place_slack_ms": 500.0}
+    prefill_params = {
+        "recompute_weight": 8.0,
+        "recompute_share": 4.0,
+        "place_slack_ms": 500.0,
+        "replica_slack": False,
+    }
 
     def __init__(
         self,
@@ -228,6 +253,7 @@ class CacheAware(Policy):
         in_flight: bool = True,
         tie_ms: float = 0.25,
         place_slack_ms: float | None = None,
+        replica_slack: bool = True,
     ) -> None:
         super().__init__(rng)
         if not 0 < prefetch_fraction <= 1:
@@ -260,6 +286,7 @@ class CacheAware(Policy):
         self.in_flight = bool(in_flight)
         self.tie_ms = tie_ms
         self.place_slack_ms = place_slack_ms
+        self.replica_slack = bool(replica_slack)
         # Blocks each worker computed for the requests this policy routed (new content in
         # its cache): a cold prefix goes where the least was placed (``_place``).
         self._placed: OrderedDict[str, float] = OrderedDict()
@@ -284,8 +311,11 @@ class CacheAware(Policy):
         self._recent: deque[tuple[str, bool]] = deque()
         self._recent_count: dict[str, int] = {}
         self._recent_new = 0  # first requests of sessions among them
-        # session -> (worker of its last request, decision number), most recent last
-        self._sessions: OrderedDict[str, tuple[str | None, int]] = OrderedDict()
+        # session -> (worker of its last request, decision number, its prompt tokens),
+        # most recent last
+        self._sessions: OrderedDict[str, tuple[str | None, int, int]] = OrderedDict()
+        self._growth: float | None = None  # prompt tokens a session's request adds, mean
+        self._live: tuple[dict[str, int], int] | None = None  # this decision's live sessions
         self._decisions = 0
         self._gap: float | None = None  # decisions between a session's requests, moving mean
         # session -> (request id, block hashes) of its last request while it is in flight
@@ -402,7 +432,9 @@ class CacheAware(Policy):
                     ranked[i] += extra
                     scores[cands[i].worker_id]["recompute_ms"] = extra
 
-        barred = self._barred(request.session_key, cands)
+        barred = self._barred(request.session_key, cands, ntok)
+        if barred and self.replica_slack:
+            self._spare_holders(barred, cands, matches, bs)
         if barred:
             for i in barred:
                 ranked[i] = _INF
@@ -449,7 +481,7 @@ class CacheAware(Policy):
             _put(self._last, session, (request.request_id, request.block_hashes))
         self._count_recent(chosen, barred is not None)
         if session is not None:
-            self._sessions[session] = (chosen, self._decisions)
+            self._sessions[session] = (chosen, self._decisions, ntok)
         reason = f"min cost: ttft {scores[chosen]['ttft_ms']:.1f} ms"
         option = options.get(i) if options else None
         if option is None:
@@ -585,7 +617,9 @@ class CacheAware(Policy):
             for wid in new:
                 _put(placed, wid, floor)
 
-    def _barred(self, session: str | None, cands: Sequence[WorkerView]) -> set[int] | None:
+    def _barred(
+        self, session: str | None, cands: Sequence[WorkerView], tokens: int
+    ) -> set[int] | None:
         """For a session's first request, the workers it may not start on; else None.
 
         Bounded load as consistent hashing does it: with ``m`` recent decisions and
@@ -605,29 +639,67 @@ class CacheAware(Policy):
             seen.move_to_end(session)
             gap = n - last[1]
             self._gap = gap if self._gap is None else self._gap + _GAP_ALPHA * (gap - self._gap)
+            grow = max(tokens - last[2], 0)
+            g = self._growth
+            self._growth = grow if g is None else g + _GAP_ALPHA * (grow - g)
             return None
-        seen[session] = (None, n)
+        seen[session] = (None, n, tokens)
         if len(seen) > _MAX_TRACKED:
             seen.popitem(last=False)
-        m = len(self._recent)
         if not self._long_sessions():
             return set()  # a new session, but sessions are too short to bind
-        counts = self._recent_count
-        nw = len(cands)
-        cap = math.ceil(self.session_load * (m + 1) / nw)
-        barred = {i for i, w in enumerate(cands) if counts.get(w.worker_id, 0) + 1 > cap}
-        if self.live_sessions and self._gap is not None:
-            live = self._live_sessions(n - _LIVE_GAPS * self._gap)
-            total = sum(live.values())
-            cap = math.ceil(self.session_load * (total + 1) / nw)
-            barred |= {i for i, w in enumerate(cands) if live.get(w.worker_id, 0) + 1 > cap}
-        return barred if len(barred) < nw else set()
+        self._live = None
+        barred = {i for i, w in enumerate(cands) if not self._fits(w.worker_id, len(cands), 0.0)}
+        return barred if len(barred) < len(cands) else set()
+
+    def _fits(self, worker_id: str, workers: int, extra: float) -> bool:
+        """Whether ``worker_id`` may take a new session under the bound, its factor
+        ``session_load + extra``: recent decisions, and live sessions with ``live_sessions``."""
+        c = self.session_load + extra
+        m = len(self._recent)
+        if self._recent_count.get(worker_id, 0) + 1 > math.ceil(c * (m + 1) / workers):
+            return False
+        if not self.live_sessions or self._gap is None:
+            return True
+        if self._live is None:
+            live = self._live_sessions(self._decisions - _LIVE_GAPS * self._gap)
+            self._live = (live, sum(live.values()))
+        live, total = self._live
+        return live.get(worker_id, 0) + 1 <= math.ceil(c * (total + 1) / workers)
+
+    def _spare_holders(
+        self,
+        barred: set[int],
+        cands: Sequence[WorkerView],
+        matches: Sequence[TierMatch],
+        block_size: int,
+    ) -> None:
+        """Lift the bound from a barred worker by what barring it costs: a new session
+        that starts elsewhere recomputes the worker's lead (the prefix it holds beyond
+        every worker the session may start on) as a second copy. Its factor grows by that
+        lead over the session's expected later prompt tokens (requests per session less
+        one, times the mean growth per request), so a prefix worth much of a session's
+        work is not copied for balance. Agent sessions (22 requests, 2.6K tokens each) add
+        ~0.07 to the factor for a 4K-token tool prompt; chat (6.7 turns, 1.5K each) ~0.6
+        for a 5K-token system prompt."""
+        g = self._growth
+        if not g:
+            return
+        turns = len(self._recent) / (self._recent_new + 1)
+        later = (turns - 1.0) * g
+        if later <= 0:
+            return
+        free = max((m.total for i, m in enumerate(matches) if i not in barred), default=0)
+        for i in list(barred):
+            lead = matches[i].total - free
+            if lead > 0 and self._fits(cands[i].worker_id, len(cands), lead * block_size / later):
+                barred.discard(i)
 
     def _live_sessions(self, since: float) -> dict[str, int]:
         """Sessions per worker whose last request came after decision ``since``: the ones
         still sending turns there."""
         live: dict[str, int] = {}
-        for worker, at in reversed(self._sessions.values()):
+        for worker, at, _ in reversed(self._sessions.values()):
             if at < since:
                 break
             if worker is not None:

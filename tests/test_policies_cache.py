@@ -724,3 +724,38 @@ def test_cache_aware_starts_a_session_away_from_a_worker_whose_sessions_are_live
     assert run(make_policy("cache_aware", random.Random(0), live_sessions=False)) == "w0"
     # ... but its one live session is the pool's fair share: the new one starts elsewhere
     assert run(make_policy("cache_aware", random.Random(0))) != "w0"
+
+
+@pytest.mark.parametrize(("grow_blocks", "spared"), [(0.25, True), (4.0, False)])
+def test_cache_aware_spares_a_holder_whose_prefix_is_worth_much_of_a_session(
+    grow_blocks: float, spared: bool
+) -> None:
+    """Issue 13, chat rows: the bound started new sessions away from the holder of their
+    system prompt, and each such start recomputed it as a second copy (0.36 hit points on
+    chat x1 8 engines 4096 pages, seed 0, all of them on first turns). A worker's bound
+    grows by its lead over the session's expected later prompt tokens: where turns add
+    little (chat) the holder of an 8-block prompt takes the session; where they add much
+    (agent steps) it still starts elsewhere. Without ``replica_slack`` both go elsewhere."""
+    tool = chain(1, 8)
+    idle = [WorkerView(f"w{i}") for i in range(4)]
+    grow = round(grow_blocks * BS)
+
+    def run(policy: object) -> str:
+        # three sessions, 20 turns each on w1-w3, finished; each turn adds ``grow`` tokens
+        for step in range(20):
+            for k in (1, 2, 3):
+                n = 32 * BS + step * grow
+                r = RouteRequest(f"h{k}.{step}", "m", n, chain(10 + k, n // BS), BS, f"h{k}")
+                policy.select(r, [idle[k]])  # type: ignore[attr-defined]
+                policy.on_finish(r, f"w{k}")  # type: ignore[attr-defined]
+        # one session on w0, live: the pool's fair share of live sessions
+        for step in range(10):
+            n = 32 * BS + step * grow
+            r = RouteRequest(f"a.{step}", "m", n, chain(20, n // BS - 8, tool), BS, "a")
+            policy.select(r, [idle[0]])  # type: ignore[attr-defined]
+        new = RouteRequest("b.0", "m", 12 * BS, chain(30, 4, tool), BS, "b")
+        held = [WorkerView("w0", match=tm(gpu=8)), *idle[1:]]
+        return policy.select(new, held).worker_id  # type: ignore[attr-defined]
+
+    assert (run(make_policy("cache_aware", random.Random(0))) == "w0") is spared
+    assert run(make_policy("cache_aware", random.Random(0), replica_slack=False)) != "w0"
