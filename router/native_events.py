@@ -77,6 +77,14 @@ def servers_and_auth(cfg: RouterConfig) -> tuple[list[tuple[str, int]], str, str
     return servers, user, password, token
 
 
+class _Route(NamedTuple):
+    ingest: NativeEventIngest
+    core: _native.Core
+    slot: int
+    rank: int | None
+    quota: int
+
+
 class NativeEvents:
     """The reader, its wake-up on the loop, and the routes it applies batches for."""
 
@@ -111,8 +119,8 @@ class NativeEvents:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._scheduled = False
         self._tick: asyncio.TimerHandle | None = None
-        # worker -> (core, rank, quota) routed; holding the core keeps it alive meanwhile
-        self._routes: dict[str, tuple[_native.Core, int | None, int]] = {}
+        # worker -> its route; holding the core keeps it alive while routed
+        self._routes: dict[str, _Route] = {}
         self.failures = 0
 
     @property
@@ -150,11 +158,19 @@ class NativeEvents:
         if at is None:
             return
         quota = ingest._limit()  # the quota Core.ingest_many gets from apply_many
+        route = _Route(ingest, at[0], at[1], rank, quota)
         known = self._routes.get(worker_id)
-        if known is not None and known[0] is at[0] and known[1:] == (rank, quota):
+        if known == route:
             return
         self.reader.route(worker_id, at[0], at[1], rank, quota)
-        self._routes[worker_id] = (at[0], rank, quota)
+        self._routes[worker_id] = route
+        if known is None:
+            # A worker's first route: the pool's worker count, so its quota, may have
+            # changed (a worker's first batch always comes through Python).
+            for other, r in list(self._routes.items()):
+                if r.ingest is ingest and r.quota != quota:
+                    self.reader.route(other, r.core, r.slot, r.rank, quota)
+                    self._routes[other] = r._replace(quota=quota)
 
     def unroute(self, worker_id: str) -> None:
         if self._routes.pop(worker_id, None) is not None:

@@ -23,6 +23,7 @@ from test_faults_events import SILENT, Feed
 
 from index import _native
 from index.backend import NATIVE
+from index.codec import BlockStored
 from router import native_events
 from router.app import RouterApp
 from router.config import ConfigError, RouterConfig, WorkerSpec, validate
@@ -134,6 +135,24 @@ async def test_in_order_batches_are_applied_off_the_loop(pair: Pair) -> None:
     counts = pair.native.app.state.events.counts
     await until(lambda: counts["native_applied"] == len(rest), what="applied natively")
     assert counts["messages"] == pair.python.app.state.events.counts["messages"]
+
+
+async def test_what_the_reader_applies_with_errors_is_counted_as_python_counts_it(
+    pair: Pair,
+) -> None:
+    """A batch applied on the reader's thread whose events had errors (a block of the
+    wrong size) reaches Python's counters as it does on the ingest thread."""
+    [first] = await pair.native.make_batches(1)
+    await pair.deliver(first)
+    await until(pair.both_are_engine, timeout=15, what="routed")
+    await pair.engine.publish([BlockStored([12345], None, list(range(6)), 6, medium="GPU")])
+    await pair.deliver(pair.engine.seq)
+    ingests = [f.pool.ingest for f in pair.feeds]
+    await until(
+        lambda: all(i.errors["block_size_mismatch"] == 1 for i in ingests), what="counted"
+    )
+    await until(pair.both_are_engine, timeout=15, what="the batch applied")
+    assert pair.native.app.state.events.counts["native_applied"] == 0  # noted, not plain
 
 
 async def test_a_forged_epoch_on_a_routed_worker_goes_to_python(pair: Pair) -> None:

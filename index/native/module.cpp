@@ -423,7 +423,12 @@ class LiveFeed : public NatsHandler {
         up = false;
         control(LOST, why);
     }
-    void on_fail(const std::string& why) override { control(FAIL, why); }
+    void on_fail(const std::string& why) override {  // news only: within the bound
+        Record rec;
+        rec.kind = FAIL;
+        rec.text = why;
+        push_anyway(std::move(rec));
+    }
 
     void on_oversized(std::string_view subject) override {
         ++oversized;
@@ -566,8 +571,8 @@ class LiveFeed : public NatsHandler {
         return true;
     }
 
-    // Connection news: a few per connection, never refused (the queue bound is for
-    // messages; refusing these would hide a loss).
+    // A session's start and end: two per connection, never refused (refusing one
+    // would hide a loss, or the resync after it).
     void control(int kind, const std::string& why) {
         Record rec;
         rec.kind = kind;
