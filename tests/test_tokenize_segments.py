@@ -57,3 +57,16 @@ def test_segment_cache_is_bounded_in_tokens() -> None:
     assert cache.tokens <= 10 and cache.get(0) is None and cache.get(4) is not None
     cache.put(99, array("I", range(11)))  # larger than the whole cache: not kept
     assert cache.get(99) is None
+
+
+def test_get_many_counts_and_refreshes_each_key_as_get_does() -> None:
+    from array import array
+
+    cache = SegmentCache(max_tokens=8)
+    cache.put(1, array("I", [1, 2, 3]))
+    cache.put(2, array("I", [4, 5, 6]))
+    got = cache.get_many([1, 3, 1])
+    assert [None if ids is None else ids.tolist() for ids in got] == [[1, 2, 3], None, [1, 2, 3]]
+    assert (cache.hits, cache.misses) == (2, 1)
+    cache.put(3, array("I", [7, 8, 9]))  # over 8 tokens: the least recently used (2) goes
+    assert cache.get(2) is None and cache.get(1) is not None and cache.get(3) is not None
