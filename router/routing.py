@@ -242,7 +242,7 @@ class Router:
         self, parsed: Parsed, pool: Pool, trace: Trace | None, found: Lookup | None, t0: int
     ) -> tuple[TokenIds, list[RouterHash]]:
         """Token ids and block hashes; ``found``: the prefix cache's lookup (``_lookup``),
-        which gives them together. ``t0``: when tokenizing began, for a trace."""
+        which gives them together. ``t0``: when its render began, for a trace."""
         if found is not None:
             assert self.prefixes is not None  # a lookup came from it
             marks: list[int] | None = [] if trace is not None else None
@@ -253,6 +253,7 @@ class Router:
                 blocks = {"cache_router.blocks": len(hashes)}
                 trace.span("hash", marks[0], time.time_ns(), blocks)
             return cached, hashes
+        t0 = time.time_ns() if trace is not None else 0  # as ever: from the thread's start
         body = parsed.body
         tok = self.tokenizers.get(parsed.model)
         salt = body.get("cache_salt")
