@@ -167,8 +167,9 @@ class NativeEvents:
         self.reader.route(worker_id, at[0], at[1], rank, quota)
         self._routes[worker_id] = route
         if known is None:
-            # A worker's first route: the pool's worker count, so its quota, may have
-            # changed (a worker's first batch always comes through Python).
+            # A worker's first route: a worker added since the others were routed
+            # shrank the pool's quota (its bound over the workers); its first batch
+            # always comes through Python, so the others learn the new quota here.
             for other, r in list(self._routes.items()):
                 if r.ingest is ingest and r.quota != quota:
                     self.reader.route(other, r.core, r.slot, r.rank, quota)

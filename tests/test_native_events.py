@@ -335,3 +335,33 @@ def test_native_is_refused_where_it_cannot_read() -> None:
         validate(RouterConfig(**{**base, "nats_url": "tls://127.0.0.1:4222"}))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="events_reader = native: it needs nats_url"):
         validate(RouterConfig(events_reader="native"))
+
+
+def test_a_new_route_gives_the_pools_other_routes_the_new_quota() -> None:
+    """The per-worker quota is the pool's bound over its workers with a slot: once a
+    worker added later is routed, the routes already there do not keep the larger one."""
+    from router.events import EventSync
+    from router.workers import WorkerRegistry
+
+    cfg = RouterConfig(
+        nats_url="nats://127.0.0.1:1",
+        events_transport="core",
+        max_index_blocks=1000,
+        workers=[WorkerSpec(w, f"http://127.0.0.1:9/{w}", model="m") for w in ("w0", "w1")],
+    )
+    registry = WorkerRegistry(cfg)
+    registry.add(cfg.workers[0])
+    ingest = registry.pools["default"].ingest
+    reader = native_events.NativeEvents(
+        cfg, EventSync(registry), on_up=lambda: None, on_lost=lambda _why: None
+    )
+    try:
+        ingest.index.locate("w0")
+        reader.route("w0", ingest, None)
+        alone = reader._routes["w0"].quota
+        registry.add(cfg.workers[1])  # discovered later
+        ingest.index.locate("w1")
+        reader.route("w1", ingest, None)
+        assert reader._routes["w0"].quota == reader._routes["w1"].quota == alone // 2
+    finally:
+        reader.close()
