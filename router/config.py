@@ -273,7 +273,8 @@ class TokenizerSettings:
         None, flag="tokenizer.json or its directory, for every model"
     )  # the default for models without their own
     models: dict[str, ModelSpec] = table(dict)
-    offload_chars: int = setting(4096, Range(0, 1 << 34))  # longer prompts go to the thread pool
+    # text left to encode (after the conversation prefix cache) over this goes to the pool
+    offload_chars: int = setting(4096, Range(0, 1 << 34))
     tokenize_threads: int = setting(2, Range(1, 256))  # the thread pool's threads
     # processes that encode texts of 64K characters and more (router.offload), started at
     # the first: their ids, as Python ints, would hold the GIL 5-15 ms at 128K tokens. 0: off
