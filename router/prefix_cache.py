@@ -163,23 +163,7 @@ class PrefixCache(Collector):
                 self.bytes -= gone.nbytes
                 self.evictions += 1
 
-    # -- a chat's tokens and hashes ----------------------------------------------
-    def tokens_and_hashes(
-        self,
-        tok: HFTokenizer,
-        text: str,
-        hasher: BlockHasher,
-        *,
-        lora_name: str | None = None,
-        cache_salt: str | None = None,
-        marks: list[int] | None = None,
-    ) -> tuple[array[int], list[RouterHash]]:
-        """``encode(text, add_special_tokens=False)`` and its block hashes (as
-        ``request_block_hashes`` gives them), reusing the longest cached prefix.
-        ``marks`` gets the time (``time_ns``) the tokens were ready, for a trace."""
-        found = self.lookup(tok, text, hasher, lora_name=lora_name, cache_salt=cache_salt)
-        return self.finish(found, marks)
-
+    # -- a chat's tokens and hashes: lookup on the loop, finish where it is cheapest ----
     def lookup(
         self,
         tok: HFTokenizer,
@@ -212,8 +196,9 @@ class PrefixCache(Collector):
     def finish(
         self, found: Lookup, marks: list[int] | None = None
     ) -> tuple[array[int], list[RouterHash]]:
-        """``tokens_and_hashes`` from a ``lookup``: encode and hash the rest, and keep
-        this text's own prefix. ``marks`` gets the time the tokens were ready."""
+        """``encode(text, add_special_tokens=False)`` and its block hashes (as
+        ``request_block_hashes`` gives them) from a ``lookup``: encode and hash the rest,
+        and keep this text's own prefix. ``marks`` gets the time the tokens were ready."""
         tok, hasher, scope = found.tok, found.hasher, found.scope
         lora_name, cache_salt = found.lora_name, found.cache_salt
         data = found.data

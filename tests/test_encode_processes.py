@@ -57,7 +57,7 @@ def test_segments_and_the_prefix_cache_through_a_process(tok: HFTokenizer) -> No
     for turn in range(3):
         messages.append({"role": "user", "content": f"question {turn} 数字 " * 20})
         rendered = tok.chat_template.render({"messages": messages})
-        ids, hashes = cache.tokens_and_hashes(tok, rendered, hasher)
+        ids, hashes = cache.finish(cache.lookup(tok, rendered, hasher))
         assert ids.tolist() == own(tok, rendered)
         assert hashes == request_block_hashes(hasher, own(tok, rendered))
         assert tok.encode_segments(rendered) == own(tok, rendered)

@@ -17,9 +17,24 @@ from hypothesis import strategies as st
 from tokenizer_files import CHATML, _write
 from tokenizers import Tokenizer
 
-from index.hashing import BlockHasher, request_block_hashes
+from index.hashing import BlockHasher, RouterHash, request_block_hashes
 from router.prefix_cache import MAX_PROBES, PrefixCache, cuts_from_end
 from router.tokenize import HFTokenizer, _segments
+
+
+def tokens_and_hashes(
+    cache: PrefixCache,
+    tok: HFTokenizer,
+    text: str,
+    hasher: BlockHasher,
+    *,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+    marks: list[int] | None = None,
+) -> tuple[array[int], list[RouterHash]]:
+    """A lookup and its finish in one, as the router runs them for a chat on one thread."""
+    found = cache.lookup(tok, text, hasher, lora_name=lora_name, cache_salt=cache_salt)
+    return cache.finish(found, marks)
 
 
 def last_cuts(data: bytes, cuts: list[bytes]) -> list[int]:
@@ -61,8 +76,8 @@ def test_every_turn_and_fork_equals_full_encoding_and_hashing(
     def check(messages: list[dict[str, str]], gen: bool) -> str:
         rendered = hf.chat_template.render({"messages": messages, "add_generation_prompt": gen})
         marks: list[int] = []
-        ids, hashes = cache.tokens_and_hashes(
-            hf, rendered, hasher, lora_name=lora, cache_salt=salt, marks=marks
+        ids, hashes = tokens_and_hashes(
+            cache, hf, rendered, hasher, lora_name=lora, cache_salt=salt, marks=marks
         )
         assert len(marks) == 1
         want = full(hf, rendered)
@@ -98,7 +113,7 @@ def test_a_growing_chat_encodes_only_its_new_turns(hf: HFTokenizer) -> None:
         messages.append({"role": "user", "content": f"question {turn} " * 30})
         rendered = hf.chat_template.render({"messages": messages})
         reused, encoded = cache.tokens_reused, cache.tokens_encoded
-        ids, _ = cache.tokens_and_hashes(hf, rendered, hasher)
+        ids, _ = tokens_and_hashes(cache, hf, rendered, hasher)
         assert ids.tolist() == full(hf, rendered)
         cuts = last_cuts(previous.encode(), hf.cut_bytes)
         if cuts:  # the previous turn's text up to its last cut point came from the cache
@@ -123,19 +138,19 @@ def chat(hf: HFTokenizer, first: str, *more: str) -> str:
 def test_bounded_in_bytes_and_superseded_prefixes_go_first(hf: HFTokenizer) -> None:
     hasher = BlockHasher(4)
     probe = PrefixCache(1 << 30, min_chars=0)
-    probe.tokens_and_hashes(hf, chat(hf, "hello there " * 20, "ok"), hasher)
+    tokens_and_hashes(probe, hf, chat(hf, "hello there " * 20, "ok"), hasher)
     size = probe.bytes  # one turn's entry
     cache = PrefixCache(size * 3, min_chars=0)
     for i in range(10):  # distinct conversations: the oldest are dropped
-        cache.tokens_and_hashes(hf, chat(hf, f"hello there {i} " * 20, "ok"), hasher)
+        tokens_and_hashes(cache, hf, chat(hf, f"hello there {i} " * 20, "ok"), hasher)
         assert cache.bytes <= cache.max_bytes
     assert cache.evictions > 0 and 0 < len(cache) <= 3
     # a conversation's second turn extends its first: the first is next to go, before
     # another conversation's newer entry
     cache = PrefixCache(size * 10, min_chars=0)
-    cache.tokens_and_hashes(hf, chat(hf, "hello there " * 20, "ok"), hasher)
-    cache.tokens_and_hashes(hf, chat(hf, "another one " * 20, "ok"), hasher)
-    cache.tokens_and_hashes(hf, chat(hf, "hello there " * 20, "ok", "fine", "and?"), hasher)
+    tokens_and_hashes(cache, hf, chat(hf, "hello there " * 20, "ok"), hasher)
+    tokens_and_hashes(cache, hf, chat(hf, "another one " * 20, "ok"), hasher)
+    tokens_and_hashes(cache, hf, chat(hf, "hello there " * 20, "ok", "fine", "and?"), hasher)
     assert cache.hits == 1 and len(cache) == 3
     oldest, *_, newest = cache._lru.values()
     assert len(oldest.ids) < len(newest.ids)
@@ -145,7 +160,7 @@ def test_bounded_in_bytes_and_superseded_prefixes_go_first(hf: HFTokenizer) -> N
 def test_a_prefix_larger_than_the_cache_is_not_kept(hf: HFTokenizer) -> None:
     cache = PrefixCache(64, min_chars=0)
     rendered = chat(hf, "hello there " * 20, "ok")
-    ids, _ = cache.tokens_and_hashes(hf, rendered, BlockHasher(4))
+    ids, _ = tokens_and_hashes(cache, hf, rendered, BlockHasher(4))
     assert ids.tolist() == full(hf, rendered) and len(cache) == 0 and cache.bytes == 0
 
 
@@ -163,7 +178,7 @@ def test_last_cuts_are_the_segment_starts_in_bytes(parts: list[str]) -> None:
 def test_metrics_count_hits_misses_and_tokens(hf: HFTokenizer) -> None:
     cache = PrefixCache(1 << 20, min_chars=0)
     for _ in range(2):
-        cache.tokens_and_hashes(hf, chat(hf, "hello there", "ok"), BlockHasher(4))
+        tokens_and_hashes(cache, hf, chat(hf, "hello there", "ok"), BlockHasher(4))
     got = {m.name: m.samples[0].value for m in cache.collect()}
     assert got["cache_router_prefix_cache_hits"] == 1
     assert got["cache_router_prefix_cache_misses"] == 1
@@ -183,17 +198,17 @@ def test_an_added_token_that_could_overlap_a_cut_disables_it(tmp_path) -> None:
     hf = HFTokenizer(_write(tmp_path, tok, CHATML))
     assert "<|im_start|>" not in hf.cuts  # "x<|im" would take the cut's first bytes
     rendered = "x<|im_start|>a"
-    ids, _ = PrefixCache(1 << 20, min_chars=0).tokens_and_hashes(hf, rendered, BlockHasher(1))
+    ids, _ = tokens_and_hashes(PrefixCache(1 << 20, min_chars=0), hf, rendered, BlockHasher(1))
     assert ids.tolist() == full(hf, rendered)
 
 
 def test_ids_array_is_a_copy_the_cache_does_not_share(hf: HFTokenizer) -> None:
     cache = PrefixCache(1 << 20, min_chars=0)
     rendered = chat(hf, "hi " * 30, "ok")
-    ids, _ = cache.tokens_and_hashes(hf, rendered, BlockHasher(4))
+    ids, _ = tokens_and_hashes(cache, hf, rendered, BlockHasher(4))
     assert isinstance(ids, array)
     ids[0] = 0  # a caller changing its ids must not change the next request's
-    again, _ = cache.tokens_and_hashes(hf, rendered, BlockHasher(4))
+    again, _ = tokens_and_hashes(cache, hf, rendered, BlockHasher(4))
     assert again.tolist() == full(hf, rendered)
 
 
@@ -203,7 +218,7 @@ def test_short_chats_skip_the_cache(hf: HFTokenizer) -> None:
     assert len(rendered) < cache.min_chars
     for _ in range(2):
         marks: list[int] = []
-        ids, hashes = cache.tokens_and_hashes(hf, rendered, BlockHasher(4), marks=marks)
+        ids, hashes = tokens_and_hashes(cache, hf, rendered, BlockHasher(4), marks=marks)
         assert len(marks) == 1  # when the tokens were ready (a trace's tokenize span)
         assert ids.tolist() == full(hf, rendered)
         assert hashes == request_block_hashes(BlockHasher(4), full(hf, rendered))
