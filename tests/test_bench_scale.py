@@ -26,6 +26,7 @@ def test_quick_run_prints_complete_json() -> None:
     assert out["config"]["workers"] == 4
     ingest = out["ingest"]
     assert ingest["lost_batches"] == 0 and ingest["python_blocks_per_s"] > 0
+    assert ingest["python_blocks_per_s_best"] >= ingest["python_blocks_per_s"]
     if out["config"]["native"]:
         assert ingest["native_blocks_per_s"] > 0
         under = out["under_ingest"]
