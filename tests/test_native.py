@@ -23,6 +23,8 @@ def test_native_core_is_built_where_ci_requires_it() -> None:
     # .ci/run sets this: on a fresh `pip install -e .` the extension must exist.
     if os.environ.get("CACHE_ROUTER_REQUIRE_NATIVE") == "1":
         assert NATIVE, "pip install -e . did not build index._native"
+        # tests/test_native_events.py skips on a build from before the event reader
+        assert hasattr(native, "EventReader"), "index._native has no EventReader: a stale build"
     assert IMPLEMENTATIONS[0] is PrefixIndex
 
 
