@@ -13,9 +13,12 @@ every key an engine mixes into its block hashes. One canonical form serves both:
   repeats it first in every block's ``extra_keys``; SGLang sends only ``lora_name``);
 - a cache salt enters block 0 (vLLM: in ``extra_keys[0]``; SGLang: a ``cache_salt``
   field on the events of a chain);
-- a multimodal item enters the blocks it covers as vLLM reports them, ``(identifier,
-  offset)``. The router cannot compute those identifiers, so a request is hashed only
-  up to its first item (``hashable_tokens``) and never claims a hit past it.
+- a multimodal item enters the router blocks it covers, ``(identifier, item start -
+  block start)``, as vLLM keys its hash blocks; an event block of k > 1 router blocks
+  carries its items per event block, renumbered per router block
+  (``index.media.router_block_keys``). A request is hashed only up to its first item
+  the router cannot identify (``hashable_tokens``; ``router.media``) and never claims a
+  hit past it.
 
 An event whose adapter is named only by ``lora_id`` (older engines) gets a root no
 request produces: its blocks are indexed, never matched by another adapter or the base.
@@ -30,6 +33,8 @@ from typing import NewType, TypeAlias, cast
 
 import msgpack
 import xxhash
+
+from index.media import router_block_keys
 
 try:  # the native core (built by the package; see index/backend.py)
     from index._native import rolling_hashes as _native_rolling
@@ -172,23 +177,35 @@ def event_extras(
     lora_name: str | None = None,
     cache_salt: str | None = None,
     chain_start: bool = False,
+    token_ids: Sequence[int] = (),
+    block_size: int = 1,
+    ratio: int = 1,
 ) -> dict[int, bytes] | None:
-    """Block extras of one ``BlockStored``, in the form ``request_extras`` gives.
+    """Block extras of one ``BlockStored``, per router block, in the form
+    ``request_extras`` gives.
 
     vLLM's per-block ``extra_keys`` are ``[lora name?, (mm id, offset)..., salt?,
     embeds digest...]`` (``to_event_extra_keys``); the adapter name is dropped here as
-    it is already in the root. SGLang's ``cache_salt`` field counts on a chain's first
-    block (``chain_start``: the event has no parent), as a request's salt does.
+    it is already in the root. An event block of ``ratio`` > 1 router blocks (of
+    ``block_size`` tokens) has its keys renumbered per router block from its
+    ``token_ids`` (``index.media.router_block_keys``). SGLang's ``cache_salt`` field
+    counts on a chain's first block (``chain_start``: the event has no parent), as a
+    request's salt does.
     """
     if extra_keys:
-        out: dict[int, bytes] = {}
-        for i, keys in enumerate(extra_keys):
-            if not isinstance(keys, list | tuple) or not keys:
-                continue
-            if lora_name and keys[0] == lora_name:
-                keys = keys[1:]
-            if keys:
-                out[i] = extra_key_bytes(keys)
+        per_block: Sequence[object] = [
+            keys[1:]
+            if lora_name and isinstance(keys, list | tuple) and keys and keys[0] == lora_name
+            else keys
+            for keys in extra_keys
+        ]
+        if ratio > 1:
+            per_block = router_block_keys(per_block, token_ids, block_size, ratio)
+        out = {
+            i: extra_key_bytes(keys)
+            for i, keys in enumerate(per_block)
+            if isinstance(keys, list | tuple) and keys
+        }
         return out or None
     if cache_salt and chain_start:
         return salt_extras(cache_salt)
@@ -208,8 +225,8 @@ def request_block_hashes(
 
     ``hashable_tokens`` bounds the tokens the router can key faithfully (those before
     a multimodal item it cannot identify); blocks past it are left out, so they are
-    never matched. ``media_keys``: per block, the multimodal keys ``(identifier, item
-    start - block start)`` of the items it overlaps, which vLLM puts before the salt.
+    never matched. ``media_keys``: per router block, the multimodal keys ``(identifier,
+    item start - block start)`` of the items it overlaps, which vLLM puts before the salt.
     """
     extras = salt_extras(cache_salt)
     if media_keys:

@@ -564,6 +564,9 @@ class EventIngest:
             lora_name=event.lora_name,
             cache_salt=event.cache_salt,
             chain_start=event.parent_block_hash is None,
+            token_ids=event.token_ids,
+            block_size=hasher.block_size,
+            ratio=k,
         )
         start = parent
         if start is None:

@@ -415,11 +415,16 @@ class NativeEventIngest(EventIngest):
         parent = event.parent_block_hash
         if event.extra_keys:  # multimodal items' placeholder runs (index/media.py)
             self.media.learn(event.token_ids, event.block_size, event.extra_keys)
+        # the core checks the block size; a coarse block's keys are renumbered per router block
+        ratio, rest = divmod(event.block_size, self.hasher.block_size)
         extras = event_extras(
             event.extra_keys,
             lora_name=event.lora_name,
             cache_salt=event.cache_salt,
             chain_start=parent is None,
+            token_ids=event.token_ids,
+            block_size=self.hasher.block_size,
+            ratio=ratio if not rest else 1,
         )
         try:
             tokens: bytes | None = bytes(token_bytes(event.token_ids))

@@ -51,6 +51,14 @@ def test_registry_learns_runs_it_sees_whole() -> None:
     # a run reaching the event's end may go on: not learnt from it
     assert reg.learn([1] * 8 + [9] * 24, BS, [[["b", 8]], [["b", -8]]]) == 0
     assert reg.placeholder("b") is None
+    # two items back to back with one pad token: each run ends where the next item starts
+    assert (
+        reg.learn(
+            [1] * 4 + [9] * 11 + [2], 4, [None, [["e", 0]], [["e", -4], ["f", 2]], [["f", -2]]]
+        )
+        == 2
+    )
+    assert reg.placeholder("e") == [9] * 6 and reg.placeholder("f") == [9] * 5
     reg.learn([5] * 3 + [2], 4, [[["c", 0]]])
     reg.learn([6] * 3 + [2], 4, [[["d", 0]]])
     assert len(reg) == 2 and reg.placeholder("a") is None  # the oldest went
