@@ -208,7 +208,10 @@ def stored_event(draw: st.DrawFn) -> object:
         lora_id=draw(st.sampled_from([None, None, None, 3])),
         medium=draw(st.sampled_from([None, "GPU", "cpu", "DISK", "shared", "TAPE"])),
         lora_name=draw(st.sampled_from([None, None, None, "ada"])),
-        extra_keys=draw(st.sampled_from([None, None, [["salt-1"]], [None, [7]]])),
+        # [None, None, None]: vLLM 0.32's keys of a plain prompt, one None per block
+        extra_keys=draw(
+            st.sampled_from([None, None, [["salt-1"]], [None, [7]], [None, None, None], [None, []]])
+        ),
         group_idx=draw(st.sampled_from([None, None, 0, 1])),
     )
 
@@ -417,3 +420,23 @@ def test_ingest_many_equals_the_python_ingest_one_batch_at_a_time(data: st.DataO
         assert nat.last_seqs(w) == py.last_seqs(w), w
         assert nat.epoch(w) == py.epoch(w), w
     assert nat.index.stats().blocks == py.index.stats().blocks
+
+
+@needs_native
+def test_a_plain_vllm_batch_is_decoded_natively() -> None:
+    """vLLM 0.32 publishes ``extra_keys`` as one None per block for a plain prompt: that
+    is no keys, decoded natively; a block with keys still goes to Python."""
+    from index import BlockStored, EventBatch, encode
+
+    core = native.Core(1 << 16, 64)
+    core.configure_events(4, False, 0, {"GPU": 0})
+
+    def slow(extra_keys: list[object] | None, kind: str | None = None) -> bool:
+        event = BlockStored([1, 2], None, list(range(8)), 4, None, "GPU", None, extra_keys)
+        event.kv_cache_spec_kind = kind
+        return bool(core.parse(encode(EventBatch(1.0, [event], None))).slow)
+
+    assert not slow(None) and not slow([None, None]) and not slow([None, []])
+    assert not slow([None, None], "full_attention")
+    assert slow([None, ["salt-1"]]) and slow([["ada"], None])
+    assert slow([None, None], "sliding_window")  # Python learns the groups from it

@@ -332,9 +332,10 @@ class BatchParser {
         } else {
             throw Bad{};
         }
-        static constexpr std::array<std::string_view, 9> stored_fields = {
-            "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-            "medium",       "lora_name",         "extra_keys", "group_idx"};
+        static constexpr std::array<std::string_view, 11> stored_fields = {
+            "block_hashes", "parent_block_hash", "token_ids",          "block_size",
+            "lora_id",      "medium",            "lora_name",          "extra_keys",
+            "group_idx",    "kv_cache_spec_kind", "kv_cache_spec_sliding_window"};
         static constexpr std::array<std::string_view, 3> removed_fields = {
             "block_hashes", "medium", "group_idx"};
         auto get = [&](auto& names, size_t pos) -> size_t {
@@ -384,8 +385,18 @@ class BatchParser {
             std::string_view s;
             if (opt_str(get(stored_fields, 6), s)) slow = true;  // lora_name
             size_t extra = get(stored_fields, 7);
-            if (kind(extra) == Kind::Array && nodes_[extra].v.n) slow = true;
+            // vLLM sends one entry per block, None for a block with no keys (0.32 does
+            // for every block of a plain prompt): only a block's non-empty keys need Python
+            // (index.hashing.event_extras skips the rest the same way).
+            if (kind(extra) == Kind::Array && nodes_[extra].v.n)
+                for (size_t k : children(extra))
+                    if (kind(k) == Kind::Array && nodes_[k].v.n) slow = true;
             ev.other_group = opt_int_nonzero(get(stored_fields, 8));
+            // A group that is not full attention (a sliding window's sparse stores) is
+            // Python's: it learns the pool's groups from them (NativeEventIngest).
+            const size_t spec = get(stored_fields, 9);
+            if (kind(spec) != Kind::Nil && !is_str(spec, "full_attention")) slow = true;
+            if (kind(get(stored_fields, 10)) != Kind::Nil) slow = true;
             if (as_map && opt_str(field(body, "cache_salt"), s)) slow = true;
             return 0;
         }

@@ -35,7 +35,12 @@ class Stack:
     """Agents (one per engine rank), the router in front of the engines, a checker."""
 
     def __init__(
-        self, feeds: list[Feed], workers: list[WorkerSpec], model_dir: Path, nats_url: str
+        self,
+        feeds: list[Feed],
+        workers: list[WorkerSpec],
+        model_dir: Path,
+        nats_url: str,
+        transport: str = "auto",
     ) -> None:
         self.feeds = feeds
         self.agents = [
@@ -57,6 +62,7 @@ class Stack:
             block_size=BLOCK,
             tokenizer=str(model_dir),
             admin_token="t",
+            events_transport=transport,  # "core": the native event reader (events_reader auto)
             health_interval=3600.0,  # a restart must go unseen by health checks
             workers=workers,
         )

@@ -1,7 +1,11 @@
 """Data-parallel ranks on a real vLLM (``--data-parallel-size 2``, CPU): one HTTP endpoint,
 two KV caches. One agent per rank (its events on port P+rank), the router indexing and
 routing per (engine, rank) target and naming the rank in vLLM's ``X-data-parallel-rank``
-header. Per request: predicted hit tokens equal vLLM's ``cached_tokens``."""
+header. Per request: predicted hit tokens equal vLLM's ``cached_tokens``.
+
+The router reads core NATS here and vLLM publishes 64-bit block hashes, so the native event
+reader (``router.native_events``) applies the live batches itself; the other real-engine
+tests read the JetStream stream, with vLLM's default bytes hashes."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from real_stack import Feed, Stack, long_prompt
+from stack import until
 from vllm_engine import MODEL, Engine
 
 from router.config import WorkerSpec
@@ -22,7 +27,7 @@ async def test_each_rank_is_indexed_and_routed_on_its_own(
 ) -> None:
     feeds = [Feed(target_id("d0", r), dp_engine, r) for r in range(2)]
     workers = [WorkerSpec("d0", dp_engine.url, dp_size=2)]
-    s = Stack(feeds, workers, model_dir, nats_url)
+    s = Stack(feeds, workers, model_dir, nats_url, transport="core")
     try:
         check = await s.start([MODEL])
         # a prefix placed directly on each rank (vLLM's own header, past the router)
@@ -47,6 +52,9 @@ async def test_each_rank_is_indexed_and_routed_on_its_own(
             for turn in range(2):
                 await check.send(f"new{i}.{turn}", "completion", prompt=long_prompt(i, 40))
                 await s.settle()
+        events = s.app.state.events
+        assert events.native is not None, "the router did not read through the native reader"
+        await until(lambda: events.counts["native_applied"] > 0, what="batches applied natively")
     finally:
         summary = await s.finish("dp-ranks", model_dir.parent / "real_engines_dp.json")
     assert summary is not None
