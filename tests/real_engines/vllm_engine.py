@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,8 +18,6 @@ import httpx
 import orjson
 import pytest
 
-from router.natsd import free_port
-
 HERE = Path(__file__).parent
 BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
 GPU_BLOCKS = 64  # 2048 tokens per engine: a few long prompts evict
@@ -28,13 +27,34 @@ LORA = "my-lora"
 START_TIMEOUT = 600.0  # seconds; a cold vLLM CPU start takes 1-3 min on 2 busy cores
 
 
+# Ports handed out in this process: a run picked twice would collide when both bind.
+_GIVEN: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_run(n: int) -> int:
-    """The first of ``n`` consecutive free loopback ports (vLLM offsets ports by DP rank)."""
-    for _ in range(100):
-        first = free_port()
+    """The first of ``n`` consecutive free loopback ports (vLLM offsets ports by DP rank).
+
+    Below the kernel's ephemeral range: vLLM binds its ports 20-60 s after they are picked,
+    while other engines and clients open connections, and a port from that range can be
+    given to one of them meanwhile (seen in CI: ``ZMQError: Address already in use`` on a
+    replay port, session 8)."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(1000):
+        first = rng.randrange(10_000, max(low - n, 10_001))
+        run = range(first, first + n)
+        if _GIVEN.intersection(run):
+            continue
         socks = []
         try:
-            for p in range(first, first + n):
+            for p in run:
                 s = socket.socket()
                 socks.append(s)
                 s.bind(("127.0.0.1", p))
@@ -43,8 +63,13 @@ def free_run(n: int) -> int:
         finally:
             for s in socks:
                 s.close()
+        _GIVEN.update(run)
         return first
     raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def free_engine_port() -> int:
+    return free_run(1)
 
 
 def lora_flags(model_dir: Path) -> tuple[str, ...]:
@@ -76,7 +101,7 @@ class Engine:
     dp_size: int = 1  # --data-parallel-size: rank r publishes on port P+r, replays on R+r
     extra: tuple[str, ...] = ()  # more vLLM flags
     gpu_blocks: int = GPU_BLOCKS  # shared by the KV-cache groups of a hybrid model
-    port: int = field(default_factory=free_port)
+    port: int = field(default_factory=free_engine_port)
     events_port: int = 0
     replay_port: int = 0
     proc: subprocess.Popen[bytes] | None = None
