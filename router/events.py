@@ -233,15 +233,11 @@ class EventSync:
         behind a socket read's worth of batches waited for all of them; every
         ``YIELD_EVERY`` messages the loop runs what else is ready.
         """
-        self._take(msg)
+        self.take(msg)
         self._since_yield += 1
         if self._since_yield >= YIELD_EVERY:
             self._since_yield = 0
             await asyncio.sleep(0)
-
-    def take(self, msg: EventMsg) -> None:
-        """One live batch's message, the native reader's (``on_event`` for nats-py's)."""
-        self._take(msg)
 
     def native_applied(self, worker_id: str, batches: int, events: int) -> None:
         """The native reader applied ``batches`` in-order live batches of the worker."""
@@ -273,7 +269,8 @@ class EventSync:
             result = ingest._outcome(worker_id, seq, payload, rank, epoch, out)
         self._applied(worker_id, live, result)
 
-    def _take(self, msg: EventMsg) -> None:
+    def take(self, msg: EventMsg) -> None:
+        """One live batch's message: nats-py's (``on_event``) or the native reader's."""
         self.counts["messages"] += 1
         worker_id = msg.subject[len(self._events_prefix) :]
         worker = self.registry.source(worker_id)

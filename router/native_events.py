@@ -11,7 +11,7 @@ load 1.6-3.1): at 512K blocks/s it applied 504K blocks/s while publishing agains
 nats-py's 254K, 98.7-99.6 % of the batches on its own thread, and the request p50
 under events fell from 70-102 us to 46-76 us (BENCHMARKS.md, "native event reader").
 
-Everything else comes to ``EventSync._take`` as the message, in arrival order, through a
+Everything else comes to ``EventSync.take`` as the message, in arrival order, through a
 bounded queue and a pipe the loop watches: no route yet, a gap, another epoch, an
 unreadable header or payload, a batch Python must decode. A worker is routed once
 Python applied one of its live batches in order (``EventSync._applied``) and unrouted
@@ -54,7 +54,7 @@ MAX_CONTROL = 4096  # nats-server's default max_control_line
 
 
 class NativeMsg(NamedTuple):
-    """What ``EventSync._take`` reads of a nats-py ``Msg``."""
+    """What ``EventSync.take`` reads of a nats-py ``Msg``."""
 
     subject: str
     headers: dict[str, str] | None

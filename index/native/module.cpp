@@ -220,7 +220,7 @@ class Core {
     SeqRules rules;
     std::vector<SeqState> seq;  // per slot
     // Per slot, bumped when the slot is given up: a route the event reader took for the
-    // slot's former worker (live_feed.hpp) no longer applies to its next one.
+    // slot's former worker (LiveFeed, below) no longer applies to its next one.
     std::vector<uint64_t> gen;
     std::mutex mu;
 
