@@ -92,6 +92,16 @@ def _default(obj: Any) -> Any:
     raise TypeError(type(obj).__name__)
 
 
+def _reader(feed: EventFeed | None) -> dict[str, object]:
+    """Which reader takes the live batches; the native one's counters and queue, so an
+    operator sees its drops and lag without scraping /metrics."""
+    native = feed.native if feed is not None else None
+    if native is None:
+        return {"kind": "python"}
+    queued, oldest = native.lag()
+    return {"kind": "native", **native.stats(), "queued": queued, "oldest_s": oldest}
+
+
 def admin_router(state: AdminDeps) -> APIRouter:
     async def _raw(request: Request) -> bytes:
         """The body, under the same size and time limits as a completion's (a 9 MiB
@@ -202,6 +212,7 @@ def admin_router(state: AdminDeps) -> APIRouter:
             "counts": dict(state.events.counts),
             "hints_published": state.hints.published,
             "hints_skipped": state.hints.skipped,
+            "reader": _reader(state.feed),
         }
         return _json({"pools": pools, "nats": nats, "audit": state.audit.snapshot()})
 

@@ -24,7 +24,7 @@ from test_faults_events import SILENT, Feed
 from index import _native
 from index.backend import NATIVE
 from index.codec import BlockStored
-from router import native_events
+from router import admin, native_events
 from router.app import RouterApp
 from router.config import ConfigError, RouterConfig, WorkerSpec, validate
 from router.natsd import EmbeddedNats, free_port
@@ -220,6 +220,8 @@ async def test_a_full_queue_marks_the_worker_out_of_sync_then_resyncs(
         await until(lambda: events.counts["lost_native_dropped"] >= 1, what="drop counted")
         await until(feed.index_is_engine, timeout=15, what="resynced from the agent")
         assert feed.app.state.feed.native.stats()["dropped"] >= 1
+        reader = admin._reader(feed.app.state.feed)  # what /admin/index shows under "nats"
+        assert reader["kind"] == "native" and reader["dropped"] >= 1
     finally:
         await nc.close()
         await served.stop()
