@@ -93,8 +93,9 @@ def _default(obj: Any) -> Any:
 
 
 def _reader(feed: EventFeed | None) -> dict[str, object]:
-    """Which reader takes the live batches; the native one's counters and queue, so an
-    operator sees its drops and lag without scraping /metrics."""
+    """Which reader takes the live batches and, for the native one, its own counters and
+    queue: its oversized messages are counted nowhere else, and /metrics' event lag adds
+    the ingest thread's queue to this one."""
     native = feed.native if feed is not None else None
     if native is None:
         return {"kind": "python"}
