@@ -12,6 +12,11 @@ Prints one JSON object. Both indexes get the same data in the same process:
 
 The answers are compared query by query (``dynamo.agree``), which proves the data match.
 
+``--engine-hashes sha256`` publishes our side's events as a default vLLM 0.32 does: each
+block hash the 32-byte sha256 of its content, ``extra_keys`` one ``None`` per block.
+Dynamo's side keeps its u64 hashes (its engine integrations convert before publishing),
+so the ratio is each router on what it is sent.
+
 Run: ``python bench/index.py [--quick]`` (see bench/README.md).
 """
 
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import math
 import os
@@ -241,17 +247,25 @@ def worker_name(worker: int) -> str:
     return f"worker-{worker}"
 
 
-def our_batches(data: Dataset) -> list[tuple[str, int, bytes]]:
+def sha256_hash(block: int) -> bytes:
+    """vLLM's default engine hash form: 32 bytes, the same block the same on every worker."""
+    return hashlib.sha256(block.to_bytes(8, "little")).digest()
+
+
+def our_batches(data: Dataset, engine_hashes: str = "u64") -> list[tuple[str, int, bytes]]:
     """(worker, seq, msgpack EventBatch) per store, as the engine would publish them."""
     seqs = [0] * (max(s.worker for s in data.stores) + 1)
+    vllm = engine_hashes == "sha256"
+    name: Callable[[int], int | bytes] = sha256_hash if vllm else data.engine_hash
     out = []
     for s in data.stores:
         event = BlockStored(
-            block_hashes=[data.engine_hash(b) for b in s.blocks],
-            parent_block_hash=None if s.parent is None else data.engine_hash(s.parent),
+            block_hashes=[name(b) for b in s.blocks],
+            parent_block_hash=None if s.parent is None else name(s.parent),
             token_ids=data.tokens[s.blocks].ravel().tolist(),
             block_size=BLOCK,
             medium=_MEDIUM[s.tier],
+            extra_keys=[None] * len(s.blocks) if vllm else None,
         )
         payload = encode(EventBatch(ts=time.time(), events=[event]))
         out.append((worker_name(s.worker), seqs[s.worker], payload))
@@ -444,7 +458,7 @@ def index_memory(data: Dataset, hasher: BlockHasher) -> tuple[int, int]:
     used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
     # tracemalloc sees Python's allocator only; the native core counts its own heap.
-    native = index.core.bytes()[0] if hasattr(index, "core") else 0
+    native = sum(core.bytes()[0] for core in getattr(index, "cores", ()))
     return used + native, len(index)
 
 
@@ -456,7 +470,7 @@ def ingest_memory(batches: list[tuple[str, int, bytes]]) -> int:
     used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
     index = ingest.index
-    native = sum(index.core.bytes()) if hasattr(index, "core") else 0
+    native = index.memory_bytes() if hasattr(index, "memory_bytes") else 0
     del ingest, index
     return used + native
 
@@ -484,7 +498,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
     data = build_dataset(args.blocks, args.workers, args.queries, args.seed)
     hasher = BlockHasher(BLOCK)
-    batches = our_batches(data)
+    batches = our_batches(data, args.engine_hashes)
     q_ours = [hasher.hash_tokens(q.tokens.tobytes()) for q in data.queries]
     kinds = [q.kind for q in data.queries]
     have_dynamo = RadixTree is not None
@@ -535,6 +549,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "mean_match_depth_blocks": statistics.mean(depths),
             "python": sys.version.split()[0],
             "index": INDEX.__name__,
+            "engine_hashes": args.engine_hashes,
             "dynamo": metadata.version("ai-dynamo-runtime") if have_dynamo else None,
         },
         "hash": bench_hash(args.hash_reps),
@@ -612,6 +627,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hash-reps", type=int, help="timed hash calls (default 50)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
+    p.add_argument(
+        "--engine-hashes",
+        choices=("u64", "sha256"),
+        default="u64",
+        help="our events' block hashes: 64-bit ints, or 32-byte sha256s with vLLM 0.32's"
+        " per-block extra_keys (a default vLLM)",
+    )
     p.add_argument(
         "--index",
         choices=("native", "python"),

@@ -234,7 +234,8 @@ class EventIngest:
         """The worker's own hashes for the leading ``router_hashes`` it holds.
 
         Prefetch hints name blocks in the source engine's terms; this stops at the
-        first block the worker is not known to hold.
+        first block the worker is not known to hold (an engine hash a router hash still
+        names after its block was re-stored under another chain and then removed, too).
         """
         w = self._workers.get(worker_id)
         out: list[EngineHash] = []
@@ -242,7 +243,7 @@ class EventIngest:
             return out
         for rh in router_hashes:
             eh = w.engine_of.get(rh)
-            if eh is None:
+            if eh is None or eh not in w.blocks:
                 break
             out.append(eh)
         return out

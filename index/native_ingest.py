@@ -8,8 +8,8 @@ Python per batch is this wrapper turning the call's tuple into an ``IngestResult
 18 us held the GIL; see BENCHMARKS.md for the fused call). ``index.ingest.EventIngest``
 stays the reference: the ingest tests run against both.
 
-Batches the native decoder leaves to Python (LoRA, extra keys, cache salt, EAGLE pairs,
-bytes hashes) are decoded by ``index.codec``, hashed with ``index.hashing``'s rules and
+Batches the native decoder leaves to Python (LoRA, extra keys, cache salt, EAGLE pairs)
+are decoded by ``index.codec``, hashed with ``index.hashing``'s rules and
 applied through the same native rules (``Core.ingest_events``). So are all batches of a
 hybrid model once its other KV-cache groups showed up (the native decoder keeps group 0):
 group 0 goes through the native rules, the other groups' parts (their own index keys,
@@ -20,8 +20,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-
-from xxhash import xxh3_64_intdigest
 
 from index._native import Core
 from index.codec import (
@@ -47,9 +45,6 @@ from index.ingest import (
 )
 from index.native_index import NativePrefixIndex
 
-# Seeds the 64-bit key of a bytes engine hash, so it does not equal the int hash with
-# the same value by construction.
-_BYTES_KEY_SEED = 0x62797465735F6B79
 # Core.ingest's status numbers (index/native/seq.hpp), and 7: "Python must decode it".
 _STATUS = (
     SeqStatus.OK,
@@ -94,7 +89,6 @@ class NativeEventIngest(EventIngest):
             core.configure_seq(max_seq_jump, max_ranks)
 
         index.configure(setup)
-        self._wide: dict[str, dict[int, bytes]] = {}  # per worker: bytes hashes by key
 
     # -- state -------------------------------------------------------------------
     @property
@@ -134,21 +128,11 @@ class NativeEventIngest(EventIngest):
 
     def engine_blocks(self, worker_id: str) -> dict[EngineHash, int]:
         at = self.index.located(worker_id)
-        if at is None:
-            return {}
-        wide = self._wide.get(worker_id, {})
-        return {wide.get(e, e): r for e, r in at[0].engine_blocks(at[1]).items()}
+        return {} if at is None else at[0].engine_blocks(at[1])
 
     def engine_hashes(self, worker_id: str, router_hashes: list[int]) -> list[EngineHash]:
         at = self.index.located(worker_id)
-        if at is None:
-            return []
-        wide = self._wide.get(worker_id, {})
-        return [wide.get(e, e) for e in at[0].engine_hashes(at[1], router_hashes)]
-
-    def remove_worker(self, worker_id: str) -> None:
-        self._wide.pop(worker_id, None)
-        super().remove_worker(worker_id)  # the core forgets the slot's seq state
+        return [] if at is None else at[0].engine_hashes(at[1], router_hashes)
 
     # -- ingest ------------------------------------------------------------------
     def apply(
@@ -264,8 +248,7 @@ class NativeEventIngest(EventIngest):
         core, slot = self.index.locate(worker_id)
         w = self._workers.setdefault(worker_id, _Worker())  # its KV-cache groups' state
         (_, _, first), *groups = self._by_group(worker_id, w, batch, False)
-        fresh: dict[int, bytes] = {}
-        prepared = [self._prepare(fresh, e) for e in first.events]
+        prepared = [self._prepare(e) for e in first.events]
         out = core.ingest_events(slot, dp_rank, seq, epoch, prepared, self._limit())
         if out[5] & _WAS_RESET:
             self._reset_groups(worker_id, w)
@@ -273,7 +256,6 @@ class NativeEventIngest(EventIngest):
         if out[5] & _APPLIED_BATCH:
             result.errors.update(first.errors)
             self.errors.update(first.errors)
-            self._keep_wide(worker_id, core, slot, fresh, first.events)
             self._apply_groups(groups, result)
         return result
 
@@ -316,12 +298,8 @@ class NativeEventIngest(EventIngest):
         core, slot = self.index.locate(worker_id)
         w = self._workers.setdefault(worker_id, _Worker())
         parts = [self._by_group(worker_id, w, batch, False) for batch in batches]
-        fresh: dict[int, bytes] = {}
-        events = [e for (_, _, first), *_ in parts for e in first.events]
-        prepared = [self._prepare(fresh, e) for e in events]
+        prepared = [self._prepare(e) for (_, _, first), *_ in parts for e in first.events]
         applied, errors, cuts = core.load_dump(slot, dp_rank, seq, epoch, prepared, self._limit())
-        self._wide.pop(worker_id, None)
-        self._keep_wide(worker_id, core, slot, fresh, events)
         self._reset_groups(worker_id, w)
         result = IngestResult(SeqStatus.OK, expected_seq=seq + 1, applied=applied)
         for (_, _, first), *_ in parts:
@@ -354,64 +332,21 @@ class NativeEventIngest(EventIngest):
             self.gaps += 1
         if flags & _RESTARTED:
             self.restarts += 1
-        if flags & _WAS_RESET:
-            self._wide.pop(worker_id, None)
         if flags & _APPLIED_BATCH:
             self.events_applied += applied
             self.batches_applied += 1
         return result
 
-    # -- bytes engine hashes (sha256 digests) ------------------------------------------
-    def _keep_wide(
-        self, worker_id: str, core: Core, slot: int, fresh: dict[int, bytes], events: list[Event]
-    ) -> None:
-        """Remember the bytes of the batch's new hashes; drop those no longer held."""
-        wide = self._wide.get(worker_id)
-        if wide is None:
-            if not fresh:
-                return
-            wide = self._wide[worker_id] = {}
-        wide.update(fresh)
-        if any(isinstance(e, AllBlocksCleared) for e in events):
-            check = list(wide)
-        else:
-            check = [
-                k
-                for e in events
-                if isinstance(e, BlockRemoved)
-                for k in map(self._key_of, e.block_hashes)
-                if k in wide
-            ]
-        for key, known in zip(check, core.known_engine(slot, check), strict=True):
-            if not known:
-                wide.pop(key, None)
-
-    @staticmethod
-    def _key_of(engine_hash: EngineHash) -> int:
-        """The 64-bit key the native maps use for an engine hash: an int as itself,
-        bytes (a sha256) by their XXH3-64."""
-        if isinstance(engine_hash, int):
-            return engine_hash
-        return xxh3_64_intdigest(engine_hash, _BYTES_KEY_SEED)
-
-    @classmethod
-    def _key(cls, wide: dict[int, bytes], engine_hash: EngineHash) -> int:
-        """``_key_of``, keeping bytes hashes in ``wide`` to give them back."""
-        key = cls._key_of(engine_hash)
-        if isinstance(engine_hash, bytes):
-            wide[key] = engine_hash
-        return key
-
-    def _prepare(self, wide: dict[int, bytes], event: Event) -> tuple[object, ...]:
+    def _prepare(self, event: Event) -> tuple[object, ...]:
         """One decoded event as the native applier takes it, hashed by index.hashing's
-        rules (LoRA roots, extra keys, cache salt) exactly as ``EventIngest._store`` does."""
+        rules (LoRA roots, extra keys, cache salt) exactly as ``EventIngest._store`` does.
+        Engine hashes go as they came (ints or bytes): the core keys them."""
         if isinstance(event, AllBlocksCleared):
             return ("cleared",)
         tier = tier_of_medium(event.medium)
         tier_num = -1 if tier is None else _TIER_NUM[tier]
-        keys = [self._key(wide, h) for h in event.block_hashes]
         if isinstance(event, BlockRemoved):
-            return ("removed", tier_num, bool(event.group_idx), keys)
+            return ("removed", tier_num, bool(event.group_idx), event.block_hashes)
         parent = event.parent_block_hash
         if event.extra_keys:  # multimodal items' placeholder runs (index/media.py)
             self.media.learn(event.token_ids, event.block_size, event.extra_keys)
@@ -440,8 +375,8 @@ class NativeEventIngest(EventIngest):
             "stored",
             tier_num,
             bool(event.group_idx),
-            keys,
-            None if parent is None else self._key(wide, parent),
+            event.block_hashes,
+            parent,
             tokens,
             len(event.token_ids),
             event.block_size,

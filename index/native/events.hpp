@@ -4,13 +4,20 @@
 // Decoding follows index/codec.py rule for rule (array- or map-encoded events and
 // batches, signed / unsigned / bytes hashes, unknown fields ignored, a bad event counted
 // and skipped, an unreadable envelope rejected whole). What the native path does not
-// hash itself — LoRA roots, extra keys, cache salts, EAGLE token pairs, bytes hashes (kept
-// as bytes end to end) — marks the batch ``slow``: Python decodes it with index/codec.py and hands the
-// prepared events back (index/hashing.py keeps those semantics in one place).
+// hash itself — LoRA roots, extra keys, cache salts, EAGLE token pairs — marks the batch
+// ``slow``: Python decodes it with index/codec.py and hands the prepared events back
+// (index/hashing.py keeps those semantics in one place).
+//
+// A bytes engine hash (vLLM's default, a 32-byte sha256) is keyed by its XXH3-64 under
+// ``BYTES_KEY_SEED`` (``bytes_key``) like an int hash is by its value, and its bytes are
+// kept beside the worker's block (WorkerBlocks) so that prefetch hints name it as the
+// engine does. Until session 10 these batches went to Python's decoder: every batch of
+// a default vLLM.
 #pragma once
 
 #include <array>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -26,6 +33,12 @@ namespace cr {
 
 enum EventKind : uint8_t { STORED = 0, REMOVED = 1, CLEARED = 2 };
 
+// Seeds the 64-bit key of a bytes engine hash, so it does not equal the int hash with
+// the same value by construction.
+constexpr uint64_t BYTES_KEY_SEED = 0x62797465735F6B79ULL;
+
+inline uint64_t bytes_key(std::string_view b) { return xxh3_64(b.data(), b.size(), BYTES_KEY_SEED); }
+
 struct PEvent {
     uint8_t kind = STORED;
     int tier = GPU;  // -1: unknown medium
@@ -37,6 +50,9 @@ struct PEvent {
     uint64_t root = 0;
     int64_t block_size = 0;
     std::vector<uint64_t> hashes;
+    // (position in ``hashes``, the engine's bytes) of each bytes hash: views into the
+    // payload or the prepared event's bytes objects, alive until the event is applied
+    std::vector<std::pair<uint32_t, std::string_view>> wide;
     std::vector<uint32_t> tokens;
     std::vector<std::pair<int64_t, std::string>> extras;  // block index -> extra bytes
 };
@@ -239,26 +255,32 @@ class BatchParser {
 
     struct Bad {};
 
-    uint64_t hash(size_t i, bool& slow) const {
+    // An engine hash's key; a bytes hash's bytes into ``bin`` (when given).
+    uint64_t hash(size_t i, std::string_view* bin) const {
         if (!i) throw Bad{};
         const Value& v = nodes_[i].v;
         if (v.kind == Kind::UInt) return v.u;
         if (v.kind == Kind::Int) return static_cast<uint64_t>(v.i);
         if (v.kind == Kind::Bin) {
-            slow = true;  // bytes hashes stay bytes (index.codec): Python keeps them
-            return 0;
+            if (bin) *bin = v.bytes;
+            return bytes_key(v.bytes);
         }
         throw Bad{};
     }
 
-    void hashes(size_t i, std::vector<uint64_t>& out, bool& slow) const {
+    void hashes(size_t i, PEvent& ev) const {
         if (kind(i) != Kind::Array) throw Bad{};
         if (nodes_[i].packed >= 0) {
             const uint64_t* p = ints_.data() + nodes_[i].packed;
-            out.assign(p, p + nodes_[i].v.n);
+            ev.hashes.assign(p, p + nodes_[i].v.n);
             return;
         }
-        for (size_t c : children(i)) out.push_back(hash(c, slow));
+        for (size_t c : children(i)) {
+            std::string_view bin;
+            ev.hashes.push_back(hash(c, &bin));
+            if (nodes_[c].v.kind == Kind::Bin)
+                ev.wide.emplace_back(static_cast<uint32_t>(ev.hashes.size() - 1), bin);
+        }
     }
 
     // None, or the int's value (nonzero-ness is all the callers need).
@@ -347,11 +369,11 @@ class BatchParser {
             size_t bs = get(stored_fields, 3);
             if (kind(bs) != Kind::UInt || nodes_[bs].v.u == 0) throw Bad{};
             ev.block_size = nodes_[bs].v.u > (1ULL << 40) ? -1 : static_cast<int64_t>(nodes_[bs].v.u);
-            hashes(get(stored_fields, 0), ev.hashes, slow);
+            hashes(get(stored_fields, 0), ev);
             size_t parent = get(stored_fields, 1);
             if (kind(parent) != Kind::Nil) {
                 ev.has_parent = true;
-                ev.parent = hash(parent, slow);
+                ev.parent = hash(parent, nullptr);
             }
             size_t toks = get(stored_fields, 2);
             if (kind(toks) != Kind::Array) throw Bad{};
@@ -402,7 +424,7 @@ class BatchParser {
         }
         if (tag == "BlockRemoved") {
             ev.kind = REMOVED;
-            hashes(get(removed_fields, 0), ev.hashes, slow);
+            hashes(get(removed_fields, 0), ev);
             ev.tier = tier_of(get(removed_fields, 1), as_map ? field(body, "locality") : 0);
             ev.other_group = opt_int_nonzero(get(removed_fields, 2));
             return 0;
@@ -489,7 +511,31 @@ class WorkerBlocks {
         by_router_.erase(router, router_of());
         stale_.erase(router);
         spans.erase(engine);
+        if (!wide32_.erase(engine) && !wide_.empty()) wide_.erase(engine);
         blocks_.erase(blocks_.find(engine));
+    }
+
+    // The engine's own bytes for the block keyed ``engine`` (stored just now).
+    void keep_bytes(uint64_t engine, std::string_view b) {
+        bool fresh;
+        if (b.size() == sizeof(Digest)) {
+            std::memcpy(wide32_.get_or_insert(engine, fresh).b, b.data(), sizeof(Digest));
+        } else {
+            wide_[engine].assign(b);
+        }
+    }
+
+    // ``engine``'s bytes when the engine named it by bytes (false: by an int, the key).
+    bool engine_bytes(uint64_t engine, std::string_view& out) const {
+        if (const Digest* d = wide32_.find(engine)) {
+            out = {reinterpret_cast<const char*>(d->b), sizeof(Digest)};
+            return true;
+        }
+        if (wide_.empty()) return false;
+        auto it = wide_.find(engine);
+        if (it == wide_.end()) return false;
+        out = it->second;
+        return true;
     }
 
     // ``router``'s engine hash into ``out``; false when there is none.
@@ -514,9 +560,15 @@ class WorkerBlocks {
         by_router_.clear();
         stale_.clear();
         spans.clear();
+        wide32_.clear();
+        wide_.clear();
     }
 
-    size_t bytes() const { return blocks_.bytes() + by_router_.bytes() + stale_.bytes(); }
+    size_t bytes() const {
+        size_t n = blocks_.bytes() + by_router_.bytes() + stale_.bytes() + wide32_.bytes();
+        for (const auto& [k, v] : wide_) n += 48 + v.capacity();  // a node, roughly
+        return n;
+    }
 
     // A block k times the router's (a coarser KV group) is k router blocks: the ones
     // before its last, by engine hash. Rare, so not in EngineBlock.
@@ -529,9 +581,17 @@ class WorkerBlocks {
     };
     RouterOf router_of() const { return RouterOf{&blocks_}; }
 
+    // A sha256's 32 bytes in a flat slot (40 B; a std::string node took ~100); other
+    // lengths, which no engine sends by default, in a node map.
+    struct Digest {
+        uint8_t b[32];
+    };
+
     NodeTable<EngineBlock> blocks_;
     IdIndex by_router_;
     FlatMap<uint64_t> stale_;  // router hashes still naming an engine hash re-stored since
+    FlatMap<Digest> wide32_;
+    std::unordered_map<uint64_t, std::string> wide_;
 };
 
 // Error names match index/ingest.py's.
@@ -637,6 +697,8 @@ class EventApplier {
             w.store(eh, last, static_cast<uint8_t>(tbit));
             if (k > 1) w.spans[eh].assign(router_.begin() + i * k, router_.begin() + (i + 1) * k - 1);
         }
+        for (const auto& [i, b] : ev.wide)
+            if (i < n) w.keep_bytes(ev.hashes[i], b);
         index_.store(slot, router_.data(), router_.size(), ev.tier, has_parent, parent);
         return nullptr;
     }

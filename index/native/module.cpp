@@ -272,6 +272,42 @@ struct Stack {
     }
 };
 
+// A prepared event's engine hashes (ints, or the engine's bytes) as keys, each bytes
+// hash's bytes viewed in ``ev.wide`` (the caller holds the tuple while it applies).
+void engine_keys(py::handle obj, PEvent& ev) {
+    py::sequence seq = py::reinterpret_borrow<py::sequence>(obj);
+    bool any_bytes = false;
+    for (py::handle h : seq) any_bytes |= PyBytes_Check(h.ptr()) != 0;
+    if (!any_bytes) {
+        ev.hashes = u64s(obj);
+        return;
+    }
+    ev.hashes.reserve(seq.size());
+    for (py::handle h : seq) {
+        if (PyBytes_Check(h.ptr())) {
+            std::string_view b(PyBytes_AS_STRING(h.ptr()),
+                               static_cast<size_t>(PyBytes_GET_SIZE(h.ptr())));
+            ev.wide.emplace_back(static_cast<uint32_t>(ev.hashes.size()), b);
+            ev.hashes.push_back(bytes_key(b));
+        } else {
+            ev.hashes.push_back(h.cast<uint64_t>());
+        }
+    }
+}
+
+uint64_t engine_key(py::handle h) {
+    if (PyBytes_Check(h.ptr()))
+        return bytes_key({PyBytes_AS_STRING(h.ptr()), static_cast<size_t>(PyBytes_GET_SIZE(h.ptr()))});
+    return h.cast<uint64_t>();
+}
+
+// A worker's engine hash as the engine named it: its bytes, or the int.
+py::object engine_obj(const WorkerBlocks& w, uint64_t key) {
+    std::string_view b;
+    if (w.engine_bytes(key, b)) return py::bytes(b.data(), b.size());
+    return py::int_(key);
+}
+
 PEvent event_from_tuple(const py::tuple& t) {
     PEvent ev;
     const std::string kind = t[0].cast<std::string>();
@@ -281,14 +317,14 @@ PEvent event_from_tuple(const py::tuple& t) {
     }
     ev.tier = t[1].cast<int>();
     ev.other_group = t[2].cast<bool>();
-    ev.hashes = u64s(t[3]);
+    engine_keys(t[3], ev);
     if (kind == "removed") {
         ev.kind = REMOVED;
         return ev;
     }
     if (kind != "stored") throw py::value_error("event kind must be stored/removed/cleared");
     ev.kind = STORED;
-    if (!t[4].is_none()) ev.has_parent = true, ev.parent = t[4].cast<uint64_t>();
+    if (!t[4].is_none()) ev.has_parent = true, ev.parent = engine_key(t[4]);
     if (t[5].is_none()) {
         ev.bad_tokens = true;  // counted as in Python: the length checks come first
         ev.tokens.resize(t[6].cast<size_t>());
@@ -1122,35 +1158,28 @@ PYBIND11_MODULE(_native, m) {
                  check_slot(slot);
                  py::dict out;
                  Core::Lock l(c.mu);
-                 c.applier.worker(slot).for_each([&](uint64_t eh, uint64_t router) {
-                     out[py::int_(eh)] = py::int_(router);
+                 auto& w = c.applier.worker(slot);
+                 w.for_each([&](uint64_t eh, uint64_t router) {
+                     out[engine_obj(w, eh)] = py::int_(router);
                  });
                  return out;
-             })
-        .def("known_engine",
-             [](Core& c, int slot, py::handle engine_hashes) {
+             },
+             "Engine hash (its bytes, or the int) -> router hash of every block held.")
+        .def("engine_hashes",
+             [](Core& c, int slot, py::handle router_hashes) {
                  check_slot(slot);
-                 std::vector<uint64_t> hs = u64s(engine_hashes);
+                 std::vector<uint64_t> hs = u64s(router_hashes);
                  py::list out;
                  Core::Lock l(c.mu);
-                 auto& blocks = c.applier.worker(slot);
-                 for (uint64_t eh : hs) out.append(py::bool_(blocks.find(eh) != nullptr));
+                 auto& w = c.applier.worker(slot);
+                 uint64_t eh;
+                 for (uint64_t rh : hs) {
+                     if (!w.engine_of(rh, eh) || !w.find(eh)) break;
+                     out.append(engine_obj(w, eh));
+                 }
                  return out;
-             })
-        .def("engine_hashes", [](Core& c, int slot, py::handle router_hashes) {
-            check_slot(slot);
-            std::vector<uint64_t> hs = u64s(router_hashes), out;
-            {
-                Core::Lock l(c.mu);
-                auto& w = c.applier.worker(slot);
-                uint64_t eh;
-                for (uint64_t rh : hs) {
-                    if (!w.engine_of(rh, eh)) break;
-                    out.push_back(eh);
-                }
-            }
-            return to_list(out);
-        });
+             },
+             "The worker's own hashes of the leading ``router_hashes`` it holds.");
 
     // -- the native KV-event reader (nats_reader.hpp, LiveFeed) ----------------------
     py::class_<LiveFeed>(m, "EventReader")
