@@ -30,6 +30,10 @@ Prints one JSON object (never asserts). Sections:
   unshared pairs: the native core's own heap count and RSS growth; Dynamo's RSS growth
   on the same stores; each side in a fresh process.
 
+``--engine-hashes sha256`` sends our side's events as a default vLLM 0.32 does (each
+block hash a 32-byte sha256, ``extra_keys`` one ``None`` per block) in every section;
+Dynamo's side keeps u64 hashes (its engine integrations convert before publishing).
+
 Run (Dynamo comes from the ``baselines`` extra; a separate venv works):
 
     flock /work/bench.lock nice -n 5 python bench/scale.py --tokenizer PATH/tokenizer.json
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import os
 import random
@@ -72,6 +77,7 @@ EVENT_BLOCKS = 16
 VOCAB = 32_000
 LENGTHS = (2048, 8192, 32768, 131072)
 RUN = 64  # batches per native call in the ``native_runs`` ingest (router/ingest_thread.py)
+ENGINE_HASHES = "u64"  # --engine-hashes: u64, or sha256 (a default vLLM's bytes hashes)
 
 
 def rss() -> int:
@@ -102,13 +108,18 @@ def our_batches(data: list[tuple[int, np.ndarray]], chain: int) -> list[tuple[st
     seqs: dict[int, int] = {}
     out = []
     next_hash = 1
-    parent: int | None = None
+    parent: int | bytes | None = None
     for i, (w, toks) in enumerate(data):
         if i % per_chain == 0:
             parent = None
-        hashes = list(range(next_hash, next_hash + EVENT_BLOCKS))
+        ids = range(next_hash, next_hash + EVENT_BLOCKS)
         next_hash += EVENT_BLOCKS
-        ev = BlockStored(hashes, parent, toks.tolist(), BLOCK, medium="GPU")
+        hashes: list[int | bytes] = list(ids)
+        extra: list[None] | None = None
+        if ENGINE_HASHES == "sha256":
+            hashes = [hashlib.sha256(h.to_bytes(8, "little")).digest() for h in ids]
+            extra = [None] * EVENT_BLOCKS
+        ev = BlockStored(hashes, parent, toks.tolist(), BLOCK, medium="GPU", extra_keys=extra)
         seq = seqs.get(w, 0)
         seqs[w] = seq + 1
         out.append((f"worker-{w}", seq, encode(EventBatch(float(i), [ev], None))))
@@ -267,6 +278,7 @@ def bench_memory(pairs: int, workers: int, chain: int) -> dict[str, Any]:
     sides = [s for s, ok in (("native", NativePrefixIndex), ("dynamo", RadixTree)) if ok]
     for side in sides:
         cmd = [sys.executable, __file__, "--memory-side", side, "--pairs", str(pairs)]
+        cmd += ["--engine-hashes", ENGINE_HASHES]
         cmd += ["--workers", str(workers)]
         done = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600)
         out.update(json.loads(done.stdout))
@@ -443,6 +455,7 @@ async def router_side(
     while not (feed.using and feed.up_to_date) and time.monotonic() < deadline:
         await asyncio.sleep(0.01)  # subscribed: the warm batches are not published before
     cmd = [sys.executable, __file__, "--publish-side", url, "--rate", str(rate)]
+    cmd += ["--engine-hashes", ENGINE_HASHES]
     cmd += ["--workers", str(workers), "--nats-seconds", str(seconds)]
     pub = await asyncio.create_subprocess_exec(
         *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
@@ -751,6 +764,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=128_000, help="under_ingest: blocks/s")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
+    p.add_argument(
+        "--engine-hashes",
+        choices=("u64", "sha256"),
+        default="u64",
+        help="our events' block hashes: 64-bit ints, or a default vLLM's 32-byte sha256s",
+    )
     p.add_argument("--memory-side", choices=["native", "dynamo"], help=argparse.SUPPRESS)
     p.add_argument("--publish-side", metavar="URL", help=argparse.SUPPRESS)
     p.add_argument("--probe-side", type=int, metavar="FD", help=argparse.SUPPRESS)
@@ -781,6 +800,8 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated sections to run (prompt,multi_turn,ingest,under_ingest,memory,nats)",
     )
     args = p.parse_args(argv)
+    global ENGINE_HASHES
+    ENGINE_HASHES = args.engine_hashes
     if args.memory_side:  # the child process of bench_memory
         print(json.dumps(memory_side(args.memory_side, args.pairs, args.workers, 512)))
         return 0
@@ -804,6 +825,7 @@ def main(argv: list[str] | None = None) -> int:
             "native": NativePrefixIndex is not None,
             "dynamo": metadata.version("ai-dynamo-runtime") if RadixTree is not None else None,
             "load_average_at_start": os.getloadavg(),
+            "engine_hashes": ENGINE_HASHES,
         },
     }
     sections = {

@@ -18,6 +18,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -275,7 +276,10 @@ class BatchParser {
             ev.hashes.assign(p, p + nodes_[i].v.n);
             return;
         }
-        for (size_t c : children(i)) {
+        const std::vector<size_t> kids = children(i);
+        ev.hashes.reserve(kids.size());
+        if (!kids.empty() && nodes_[kids[0]].v.kind == Kind::Bin) ev.wide.reserve(kids.size());
+        for (size_t c : kids) {
             std::string_view bin;
             ev.hashes.push_back(hash(c, &bin));
             if (nodes_[c].v.kind == Kind::Bin)
@@ -478,14 +482,19 @@ struct __attribute__((packed)) EngineBlock {
 // One 17 B record per block in a NodeTable and the inverse as a second IdIndex over the
 // same records: ~29 B a (block, worker) pair, where two FlatMaps (a 17 B and a 16 B slot
 // at a load of ~0.79) took ~42 B (bench/scale.py memory, 1M and 5M pairs).
+//
+// A block the engine named by a 32-byte hash (vLLM's sha256) keeps those bytes at its
+// record's id in chunks made on first use: 32 B and a bit a pair, where a FlatMap of
+// digests paid ~62 B at its mean load. Other lengths, which no engine sends by
+// default, go to a node map.
 class WorkerBlocks {
    public:
     size_t size() const { return blocks_.size(); }
     EngineBlock* find(uint64_t engine) { return blocks_.get(engine); }
 
     // ``engine`` names router block ``router`` (in tier bit ``tbit`` too); it becomes
-    // ``router``'s engine hash.
-    void store(uint64_t engine, uint64_t router, uint8_t tbit) {
+    // ``router``'s engine hash. ``named``: the engine's own bytes for ``engine``, if any.
+    void store(uint64_t engine, uint64_t router, uint8_t tbit, const std::string_view* named) {
         bool inserted;
         const uint32_t id = blocks_.insert(engine, inserted);
         EngineBlock& b = blocks_.at(id);
@@ -501,6 +510,7 @@ class WorkerBlocks {
         b.tiers |= tbit;
         stale_.erase(router);
         by_router_.put(router, id, router_of());
+        if (named) name(id, engine, *named);
     }
 
     // Drops tier bit ``tbit``; the block is forgotten when no tier is left.
@@ -511,29 +521,24 @@ class WorkerBlocks {
         by_router_.erase(router, router_of());
         stale_.erase(router);
         spans.erase(engine);
-        if (!wide32_.erase(engine) && !wide_.empty()) wide_.erase(engine);
-        blocks_.erase(blocks_.find(engine));
+        const uint32_t id = blocks_.find(engine);
+        if (digest_bit(id)) named_[id >> 6] &= ~(uint64_t{1} << (id & 63));
+        if (!odd_.empty()) odd_.erase(engine);
+        blocks_.erase(id);
     }
 
-    // The engine's own bytes for the block keyed ``engine`` (stored just now).
-    void keep_bytes(uint64_t engine, std::string_view b) {
-        bool fresh;
-        if (b.size() == sizeof(Digest)) {
-            std::memcpy(wide32_.get_or_insert(engine, fresh).b, b.data(), sizeof(Digest));
-        } else {
-            wide_[engine].assign(b);
-        }
-    }
-
-    // ``engine``'s bytes when the engine named it by bytes (false: by an int, the key).
+    // The bytes the engine named held block ``engine`` by (false: it named it by an
+    // int, the key itself).
     bool engine_bytes(uint64_t engine, std::string_view& out) const {
-        if (const Digest* d = wide32_.find(engine)) {
-            out = {reinterpret_cast<const char*>(d->b), sizeof(Digest)};
+        const uint32_t id = blocks_.find(engine);
+        if (id == NodeTable<EngineBlock>::NONE) return false;
+        if (digest_bit(id)) {
+            out = {reinterpret_cast<const char*>(digest(id)), DIGEST};
             return true;
         }
-        if (wide_.empty()) return false;
-        auto it = wide_.find(engine);
-        if (it == wide_.end()) return false;
+        if (odd_.empty()) return false;
+        auto it = odd_.find(engine);
+        if (it == odd_.end()) return false;
         out = it->second;
         return true;
     }
@@ -560,13 +565,15 @@ class WorkerBlocks {
         by_router_.clear();
         stale_.clear();
         spans.clear();
-        wide32_.clear();
-        wide_.clear();
+        digests_.clear();
+        std::vector<uint64_t>().swap(named_);
+        odd_.clear();
     }
 
     size_t bytes() const {
-        size_t n = blocks_.bytes() + by_router_.bytes() + stale_.bytes() + wide32_.bytes();
-        for (const auto& [k, v] : wide_) n += 48 + v.capacity();  // a node, roughly
+        size_t n = blocks_.bytes() + by_router_.bytes() + stale_.bytes() +
+                   digests_.size() * (size_t{1} << CHUNK_BITS) * DIGEST + named_.capacity() * 8;
+        for (const auto& kv : odd_) n += 48 + kv.second.capacity();  // a node, roughly
         return n;
     }
 
@@ -575,23 +582,41 @@ class WorkerBlocks {
     std::unordered_map<uint64_t, std::vector<uint64_t>> spans;
 
    private:
+    static constexpr size_t DIGEST = 32;
+    static constexpr int CHUNK_BITS = 14;  // 16K digests (512 KB) a chunk
+
     struct RouterOf {
         const NodeTable<EngineBlock>* blocks;
         uint64_t operator()(uint32_t id) const { return blocks->at(id).router; }
     };
     RouterOf router_of() const { return RouterOf{&blocks_}; }
 
-    // A sha256's 32 bytes in a flat slot (40 B; a std::string node took ~100); other
-    // lengths, which no engine sends by default, in a node map.
-    struct Digest {
-        uint8_t b[32];
-    };
+    bool digest_bit(uint32_t id) const {
+        return (id >> 6) < named_.size() && (named_[id >> 6] >> (id & 63)) & 1;
+    }
+    const uint8_t* digest(uint32_t id) const {
+        return digests_[id >> CHUNK_BITS].get() + (id & ((1u << CHUNK_BITS) - 1)) * DIGEST;
+    }
+
+    void name(uint32_t id, uint64_t engine, std::string_view b) {
+        if (b.size() != DIGEST) {
+            odd_[engine].assign(b);
+            return;
+        }
+        const size_t chunk = id >> CHUNK_BITS;
+        if (digests_.size() <= chunk) digests_.resize(chunk + 1);
+        if (!digests_[chunk]) digests_[chunk].reset(new uint8_t[DIGEST << CHUNK_BITS]);
+        if (named_.size() <= (id >> 6)) named_.resize((id >> 6) + 1, 0);
+        std::memcpy(const_cast<uint8_t*>(digest(id)), b.data(), DIGEST);
+        named_[id >> 6] |= uint64_t{1} << (id & 63);
+    }
 
     NodeTable<EngineBlock> blocks_;
     IdIndex by_router_;
     FlatMap<uint64_t> stale_;  // router hashes still naming an engine hash re-stored since
-    FlatMap<Digest> wide32_;
-    std::unordered_map<uint64_t, std::string> wide_;
+    std::vector<std::unique_ptr<uint8_t[]>> digests_;  // by record id, chunks made on use
+    std::vector<uint64_t> named_;                      // bit per record id: has a digest
+    std::unordered_map<uint64_t, std::string> odd_;    // bytes hashes of other lengths
 };
 
 // Error names match index/ingest.py's.
@@ -691,14 +716,15 @@ class EventApplier {
                 router_.resize(room * k);
             }
         }
+        auto named = ev.wide.begin();  // in the order of ``hashes``
         for (size_t i = 0; i < n; ++i) {
             const uint64_t eh = ev.hashes[i];
             const uint64_t last = router_[(i + 1) * k - 1];
-            w.store(eh, last, static_cast<uint8_t>(tbit));
+            const bool has_bytes = named != ev.wide.end() && named->first == i;
+            w.store(eh, last, static_cast<uint8_t>(tbit), has_bytes ? &named->second : nullptr);
+            named += has_bytes;
             if (k > 1) w.spans[eh].assign(router_.begin() + i * k, router_.begin() + (i + 1) * k - 1);
         }
-        for (const auto& [i, b] : ev.wide)
-            if (i < n) w.keep_bytes(ev.hashes[i], b);
         index_.store(slot, router_.data(), router_.size(), ev.tier, has_parent, parent);
         return nullptr;
     }
