@@ -48,9 +48,8 @@ def dp_engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     publishing on its own port (tcp: vLLM offsets no ipc:// endpoint by rank)."""
     work = tmp_path_factory.mktemp("vllm-dp")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
-    # 64-bit block hashes, which the native reader applies itself (bytes ones go to Python;
-    # the other real-engine tests keep vLLM's default bytes)
-    env["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "1"
+    # vLLM's default bytes block hashes, which the native reader applies itself
+    env["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "0"
     engine = Engine("d0", engine_python(), model_dir, work, env, transport="tcp", dp_size=2)
     with running([engine]):
         yield engine

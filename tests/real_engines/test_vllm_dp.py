@@ -3,9 +3,9 @@ two KV caches. One agent per rank (its events on port P+rank), the router indexi
 routing per (engine, rank) target and naming the rank in vLLM's ``X-data-parallel-rank``
 header. Per request: predicted hit tokens equal vLLM's ``cached_tokens``.
 
-The router reads core NATS here and vLLM publishes 64-bit block hashes, so the native event
-reader (``router.native_events``) applies the live batches itself; the other real-engine
-tests read the JetStream stream, with vLLM's default bytes hashes."""
+The router reads core NATS here, so the native event reader (``router.native_events``)
+applies the live batches itself, vLLM's default bytes (sha256) block hashes included; the
+other real-engine tests read the JetStream stream."""
 
 from __future__ import annotations
 
