@@ -49,6 +49,10 @@ class WorkerView:
     kv_usage: float | None = None  # engine-reported KV cache usage, 0..1
     healthy: bool = True
     in_sync: bool = True  # False while the index may be stale for this worker
+    # the oldest of this router's prefills on the worker (part of inflight_prefill_tokens)
+    # and how long it has been computing: the policy discounts what is already done
+    running_prefill_tokens: int = 0
+    running_prefill_ms: float = 0.0
 
     @classmethod
     def of(
@@ -63,6 +67,7 @@ class WorkerView:
         engine_running: int | None,
         engine_waiting: int | None,
         kv_usage: float | None,
+        running_prefill: tuple[int, float] = (0, 0.0),
     ) -> WorkerView:
         """The view the router and the simulator both build: a worker whose events are out
         of sync shows no match, since its index rows may name blocks it no longer holds."""
@@ -70,7 +75,7 @@ class WorkerView:
         match = match if in_sync else NO_MATCH
         return cls(
             worker_id, match, inflight_requests, inflight_prefill_tokens, decode_streams,
-            engine_running, engine_waiting, kv_usage, True, in_sync,
+            engine_running, engine_waiting, kv_usage, True, in_sync, *running_prefill,
         )  # fmt: skip
 
 

@@ -143,7 +143,8 @@ hit 0.1396 -> 0.1404 at 500 ms, seed 0); with no slack limit, SGLang's rule for 
 prefixes, 0.1422 at a TTFT p90 of 6,619 ms against 5,560.
 
 On a disaggregated pool's prefill engines the policy runs with ``prefill_params``
-(``recompute_weight`` 8, ``place_slack_ms`` 500; ``Experiment.prefill_policy_for``): a
+(``recompute_weight`` 8 until session 10, now 6 with ``running_discount``, below;
+``place_slack_ms`` 500; ``Experiment.prefill_policy_for``): a
 prefill engine only computes prompts, so a recomputed prefix is all extra work for the
 pool and its copy evicts other prompts' KV with nothing else in the cache to buffer it,
 while a mixed pool's steps are mostly decoding (where issue 13's sweep set weight 6).
@@ -165,6 +166,21 @@ peer all of it. PD simulator, seeds 0-2 (BENCHMARKS.md, session 8): conversation
 7,204 / 6,994 / 6,986 ms; synthetic 0.1476 / 0.1470 / 0.1496 -> 0.1497 / 0.1492 /
 0.1472 (at the prefill engines' capacity, seed noise); agent within 0.01 points. Share
 2 / 8 / 16 on conversation seed 2: 0.1758 / 0.1741 / 0.1768, TTFT p90 up to 7,468 ms.
+
+A running prefill counts by what is left (``running_discount``, on for the prefill side
+only): the router and the simulator give each view the oldest in-flight prompt's tokens
+and how long it has run (``router.load.RunningPrefills``), and the queue is charged
+``cost_model.computed_tokens`` fewer tokens, its running time at the linear rate (its
+attention stays charged, so the charge falls by about the time run). The oldest prompt's
+time left was then off by 624 ms on the mean at each arrival, against 1,837 ms counted
+whole (PD simulator, synthetic seed 1). At weight 8 it cost the synthetic rows 0.25-0.46
+hit points (seeds 0-2); weight 6 with it, against session 8's table (BENCHMARKS.md,
+session 10): conversation hit 0.1748 / 0.1760 / 0.1768 -> 0.1769 / 0.1778 / 0.1806,
+synthetic 0.1497 / 0.1492 / 0.1472 -> 0.1484 / 0.1496 / 0.1505, agent within 0.0001,
+TTFT p90 and TPOT p90 still the best of the PD rules in every cell. Weight 6 alone moved
+conversation seed 2 to 0.1761. Off for mixed pools: there it raised the TTFT p90 of
+Mooncake conversation (1,500 requests, 8 engines, seed 0) from 2,211 to 2,790 ms, hit
+0.2371 -> 0.2348.
 
 Ties (within ``tie_ms``) are broken at random, never by list order. An estimate that
 relies on a prefetch must win by more than ``tie_ms``: the hint may be dropped.
@@ -195,6 +211,7 @@ from .base import (
 from .cost_model import (
     EngineCosts,
     admit_wait_ms,
+    computed_tokens,
     estimate_ttft_prefetched,
     prefetch_fits,
     uncached_tokens,
@@ -231,10 +248,11 @@ class CacheAware(Policy):
 
     name = "cache_aware"
     prefill_params = {
-        "recompute_weight": 8.0,
+        "recompute_weight": 6.0,
         "recompute_share": 4.0,
         "place_slack_ms": 500.0,
         "replica_slack": False,
+        "running_discount": True,
     }
 
     def __init__(
@@ -254,6 +272,7 @@ class CacheAware(Policy):
         tie_ms: float = 0.25,
         place_slack_ms: float | None = None,
         replica_slack: bool = True,
+        running_discount: bool = False,
     ) -> None:
         super().__init__(rng)
         if not 0 < prefetch_fraction <= 1:
@@ -287,6 +306,7 @@ class CacheAware(Policy):
         self.tie_ms = tie_ms
         self.place_slack_ms = place_slack_ms
         self.replica_slack = bool(replica_slack)
+        self.running_discount = bool(running_discount)
         # Blocks each worker computed for the requests this policy routed (new content in
         # its cache): a cold prefix goes where the least was placed (``_place``).
         self._placed: OrderedDict[str, float] = OrderedDict()
@@ -339,6 +359,7 @@ class CacheAware(Policy):
         active = self._active
         queued_attn = self._queued_attn
         speed = self.speed
+        discount = self.running_discount
         session = request.session_key
         if self._hinted and session is not None:
             self._learn_landing(session, cands)
@@ -372,11 +393,14 @@ class CacheAware(Policy):
             if running is not None and running - pending > dec:
                 dec = min(running, MAX_ENGINE_COUNT) - pending
             per_step = step + dec * ppt + active.get(w.worker_id, 0) * kv_rate
+            f = speed.get(w.worker_id, 1.0) if speed else 1.0
             qt: float = w.inflight_prefill_tokens
             waiting: float | None = w.engine_waiting
             if waiting is not None and waiting > pending:
                 waiting = min(waiting, MAX_ENGINE_COUNT)  # a forged 1e308 must not overflow
                 qt += (waiting - pending) * (qt / pending if pending and qt else ntok)
+            if discount and w.running_prefill_tokens:  # the oldest prompt is partly done
+                qt -= computed_tokens(c, w, f)
             if qt > 0:
                 n_steps = qt * inv_budget
                 queue = (
@@ -386,7 +410,6 @@ class CacheAware(Policy):
                 )
             else:
                 queue = 0.0
-            f = speed.get(w.worker_id, 1.0) if speed else 1.0
             left = ntok - (total if total < cacheable else cacheable) * bs
             if left < 1:
                 left = 1
@@ -775,7 +798,8 @@ class CacheAware(Policy):
         if usage is not None and not usage < _KV_ROOM:  # NaN counts as full
             return None
         f = self.speed.get(w.worker_id, 1.0)
-        admit = f * admit_wait_ms(costs, w, request.num_tokens)
+        done = computed_tokens(costs, w, f) if self.running_discount else 0.0
+        admit = f * admit_wait_ms(costs, w, request.num_tokens, done)
         if not prefetch_fits(costs, moved * bs, admit * self.prefetch_fraction, tier):
             return None
         queue, prefill, load = estimate_ttft_prefetched(
@@ -788,6 +812,7 @@ class CacheAware(Policy):
             moved,
             self.active_tokens(w.worker_id),
             self.queued_attn_ms(w.worker_id),
+            done,
         )
         queue, prefill = f * queue, f * prefill
         ttft = queue + prefill + load

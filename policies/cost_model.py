@@ -128,12 +128,35 @@ def decode_seqs(view: WorkerView) -> int:
     return max(view.decode_streams, min(view.engine_running, MAX_ENGINE_COUNT) - prefilling)
 
 
-def queue_tokens(view: WorkerView, fallback_tokens: float) -> float:
-    """Prompt tokens ahead of a new request on ``view``.
+def computed_tokens(costs: EngineCosts, view: WorkerView, speed: float = 1.0) -> float:
+    """Tokens of the oldest prefill running on ``view`` already computed: the time it has
+    run at the linear rate (``prefill_ms_per_token``, times the worker's learned
+    ``speed``), at most its tokens.
+
+    The linear rate alone, because the queue's attention stays charged in full
+    (``queued_attn_ms``, until the prompt's first token): the queue's charge then falls
+    by the time the prompt has run, until its linear part is spent. The router and the
+    simulator count the running time (``router.load.RunningPrefills``); the policy,
+    whose costs these are, turns it into tokens. Measured at each arrival (PD simulator,
+    Mooncake synthetic seed 1; BENCHMARKS.md, session 10), the oldest prompt's time
+    left so charged is off its true time by 624 ms on the mean (median +25 ms), counted
+    whole by 1,837 ms (median +1,034 ms).
+    """
+    tokens = view.running_prefill_tokens
+    if tokens <= 0:
+        return 0.0
+    done = view.running_prefill_ms / (costs.prefill_ms_per_token * speed)
+    return done if done < tokens else float(tokens)
+
+
+def queue_tokens(view: WorkerView, fallback_tokens: float, computed: float = 0.0) -> float:
+    """Prompt tokens ahead of a new request on ``view`` still to compute.
 
     The router's own in-flight prefill tokens are exact for what it routed; waiting
     requests the engine reports beyond those (another router, direct traffic) are
     charged at the mean size of ours, or at ``fallback_tokens`` when we have none.
+    ``computed``: the tokens of them already computed (``computed_tokens``), where the
+    policy counts a running prefill by what is left.
     """
     tokens = float(view.inflight_prefill_tokens)
     waiting = view.engine_waiting
@@ -142,7 +165,7 @@ def queue_tokens(view: WorkerView, fallback_tokens: float) -> float:
         if waiting > pending:
             per = tokens / pending if pending and tokens else fallback_tokens
             tokens += (min(waiting, MAX_ENGINE_COUNT) - pending) * per
-    return tokens
+    return tokens - computed
 
 
 def steps_ms(costs: EngineCosts, tokens: float, decode: int, kv_tokens: float = 0.0) -> float:
@@ -167,6 +190,7 @@ def queue_wait_ms(
     fallback_tokens: float,
     kv_tokens: float = 0.0,
     queued_attn_ms: float = 0.0,
+    computed: float = 0.0,
 ) -> float:
     """Expected wait before a new request's prefill starts on ``view``.
 
@@ -174,21 +198,23 @@ def queue_wait_ms(
     prompts over their own contexts, known for those the policy routed (charging the
     queue as one long sequence would make attention grow with the square of the queue).
     """
-    tokens = queue_tokens(view, fallback_tokens)
+    tokens = queue_tokens(view, fallback_tokens, computed)
     if tokens <= 0:
         return 0.0
     steps = steps_ms(costs, tokens, decode_seqs(view), kv_tokens)
     return tokens * costs.prefill_ms_per_token + queued_attn_ms + steps
 
 
-def admit_wait_ms(costs: EngineCosts, view: WorkerView, fallback_tokens: float) -> float:
+def admit_wait_ms(
+    costs: EngineCosts, view: WorkerView, fallback_tokens: float, computed: float = 0.0
+) -> float:
     """Expected wait before the engine admits a new request (looks up its prefix).
 
     A chunked-prefill engine admits a waiting request as soon as a step has budget left
     after the prompts ahead of it, i.e. once fewer than ``max_batch_tokens`` of them
     remain; a prefetch must land by then to count. Zero when it fits the next step.
     """
-    tokens = queue_tokens(view, fallback_tokens) - costs.max_batch_tokens
+    tokens = queue_tokens(view, fallback_tokens, computed) - costs.max_batch_tokens
     if tokens <= 0:
         return 0.0
     return tokens * costs.prefill_ms_per_token + steps_ms(costs, tokens, decode_seqs(view))
@@ -244,15 +270,17 @@ def estimate_ttft(
     block_size: int,
     kv_tokens: float = 0.0,
     queued_attn_ms: float = 0.0,
+    computed: float = 0.0,
 ) -> tuple[float, float, float]:
     """(queue_ms, prefill_ms, load_ms) of a request on ``view`` without prefetch.
 
     ``kv_tokens``: context of the requests in flight on the worker (decode attention);
-    ``queued_attn_ms``: attention of the prompts queued there (``queue_wait_ms``).
+    ``queued_attn_ms``: attention of the prompts queued there (``queue_wait_ms``);
+    ``computed``: queued tokens already computed (``computed_tokens``).
     """
     dec = decode_seqs(view)
     return (
-        queue_wait_ms(costs, view, num_tokens, kv_tokens, queued_attn_ms),
+        queue_wait_ms(costs, view, num_tokens, kv_tokens, queued_attn_ms, computed),
         prefill_time_ms(costs, num_tokens, match.total, block_size, dec, kv_tokens),
         load_time_ms(costs, match, block_size),
     )
@@ -268,6 +296,7 @@ def estimate_ttft_prefetched(
     moved_blocks: int,
     kv_tokens: float = 0.0,
     queued_attn_ms: float = 0.0,
+    computed: float = 0.0,
 ) -> tuple[float, float, float]:
     """(queue_ms, prefill_ms, load_ms) when ``moved_blocks`` were pulled in while queued.
 
@@ -278,7 +307,7 @@ def estimate_ttft_prefetched(
     load = load_time_ms(costs, own, block_size) + costs.load_ms("cpu", moved_blocks * block_size)
     dec = decode_seqs(view)
     return (
-        queue_wait_ms(costs, view, num_tokens, kv_tokens, queued_attn_ms),
+        queue_wait_ms(costs, view, num_tokens, kv_tokens, queued_attn_ms, computed),
         prefill_time_ms(costs, num_tokens, hit_blocks, block_size, dec, kv_tokens),
         load,
     )

@@ -5,7 +5,15 @@ engine numbers arrive late (``kv.load.<worker>`` reports or ``/metrics`` scrapes
 include traffic from other routers; policies get both.
 
 In-flight prefill tokens are the uncached prompt tokens of requests still waiting for
-their first byte: that is the queue a new request would wait behind.
+their first byte: that is the queue a new request would wait behind. They stay counted
+whole until the first byte, but the oldest of them has been computing for a while: an
+engine prefills its queue first come, first served, so ``RunningPrefills`` keeps this
+router's flights per worker in arrival order and says how long the oldest has run (since
+it was sent, or since the one before it left, whichever is later). The policy turns that
+time into tokens at its own cost model (``policies.cost_model.computed_tokens``): a
+prefix holder whose long prompt is nearly done no longer looks as busy as when it began
+(issue 15: on conversation seed 2 a holder showed 93,389 tokens with 11,469 left to
+compute, and the request left a 424-of-429-block match for an idle engine).
 
 With router replicas (``router.replicas``) the counters also hold what the peers have
 in flight on the worker; ``own()`` is this router's part, the one it tells its peers.
@@ -31,6 +39,47 @@ class EngineLoad:
     kv_usage: float | None = None
 
 
+class RunningPrefills:
+    """One engine's prefills in flight, oldest first, and how long the oldest has run.
+
+    Plain and synchronous, in the caller's clock (the router's monotonic milliseconds,
+    the simulator's virtual ones): the router and both simulators count with it. Only the
+    oldest is discounted, since an engine works through its queue in order; the later
+    ones have not started, or barely.
+    """
+
+    __slots__ = ("_flights", "_head_since")
+
+    def __init__(self) -> None:
+        self._flights: dict[object, tuple[int, float]] = {}  # key -> (tokens, sent at)
+        self._head_since = -math.inf  # when the previous oldest left
+
+    def __len__(self) -> int:
+        return len(self._flights)
+
+    def add(self, key: object, tokens: int, now: float) -> None:
+        self._flights[key] = (tokens, now)
+
+    def remove(self, key: object, now: float) -> None:
+        """The flight's prefill is over (first token, an error, a cancel); once the oldest
+        leaves, the next one starts computing now at the earliest."""
+        flights = self._flights
+        if key not in flights:
+            return
+        if next(iter(flights)) is key:
+            self._head_since = now
+        del flights[key]
+
+    def oldest(self, now: float) -> tuple[int, float]:
+        """``(tokens, running time)`` of the oldest flight; ``(0, 0.0)`` with none."""
+        flights = self._flights
+        if not flights:
+            return 0, 0.0
+        tokens, sent = next(iter(flights.values()))
+        began = sent if sent > self._head_since else self._head_since
+        return tokens, (now - began if now > began else 0.0)
+
+
 class WorkerLoad:
     """Load counters of one worker; mutated only on the event loop."""
 
@@ -43,6 +92,7 @@ class WorkerLoad:
         "peer_decode_streams",
         "peer_prefill_tokens",
         "peer_requests",
+        "prefills",
     )
 
     def __init__(self) -> None:
@@ -55,11 +105,21 @@ class WorkerLoad:
         self.peer_requests = 0
         self.peer_prefill_tokens = 0
         self.peer_decode_streams = 0
+        # this router's own flights waiting for their first byte (the peers' are counts
+        # only): when the oldest was sent, in monotonic ms
+        self.prefills = RunningPrefills()
 
-    def begin(self, prefill_tokens: int) -> Flight:
+    def begin(self, prefill_tokens: int, now: float | None = None) -> Flight:
         self.inflight_requests += 1
         self.inflight_prefill_tokens += prefill_tokens
-        return Flight(self, prefill_tokens)
+        flight = Flight(self, prefill_tokens)
+        if prefill_tokens > 0:  # a passthrough's unknown prompt neither waits nor discounts
+            self.prefills.add(flight, prefill_tokens, _now_ms() if now is None else now)
+        return flight
+
+    def running_prefill(self, now_ms: float) -> tuple[int, float]:
+        """The oldest own prefill's tokens and how long it has run (ms) at ``now_ms``."""
+        return self.prefills.oldest(now_ms)
 
     def own(self) -> tuple[int, int, int]:
         """This router's in-flight requests, prefill tokens and decode streams."""
@@ -124,18 +184,24 @@ class Flight:
     def first_byte(self) -> None:
         if self.state is WAITING:
             self.load.inflight_prefill_tokens -= self.prefill
+            self.load.prefills.remove(self, _now_ms())
             self.load.decode_streams += 1
             self.state = DECODING
 
     def finish(self) -> None:
         if self.state is WAITING:
             self.load.inflight_prefill_tokens -= self.prefill
+            self.load.prefills.remove(self, _now_ms())
         elif self.state is DECODING:
             self.load.decode_streams -= 1
         else:
             return
         self.load.inflight_requests -= 1
         self.state = FINISHED
+
+
+def _now_ms() -> float:
+    return time.monotonic() * 1000.0
 
 
 def parse_load_report(data: bytes) -> EngineLoad:

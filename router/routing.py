@@ -300,6 +300,7 @@ class Router:
     ) -> list[WorkerView]:
         """The usable candidates as the policy sees them (index matches and load)."""
         now = time.monotonic()
+        now_ms = now * 1000.0
         pool = prep.pool
         ingest = pool.ingest
         # the engines never count the block holding the prompt's last token as cached
@@ -343,6 +344,7 @@ class Router:
                         engine_running=running,
                         engine_waiting=waiting,
                         kv_usage=kv_usage,
+                        running_prefill=load.running_prefill(now_ms),
                     )
                 )
         return views

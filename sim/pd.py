@@ -38,6 +38,7 @@ from policies.base import NO_MATCH
 from policies.cost_model import uncached_tokens
 from policies.pd import DECODE_POLICIES, PdDecision, choose, make_decode_policy
 from policies.registry import POLICY_NAMES
+from router.load import RunningPrefills
 from sim.batch_engine import BatchEngine
 from sim.cache import PrefixCache
 from sim.report import PolicyReport
@@ -122,6 +123,7 @@ class PdSimulation(Simulation):
         n = len(self.ids)
         self.inflight = [0] * n
         self.inflight_prefill = [0] * n
+        self.prefills = {wid: RunningPrefills() for wid in self.ids}
         self.decode_streams = [0] * n
         self.routed = [0] * n
         self.reported: list[tuple[int, int, float]] = [(0, 0, 0.0)] * n
@@ -156,6 +158,7 @@ class PdSimulation(Simulation):
                     engine_running=running,
                     engine_waiting=waiting,
                     kv_usage=usage,
+                    running_prefill=self.prefills[wid].oldest(self.now),
                 )
             )
         return views
@@ -202,6 +205,7 @@ class PdSimulation(Simulation):
         self.client_of[id(leg)] = req
         self.inflight[p] += 1
         self.inflight_prefill[p] += leg.est_prefill
+        self.prefills[self.ids[p]].add(leg, leg.est_prefill, self.now)
         self.routed[p] += 1
         ttl = self.config.predict_ttl_ms / 1000.0
         if ttl > 0:  # the router's predict-on-route (``--predict-ttl-ms``), as sim.simulator
@@ -216,6 +220,8 @@ class PdSimulation(Simulation):
         req.est_prefill = prefill_tokens
         self.inflight[d] += 1
         self.inflight_prefill[d] += prefill_tokens
+        if prefill_tokens > 0:
+            self.prefills[self.ids[d]].add(req, prefill_tokens, self.now)
         self.engines[d].submit(req, self.now)
 
     # -- the transfer ---------------------------------------------------------------------
@@ -249,6 +255,7 @@ class PdSimulation(Simulation):
         req.first_token_ms = now
         w = req.worker
         self.inflight_prefill[w] -= req.est_prefill
+        self.prefills[self.ids[w]].remove(req, now)
         self.decode_streams[w] += 1
 
     def finished(self, req: SimRequest, now: float) -> None:
@@ -267,6 +274,7 @@ class PdSimulation(Simulation):
         w = req.worker
         self.inflight[w] -= 1
         self.inflight_prefill[w] -= req.est_prefill
+        self.prefills[self.ids[w]].remove(req, now)
         client = self.client_of.pop(id(req), None)
         if client is not None:  # the prefill engine cannot hold it: decode prefills it
             self.policy.on_finish(req.route, self.ids[w])

@@ -41,6 +41,7 @@ from policies import EngineCosts, PrefetchHint, WorkerView, make_policy
 from policies.base import NO_MATCH, expected_hit_blocks
 from policies.cost_model import uncached_tokens
 from router.dp import target_id
+from router.load import RunningPrefills
 from sim.batch_engine import BatchEngine
 from sim.cache import PrefixCache
 from sim.report import PolicyReport, summarize
@@ -144,6 +145,9 @@ class Simulation:
         self.strip_groups = bool(groups) and not config.groups_aware
         for t in self.targets:
             self.index.add_worker(t)
+        # per routing target, as the router keeps them per worker (a DP worker whose
+        # ranks it cannot tell apart has one queue of flights in the router's eyes)
+        self.prefills = {t: RunningPrefills() for t in self.targets}
         # The router's own load counts per worker.
         self.inflight = [0] * n
         self.inflight_prefill = [0] * n
@@ -203,6 +207,7 @@ class Simulation:
                     engine_running=sum(r[0] for r in reported),
                     engine_waiting=sum(r[1] for r in reported),
                     kv_usage=max(r[2] for r in reported),
+                    running_prefill=self.prefills[t].oldest(self.now),
                 )
             )
         return views
@@ -235,6 +240,8 @@ class Simulation:
         req.best_hit_blocks = min(max(v.match.total for v in views), cacheable)
         self.inflight[w] += 1
         self.inflight_prefill[w] += req.est_prefill
+        if req.est_prefill > 0:
+            self.prefills[decision.worker_id].add(req, req.est_prefill, self.now)
         self.routed[w] += 1
         if self.config.predict_ttl_ms > 0:
             self.index.predict(decision.worker_id, hashes, self.config.predict_ttl_ms / 1000.0)
@@ -290,6 +297,7 @@ class Simulation:
         req.first_token_ms = now
         w = req.worker
         self.inflight_prefill[w] -= req.est_prefill
+        self.prefills[self.engines[w].source].remove(req, now)
         self.decode_streams[w] += 1
         self.policy.on_first_token(req.route, self.engines[w].source, now - req.arrival_ms)
 
@@ -305,6 +313,7 @@ class Simulation:
         w = req.worker
         self.inflight[w] -= 1
         self.inflight_prefill[w] -= req.est_prefill
+        self.prefills[self.engines[w].source].remove(req, now)
         self.num_rejected += 1
         self._close(req)
 

@@ -115,7 +115,7 @@ def test_remote_prefill_goes_to_the_prefix_holder():
 def test_a_prefill_holder_of_most_of_the_prompt_keeps_it_through_a_long_queue():
     # p1 holds all of an 8K prompt behind ~7 s of queued prefill (140K tokens); leaving
     # recomputes 8K tokens (~0.4 s) on an idle p0. A flat weight 8 leaves (7 s > 9 x
-    # 0.4 s); the prefill side's share term (weight 8 x (1 + 4 x 1.0)) stays. A holder
+    # 0.4 s); the prefill side's share term (weight 6 x (1 + 4 x 1.0)) stays. A holder
     # of a tenth of the prompt is still left: the term is the holder's share.
     req = request(8192)
     full = cacheable_blocks(8192, BS)

@@ -63,6 +63,8 @@ def test_every_request_is_prefilled_moved_and_decoded_once(trace: Trace, rule: s
     assert decode_computed <= n * BS  # at most the last block each
     assert 0 < report["hit_rate"] <= trace.ideal_hit_rate() + 1e-12
     assert report["tpot_mean_ms"] > 0 and report["transfer_mean_ms"] > 0
+    # every timed prefill was released (at its first token or its rejection)
+    assert all(len(p) == 0 for p in sim.prefills.values())
 
 
 def test_the_decode_side_index_comes_from_its_kv_events(trace: Trace) -> None:

@@ -15,8 +15,10 @@ from policies import EngineCosts, RouteRequest, WorkerView, make_policy
 from policies.base import Decision
 from policies.cost_model import (
     admit_wait_ms,
+    computed_tokens,
     estimate_ttft,
     estimate_ttft_prefetched,
+    queue_tokens,
     uncached_tokens,
 )
 from router.routing import hit_blocks
@@ -489,32 +491,49 @@ _match = st.builds(
             engine_running=st.none() | st.integers(0, 100),
             engine_waiting=st.none() | st.integers(0, 40),
             in_sync=st.booleans(),
+            running_prefill_tokens=st.integers(0, 60_000),
+            running_prefill_ms=st.floats(0, 5_000),
         ),
         min_size=1,
         max_size=8,
     ),
     extra=st.integers(0, BS - 1),
     prefetch=st.booleans(),
+    discount=st.booleans(),
 )
 def test_policy_scores_equal_the_reference_cost_model(
-    ws: list[WorkerView], extra: int, prefetch: bool
+    ws: list[WorkerView], extra: int, prefetch: bool, discount: bool
 ) -> None:
     for i, w in enumerate(ws):
         w.worker_id = f"w{i}"
     costs = EngineCosts()
     r = req(chain(40, 24), extra_tokens=extra)
-    policy = make_policy("cache_aware", random.Random(0), prefetch=prefetch, recompute_weight=1)
+    policy = make_policy(
+        "cache_aware",
+        random.Random(0),
+        prefetch=prefetch,
+        recompute_weight=1,
+        running_discount=discount,
+    )
     d = policy.select(r, ws)
     for w in ws:
         s = d.scores[w.worker_id]
         m = w.match if w.in_sync else TierMatch(0, 0, 0, 0)
+        done = computed_tokens(costs, w) if discount else 0.0
         if s["prefetch_blocks"]:
             assert prefetch
             q, p, ld = estimate_ttft_prefetched(
-                costs, w, m, r.num_tokens, BS, int(s["hit_blocks"]), int(s["prefetch_blocks"])
+                costs,
+                w,
+                m,
+                r.num_tokens,
+                BS,
+                int(s["hit_blocks"]),
+                int(s["prefetch_blocks"]),
+                computed=done,
             )
         else:
-            q, p, ld = estimate_ttft(costs, w, m, r.num_tokens, BS)
+            q, p, ld = estimate_ttft(costs, w, m, r.num_tokens, BS, computed=done)
         assert (s["queue_ms"], s["prefill_ms"], s["load_ms"]) == pytest.approx((q, p, ld))
     best_hit = max(s["hit_blocks"] for s in d.scores.values())
     for s in d.scores.values():
@@ -759,3 +778,52 @@ def test_cache_aware_spares_a_holder_whose_prefix_is_worth_much_of_a_session(
 
     assert (run(make_policy("cache_aware", random.Random(0))) == "w0") is spared
     assert run(make_policy("cache_aware", random.Random(0), replica_slack=False)) != "w0"
+
+
+def test_a_running_prefill_counts_what_is_left_to_compute() -> None:
+    """Issue 15: the oldest prompt on a worker has run ``running_prefill_ms`` at the
+    linear rate the policy assumes; only it is discounted, never below nothing left."""
+    costs = EngineCosts()
+    w = WorkerView(
+        "w0",
+        inflight_requests=2,
+        inflight_prefill_tokens=12_000,
+        running_prefill_tokens=10_000,
+        running_prefill_ms=100.0,
+    )
+    rate = 1.0 / costs.prefill_ms_per_token  # 20 tokens a ms
+    assert computed_tokens(costs, w) == pytest.approx(100.0 * rate)
+    assert computed_tokens(costs, w, speed=2.0) == pytest.approx(50.0 * rate)  # a slow one
+    assert queue_tokens(w, 0, computed_tokens(costs, w)) == pytest.approx(12_000 - 100 * rate)
+    w.running_prefill_ms = 1e6  # long done by the clock: the later prompt is still whole
+    assert computed_tokens(costs, w) == 10_000
+    assert queue_tokens(w, 0, computed_tokens(costs, w)) == pytest.approx(2_000)
+    w.running_prefill_ms = 0.0
+    assert computed_tokens(costs, w) == 0
+
+
+def test_cache_aware_stays_on_a_holder_whose_running_prompt_is_nearly_done() -> None:
+    """Counted whole, a holder's one long prompt in progress sends the request to an idle
+    engine to recompute its prefix; the queue's charge falls by the time it has run."""
+    r = req(chain(80, 40), extra_tokens=5)
+    seen = {}
+    for ran in (0.0, 200.0, 400.0, 2_000.0):
+        policy = make_policy("cache_aware", random.Random(0), running_discount=True)
+        holder = WorkerView(
+            "w0",
+            match=tm(gpu=40),
+            inflight_requests=2,
+            inflight_prefill_tokens=12_000,
+            running_prefill_tokens=10_000,
+            running_prefill_ms=ran,
+        )
+        d = policy.select(r, [holder, WorkerView("w1")])
+        seen[ran] = (d.worker_id, d.scores["w0"]["queue_ms"])
+    assert seen[0.0][0] == seen[200.0][0] == "w1"
+    assert seen[400.0][0] == seen[2_000.0][0] == "w0"
+    assert seen[0.0][1] - seen[200.0][1] == pytest.approx(200.0, rel=0.02)
+    # past the oldest's 10,000 tokens (500 ms) the later 2,000 are still charged
+    assert seen[2_000.0][1] == pytest.approx(2_000 * EngineCosts().prefill_ms_per_token, abs=10)
+    # a mixed pool's default counts it whole (session 10: its TTFT p90 rose with it)
+    assert make_policy("cache_aware", random.Random(0)).select(r, [holder, WorkerView("w1")]) \
+        .worker_id == "w1"  # fmt: skip

@@ -75,7 +75,7 @@ def test_the_prefill_side_has_its_own_instance_and_parameters() -> None:
     assert mixed.recompute_weight == plain.recompute_weight and mixed.place_slack_ms is None
     for key, value in CacheAware.prefill_params.items():
         assert getattr(prefill, key) == value
-    assert CacheAware.prefill_params["recompute_weight"] != mixed.recompute_weight
+    assert CacheAware.prefill_params["running_discount"] != mixed.running_discount
     tuned = exp.prefill_policy_for("tuned")
     assert isinstance(tuned, CacheAware) and tuned.recompute_weight == 2.0
     assert tuned.place_slack_ms == CacheAware.prefill_params["place_slack_ms"]

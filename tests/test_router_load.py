@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.load import EngineLoad, WorkerLoad, parse_engine_metrics, parse_load_report
+from router.load import (
+    EngineLoad,
+    RunningPrefills,
+    WorkerLoad,
+    parse_engine_metrics,
+    parse_load_report,
+)
 
 VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -79,6 +87,44 @@ def test_flights_always_return_the_load_they_took(plan):
         assert load.inflight_requests == len(waiting) + len(decoding)
         assert load.inflight_prefill_tokens == sum(x.prefill for x in waiting)
         assert load.decode_streams == len(decoding)
+        # the flights timed are exactly those still prefilling (a 0-token one is not)
+        assert len(load.prefills) == sum(1 for x in waiting if x.prefill > 0)
     for f in flights:
         f.finish()
     assert (load.inflight_requests, load.inflight_prefill_tokens, load.decode_streams) == (0, 0, 0)
+    assert len(load.prefills) == 0
+
+
+def test_running_prefills_time_the_oldest_from_when_it_could_start() -> None:
+    """Only the oldest runs (an engine prefills first come, first served), and it starts
+    when it was sent or when the one before it left, whichever is later."""
+    p = RunningPrefills()
+    assert p.oldest(5.0) == (0, 0.0)
+    a, b, c, d = object(), object(), object(), object()
+    p.add(a, 1000, 10.0)
+    p.add(b, 500, 12.0)
+    p.add(c, 300, 13.0)
+    assert p.oldest(40.0) == (1000, 30.0)
+    assert p.oldest(5.0) == (1000, 0.0)  # a clock before its start: not begun
+    p.remove(b, 50.0)  # not the oldest: the oldest keeps its start
+    assert p.oldest(60.0) == (1000, 50.0)
+    p.remove(a, 70.0)  # the oldest left: c, sent at 13, starts computing at 70
+    assert p.oldest(75.0) == (300, 5.0)
+    p.remove(a, 72.0)  # twice: nothing changes
+    assert p.oldest(75.0) == (300, 5.0)
+    p.remove(c, 80.0)
+    p.add(d, 200, 100.0)  # sent to an idle engine: starts when sent
+    assert p.oldest(130.0) == (200, 30.0)
+
+
+def test_worker_load_shows_its_oldest_flight_until_the_first_byte() -> None:
+    load = WorkerLoad()
+    first = load.begin(800, now=0.0)
+    load.begin(0, now=1.0)  # a passthrough's unknown prompt is not timed
+    second = load.begin(300, now=2.0)
+    assert load.running_prefill(100.0) == (800, 100.0)
+    first.first_byte()
+    tokens, ran = load.running_prefill(time.monotonic() * 1000.0 + 5.0)
+    assert tokens == 300 and 5.0 <= ran < 60_000.0  # from its predecessor's first byte
+    second.finish()
+    assert load.running_prefill(1e12) == (0, 0.0)

@@ -65,6 +65,7 @@ def test_every_request_finishes_once_within_cache_bounds(busy_trace: Trace, poli
     assert report["ingest_errors"] == 0
     assert report["hit_rate"] <= busy_trace.ideal_hit_rate() + 1e-12
     assert all(e.cache.num_requests == 0 and e.cache.usage == 0 for e in sim.engines)
+    assert all(len(p) == 0 for p in sim.prefills.values())  # every timed prefill released
 
 
 def test_hits_use_both_tiers_and_the_index_mirrors_the_engines(busy_trace: Trace) -> None:
