@@ -30,6 +30,15 @@ Prints one JSON object (never asserts). Sections:
   unshared pairs: the native core's own heap count and RSS growth; Dynamo's RSS growth
   on the same stores; each side in a fresh process.
 
+``--nats-pin`` (2+ CPUs) gives the router's process and the prober CPU 0, nats-server and
+the publisher CPU 1: the router with a core of its own, as where the engines publish
+from their own hosts, so its p99 under events is its own and not the publisher's time
+slice (without it, every process shares both CPUs). The prober shares the router's CPU
+because it takes each arrival's time before it writes: beside the publisher, its own
+preemptions between the two counted as the router's (128K blocks/s, quiet machine: p99
+830-1,641 us with the prober on CPU 1, 248-455 us on CPU 0; it costs the router's core
+~2,000 short wakes a second).
+
 ``--engine-hashes sha256`` sends our side's events as a default vLLM 0.32 does (each
 block hash a 32-byte sha256, ``extra_keys`` one ``None`` per block) in every section;
 Dynamo's side keeps u64 hashes (its engine integrations convert before publishing).
@@ -78,6 +87,13 @@ VOCAB = 32_000
 LENGTHS = (2048, 8192, 32768, 131072)
 RUN = 64  # batches per native call in the ``native_runs`` ingest (router/ingest_thread.py)
 ENGINE_HASHES = "u64"  # --engine-hashes: u64, or sha256 (a default vLLM's bytes hashes)
+PIN = False  # --nats-pin: the router (and prober) on CPU 0, nats-server and publisher on CPU 1
+
+
+def pin(cpu: int) -> None:
+    """This thread (and the threads and processes it starts) on ``cpu``, with --nats-pin."""
+    if PIN:
+        os.sched_setaffinity(0, {cpu})
 
 
 def rss() -> int:
@@ -455,7 +471,7 @@ async def router_side(
     while not (feed.using and feed.up_to_date) and time.monotonic() < deadline:
         await asyncio.sleep(0.01)  # subscribed: the warm batches are not published before
     cmd = [sys.executable, __file__, "--publish-side", url, "--rate", str(rate)]
-    cmd += ["--engine-hashes", ENGINE_HASHES]
+    cmd += ["--engine-hashes", ENGINE_HASHES] + ["--nats-pin"] * PIN
     cmd += ["--workers", str(workers), "--nats-seconds", str(seconds)]
     pub = await asyncio.create_subprocess_exec(
         *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
@@ -506,7 +522,9 @@ async def router_side(
             match.append((t1 - t0) * 1e6)
 
     prober = subprocess.Popen(
-        [sys.executable, __file__, "--probe-side", str(wfd)], pass_fds=(wfd,), stdin=subprocess.PIPE
+        [sys.executable, __file__, "--probe-side", str(wfd), *["--nats-pin"] * PIN],
+        pass_fds=(wfd,),
+        stdin=subprocess.PIPE,
     )
     os.close(wfd)
     loop.add_reader(rfd, on_request)
@@ -599,12 +617,17 @@ def bench_nats(
     if NativePrefixIndex is None:
         return []
     out = []
+    cpus = os.sched_getaffinity(0)
     for transport in transports:
         for rate in rates:
             for reader in readers if transport == "core" else ["python"]:
+                pin(1)  # nats-server's CPU, with --nats-pin
                 with EmbeddedNats() as server:  # a fresh server (and stream) per run
+                    pin(0)
                     run = router_side(server.url, transport, reader, rate, seconds, workers)
                     out.append(asyncio.run(run))
+                    pin(1)
+    os.sched_setaffinity(0, cpus)
     return out
 
 
@@ -780,6 +803,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--nats-seconds", type=float, default=4.0, help="nats: seconds per rate")
     p.add_argument(
+        "--nats-pin",
+        action="store_true",
+        help="nats: the router and the prober on CPU 0; nats-server and the publisher on CPU 1",
+    )
+    p.add_argument(
         "--nats-readers",
         default="python,native",
         help="nats: who reads core NATS, comma-separated (events_reader: python, native)",
@@ -800,15 +828,20 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated sections to run (prompt,multi_turn,ingest,under_ingest,memory,nats)",
     )
     args = p.parse_args(argv)
-    global ENGINE_HASHES
+    global ENGINE_HASHES, PIN
     ENGINE_HASHES = args.engine_hashes
+    PIN = args.nats_pin
+    if PIN and (os.cpu_count() or 1) < 2:
+        p.error("--nats-pin needs two CPUs")
     if args.memory_side:  # the child process of bench_memory
         print(json.dumps(memory_side(args.memory_side, args.pairs, args.workers, 512)))
         return 0
     if args.probe_side is not None:  # the clients' process of bench_nats
+        pin(0)
         probe_side(args.probe_side, 0.0005)
         return 0
     if args.publish_side:  # the publisher process of bench_nats
+        pin(1)
         sent = publish_side(args.publish_side, args.rate, args.nats_seconds, args.workers, 64)
         print(json.dumps(sent))
         return 0
@@ -826,6 +859,7 @@ def main(argv: list[str] | None = None) -> int:
             "dynamo": metadata.version("ai-dynamo-runtime") if RadixTree is not None else None,
             "load_average_at_start": os.getloadavg(),
             "engine_hashes": ENGINE_HASHES,
+            "nats_pin": PIN,
         },
     }
     sections = {
