@@ -7,7 +7,11 @@
 // Why: per-(block, worker) bytes. A FlatMap slot holding the node inline pays its empty
 // slots at the node's size (32 B at a mean load of ~0.65: ~49 B a block); here an empty
 // slot costs 4 B and a node exactly its size (32 B + ~6 B a block). Linear probing,
-// backward-shift deletion; the table grows by 1.5x at a load of 0.85.
+// backward-shift deletion; the table grows by 1.5x at a load of 0.75. At 0.85 (before
+// session 10) a miss near the top of the cycle probed ~23 slots: with the load at 0.75
+// and a miss probed once (``seek``/``place``), a store of new blocks ran 26 % fewer
+// instructions (callgrind, EventApplier::apply, 100K pairs: 1,395 -> 1,030 a block)
+// for ~5 B more a (block, worker) pair (bench/scale.py memory, 1M pairs: 65 -> 70 B).
 #pragma once
 
 #include <cstddef>
@@ -28,7 +32,7 @@ class IdIndex {
 
     size_t size() const { return size_; }
     size_t bytes() const { return slots_.capacity() * sizeof(uint32_t); }
-    bool full() const { return (size_ + 1) * 20 > slots_.size() * 17; }
+    bool full() const { return (size_ + 1) * 4 > slots_.size() * 3; }
     size_t next_capacity() const { return slots_.size() < 16 ? 16 : slots_.size() * 3 / 2; }
 
     template <class K>
@@ -47,16 +51,39 @@ class IdIndex {
         ++size_;
     }
 
-    // Points ``key`` at ``id``, replacing what it pointed at; grows when needed.
+    // ``key``'s slot (``found``), or the empty slot that ends its probe run: where
+    // ``place`` puts it, so a miss is probed once, not again by ``add`` (for a new
+    // block: 2 probe runs of the 4 a store made; see WorkerBlocks::store). The table
+    // must have an empty slot (not ``full()``).
+    template <class K>
+    size_t seek(uint64_t key, const K& key_of, bool& found) const {
+        const uint64_t h = mix(key);
+        const uint32_t tag = tag_of(h);
+        for (size_t i = home(h);; i = next(i)) {
+            const uint32_t s = slots_[i];
+            if (!s || ((s >> ID_BITS) == tag && key_of((s & ID_MASK) - 1) == key)) {
+                found = s != 0;
+                return i;
+            }
+        }
+    }
+    uint32_t id_at(size_t slot) const { return (slots_[slot] & ID_MASK) - 1; }
+    void place(size_t slot, uint64_t key, uint32_t id) {
+        slots_[slot] = (tag_of(mix(key)) << ID_BITS) | (id + 1);
+        ++size_;
+    }
+
+    // Points ``key`` at ``id``, replacing what it pointed at; grows when needed (before
+    // the probe, so the slot it finds stays valid: at most one insert early).
     template <class K>
     void put(uint64_t key, uint32_t id, const K& key_of) {
-        const size_t i = locate(key, key_of);
-        if (i != NPOS) {
-            slots_[i] = (slots_[i] & ~ID_MASK) | (id + 1);
-            return;
-        }
         if (full()) regrow(key_of);
-        add(key, id);
+        bool found;
+        const size_t i = seek(key, key_of, found);
+        if (found)
+            slots_[i] = (slots_[i] & ~ID_MASK) | (id + 1);
+        else
+            place(i, key, id);
     }
 
     // The id ``key`` pointed at (now unlinked), or NONE.
@@ -170,18 +197,19 @@ class NodeTable {
 
     // The id of ``key``'s node; a new one (value-initialized but for the key) when absent.
     uint32_t insert(uint64_t key, bool& inserted) {
-        uint32_t id = find(key);
-        inserted = id == NONE;
-        if (!inserted) return id;
-        if (index_.full())
+        if (index_.full())  // before the probe (IdIndex::put says why)
             index_.rebuild(index_.next_capacity(), key_of(), [&](auto add) {
                 for_each([&](uint32_t i, Node&) { add(i); });
             });
-        id = allocate();
+        bool found;
+        const size_t slot = index_.seek(key, key_of(), found);
+        inserted = !found;
+        if (found) return index_.id_at(slot);
+        const uint32_t id = allocate();
         Node& n = at(id);
         n = Node{};
         n.key = key;
-        index_.add(key, id);
+        index_.place(slot, key, id);
         return id;
     }
 
