@@ -105,7 +105,8 @@ def run(trace: Any, rule: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _json_object(text: str) -> dict[str, Any]:
+def json_object(text: str) -> dict[str, Any]:
+    """An argparse type: a JSON object of policy parameters (``bench/sweep.py`` too)."""
     value = orjson.loads(text)
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("expected a JSON object")
@@ -120,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rules", default="cache_router,sglang_pd")
     parser.add_argument("--workers", type=int, default=4, help="decode engines")
     parser.add_argument("--prefill-workers", type=int, default=4)
-    parser.add_argument("--params", type=_json_object, default={})
-    parser.add_argument("--decode-params", type=_json_object, default={})
+    parser.add_argument("--params", type=json_object, default={})
+    parser.add_argument("--decode-params", type=json_object, default={})
     parser.add_argument("--seed", type=int, default=0, help="token synthesis and policy RNG")
     parser.add_argument("--predict-ttl-ms", type=float, default=0.0)
     args = parser.parse_args(argv)

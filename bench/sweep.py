@@ -23,6 +23,11 @@ and seed from several files are joined, so the baselines, which do not change wh
     done
     python3 bench/sweep.py --merge others.*.json ours.*.json --markdown sweep.md > sweep.json
 
+``--params '{"recompute_share": 2}'`` runs ``cache_aware``, the policy under test, with
+those parameters (the baselines keep their defaults, so their slices need not run again);
+each row records them (``params``: by policy, empty for the defaults), and a merge joins
+them with the rows' results.
+
 Agent-shaped traces come from ``sim.gen_trace`` (the ``cache-router gen-trace`` code);
 the Mooncake traces are read from ``../shared/data/traces/`` (not committed).
 Engine costs: ``1x`` is what the policies assume; ``slow2x`` engines take twice the
@@ -45,7 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import orjson
 
-from policies import POLICY_NAMES, EngineCosts
+from bench.pd_hits import json_object
+from policies import POLICY_NAMES, EngineCosts, make_policy
 from sim.gen_trace import generate, write
 from sim.simulator import SimConfig
 from sim.trace_replay import replay_trace
@@ -135,7 +141,14 @@ def _trace(s: Setting, tmp: Path) -> Any:
     return load_trace(path, 64, seed=s.seed, engine_seed=s.seed, speedup=s.speedup, limit=limit)
 
 
-def run_setting(s: Setting, policies: list[str], tmp: Path, jobs: int | None) -> dict[str, Any]:
+def run_setting(
+    s: Setting,
+    policies: list[str],
+    tmp: Path,
+    jobs: int | None,
+    params: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Every policy on one (setting, seed); ``params``: parameters by policy name."""
     trace = _trace(s, tmp)
     config = SimConfig(
         workers=s.workers,
@@ -146,7 +159,8 @@ def run_setting(s: Setting, policies: list[str], tmp: Path, jobs: int | None) ->
         costs=EngineCosts.from_config(COSTS[s.costs]),
     )
     start = time.perf_counter()
-    reports = replay_trace(trace, policies, config, jobs=jobs)
+    params = {p: v for p, v in (params or {}).items() if p in policies}
+    reports = replay_trace(trace, policies, config, jobs=jobs, policy_params=params)
     keep = ("hit_rate", "ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "busy_mean")
     keep += ("hinted_share", "off_best_worker_share", "prefill_tokens_computed")
     return {
@@ -156,6 +170,7 @@ def run_setting(s: Setting, policies: list[str], tmp: Path, jobs: int | None) ->
         "requests": len(trace.requests),
         "ideal_hit_rate": trace.ideal_hit_rate(),
         "wall_s": time.perf_counter() - start,
+        "params": params,
         "results": {r["policy"]: {k: r[k] for k in keep} for r in reports},
     }
 
@@ -190,9 +205,14 @@ def join(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for row in rows:
         have = joined.get(row["setting"])
         if have is None:
-            joined[row["setting"]] = {**row, "results": dict(row["results"])}
+            joined[row["setting"]] = {
+                **row,
+                "params": dict(row.get("params", {})),
+                "results": dict(row["results"]),
+            }
         else:
             have["results"].update(row["results"])
+            have["params"].update(row.get("params", {}))
     return list(joined.values())
 
 
@@ -227,11 +247,21 @@ def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "setting": name,
                 "seeds": [r["seed"] for r in group],
                 "requests": statistics.fmean(r["requests"] for r in group),
+                "params": _params_of(name, group),
                 "results": results,
                 "pareto_seeds": sum(j["pareto"] for j in seed_judged),
             }
         )
     return out
+
+
+def _params_of(name: str, group: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The parameters of a setting's rows: one mean over seeds run with different ones
+    would describe no policy."""
+    params = [r.get("params", {}) for r in group]
+    if any(p != params[0] for p in params):
+        raise SystemExit(f"sweep: {name}: seeds run with different --params: {params}")
+    return params[0]
 
 
 def _spread(r: dict[str, float], key: str, fmt: str) -> str:
@@ -275,17 +305,24 @@ def markdown(settings: list[dict[str, Any]]) -> str:
     return head + "\n".join(lines) + "\n" + summary
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--grid", choices=("quick", "full"), default="quick")
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds per setting")
     ap.add_argument("--part", default="0/1", help="i/n: run every n-th (setting, seed) from i")
     ap.add_argument("--start", type=int, default=0, help="skip the grid's first N settings")
     ap.add_argument("--policies", default=",".join(POLICY_NAMES))
+    ap.add_argument(
+        "--params",
+        type=json_object,
+        default={},
+        metavar="JSON",
+        help="cache_aware's parameters, a JSON object (default: its defaults)",
+    )
     ap.add_argument("--jobs", type=int, help="parallel processes (default: one per core)")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="merge earlier outputs")
     ap.add_argument("--markdown", metavar="PATH", help="write the table")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.merge:
         rows = join([row for p in args.merge for row in orjson.loads(Path(p).read_bytes())["rows"]])
     else:
@@ -293,10 +330,17 @@ def main() -> int:
         seeds = [int(x) for x in args.seeds.split(",")]
         settings = expand(grid(args.grid)[args.start :], seeds)[i::n]
         policies = args.policies.split(",")
+        params = {"cache_aware": args.params} if args.params else {}
+        if params and "cache_aware" not in policies:
+            ap.error("--params: they are cache_aware's, which is not in --policies")
+        try:  # a misspelt parameter fails here, not a setting's run minutes in
+            make_policy("cache_aware", **args.params)
+        except (TypeError, ValueError) as exc:
+            ap.error(f"--params: {exc}")
         rows = []
         with tempfile.TemporaryDirectory() as tmp:
             for s in settings:
-                rows.append(run_setting(s, policies, Path(tmp), args.jobs))
+                rows.append(run_setting(s, policies, Path(tmp), args.jobs, params))
                 print(f"sweep: {s.label}: {rows[-1]['wall_s']:.0f} s", file=sys.stderr)
     for row in rows:
         if "cache_aware" in row["results"] and len(row["results"]) > 1:

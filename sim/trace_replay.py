@@ -224,7 +224,9 @@ def blind_config(config: SimConfig, blind: str) -> SimConfig:
     return dataclasses.replace(config, groups_aware=False)
 
 
-def _simulate(k: int, policy: str, config: SimConfig) -> PolicyReport:
+def _simulate(
+    k: int, policy: str, config: SimConfig, params: dict[str, Any] | None = None
+) -> PolicyReport:
     assert _TRACE is not None
     progress = None
     if _PROGRESS is not None:
@@ -235,7 +237,7 @@ def _simulate(k: int, policy: str, config: SimConfig) -> PolicyReport:
                 counts[k] = done
 
     simulation = PdSimulation if config.prefill_workers else Simulation
-    report = simulation(_TRACE, policy, config, progress=progress).run()
+    report = simulation(_TRACE, policy, config, policy_params=params, progress=progress).run()
     if not config.dp_aware:
         report["policy"] = f"{report['policy']} (dp-blind)"
     elif not config.groups_aware:
@@ -262,14 +264,17 @@ def replay_trace(
     *,
     jobs: int | None = None,
     blind: str | None = None,
+    policy_params: dict[str, dict[str, Any]] | None = None,
 ) -> list[PolicyReport]:
     """Run each policy over ``trace``, in parallel processes; reports in ``policies`` order
-    (with ``blind``, each followed by its run behind the blind router)."""
+    (with ``blind``, each followed by its run behind the blind router). ``policy_params``:
+    parameters by policy name (``bench/sweep.py --params``: the policy under test's)."""
     global _TRACE, _PROGRESS
     runs = [(p, config) for p in policies]
     if blind is not None:
         other = blind_config(config, blind)
         runs = [r for p in policies for r in ((p, config), (p, other))]
+    params = policy_params or {}
     jobs = min(len(policies), jobs or os.cpu_count() or 1)
     show = sys.stderr.isatty()
     ctx = mp.get_context("fork")
@@ -279,9 +284,11 @@ def replay_trace(
     started = time.monotonic()
     try:
         if jobs <= 1:
-            return [_simulate(k, p, c) for k, (p, c) in enumerate(runs)]
+            return [_simulate(k, p, c, params.get(p)) for k, (p, c) in enumerate(runs)]
         with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-            futures = [pool.submit(_simulate, k, p, c) for k, (p, c) in enumerate(runs)]
+            futures = [
+                pool.submit(_simulate, k, p, c, params.get(p)) for k, (p, c) in enumerate(runs)
+            ]
             pending = set(futures)
             while pending:
                 _, pending = cf.wait(pending, timeout=0.5)
