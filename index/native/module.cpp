@@ -301,12 +301,20 @@ uint64_t engine_key(py::handle h) {
     return h.cast<uint64_t>();
 }
 
-// A worker's engine hash as the engine named it: its bytes, or the int.
-py::object engine_obj(const WorkerBlocks& w, uint64_t key) {
-    std::string_view b;
-    if (w.engine_bytes(key, b)) return py::bytes(b.data(), b.size());
-    return py::int_(key);
-}
+// A worker's engine hash as the engine named it, read under the core's mutex and made a
+// Python object after it (no Python allocation, so no GC, while the mutex is held).
+struct EngineName {
+    uint64_t key;
+    bool named;       // by bytes
+    std::string bytes;
+
+    EngineName(const WorkerBlocks& w, uint64_t k) : key(k) {
+        std::string_view b;
+        named = w.engine_bytes(k, b);
+        if (named) bytes.assign(b);
+    }
+    py::object object() const { return named ? py::object(py::bytes(bytes)) : py::object(py::int_(key)); }
+};
 
 PEvent event_from_tuple(const py::tuple& t) {
     PEvent ev;
@@ -1156,12 +1164,16 @@ PYBIND11_MODULE(_native, m) {
         .def("engine_blocks",
              [](Core& c, int slot) {
                  check_slot(slot);
+                 std::vector<std::pair<EngineName, uint64_t>> held;
+                 {
+                     Core::Lock l(c.mu);
+                     auto& w = c.applier.worker(slot);
+                     w.for_each([&](uint64_t eh, uint64_t router) {
+                         held.emplace_back(EngineName(w, eh), router);
+                     });
+                 }
                  py::dict out;
-                 Core::Lock l(c.mu);
-                 auto& w = c.applier.worker(slot);
-                 w.for_each([&](uint64_t eh, uint64_t router) {
-                     out[engine_obj(w, eh)] = py::int_(router);
-                 });
+                 for (const auto& [name, router] : held) out[name.object()] = py::int_(router);
                  return out;
              },
              "Engine hash (its bytes, or the int) -> router hash of every block held.")
@@ -1169,14 +1181,18 @@ PYBIND11_MODULE(_native, m) {
              [](Core& c, int slot, py::handle router_hashes) {
                  check_slot(slot);
                  std::vector<uint64_t> hs = u64s(router_hashes);
-                 py::list out;
-                 Core::Lock l(c.mu);
-                 auto& w = c.applier.worker(slot);
-                 uint64_t eh;
-                 for (uint64_t rh : hs) {
-                     if (!w.engine_of(rh, eh) || !w.find(eh)) break;
-                     out.append(engine_obj(w, eh));
+                 std::vector<EngineName> names;
+                 {
+                     Core::Lock l(c.mu);
+                     auto& w = c.applier.worker(slot);
+                     uint64_t eh;
+                     for (uint64_t rh : hs) {
+                         if (!w.engine_of(rh, eh) || !w.find(eh)) break;
+                         names.emplace_back(w, eh);
+                     }
                  }
+                 py::list out;
+                 for (const EngineName& n : names) out.append(n.object());
                  return out;
              },
              "The worker's own hashes of the leading ``router_hashes`` it holds.");
