@@ -594,7 +594,7 @@ class WorkerBlocks {
     bool digest_bit(uint32_t id) const {
         return (id >> 6) < named_.size() && (named_[id >> 6] >> (id & 63)) & 1;
     }
-    const uint8_t* digest(uint32_t id) const {
+    uint8_t* digest(uint32_t id) const {
         return digests_[id >> CHUNK_BITS].get() + (id & ((1u << CHUNK_BITS) - 1)) * DIGEST;
     }
 
@@ -607,7 +607,7 @@ class WorkerBlocks {
         if (digests_.size() <= chunk) digests_.resize(chunk + 1);
         if (!digests_[chunk]) digests_[chunk].reset(new uint8_t[DIGEST << CHUNK_BITS]);
         if (named_.size() <= (id >> 6)) named_.resize((id >> 6) + 1, 0);
-        std::memcpy(const_cast<uint8_t*>(digest(id)), b.data(), DIGEST);
+        std::memcpy(digest(id), b.data(), DIGEST);
         named_[id >> 6] |= uint64_t{1} << (id & 63);
     }
 

@@ -272,6 +272,11 @@ struct Stack {
     }
 };
 
+// A bytes object's contents (the caller holds the object while the view is used).
+std::string_view bytes_view(py::handle h) {
+    return {PyBytes_AS_STRING(h.ptr()), static_cast<size_t>(PyBytes_GET_SIZE(h.ptr()))};
+}
+
 // A prepared event's engine hashes (ints, or the engine's bytes) as keys, each bytes
 // hash's bytes viewed in ``ev.wide`` (the caller holds the tuple while it applies).
 void engine_keys(py::handle obj, PEvent& ev) {
@@ -285,8 +290,7 @@ void engine_keys(py::handle obj, PEvent& ev) {
     ev.hashes.reserve(seq.size());
     for (py::handle h : seq) {
         if (PyBytes_Check(h.ptr())) {
-            std::string_view b(PyBytes_AS_STRING(h.ptr()),
-                               static_cast<size_t>(PyBytes_GET_SIZE(h.ptr())));
+            const std::string_view b = bytes_view(h);
             ev.wide.emplace_back(static_cast<uint32_t>(ev.hashes.size()), b);
             ev.hashes.push_back(bytes_key(b));
         } else {
@@ -296,9 +300,7 @@ void engine_keys(py::handle obj, PEvent& ev) {
 }
 
 uint64_t engine_key(py::handle h) {
-    if (PyBytes_Check(h.ptr()))
-        return bytes_key({PyBytes_AS_STRING(h.ptr()), static_cast<size_t>(PyBytes_GET_SIZE(h.ptr()))});
-    return h.cast<uint64_t>();
+    return PyBytes_Check(h.ptr()) ? bytes_key(bytes_view(h)) : h.cast<uint64_t>();
 }
 
 // A worker's engine hash as the engine named it, read under the core's mutex and made a

@@ -54,7 +54,7 @@ class IdIndex {
     // ``key``'s slot (``found``), or the empty slot that ends its probe run: where
     // ``place`` puts it, so a miss is probed once, not again by ``add`` (for a new
     // block: 2 probe runs of the 4 a store made; see WorkerBlocks::store). The table
-    // must have an empty slot (not ``full()``).
+    // must have slots; it always has an empty one (it grows before it is ``full()``).
     template <class K>
     size_t seek(uint64_t key, const K& key_of, bool& found) const {
         const uint64_t h = mix(key);
@@ -145,13 +145,9 @@ class IdIndex {
     template <class K>
     size_t locate(uint64_t key, const K& key_of) const {
         if (slots_.empty()) return NPOS;
-        const uint64_t h = mix(key);
-        const uint32_t tag = tag_of(h);
-        for (size_t i = home(h);; i = next(i)) {
-            const uint32_t s = slots_[i];
-            if (!s) return NPOS;
-            if ((s >> ID_BITS) == tag && key_of((s & ID_MASK) - 1) == key) return i;
-        }
+        bool found;
+        const size_t i = seek(key, key_of, found);
+        return found ? i : NPOS;
     }
 
     // Grown from its own slots (for an index that does not hold every node).
