@@ -26,7 +26,8 @@ and seed from several files are joined, so the baselines, which do not change wh
 ``--params '{"recompute_share": 2}'`` runs ``cache_aware``, the policy under test, with
 those parameters (the baselines keep their defaults, so their slices need not run again);
 each row records them (``params``: by policy, empty for the defaults), and a merge joins
-them with the rows' results.
+them with the rows' results. A merge of two runs of one policy on the same (setting, seed)
+with different parameters fails: merge each ``--params`` file with the baselines on its own.
 
 Agent-shaped traces come from ``sim.gen_trace`` (the ``cache-router gen-trace`` code);
 the Mooncake traces are read from ``../shared/data/traces/`` (not committed).
@@ -200,19 +201,33 @@ def judge(row: dict[str, Any], ours: str = "cache_aware") -> dict[str, Any]:
 
 
 def join(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (setting, seed): the policies of rows from several runs side by side."""
+    """One row per (setting, seed): the policies of rows from several runs side by side.
+
+    A policy that ran on the same (setting, seed) with other parameters in another file
+    fails the merge: one row holds one run per policy, and keeping the last would put
+    whichever file came last in the table without saying so. Identical parameters (a
+    rerun of a deterministic simulation) are the same run, and the last one is kept.
+    """
     joined: dict[str, dict[str, Any]] = {}
     for row in rows:
+        params = row.get("params", {})
         have = joined.get(row["setting"])
         if have is None:
             joined[row["setting"]] = {
                 **row,
-                "params": dict(row.get("params", {})),
+                "params": dict(params),
                 "results": dict(row["results"]),
             }
-        else:
-            have["results"].update(row["results"])
-            have["params"].update(row.get("params", {}))
+            continue
+        for policy in row["results"]:
+            old, new = have["params"].get(policy, {}), params.get(policy, {})
+            if policy in have["results"] and old != new:
+                raise SystemExit(
+                    f"sweep: {row['setting']}: {policy} ran with params {old} and {new}; "
+                    "merge each with the baselines on its own"
+                )
+        have["results"].update(row["results"])
+        have["params"].update(params)
     return list(joined.values())
 
 

@@ -95,3 +95,19 @@ def test_bad_params_fail_before_a_run(
         sweep.main(argv)
     assert exc.value.code == 2
     assert "--params" in capsys.readouterr().err
+
+
+def test_merge_refuses_one_policy_run_with_two_sets_of_params() -> None:
+    """Two files with cache_aware on the same (setting, seed), once with the defaults and
+    once with PARAMS: the merge used to keep whichever came last, silently."""
+    sweep = _sweep()
+    ours, theirs = {"hit_rate": 0.5, "ttft_p90_ms": 10.0}, {"hit_rate": 0.6, "ttft_p90_ms": 9.0}
+    base = _row("a", 0, {}, {"cache_aware": ours, "least_load": ours})
+    probe = _row("a", 0, {"cache_aware": PARAMS}, {"cache_aware": theirs})
+    for rows in ([base, probe], [probe, base]):
+        with pytest.raises(SystemExit, match=r"a s0: cache_aware ran with params"):
+            sweep.join(rows)
+    # the same parameters twice are one run; another policy's row joins as before
+    joined = sweep.join([base, _row("a", 0, {}, {"cache_aware": ours, "dynamo_kv": theirs})])
+    assert set(joined[0]["results"]) == {"cache_aware", "least_load", "dynamo_kv"}
+    assert joined[0]["params"] == {}
