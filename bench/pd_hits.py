@@ -10,7 +10,20 @@ prefill choice recorded against the router's index at that moment:
 - ``hit_rate``: what the engines delivered (above ``index_chosen``: blocks stored or
   prefetched between the choice and the admission);
 - ``distinct_share``: distinct blocks / blocks held over the prefill engines, sampled
-  every 200 prefills (below 1: the same prefix computed on several engines).
+  every 200 prefills (below 1: the same prefix computed on several engines);
+- ``left_holder_lost_*``: the requests that left a holder and got less than its match
+  (``left_holder_*`` counts by the index at the choice, so it includes requests whose
+  chosen engine computed the prefix before admitting them: a session's previous turn
+  queued there, a shared prefix computed by a request ahead; Mooncake synthetic seed 0,
+  ``cache_router``: 17 left, 3 lost, 0.04 of 0.55 points);
+- ``chosen_lost_hit_rate``: the chosen engine's match evicted before the engine admitted
+  the request (the prefill queue's own compute pushes the LRU tail out);
+- ``reuse_bands``: the hit rate split by how long ago the prompt's longest shared prefix
+  was last requested (any earlier request, any engine): per band the requests, the
+  ``reachable`` hit (that shared prefix) and the delivered ``hit`` (the bands' hits sum
+  to ``hit_rate``). An engine's LRU holds 16,384 pages (1.05M tokens), which a loaded
+  prefill engine recomputes in about 75 s on the Mooncake traces: the bands straddle
+  that survival time, where which rule keeps which old prefix is decided (session 11).
 
     flock /work/bench.lock nice -n 5 python3 bench/pd_hits.py --trace T --limit 2000 \\
         --rules cache_router,sglang_pd [--params '{"recompute_weight": 8}'] \\
@@ -40,9 +53,12 @@ from policies.pd import DecodeLoad, PdDecision
 from sim.pd import PdSimulation, parse_rule
 from sim.request import SimRequest
 from sim.simulator import SimConfig
-from sim.traces import load_trace
+from sim.traces import Trace, load_trace
 
 _SAMPLE_EVERY = 200
+# Upper edges (s) of the reuse bands; a prompt sharing no block with any earlier one is
+# "first", one last shared at or past the last edge is ">=200s".
+_BAND_EDGES_S = (30, 60, 100, 200)
 
 
 class Recorded(PdSimulation):
@@ -66,6 +82,74 @@ class Recorded(PdSimulation):
         super()._send_prefill(req, pd, views)
 
 
+def last_shared(trace: Trace) -> list[tuple[int, float]]:
+    """Per request ``(blocks, gap ms)``: its longest leading run of blocks that an
+    earlier request also had (at most its cacheable blocks), and the time since the
+    latest earlier request that had all of them; ``(0, inf)`` when none shares a block.
+
+    Block hashes chain their parents, so the latest request holding the deepest shared
+    block holds the whole run."""
+    bs = trace.block_size
+    latest: dict[int, int] = {}  # block hash -> latest request holding it
+    out: list[tuple[int, float]] = []
+    for i, req in enumerate(trace.requests):
+        hashes = req.router_hashes.tolist()
+        cap = cacheable_blocks(req.input_len, bs)
+        depth, by = 0, -1
+        for h in hashes[:cap]:
+            j = latest.get(h)
+            if j is None:
+                break
+            depth, by = depth + 1, j
+        gap = req.arrival_ms - trace.requests[by].arrival_ms if depth else float("inf")
+        out.append((depth, gap))
+        for h in hashes:
+            latest[h] = i
+    return out
+
+
+def band(gap_ms: float) -> str:
+    """The reuse band of a gap (``_BAND_EDGES_S``)."""
+    if gap_ms == float("inf"):
+        return "first"
+    lo = 0
+    for hi in _BAND_EDGES_S:
+        if gap_ms < hi * 1000.0:
+            return f"<{hi}s" if lo == 0 else f"{lo}-{hi}s"
+        lo = hi
+    return f">={lo}s"
+
+
+def reuse_bands(
+    trace: Trace, delivered: dict[int, int], tokens: int
+) -> dict[str, dict[str, float]]:
+    """The delivered hit rate (``delivered``: request index -> blocks served from cache,
+    the requests served) split by ``band`` of ``last_shared``'s gap."""
+    bs = trace.block_size
+    names = [band(0.0)] + [band(e * 1000.0) for e in _BAND_EDGES_S] + ["first"]
+    out = {n: {"requests": 0, "reachable": 0.0, "hit": 0.0} for n in names}
+    for i, (blocks, gap) in enumerate(last_shared(trace)):
+        if i not in delivered:
+            continue
+        row = out[band(gap)]
+        row["requests"] += 1
+        row["reachable"] += blocks * bs / tokens
+        row["hit"] += delivered[i] * bs / tokens
+    return out
+
+
+def delivered_blocks(sim: PdSimulation) -> dict[int, int]:
+    """Blocks each served request found cached where its prompt was computed (its prefill
+    leg, else the decode engine), as ``sim.pd.summarize_pd`` counts the hit rate."""
+    out = {}
+    for r in sim.requests:
+        if r.first_token_ms < 0:
+            continue
+        on = sim.prefill_leg.get(r.idx, r)
+        out[r.idx] = on.hit_gpu_blocks + on.hit_host_blocks
+    return out
+
+
 def run(trace: Any, rule: str, args: argparse.Namespace) -> dict[str, Any]:
     prefill, decode = parse_rule(rule)
     config = SimConfig(
@@ -84,6 +168,11 @@ def run(trace: Any, rule: str, args: argparse.Namespace) -> dict[str, Any]:
     bs = sim.block_size
     tokens = sum(r.input_len for r in sim.requests) or 1
     left = [(b, c) for b, c, _ in sim.choices.values() if c < b]
+    got = delivered_blocks(sim)
+    lost = [b - got.get(i, 0) for i, (b, c, _) in sim.choices.items() if c < b]
+    lost = [x for x in lost if x > 0]
+    evicted = sum(max(0, c - got.get(i, 0)) for i, (_, c, _) in sim.choices.items())
+    served = sum(r.input_len for r in sim.requests if r.idx in got) or 1
     return {
         "rule": rule,
         "params": params or {},
@@ -94,6 +183,10 @@ def run(trace: Any, rule: str, args: argparse.Namespace) -> dict[str, Any]:
         "index_chosen": sum(c for _, c, _ in sim.choices.values()) * bs / tokens,
         "left_holder_requests": len(left),
         "left_holder_hit_rate": sum(b - c for b, c in left) * bs / tokens,
+        "left_holder_lost_requests": len(lost),
+        "left_holder_lost_hit_rate": sum(lost) * bs / tokens,
+        "chosen_lost_hit_rate": evicted * bs / tokens,
+        "reuse_bands": reuse_bands(sim.trace, got, served),
         "distinct_share": sim.distinct,
         "prefills_per_engine": dict(sorted(Counter(e for *_, e in sim.choices.values()).items())),
         "prefill_tokens_computed": sum(sim.engines[i].prefill_tokens for i in sim.prefill_slots),

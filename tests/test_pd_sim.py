@@ -7,8 +7,10 @@ import importlib.util
 import json
 import subprocess
 import sys
+from array import array
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,7 +20,7 @@ from router.cli import main
 from sim.pd import PD_RULES, PdSimulation, parse_rule
 from sim.simulator import SimConfig
 from sim.synth import write_sessions
-from sim.traces import Trace, load_trace
+from sim.traces import Trace, TraceRequest, load_trace
 
 BS = 16
 BENCH = Path(__file__).resolve().parent.parent / "bench"
@@ -137,6 +139,67 @@ def test_bench_pd_hits_decomposes_the_prefill_hit_rate(tmp_path: Path) -> None:
         assert 0 <= r["index_chosen"] <= r["index_best"] <= 1
         assert r["left_holder_hit_rate"] == pytest.approx(r["index_best"] - r["index_chosen"])
         assert 0 < r["hit_rate"] <= 1 and sum(r["prefills_per_engine"].values()) == 32
+        assert 0 <= r["left_holder_lost_requests"] <= r["left_holder_requests"]
+        assert r["left_holder_lost_hit_rate"] >= 0 and r["chosen_lost_hit_rate"] >= 0
+        bands = r["reuse_bands"]
+        assert list(bands) == ["<30s", "30-60s", "60-100s", "100-200s", ">=200s", "first"]
+        assert sum(b["requests"] for b in bands.values()) == 32
+        # all share one system prompt (4 blocks) and arrive within 128 ms: only the
+        # first request is new
+        assert bands["first"] == {"requests": 1, "reachable": 0, "hit": 0}
+        assert bands["<30s"]["requests"] == 31 and bands["<30s"]["reachable"] >= r["hit_rate"]
+        assert sum(b["hit"] for b in bands.values()) == pytest.approx(r["hit_rate"])
+
+
+def _pd_hits() -> Any:
+    spec = importlib.util.spec_from_file_location("pd_hits", BENCH / "pd_hits.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_pd_hits_reuse_gap_is_to_the_latest_request_holding_the_shared_run() -> None:
+    def req(at_s: float, n: int, hashes: list[int]) -> TraceRequest:
+        return TraceRequest(at_s * 1000.0, n, 2, None, array("q", hashes), array("q", hashes))
+
+    trace = Trace(
+        "t",
+        BS,
+        0,
+        [
+            req(0, 49, [1, 2, 3]),
+            req(40, 49, [1, 2, 9]),  # 2 blocks, last had by request 0
+            req(45, 33, [1, 2]),  # 2 blocks: request 1 had them 5 s ago
+            req(300, 17, [7]),  # no block seen
+            # request 2 had blocks 1-2 more recently, but only request 0 had all three
+            req(550, 49, [1, 2, 3]),
+            req(560, 32, [7, 8]),  # 1 cacheable block: block 8 holds the last token
+        ],
+    )
+    pd_hits = _pd_hits()
+    inf = float("inf")
+    assert pd_hits.last_shared(trace) == [
+        (0, inf),
+        (2, 40_000.0),
+        (2, 5_000.0),
+        (0, inf),
+        (3, 550_000.0),
+        (1, 260_000.0),
+    ]
+    tokens = sum(r.input_len for r in trace.requests)
+    bands = pd_hits.reuse_bands(trace, {0: 0, 1: 2, 2: 1, 3: 0, 4: 0}, tokens)
+    assert {k: v["requests"] for k, v in bands.items()} == {
+        "<30s": 1,
+        "30-60s": 1,
+        "60-100s": 0,
+        "100-200s": 0,
+        ">=200s": 1,
+        "first": 2,
+    }  # request 5 was not served: not counted
+    assert bands["30-60s"]["hit"] == pytest.approx(2 * BS / tokens)
+    assert bands["<30s"]["reachable"] == pytest.approx(2 * BS / tokens)
+    assert bands[">=200s"] == {"requests": 1, "reachable": pytest.approx(3 * BS / tokens), "hit": 0}
 
 
 def test_bench_pd_hits_seed_reaches_the_trace_as_replay_seed_does(
@@ -158,10 +221,7 @@ def test_bench_pd_hits_seed_reaches_the_trace_as_replay_seed_does(
         )
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     assert load_trace(path, block_size=BS, seed=7).tokens(0) != load_trace(path, BS).tokens(0)
-    spec = importlib.util.spec_from_file_location("pd_hits", BENCH / "pd_hits.py")
-    assert spec is not None and spec.loader is not None
-    pd_hits = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pd_hits)
+    pd_hits = _pd_hits()
     seen: list[tuple[int, int, int]] = []
 
     class Seen(pd_hits.Recorded):  # type: ignore[name-defined,misc]
