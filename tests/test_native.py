@@ -305,6 +305,53 @@ def test_native_ingest_survives_damaged_payloads(
             return
 
 
+# msgpack's unsigned widths and their edges: fixint, uint 8, 16, 32 (and 64 for hashes)
+U32_EDGES = [0, 1, 127, 128, 255, 256, 65535, 65536, 2**31, 2**32 - 1]
+
+
+@needs_native
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.sampled_from(U32_EDGES) | st.integers(0, 2**32 - 1), min_size=4, max_size=4),
+        min_size=1,
+        max_size=6,
+    ),
+    st.lists(
+        st.sampled_from([*U32_EDGES[1:], 2**32, 2**63, 2**64 - 1]),
+        min_size=6,
+        max_size=6,
+        unique=True,
+    ),
+    st.integers(0, 12),
+)
+def test_ids_of_every_width_and_cut_payloads_decode_as_python_reads_them(
+    blocks: list[list[int]], hashes: list[int], cut: int
+) -> None:
+    """Token ids and hashes of every msgpack width, whole and with the payload cut ``cut``
+    bytes short (the bulk reader's unchecked part ends 9 bytes a value before the end)."""
+    from index import BlockStored, EventBatch, EventIngest, encode
+    from index.native_index import NativePrefixIndex
+
+    event = BlockStored(
+        block_hashes=hashes[: len(blocks)],
+        parent_block_hash=None,
+        token_ids=[t for b in blocks for t in b],
+        block_size=4,
+        medium="GPU",
+    )
+    payload = encode(EventBatch(0.0, [event], None))
+    payload = payload[: len(payload) - cut]
+    py, nat = (EventIngest(make(), BlockHasher(4)) for make in (PrefixIndex, NativePrefixIndex))
+    assert nat.apply("w", 0, payload) == py.apply("w", 0, payload)
+    assert nat.engine_blocks("w") == py.engine_blocks("w")
+    assert nat.errors == py.errors
+    # the native path gives the worker its slot at its first batch: a 0 is no match
+    chain = list(py.engine_blocks("w").values())
+    matched = [{w: n for w, n in ing.index.match(chain).items() if n} for ing in (nat, py)]
+    assert matched[0] == matched[1]
+
+
 def _give(idx: object, ids: list[str], out: dict[str, int]) -> None:
     for w in ids:
         out[w] = idx.slot(w)  # type: ignore[attr-defined]

@@ -128,16 +128,11 @@ class BatchParser {
     bool pack(Reader& r, uint32_t n) {
         const uint8_t* start = r.pos();
         const size_t mark = ints_.size();
-        uint64_t x;
-        for (uint32_t i = 0; i < n; ++i) {
-            if (!r.next_uint(x)) {
-                r.seek(start);
-                ints_.resize(mark);
-                return false;
-            }
-            ints_.push_back(x);
-        }
-        return true;
+        ints_.resize(mark + n);
+        if (r.uints(ints_.data() + mark, n) == n) return true;
+        r.seek(start);
+        ints_.resize(mark);
+        return false;
     }
 
     static bool utf8_ok(std::string_view s) {
@@ -174,6 +169,7 @@ class BatchParser {
         const Node& c = nodes_[i];
         if (c.packed >= 0) return out;
         size_t count = c.v.kind == Kind::Array ? c.v.n : 2ULL * c.v.n;
+        out.reserve(count);  // the nodes exist (build parsed them): one allocation, not ~5
         size_t j = i + 1;
         for (size_t k = 0; k < count; ++k) {
             out.push_back(j);

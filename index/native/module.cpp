@@ -1054,6 +1054,11 @@ PYBIND11_MODULE(_native, m) {
                             c.ingest(it.slot, it.rank, it.seq, it.epoch,
                                      ok ? &ps[done].events : nullptr, quota, ds[done], rs[done]);
                         }
+                        // outcome() reads only its counts: the events go now, so the
+                        // next batch's allocations reuse their memory (malloc's per-thread
+                        // cache; freed together at the end of a run of 64 they took the
+                        // allocator's slow paths, ~10 % of the run's instructions)
+                        std::vector<PEvent>().swap(ps[done].events);
                         const SeqDecision& d = ds[done];
                         const ApplyResult& r = rs[done];
                         const bool plain = ok && d.apply && d.status == SEQ_OK && !d.restarted &&
