@@ -21,9 +21,10 @@ prefill choice recorded against the router's index at that moment:
 - ``reuse_bands``: the hit rate split by how long ago the prompt's longest shared prefix
   was last requested (any earlier request, any engine): per band the requests, the
   ``reachable`` hit (that shared prefix) and the delivered ``hit`` (the bands' hits sum
-  to ``hit_rate``). An engine's LRU holds 16,384 pages (1.05M tokens), which a loaded
-  prefill engine recomputes in about 75 s on the Mooncake traces: the bands straddle
-  that survival time, where which rule keeps which old prefix is decided (session 11).
+  to ``hit_rate``). An engine's LRU holds 16,384 pages (1.05M tokens): on Mooncake
+  synthetic, between two uses of a prefix 60-100 s apart its engine computed a median
+  0.76M tokens, 100-200 s apart 1.33M, so the bands straddle the survival time, where
+  which rule keeps which old prefix is decided (BENCHMARKS.md, session 11).
 
     flock /work/bench.lock nice -n 5 python3 bench/pd_hits.py --trace T --limit 2000 \\
         --rules cache_router,sglang_pd [--params '{"recompute_weight": 8}'] \\
