@@ -33,19 +33,19 @@ The recompute term is the pool's side of the bill: tokens recomputed although a 
 holds them are paid once in this request's TTFT and once more by the pool, as compute
 that later requests queue behind and as a second copy that evicts other prefixes. At
 weight ``w`` a request leaves the holder when the holder's queue costs more than
-``1 + w`` times the saving; weight 0 is the pure TTFT estimate. The default 6 was
-chosen on where the Mooncake hits went (BENCHMARKS.md, session 7): at weight 3, on
-mooncake-conv x1 8 engines seed 1, the requests routed off their best holder (6.4 %)
-lost 2.9 hit points at the decision (in-flight prefixes won 0.95 back), none was lost
-to eviction after routing, and each move was right for its own TTFT (2.3 s at the
-holder, median, against 0.35 s elsewhere; observed / estimated TTFT 0.95-1.01 at the
-median for every queue length): the pool's bill, not the estimate, was too small. The
-truer queue (``queued_attn_ms``, below) had made such moves more frequent. Weights 6
-to 12 (seeds 0-2) each bring the three Mooncake rows of ``bench/sweep.py`` within a
-point of ``sglang_cache_aware`` (-0.1 / -0.6 / -0.6 points at 6, from -1.4 / -1.3 /
--1.5 at 3) with p90 unchanged (0.86-0.95x the best other's); the chat and agent rows
-move within 0.2 points and their seeds' spread. 6 is the smallest that does, and stays
-below the prefill side's 8 (a mixed pool's steps are mostly decoding, below).
+``1 + w`` times the saving; weight 0 is the pure TTFT estimate (the holder's share of the
+prompt raises ``w``, below). Weight 6 was chosen on where the Mooncake hits went
+(BENCHMARKS.md, session 7): at weight 3, on mooncake-conv x1 8 engines seed 1, the
+requests routed off their best holder (6.4 %) lost 2.9 hit points at the decision
+(in-flight prefixes won 0.95 back), none was lost to eviction after routing, and each
+move was right for its own TTFT (2.3 s at the holder, median, against 0.35 s elsewhere;
+observed / estimated TTFT 0.95-1.01 at the median for every queue length): the pool's
+bill, not the estimate, was too small. The truer queue (``queued_attn_ms``, below) had
+made such moves more frequent. Weights 6 to 12 (seeds 0-2) each bring the three Mooncake
+rows of ``bench/sweep.py`` within a point of ``sglang_cache_aware`` (-0.1 / -0.6 / -0.6
+points at 6, from -1.4 / -1.3 / -1.5 at 3) with p90 unchanged (0.86-0.95x the best
+other's); the chat and agent rows move within 0.2 points and their seeds' spread. 6 was
+the smallest that did; with the share term (session 11, below) the default is 8.
 
 Prefetch, only where it pays: when a worker ``S`` holds more leading blocks locally than
 the target can reach and the transfer from ``S`` fits in ``prefetch_fraction`` of the
@@ -144,28 +144,38 @@ prefixes, 0.1422 at a TTFT p90 of 6,619 ms against 5,560.
 
 On a disaggregated pool's prefill engines the policy runs with ``prefill_params``
 (``recompute_weight`` 8 until session 10, now 6 with ``running_discount``, below;
-``place_slack_ms`` 500; ``Experiment.prefill_policy_for``): a
-prefill engine only computes prompts, so a recomputed prefix is all extra work for the
-pool and its copy evicts other prompts' KV with nothing else in the cache to buffer it,
-while a mixed pool's steps are mostly decoding (where issue 13's sweep set weight 6).
-Measured on the same simulator (BENCHMARKS.md): Mooncake synthetic, seeds 0-4, hit
-0.1473-0.1490 (mean 0.1480) against 0.1396 / 0.1427 on seeds 0 / 1 with the mixed
-defaults, TTFT p90 5,233-5,454 ms against 5,560 / 5,575; Mooncake conversation 0.177
+``place_slack_ms`` 500; ``Experiment.prefill_policy_for``): a prefill engine only
+computes prompts, so a recomputed prefix is all extra work for the pool and its copy
+evicts other prompts' KV with nothing else in the cache to buffer it. Measured on the
+same simulator (BENCHMARKS.md): Mooncake synthetic, seeds 0-4, hit 0.1473-0.1490 (mean
+0.1480) against 0.1396 / 0.1427 on seeds 0 / 1 with the mixed defaults of then (weight
+3, no slack), TTFT p90 5,233-5,454 ms against 5,560 / 5,575; Mooncake conversation 0.177
 against 0.164 (TTFT p90 6,662 against 6,959 ms); the agent trace unchanged. Weights
 12-64 and slacks 250-2,000 ms moved the hit rate by less than the seed-to-seed spread.
 
-The prefill side also sets ``recompute_share`` 4: the weight grows with the share of the
-prompt the best holder has, ``recompute_weight * (1 + recompute_share * share)`` (off, 0,
-for mixed pools). Who left a holder (issue 15, Mooncake conversation seed 2, 4 + 4
-engines): 59 requests by the policy's own view (0.48 hit points), 18 of them from a
+The holder's share of the prompt (``recompute_share``, 4 on both sides): the weight
+grows with the share of the prompt the best holder has, ``recompute_weight * (1 +
+recompute_share * share)``. Who left a holder (issue 15, Mooncake conversation seed
+2, 4 + 4 engines): 59 requests by the policy's own view (0.48 hit points), 18 of them from a
 holder of 90 % or more of the prompt (0.27 points), typically behind one long prompt
 still prefilling, which the router counts whole until its first token (93K tokens
-counted where 11K were left). Such a request costs its holder only its suffix and a
-peer all of it. PD simulator, seeds 0-2 (BENCHMARKS.md, session 8): conversation hit
-0.1739 / 0.1715 / 0.1669 -> 0.1748 / 0.1760 / 0.1768, TTFT p90 7,010 / 6,966 / 7,203 ->
-7,204 / 6,994 / 6,986 ms; synthetic 0.1476 / 0.1470 / 0.1496 -> 0.1497 / 0.1492 /
-0.1472 (at the prefill engines' capacity, seed noise); agent within 0.01 points. Share
-2 / 8 / 16 on conversation seed 2: 0.1758 / 0.1741 / 0.1768, TTFT p90 up to 7,468 ms.
+counted where 11K were left). Such a request costs its holder only its suffix and a peer
+all of it. PD simulator, seeds 0-2 (BENCHMARKS.md, session 8): conversation hit 0.1739 /
+0.1715 / 0.1669 -> 0.1748 / 0.1760 / 0.1768, TTFT p90 7,010 / 6,966 / 7,203 -> 7,204 /
+6,994 / 6,986 ms; synthetic 0.1476 / 0.1470 / 0.1496 -> 0.1497 / 0.1492 / 0.1472 (at the
+prefill engines' capacity, seed noise); agent within 0.01 points. Share 2 / 8 / 16 on
+conversation seed 2: 0.1758 / 0.1741 / 0.1768, TTFT p90 up to 7,468 ms. Mixed pools had
+it off (share 0, weight 6) until session 11: there ``bench/sweep.py``'s 12 settings x
+seeds 0-2 (BENCHMARKS.md) at weight 8 and share 4 move the three Mooncake rows from
+-0.08 / -0.67 / -0.62 hit points under ``sglang_cache_aware`` (conversation x1 8
+engines, x2 16 engines, synthetic) to +0.06 / +0.20 / -0.20, requests off their best
+holder 3.4-4.7 % -> 1.0-1.9 % on conversation, at TTFT p90 +2-5 % (conversation x2 16
+engines 2,070 -> 2,171 ms, 0.996x ``dynamo_kv``'s 2,181, a tie: its seeds spread
+2,102-2,273 ms); Pareto-best on 9 settings of 12, was 7, every target still met. Chat
+and agent rows moved by at most 0.01 points, but agent x3 8 engines 4096 pages seed 1
+(saturated) went 5,808 -> 10,653 ms (``sglang_cache_aware`` 15,635). Weight 6 with share
+4 / 6 / 8 gave conversation x1 -0.01 / +0.09 / -0.14 points and conversation x2 16
+engines -0.13 / +0.20 / +0.14 points at p90 0.999x / 1.003x / 1.014x ``dynamo_kv``'s.
 
 A running prefill counts by what is left (``running_discount``, on for the prefill side
 only): the router and the simulator give each view the oldest in-flight prompt's tokens
@@ -262,8 +272,8 @@ class CacheAware(Policy):
         costs: EngineCosts | Mapping[str, Any] | None = None,
         prefetch: bool = True,
         prefetch_fraction: float = 0.5,
-        recompute_weight: float = 6.0,
-        recompute_share: float = 0.0,
+        recompute_weight: float = 8.0,
+        recompute_share: float = 4.0,
         copy_weight: float = 0.5,
         session_load: float = 1.25,
         live_sessions: bool = True,

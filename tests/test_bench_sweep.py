@@ -53,7 +53,7 @@ def test_params_reach_cache_aware_only(tmp_path: Path, monkeypatch: pytest.Monke
     assert set(row["results"]) == set(policies)
     # without them, the defaults: the check above is not what cache_aware does anyway
     row = sweep.run_setting(setting, policies, tmp_path, 1)
-    assert seen["cache_aware"] == (0.0, 0.25) and row["params"] == {}
+    assert seen["cache_aware"] == (4.0, 0.25) and row["params"] == {}
 
 
 def test_merge_keeps_the_params_of_the_rows_that_ran_with_them() -> None:

@@ -122,7 +122,7 @@ def test_a_prefill_holder_of_most_of_the_prompt_keeps_it_through_a_long_queue():
     for blocks, flat, shared in ((full, "p0", "p1"), (full // 10, "p0", "p0")):
         views = [view("p0"), view("p1", blocks=blocks, inflight_requests=14,
                                   inflight_prefill_tokens=140_000)]  # fmt: skip
-        old = make_policy("cache_aware", random.Random(0), recompute_weight=8.0)
+        old = make_policy("cache_aware", random.Random(0), recompute_weight=8.0, recompute_share=0)
         assert old.select(req, views).worker_id == flat
         assert (
             make_prefill_policy("cache_aware", random.Random(0)).select(req, views).worker_id

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from index.hashing import cacheable_blocks
 from index.prefix_index import TierMatch
 from policies import EngineCosts, RouteRequest, WorkerView, make_policy
 from policies.base import Decision
@@ -433,15 +434,18 @@ def test_cold_placement_leaves_long_sessions_to_the_load_bound() -> None:
 def test_cache_aware_scores_explain_the_choice() -> None:
     ws = views(2, inflight_prefill_tokens=100, inflight_requests=1, decode_streams=0)
     ws[0].match = tm(gpu=2, cpu=1, disk=1)
-    d = make_policy("cache_aware", recompute_weight=1).select(req(chain(37, 10)), ws)
+    r = req(chain(37, 10))
+    d = make_policy("cache_aware", recompute_weight=1).select(r, ws)
     for s in d.scores.values():
         assert set(s) == set(SCORE_KEYS)
         assert s["ttft_ms"] == pytest.approx(s["queue_ms"] + s["prefill_ms"] + s["load_ms"])
     assert d.scores["w0"]["hit_blocks"] == 4 and d.worker_id == "w0"
-    # w1 would recompute the 4 blocks w0 holds: the pool's cost of that shows up too
+    # w1 would recompute the 4 blocks w0 holds: the pool's cost of that shows up too, at
+    # weight 1 raised by the holder's share of the prompt (recompute_share 4 by default)
     assert d.scores["w0"]["recompute_ms"] == 0
+    share = 4 / cacheable_blocks(r.num_tokens, BS)
     assert d.scores["w1"]["recompute_ms"] == pytest.approx(
-        4 * BS * EngineCosts().prefill_ms_per_token
+        4 * BS * EngineCosts().prefill_ms_per_token * (1 + 4 * share)
     )
     assert d.reason.startswith("min cost: ttft")
 
@@ -536,9 +540,13 @@ def test_policy_scores_equal_the_reference_cost_model(
             q, p, ld = estimate_ttft(costs, w, m, r.num_tokens, BS, computed=done)
         assert (s["queue_ms"], s["prefill_ms"], s["load_ms"]) == pytest.approx((q, p, ld))
     best_hit = max(s["hit_blocks"] for s in d.scores.values())
+    cacheable = cacheable_blocks(r.num_tokens, BS)
+    weight = 1 + policy.recompute_share * min(best_hit, cacheable) / cacheable
     for s in d.scores.values():
         missing = max(best_hit - s["hit_blocks"], 0)
-        assert s["recompute_ms"] == pytest.approx(missing * BS * costs.prefill_ms_per_token)
+        assert s["recompute_ms"] == pytest.approx(
+            missing * BS * costs.prefill_ms_per_token * weight
+        )
     cost = {
         w: s["ttft_ms"] + s["recompute_ms"] + s["prefetch_risk_ms"] for w, s in d.scores.items()
     }
@@ -572,15 +580,20 @@ def _hint_setup() -> list[WorkerView]:
     return ws
 
 
+# The hint tests are sized for a flat recompute weight 6 (the mixed pool's until session 11):
+# the share term makes a holder of all 10 blocks five times stickier, which a hint avoids.
+FLAT6 = {"recompute_weight": 6.0, "recompute_share": 0.0}
+
+
 def test_cache_aware_a_copy_into_gpu_memory_costs_more_than_into_host_memory() -> None:
-    host = make_policy("cache_aware", random.Random(0))
+    host = make_policy("cache_aware", random.Random(0), **FLAT6)
     _seen_with_host_memory(host, 4)
     d = host.select(req(chain(50, 10)), _hint_setup())
     assert d.prefetch is not None and d.worker_id != "w1"
     copy = 0.5 * 10 * BS * EngineCosts().prefill_ms_per_token  # copy_weight 0.5
     assert d.scores[d.worker_id]["prefetch_risk_ms"] > copy  # copy + the risk of a loss
     # a copy that lands in GPU memory is charged twice
-    gpu_only = make_policy("cache_aware", random.Random(0))
+    gpu_only = make_policy("cache_aware", random.Random(0), **FLAT6)
     e = gpu_only.select(req(chain(50, 10)), _hint_setup())
     assert e.prefetch is not None and e.worker_id == d.worker_id
     risk = e.scores[e.worker_id]["prefetch_risk_ms"]
@@ -602,7 +615,7 @@ def test_cache_aware_no_hint_to_a_target_without_kv_room(usage: float, hinted: b
 
 def test_cache_aware_learns_from_hints_that_do_not_land() -> None:
     # session_load: session t starts where s's 60 turns went and s is live; unbounded here
-    policy = make_policy("cache_aware", random.Random(0), session_load=100)
+    policy = make_policy("cache_aware", random.Random(0), session_load=100, **FLAT6)
     _seen_with_host_memory(policy, 4)
     prior = policy.landing_rate
     hinted = []
@@ -808,7 +821,8 @@ def test_cache_aware_stays_on_a_holder_whose_running_prompt_is_nearly_done() -> 
     r = req(chain(80, 40), extra_tokens=5)
     seen = {}
     for ran in (0.0, 200.0, 400.0, 2_000.0):
-        policy = make_policy("cache_aware", random.Random(0), running_discount=True)
+        # sized for a flat weight 6: the share term alone keeps a holder of all 40 blocks
+        policy = make_policy("cache_aware", random.Random(0), running_discount=True, **FLAT6)
         holder = WorkerView(
             "w0",
             match=tm(gpu=40),
@@ -824,6 +838,7 @@ def test_cache_aware_stays_on_a_holder_whose_running_prompt_is_nearly_done() -> 
     assert seen[0.0][1] - seen[200.0][1] == pytest.approx(200.0, rel=0.02)
     # past the oldest's 10,000 tokens (500 ms) the later 2,000 are still charged
     assert seen[2_000.0][1] == pytest.approx(2_000 * EngineCosts().prefill_ms_per_token, abs=10)
-    # a mixed pool's default counts it whole (session 10: its TTFT p90 rose with it)
-    assert make_policy("cache_aware", random.Random(0)).select(r, [holder, WorkerView("w1")]) \
-        .worker_id == "w1"  # fmt: skip
+    # a mixed pool's default (discount off) counts it whole, however long it has run
+    # (session 10: its TTFT p90 rose with the discount on)
+    whole = make_policy("cache_aware", random.Random(0)).select(r, [holder, WorkerView("w1")])
+    assert whole.scores["w0"]["queue_ms"] == pytest.approx(seen[0.0][1])
