@@ -72,3 +72,43 @@ def test_interference_only_repeats_with_the_spread(tmp_path: Path) -> None:
         _answered(rep)
     spread = out["cache_router"]["interference_spread"]
     assert len(spread["p99_busy_over_idle"]) == 2 and spread["errors"] == 0
+
+
+def test_cpu_counts_a_process_started_after_the_list_was_taken(tmp_path: Path) -> None:
+    """A router starts its tokenizer processes at its first long prompt: ``cpu_ns`` of the
+    router's pid list, taken before, still counts their run time."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from hotpath import cpu_ns
+
+    done = tmp_path / "burnt"
+    child = (
+        "import pathlib, time\n"
+        "x = 0\n"
+        "for i in range(3_000_000): x += i\n"
+        f"pathlib.Path({str(done)!r}).touch()\n"
+        "time.sleep(60)\n"
+    )
+    start = (
+        "import subprocess, sys, time; time.sleep(0.2); "
+        f"subprocess.run([sys.executable, '-c', {child!r}])"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", start])  # the child comes later
+    kids = Path(f"/proc/{parent.pid}/task/{parent.pid}/children")
+    children: list[int] = []
+    try:
+        pids = [parent.pid]  # the list a bench takes before the child exists
+        for _ in range(600):
+            if done.exists():
+                break
+            subprocess.run(["sleep", "0.1"], check=True)
+        assert done.exists(), "the child never finished burning"
+        children = [int(p) for p in kids.read_text().split()]
+        assert children, "the child is not alive"
+        child_ns = cpu_ns(children)
+        assert child_ns > 0
+        assert cpu_ns(pids) >= child_ns
+    finally:
+        for pid in children:
+            subprocess.run(["kill", str(pid)], check=False)
+        parent.kill()
+        parent.wait()
