@@ -28,6 +28,19 @@ struct Value {
     std::string_view bytes;  // str / bin / ext payload
 };
 
+// A big-endian unsigned int of ``T``'s width at ``p`` (msgpack's order), in one load.
+template <class T>
+inline T load_be(const uint8_t* p) {
+    T x;
+    std::memcpy(&x, p, sizeof x);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    return x;
+#else
+    if constexpr (sizeof x == 4) return __builtin_bswap32(x);
+    else return __builtin_bswap64(x);
+#endif
+}
+
 class Reader {
    public:
     Reader(const uint8_t* p, size_t n) : p_(p), end_(p + n) {}
@@ -55,17 +68,13 @@ class Reader {
                     out[i] = static_cast<uint64_t>(p[1]) << 8 | p[2];
                     p += 3;
                 } else if (c == 0xce) {
-                    uint32_t x;
-                    std::memcpy(&x, p + 1, 4);
-                    out[i] = __builtin_bswap32(x);
+                    out[i] = load_be<uint32_t>(p + 1);
                     p += 5;
                 } else if (c == 0xcc) {
                     out[i] = p[1];
                     p += 2;
                 } else if (c == 0xcf) {
-                    uint64_t x;
-                    std::memcpy(&x, p + 1, 8);
-                    out[i] = __builtin_bswap64(x);
+                    out[i] = load_be<uint64_t>(p + 1);
                     p += 9;
                 } else {
                     p_ = p;
