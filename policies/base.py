@@ -59,7 +59,6 @@ class WorkerView:
         cls,
         worker_id: str,
         match: TierMatch,
-        *,
         in_sync: bool,
         inflight_requests: int,
         inflight_prefill_tokens: int,

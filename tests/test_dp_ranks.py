@@ -16,13 +16,18 @@ import orjson
 import pytest
 from stack import BS, MODEL, EngineStack, hits, mock_engine_config, until
 
+from policies.base import RouteRequest
+from router.app import RouterState
 from router.config import ConfigError, RouterConfig, WorkerSpec, worker_spec
 from router.dp import DP_HEADER, forward_rank, split_target, target_id, target_ids
 from router.events import last_seq
+from router.load import EngineLoad
 from router.workers import WorkerRegistry
 from sim.mock_engine import MockEngine, offset_endpoint
 
 AUTH = {"authorization": "Bearer t"}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+ROUTE = RouteRequest("r", MODEL, num_tokens=4, block_hashes=[], block_size=BS)
 PROMPT = "Data-parallel ranks each keep their own KV cache, so a prefix lives on one. " * 4
 
 
@@ -80,6 +85,31 @@ def test_registry_targets_and_name_clashes() -> None:
     assert reg.get("g") is None
     reg.remove("e")
     assert reg.source("e-dp0") is None and "e-dp0" not in reg.pools["default"].index.workers
+
+
+def test_views_count_each_rank_against_its_own_load() -> None:
+    """Each rank's view carries that rank's own flights and its share of the engine's
+    report (the views pair targets with loads once per worker, ``Worker.candidates``)."""
+    cfg = RouterConfig(block_size=BS, workers=[
+        WorkerSpec("e", "http://h:1", model=MODEL, dp_size=3),
+        WorkerSpec("f", "http://h:2", model=MODEL),
+    ])  # fmt: skip
+    state = RouterState(cfg)
+    e, f = state.registry.get("e"), state.registry.get("f")
+    assert e is not None and f is not None
+    e.rank_loads[1].begin(200)
+    e.rank_loads[2].begin(0)
+    f.load.begin(50)
+    e.load.report(EngineLoad(running=7, waiting=2, kv_usage=0.5))
+    parsed = state.router.parse("chat", orjson.dumps(CHAT), {})
+    prep = state.router.prepared(parsed, state.registry.for_model(MODEL), ROUTE)
+    views = {v.worker_id: v for v in state.router.views(prep, {"e-dp0"})}
+    assert sorted(views) == ["e-dp1", "e-dp2", "f"]
+    got = {t: (v.inflight_requests, v.inflight_prefill_tokens, v.running_prefill_tokens)
+           for t, v in views.items()}  # fmt: skip
+    assert got == {"e-dp1": (1, 200, 200), "e-dp2": (1, 0, 0), "f": (1, 50, 50)}
+    assert (views["e-dp1"].engine_running, views["e-dp1"].engine_waiting) == (3, 1)
+    assert views["f"].engine_running is None
 
 
 def test_offset_endpoint_follows_vllm() -> None:
