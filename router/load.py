@@ -117,10 +117,6 @@ class WorkerLoad:
             self.prefills.add(flight, prefill_tokens, _now_ms() if now is None else now)
         return flight
 
-    def running_prefill(self, now_ms: float) -> tuple[int, float]:
-        """The oldest own prefill's tokens and how long it has run (ms) at ``now_ms``."""
-        return self.prefills.oldest(now_ms)
-
     def own(self) -> tuple[int, int, int]:
         """This router's in-flight requests, prefill tokens and decode streams."""
         return (

@@ -122,9 +122,9 @@ def test_worker_load_shows_its_oldest_flight_until_the_first_byte() -> None:
     first = load.begin(800, now=0.0)
     load.begin(0, now=1.0)  # a passthrough's unknown prompt is not timed
     second = load.begin(300, now=2.0)
-    assert load.running_prefill(100.0) == (800, 100.0)
+    assert load.prefills.oldest(100.0) == (800, 100.0)
     first.first_byte()
-    tokens, ran = load.running_prefill(time.monotonic() * 1000.0 + 5.0)
+    tokens, ran = load.prefills.oldest(time.monotonic() * 1000.0 + 5.0)
     assert tokens == 300 and 5.0 <= ran < 60_000.0  # from its predecessor's first byte
     second.finish()
-    assert load.running_prefill(1e12) == (0, 0.0)
+    assert load.prefills.oldest(1e12) == (0, 0.0)
