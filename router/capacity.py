@@ -4,9 +4,11 @@ The request path only appends ``(model, block size, worker, hashes, tokens, pref
 bounded queue (``record``: a tuple and a deque append; the hashes are the list routing
 already computed). A background task drains it into one ``index.capacity`` forecast
 per model on a thread of its own, and the stacks are native (``index.native_reuse``):
-each request is one call per stack that reads the hashes and then runs with the GIL
-released, so the event loop keeps running through the analysis instead of waiting for
-the switch interval.
+each request is one call per stack that reads the hashes and then, from 256 blocks up,
+runs with the GIL released, so the event loop keeps running through a long prompt's
+analysis instead of waiting for the switch interval. A shorter one keeps the GIL: at
+saturation (short chats) handing it over and back twice a request cost the forecast's
+thread 30-43 us a request, 8.6-9.7 us without (session 12, BENCHMARKS.md).
 
 Why: in Python the analysis of a turn of a conversation grown to 33K tokens (2K blocks,
 every block tracked while the 2,048-block sample fills) cost 34-42 ms of CPU for the

@@ -136,3 +136,43 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="block_size"):
         sd.observe([1], 32, 0)
     assert sd.curve.requests == 0  # a refused request changed nothing
+
+
+def test_short_and_long_requests_from_threads_with_a_reader():
+    """Short requests are analysed with the GIL held, long ones without it (module.cpp's
+    ``NOGIL_BLOCKS``): from two threads at once, with a third reading the curve all along,
+    every request is counted once and nothing deadlocks (the reader waits for the stack's
+    mutex with the GIL released)."""
+    import threading
+
+    rng = random.Random(3)
+    short = [[rng.getrandbits(64) for _ in range(rng.randint(1, 40))] for _ in range(400)]
+    long_ = [[rng.getrandbits(64) for _ in range(rng.randint(300, 3000))] for _ in range(40)]
+    nat = NativeStackDistance(max_tracked=2048, hot_blocks=256, horizon=1 << 24)
+    done = threading.Event()
+    reads: list[int] = []
+
+    def feed(reqs: list[list[int]]) -> None:
+        for hashes in reqs:
+            nat.observe(hashes, len(hashes) * 16, 16)
+
+    def read() -> None:
+        while not done.is_set():
+            reads.append(nat.curve.requests)
+
+    threads = [threading.Thread(target=feed, args=(r,)) for r in (short, long_)]
+    reader = threading.Thread(target=read)
+    reader.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+        assert not t.is_alive()
+    done.set()
+    reader.join(timeout=60)
+    assert not reader.is_alive()
+    curve = nat.curve
+    assert curve.requests == len(short) + len(long_)
+    assert curve.tokens == 16 * sum(map(len, short + long_))
+    assert nat.accesses == sum(map(len, short + long_))
+    assert reads == sorted(reads)  # the reader never saw a request counted then undone

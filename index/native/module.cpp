@@ -264,8 +264,19 @@ struct Stack {
     Stack(int64_t max_tracked, bool full, uint64_t threshold, int64_t horizon, int64_t hot)
         : sd(max_tracked, full, threshold, horizon, hot) {}
 
+    // A request this short is analysed with the GIL held: its ~80 ns a block cost less
+    // than handing the GIL to the event loop and waiting to get it back, which at
+    // saturation (short chats, two calls a request) cost the forecast's thread ~37 us a
+    // request and the loop a forced switch per call (BENCHMARKS.md, session 12).
+    static constexpr size_t NOGIL_BLOCKS = 256;
+
     void observe(py::handle hashes, int64_t num_tokens, int64_t block_size, bool count) {
         std::vector<uint64_t> hs = u64s(hashes);
+        if (hs.size() < NOGIL_BLOCKS) {
+            Core::Lock l(mu);  // a reader may hold it: waits with the GIL released
+            sd.observe(hs.data(), hs.size(), num_tokens, block_size, count);
+            return;
+        }
         py::gil_scoped_release nogil;
         std::lock_guard<std::mutex> l(mu);
         sd.observe(hs.data(), hs.size(), num_tokens, block_size, count);
