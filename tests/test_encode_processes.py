@@ -102,3 +102,49 @@ def test_a_killed_process_loses_no_request(spm: Tokenizer, tmp_path) -> None:
     tok.segments._lru.clear()
     assert procs.encode(tok.path, [text]) is None  # stopped: the router encodes
     assert tok.segment_ids([text])[0].tolist() == own(tok, text)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc (Linux)")
+def test_an_encode_process_leaves_with_its_killed_router(spm: Tokenizer, tmp_path) -> None:
+    """A router killed outright (SIGKILL: no shutdown runs) takes its encode processes
+    with it; before, each stayed for ever with its tokenizer loaded."""
+    import subprocess
+    import sys
+    import time
+
+    path = HFTokenizer(_write(tmp_path, spm, CHATML)).path
+    script = (
+        "import sys, time\n"
+        "from router.offload import EncodeProcesses\n"
+        "p = EncodeProcesses(1, timeout=60.0, min_chars=0)\n"
+        "assert p.encode(sys.argv[1], ['which engine holds it']) is not None\n"
+        "print(*p._pool._processes, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    router = subprocess.Popen(
+        [sys.executable, "-c", script, path], stdout=subprocess.PIPE, text=True
+    )
+    workers: list[int] = []
+    try:
+        assert router.stdout is not None
+        workers = [int(pid) for pid in router.stdout.readline().split()]
+        assert workers and all(_running(pid) for pid in workers)
+        router.kill()
+        router.wait(10)
+        deadline = time.monotonic() + 15
+        while any(_running(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_running(pid) for pid in workers), "an encode process outlived its router"
+    finally:
+        router.kill()
+        for pid in workers:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
