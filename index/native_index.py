@@ -85,6 +85,18 @@ class NativePrefixIndex:
     def workers(self) -> list[str]:
         return [n for n in self._names if n is not None]
 
+    def named(self, group: int, mask: int) -> list[str]:
+        """The workers of group ``group``'s slots set in ``mask`` (a core's slot mask)."""
+        names, base = self._names, group * GROUP
+        out: list[str] = []
+        while mask:
+            low = mask & -mask
+            name = names[base + low.bit_length() - 1]
+            if name is not None:
+                out.append(name)
+            mask ^= low
+        return out
+
     def slot_of(self, worker_id: str) -> int | None:
         """The worker's slot, None when it has none yet."""
         return self._slot_of.get(worker_id)

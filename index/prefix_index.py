@@ -19,7 +19,7 @@ import heapq
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 # Where a block sits: an engine's GPU, its host memory, its disk, or a pool every worker
 # reaches (e.g. LMCache / Mooncake store).
@@ -32,18 +32,28 @@ _ANY, _GPU, _CPU, _DISK, _SHARED, _TICK, _PARENT = range(7)
 _SLOT_SHIFT = 64  # kid-count keys are (slot << 64) | block key; block keys are 64-bit
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class TierMatch:
     """Leading blocks a worker can reuse, by the cheapest tiers that cover them.
 
     Cumulative: ``gpu`` blocks are in GPU memory, ``cpu`` counts blocks in GPU or host
     memory, ``disk`` adds local disk, ``total`` adds the shared pool.
+
+    Read-only by its ``Final`` fields (mypy refuses an assignment), not by ``frozen``:
+    a frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``
+    (a loop making 16: 9.2 us frozen, 2.7 plain), and every request makes one per
+    matched worker (``match_tiers`` at 16 workers 10.1 -> 4.5 us, BENCHMARKS.md session
+    13). A NamedTuple is as cheap to make but slower to read (90 against 49 ns for four
+    fields, and ``select`` reads them per candidate), and orjson hands a tuple subclass
+    to ``default`` where it writes a dataclass as an object. So it stays a dataclass:
+    the admin API's JSON and ``dataclasses.asdict`` are as before, and it hashes by its
+    fields as the frozen one did.
     """
 
-    gpu: int
-    cpu: int
-    disk: int
-    total: int
+    gpu: Final[int]
+    cpu: Final[int]
+    disk: Final[int]
+    total: Final[int]
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,8 +68,9 @@ class WorkerView:
         kv_usage: float | None,
         running_prefill: tuple[int, float] = (0, 0.0),
     ) -> WorkerView:
-        """The view the router and the simulator both build: a worker whose events are out
-        of sync shows no match, since its index rows may name blocks it no longer holds."""
+        """The view the simulators build, and the router too, inlined (``Router.views``:
+        a frame less per candidate): a worker whose events are out of sync shows no
+        match, since its index rows may name blocks it no longer holds."""
         # positional: this runs for every candidate of every request
         match = match if in_sync else NO_MATCH
         return cls(

@@ -376,6 +376,7 @@ class CacheAware(Policy):
         own_id, own = self._in_flight_prefix(request) if self.in_flight else (None, 0)
         matches: list[TierMatch] = []
         queues: list[float] = []
+        ahead: list[float] = []  # prompt tokens queued before it (``queue_tokens``)
         ranked: list[float] = []
         best_hit = 0
         scores: dict[str, dict[str, float]] = {}
@@ -411,6 +412,7 @@ class CacheAware(Policy):
                 qt += (waiting - pending) * (qt / pending if pending and qt else ntok)
             if discount and w.running_prefill_tokens:  # the oldest prompt is partly done
                 qt -= computed_tokens(c, w, f)
+            ahead.append(qt)
             if qt > 0:
                 n_steps = qt * inv_budget
                 queue = (
@@ -478,6 +480,11 @@ class CacheAware(Policy):
             bound = min(ranked) + self.tie_ms
             for i, w in enumerate(cands):
                 if queues[i] <= 0 or queues[i] > bound:  # admission comes no later than that
+                    continue
+                if ahead[i] <= c.max_batch_tokens:
+                    # admitted at its next step (``admit_wait_ms`` 0): no prefetch can land
+                    # first, ``_prefetch_option`` would say None. Skipped for speed alone:
+                    # ~0.55 us a loaded candidate (BENCHMARKS.md session 13)
                     continue
                 if barred and i in barred:
                     continue

@@ -315,9 +315,11 @@ class Router:
             matches = clip_matches(matches, hashes, groups, pool.index.holds, pool.block_size)
         stale = self.cfg.load_stale_after
         blind = self.blind is not None and self.blind(now)
-        in_sync = ingest.in_sync
+        # the workers out of sync, asked once for all candidates (one native call a core:
+        # ``in_sync`` per candidate cost 0.21 us each, BENCHMARKS.md session 13)
+        behind = ingest.out_of_sync()
         match_of = matches.get
-        view = WorkerView.of
+        view = WorkerView
         views: list[WorkerView] = []
         append = views.append
         for w in prep.workers:
@@ -326,23 +328,31 @@ class Router:
             # a DP rank counts this router's requests on it; the engine reports the sum
             # over its ranks, shared out evenly
             ranks = w.rank_loads
-            engine = w.load.engine_fresh(stale, now)
+            wload = w.load
             running = waiting = kv_usage = None
-            if engine is not None:
-                share = len(ranks) or 1
-                running, waiting = _share(engine.running, share), _share(engine.waiting, share)
+            if now - wload.engine_seen <= stale:  # ``WorkerLoad.engine_fresh``, inlined
+                engine = wload.engine
+                if ranks:
+                    share = len(ranks)
+                    running = _share(engine.running, share)
+                    waiting = _share(engine.waiting, share)
+                else:  # nothing to share out: two calls less a worker (0.1 us)
+                    running, waiting = engine.running, engine.waiting
                 kv_usage = engine.kv_usage
             for tid, load in w.candidates:
                 if tid in exclude:
                     continue
-                # positional, locals bound above: this runs for every candidate (views
-                # at 16 workers 34 -> 31 us, BENCHMARKS.md session 11)
+                # ``WorkerView.of`` inlined (out of sync: no match), positional, locals bound
+                # above: this runs for every candidate (views at 16 workers 34 -> 31 us,
+                # BENCHMARKS.md session 11; without ``of``'s frame -0.1 us each, session 13)
+                synced = not blind and tid not in behind
+                tokens, ran = load.prefills.oldest(now_ms)
                 append(
                     view(
-                        tid, match_of(tid, NO_MATCH), not blind and in_sync(tid),
+                        tid, match_of(tid, NO_MATCH) if synced else NO_MATCH,
                         load.inflight_requests, load.inflight_prefill_tokens,
-                        load.decode_streams, running, waiting, kv_usage,
-                        load.prefills.oldest(now_ms),
+                        load.decode_streams, running, waiting, kv_usage, True, synced,
+                        tokens, ran,
                     )
                 )  # fmt: skip
         return views

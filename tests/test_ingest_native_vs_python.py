@@ -132,6 +132,7 @@ def state(ingest: EventIngest, index: object, hasher: BlockHasher, eng: Engine) 
         [ingest.engine_hashes("w", c) for c in chains],
         [index.match(c) for c in chains],  # type: ignore[attr-defined]
         ingest.in_sync("w"),
+        set(ingest.out_of_sync()),
         ingest.last_seqs("w"),
         dict(ingest.errors),
         ingest.events_applied,
@@ -177,6 +178,26 @@ def test_native_ingest_equals_the_reference(
             dict(r_py.errors),
         )
     assert state(nat, nat_index, hasher, eng) == state(py, py_index, hasher, eng)
+
+
+def test_out_of_sync_names_every_worker_in_sync_is_false_for() -> None:
+    """The views ask ``out_of_sync`` once a request where they asked ``in_sync`` per
+    candidate: both ingests name the same workers, over two native groups (a core's
+    mask per 64 workers), and a removed worker's slot comes back in sync."""
+    for index in (PrefixIndex(), NativePrefixIndex()):
+        ingest = EventIngest(index, BlockHasher(B))
+        names = [f"w{i}" for i in range(70)]
+        for name in names:
+            index.add_worker(name)
+        assert not ingest.out_of_sync()
+        for name in ("w3", "w64", "w69"):
+            ingest.mark_out_of_sync(name)
+        assert set(ingest.out_of_sync()) == {"w3", "w64", "w69"}
+        ingest.remove_worker("w3")
+        ingest.remove_worker("w69")
+        index.add_worker("new")  # takes a freed slot
+        assert set(ingest.out_of_sync()) == {"w64"}
+        assert {n for n in [*names, "new"] if not ingest.in_sync(n)} == {"w64"}
 
 
 def test_a_sha256_hash_comes_back_as_the_engines_bytes() -> None:

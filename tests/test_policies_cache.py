@@ -14,6 +14,7 @@ from index.hashing import cacheable_blocks
 from index.prefix_index import TierMatch
 from policies import EngineCosts, RouteRequest, WorkerView, make_policy
 from policies.base import Decision
+from policies.cache_aware import CacheAware
 from policies.cost_model import (
     admit_wait_ms,
     computed_tokens,
@@ -551,6 +552,44 @@ def test_policy_scores_equal_the_reference_cost_model(
         w: s["ttft_ms"] + s["recompute_ms"] + s["prefetch_risk_ms"] for w, s in d.scores.items()
     }
     assert cost[d.worker_id] <= min(cost.values()) + 2 * 0.25  # tie band + prefetch margin
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    w=st.builds(
+        WorkerView,
+        worker_id=st.just("w1"),
+        match=_match,
+        inflight_requests=st.integers(0, 50),
+        inflight_prefill_tokens=st.integers(0, 60_000),
+        decode_streams=st.integers(0, 60),
+        engine_running=st.none() | st.integers(0, 100),
+        engine_waiting=st.none() | st.integers(0, 40),
+        kv_usage=st.none() | st.floats(0, 1),
+        running_prefill_tokens=st.integers(0, 60_000),
+        running_prefill_ms=st.floats(0, 5_000),
+    ),
+    src_local=st.integers(0, 30),
+    discount=st.booleans(),
+    speed=st.none() | st.floats(0.25, 4.0),
+)
+def test_no_prefetch_for_a_worker_that_admits_at_its_next_step(
+    w: WorkerView, src_local: int, discount: bool, speed: float | None
+) -> None:
+    """``select`` skips ``_prefetch_option`` for a candidate whose queue fits one step
+    (a speed change, BENCHMARKS.md session 13): what it skips must be None there."""
+    policy = make_policy("cache_aware", random.Random(0), running_discount=discount)
+    assert isinstance(policy, CacheAware)
+    if speed is not None:
+        policy.speed["w1"] = speed
+    r = req(chain(41, 30), extra_tokens=3)
+    f = policy.speed.get("w1", 1.0)
+    done = computed_tokens(policy.costs, w, f) if discount else 0.0
+    ahead = queue_tokens(w, r.num_tokens, done)
+    score = {"ttft_ms": 1e9, "recompute_ms": 0.0}  # any option would pay
+    option = policy._prefetch_option(r, w, w.match, score, "w0", src_local, src_local, 1.0)
+    if ahead <= policy.costs.max_batch_tokens:
+        assert option is None
 
 
 def test_engine_costs_physics() -> None:

@@ -1147,6 +1147,16 @@ PYBIND11_MODULE(_native, m) {
                  Core::Lock l(c.mu);
                  return c.seq[slot].in_sync;
              })
+        .def("out_of_sync",
+             [](Core& c) {
+                 Mask out = 0;
+                 Core::Lock l(c.mu);
+                 for (int s = 0; s < MAX_SLOTS; ++s)
+                     if (!c.seq[static_cast<size_t>(s)].in_sync) out |= Mask{1} << s;
+                 return out;
+             },
+             "The slots ``in_sync`` is false for, as a mask: one call a request for all "
+             "candidates (16 calls of ``in_sync`` cost ~3 us a request at 16 workers).")
         .def("mark_out_of_sync",
              [](Core& c, int slot) {
                  check_slot(slot);
