@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter, deque
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -483,22 +484,27 @@ _match = st.builds(
 )
 
 
+def _view(worker_id: str, **more: st.SearchStrategy[Any]) -> st.SearchStrategy[WorkerView]:
+    """A worker's view with loads up to a saturated engine's (``more``: further fields)."""
+    return st.builds(
+        WorkerView,
+        worker_id=st.just(worker_id),
+        match=_match,
+        inflight_requests=st.integers(0, 50),
+        inflight_prefill_tokens=st.integers(0, 60_000),
+        decode_streams=st.integers(0, 60),
+        engine_running=st.none() | st.integers(0, 100),
+        engine_waiting=st.none() | st.integers(0, 40),
+        running_prefill_tokens=st.integers(0, 60_000),
+        running_prefill_ms=st.floats(0, 5_000),
+        **more,
+    )
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     ws=st.lists(
-        st.builds(
-            WorkerView,
-            worker_id=st.just(""),
-            match=_match,
-            inflight_requests=st.integers(0, 50),
-            inflight_prefill_tokens=st.integers(0, 60_000),
-            decode_streams=st.integers(0, 60),
-            engine_running=st.none() | st.integers(0, 100),
-            engine_waiting=st.none() | st.integers(0, 40),
-            in_sync=st.booleans(),
-            running_prefill_tokens=st.integers(0, 60_000),
-            running_prefill_ms=st.floats(0, 5_000),
-        ),
+        _view("", in_sync=st.booleans()),
         min_size=1,
         max_size=8,
     ),
@@ -556,19 +562,7 @@ def test_policy_scores_equal_the_reference_cost_model(
 
 @settings(max_examples=200, deadline=None)
 @given(
-    w=st.builds(
-        WorkerView,
-        worker_id=st.just("w1"),
-        match=_match,
-        inflight_requests=st.integers(0, 50),
-        inflight_prefill_tokens=st.integers(0, 60_000),
-        decode_streams=st.integers(0, 60),
-        engine_running=st.none() | st.integers(0, 100),
-        engine_waiting=st.none() | st.integers(0, 40),
-        kv_usage=st.none() | st.floats(0, 1),
-        running_prefill_tokens=st.integers(0, 60_000),
-        running_prefill_ms=st.floats(0, 5_000),
-    ),
+    w=_view("w1", kv_usage=st.none() | st.floats(0, 1)),
     src_local=st.integers(0, 30),
     discount=st.booleans(),
     speed=st.none() | st.floats(0.25, 4.0),
