@@ -60,7 +60,9 @@ import asyncio
 import random
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -502,7 +504,7 @@ class PdRouter:
         headers: list[tuple[bytes, bytes]],
         body: bytes,
         path: str,
-        accepted: list[tuple[Response, Flight]] | None = None,
+        accepted: list[tuple[Response, Flight, Callable[[bytes], None]]] | None = None,
     ) -> bytes:
         """Send the prefill request; its whole answer, or b"" once its headers are in when
         ``accepted`` takes the response and its load (SGLang: the answer comes after the
@@ -524,7 +526,11 @@ class PdRouter:
         try:
             resp = await st.upstream.send(w.url, path, headers, body, st.cfg.request_timeout)
             if accepted is not None and resp.status < 400:
-                accepted.append((resp, flight))
+                # SGLang: the answer ends after the transfer; its timing, success and
+                # cached tokens are recorded once ``_drain`` has read it
+                accepted.append(
+                    (resp, flight, partial(self._prefill_done, prefill, prep, hit, started))
+                )
                 return b""
             answer = await resp.read(st.cfg.request_timeout, MAX_PREFILL_BODY, "prefill answer")
         except UpstreamError as exc:
@@ -535,18 +541,27 @@ class PdRouter:
                 flight.finish()
                 if resp is not None:
                     resp.close()
-        self.metrics.phase.labels("prefill", tid).observe(time.perf_counter() - started)
         status = resp.status
+        if status >= 400:
+            self.metrics.phase.labels("prefill", tid).observe(time.perf_counter() - started)
         if status >= 500:
             raise _Failed(w, PREFILL_STATUS, UpstreamError(f"prefill status {status}"))
         if status >= 400:
             raise _EngineAnswer(status, answer)
-        st.registry.request_succeeded(w)
+        self._prefill_done(prefill, prep, hit, started, answer)
+        return answer
+
+    def _prefill_done(
+        self, prefill: Target, prep: Prepared, hit: int, started: float, answer: bytes
+    ) -> None:
+        """A prefill answered in full: its time, the engine's success, its cached tokens."""
+        st, tid = self.state, prefill.id
+        self.metrics.phase.labels("prefill", tid).observe(time.perf_counter() - started)
+        st.registry.request_succeeded(prefill.worker)
         cached = _cached(answer)
         if cached is not None:
             st.metrics.series(prep.arm, tid).hit_tokens.inc(cached)
             st.audit.record(tid, hit, cached)
-        return answer
 
     async def _sglang_pair(
         self,
@@ -580,7 +595,7 @@ class PdRouter:
         d_body = sglang_body(d_fields, host, port, room)
         p_headers = rank_headers(headers, prefill.rank, p.dp_field)
         d_headers = rank_headers(headers, decode.rank, dec.dp_field)
-        accepted: list[tuple[Response, Flight]] = []
+        accepted: list[tuple[Response, Flight, Callable[[bytes], None]]] = []
         p_task = asyncio.ensure_future(
             self._prefill_exchange(prefill, choice, prep, p_headers, p_body, path, accepted)
         )
@@ -588,22 +603,24 @@ class PdRouter:
         try:
             await _both(p_task, d_task)
         except BaseException:
-            for r, f in accepted:
+            for r, f, _ in accepted:
                 r.close()  # the prefill engine sees its client leave and frees the room
                 f.finish()
             raise
-        for r, f in accepted:
-            self._drain(r, f)
+        for r, f, done in accepted:
+            self._drain(r, f, done)
         return d_task.result()
 
-    def _drain(self, resp: Response, flight: Flight) -> None:
-        """Read the prefill engine's answer to its end (nobody needs it) in the background;
-        its prefill load counts until then."""
+    def _drain(self, resp: Response, flight: Flight, done: Callable[[bytes], None]) -> None:
+        """Read the prefill engine's answer to its end in the background (its prefill load
+        counts until then), then ``done(answer)``; a broken answer records nothing."""
 
         async def drain() -> None:
             try:
-                async for _ in resp.chunks(self.state.cfg.request_timeout):
-                    pass  # read to its end, nothing kept
+                answer = await resp.read(
+                    self.state.cfg.request_timeout, MAX_PREFILL_BODY, "prefill answer"
+                )
+                done(answer)
             except UpstreamError:
                 pass  # the decode engine's stream reports a failed transfer
             finally:
