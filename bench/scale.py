@@ -468,7 +468,9 @@ async def router_side(
     bus.on_error(events.on_nats_error)
     bus.start()
     deadline = time.monotonic() + 10
-    while not (feed.using and feed.up_to_date) and time.monotonic() < deadline:
+    while time.monotonic() < deadline and not (
+        feed.using and feed.up_to_date and (feed.native is None or feed.native_live)
+    ):
         await asyncio.sleep(0.01)  # subscribed: the warm batches are not published before
     cmd = [sys.executable, __file__, "--publish-side", url, "--rate", str(rate)]
     cmd += ["--engine-hashes", ENGINE_HASHES] + ["--nats-pin"] * PIN
@@ -581,7 +583,7 @@ async def router_side(
     await bus.close()
     return {
         "transport": feed.using,
-        "reader": "native" if feed.using == "core" and feed.native is not None else "python",
+        "reader": "native" if feed.native_live else "python",
         "target_blocks_per_s": rate,
         "published_batches": sent["published"],
         "published_blocks_per_s": sent["live"] * EVENT_BLOCKS / sent["live_seconds"],
@@ -620,7 +622,7 @@ def bench_nats(
     cpus = os.sched_getaffinity(0)
     for transport in transports:
         for rate in rates:
-            for reader in readers if transport == "core" else ["python"]:
+            for reader in readers:
                 pin(1)  # nats-server's CPU, with --nats-pin
                 with EmbeddedNats() as server:  # a fresh server (and stream) per run
                     pin(0)

@@ -97,8 +97,8 @@ def _reader(feed: EventFeed | None) -> dict[str, object]:
     queue: its oversized messages are counted nowhere else, and /metrics' event lag adds
     the ingest thread's queue to this one."""
     native = feed.native if feed is not None else None
-    if native is None:
-        return {"kind": "python"}
+    if native is None or feed is None or not feed.native_live:
+        return {"kind": "python"}  # nats-py (the stream reader, until its hand-off)
     queued, oldest = native.lag()
     return {"kind": "native", **native.stats(), "queued": queued, "oldest_s": oldest}
 

@@ -788,8 +788,9 @@ def check_range(name: str, value: float | None, bounds: Range) -> None:
 
 def native_reader_problem(cfg: RouterConfig) -> str | None:
     """Why the native event reader cannot read this config's events (None: it can). It
-    speaks plain core NATS with no auth, user/password or a token; TLS, credentials files
-    and the JetStream stream stay with nats-py."""
+    speaks plain core NATS with no auth, user/password or a token; TLS and credentials
+    files stay with nats-py. With the JetStream stream it takes the live events over once
+    nats-py read the stream up to date (router.feed)."""
     if not NATIVE:
         return "the native core is not built (pip install -e . builds it)"
     from index import _native  # built: NATIVE
@@ -798,8 +799,6 @@ def native_reader_problem(cfg: RouterConfig) -> str | None:
         return "the native core was built without it: rebuild (pip install -e .)"
     if not cfg.nats_url:
         return "it needs nats_url"
-    if cfg.events_transport == "jetstream":
-        return "it reads core NATS, not the JetStream stream (events_transport = core or auto)"
     if cfg.nats_credentials is not None:
         return "it cannot sign with a credentials file (nkeys): leave it to nats-py"
     if cfg.nats_tls_ca or cfg.nats_tls_cert:

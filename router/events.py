@@ -84,6 +84,7 @@ class Live(NamedTuple):
     payload: bytes
     dp_rank: int | None
     epoch: str | None
+    arrival: int = 0  # ``take``'s count when it came: held batches are fed in this order
 
 
 class EventSync:
@@ -123,6 +124,7 @@ class EventSync:
         self._thread: IngestThread | None = None  # started with the first native batch
         self._apply_lock = threading.Lock()  # the ingest thread vs the resync path
         self._since_yield = 0  # messages taken since on_event last yielded to the loop
+        self._arrivals = 0  # live batches taken so far (``Live.arrival``)
         # The native reader (router.native_events) when it reads the live events: it
         # applies a worker's in-order batches itself once routed here (``_applied``).
         self.native: NativeEvents | None = None
@@ -264,7 +266,8 @@ class EventSync:
         if worker is None or not worker.pool.ingest.native:
             return
         ingest = cast("NativeEventIngest", worker.pool.ingest)
-        live = Live(seq, payload, rank, epoch)
+        self._arrivals += 1
+        live = Live(seq, payload, rank, epoch, self._arrivals)
         with self._apply_lock:  # a hybrid model's first groups are applied here
             result = ingest._outcome(worker_id, seq, payload, rank, epoch, out)
         self._applied(worker_id, live, result)
@@ -285,7 +288,8 @@ class EventSync:
             # EPOCH_START_SEQ (-1): the agent's "new engine life" announcement
             if not EPOCH_START_SEQ <= seq < 1 << 63 or not (rank is None or 0 <= rank < 1 << 16):
                 raise ValueError("seq or dp rank out of range")
-            live = Live(seq, msg.data, rank, headers.get(EPOCH_HEADER))
+            self._arrivals += 1
+            live = Live(seq, msg.data, rank, headers.get(EPOCH_HEADER), self._arrivals)
         except (KeyError, ValueError):
             self.counts["bad_headers"] += 1
             return
@@ -404,8 +408,13 @@ class EventSync:
             self._pending_bytes[worker_id] = 0
 
     def _take_pending(self, worker_id: str) -> list[Live]:
+        """The held batches in the order they came: a batch on the ingest thread when a
+        resync began is held when the thread hands it back, after later ones ``take``
+        held at once; fed in that order, the first later one was a gap and every round
+        held them so again (with no agent to answer, the worker stayed out of sync for
+        good with every batch in hand: tests/test_native_events.py's hand-off test)."""
         self._pending_bytes.pop(worker_id, None)
-        return self._pending.pop(worker_id, [])
+        return sorted(self._pending.pop(worker_id, []), key=lambda live: live.arrival)
 
     # -- resync ------------------------------------------------------------------
     def _start_resync(self, worker_id: str, from_seq: int) -> None:

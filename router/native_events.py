@@ -124,6 +124,14 @@ class NativeEvents:
         # worker -> its route; holding the core keeps it alive while routed
         self._routes: dict[str, _Route] = {}
         self.failures = 0
+        self.losses = 0  # connections lost: a hand-off that saw one starts over
+        # What would go to EventSync while the JetStream reader still delivers the live
+        # events (router.feed): dropped (``ignore``: the stream has them) or, during the
+        # hand-off, held in order (``hold``); None: handed on as it comes.
+        self._held: list[NativeMsg] | None = None
+        self._ignoring = False
+        self._held_bytes = 0
+        self.held_overflow = False  # the held messages outgrew the bounds and were dropped
 
     @property
     def up(self) -> bool:
@@ -179,6 +187,44 @@ class NativeEvents:
         if self._routes.pop(worker_id, None) is not None:
             self.reader.unroute(worker_id)
 
+    # -- the hand-off from the stream (router.feed) ----------------------------------
+    def ignore(self) -> None:
+        """Apply nothing and give Python nothing: the stream reader delivers the live
+        events (the connection stays up for the next hand-off)."""
+        for worker_id in list(self._routes):
+            self.unroute(worker_id)
+        self._ignoring = True
+        self._held = None
+
+    def hold(self) -> None:
+        """Keep the messages Python would take, from now on and in order, until
+        ``release``: the stream reader still delivers them meanwhile."""
+        self._ignoring = False
+        self._held = []
+        self._held_bytes = 0
+        self.held_overflow = False
+
+    def release(self) -> bool:
+        """Hand the held messages to ``EventSync.take`` (the ones the stream delivered too
+        are duplicates, which ingest ignores) and stop holding. False: some were dropped
+        (over ``MAX_QUEUED`` / ``MAX_QUEUED_BYTES``): the caller marks the workers lost."""
+        held, self._held = self._held or [], None
+        self._ignoring = False
+        for msg in held:
+            self.events.take(msg)
+        return not self.held_overflow
+
+    def _keep(self, msg: NativeMsg) -> None:
+        held = self._held
+        assert held is not None
+        if self.held_overflow:
+            return
+        held.append(msg)
+        self._held_bytes += len(msg.data)
+        if len(held) > MAX_QUEUED or self._held_bytes > MAX_QUEUED_BYTES:
+            self.held_overflow = True
+            held.clear()
+
     # -- on the loop ---------------------------------------------------------------
     def _wake(self) -> None:
         if not self._scheduled:
@@ -197,7 +243,12 @@ class NativeEvents:
             kind = record[0]
             if kind == 0:
                 _, subject, headers, data = record
-                events.take(NativeMsg(subject, headers, data))
+                if self._ignoring:
+                    continue
+                if self._held is None:
+                    events.take(NativeMsg(subject, headers, data))
+                else:
+                    self._keep(NativeMsg(subject, headers, data))
             elif kind == 1:
                 _, worker_id, seq, rank, epoch, payload, out = record
                 events.native_noted(worker_id, seq, payload, rank, epoch, out)
@@ -206,12 +257,15 @@ class NativeEvents:
                 self._on_up()
             elif kind == 3:
                 log.warning("native event reader lost its connection: %s", record[1])
+                self.losses += 1
                 self._on_lost(str(record[1]))
             else:
                 self.failures += 1
                 failures.warning("native event reader cannot connect: %s", record[1])
         for worker_id, batches, applied_events in applied:
             events.native_applied(worker_id, batches, applied_events)
+        if self._ignoring:
+            dropped, dropped_all = [], False  # the stream delivers what the queue dropped
         if dropped_all:
             events.lost_all("native_dropped")
         for worker_id in dropped:

@@ -39,6 +39,7 @@ from router.jetstream import StreamSpec, ensure_stream
 log = logging.getLogger(__name__)
 
 LIVE_AGE = 1.0  # seconds: a batch this fresh means the reader is up to date
+HANDOFF_WAIT = 5.0  # seconds ``read_past_now`` waits for the stream to deliver its backlog
 
 Deliver = Callable[[Msg], Awaitable[None]]
 
@@ -74,6 +75,7 @@ class StreamReader:
         self._created: datetime.datetime | None = None  # the stream's identity
         self._sseq = 0  # last stream seq delivered
         self._dseq = 1  # next consumer seq expected
+        self._delivered = 0  # batches handed to ``deliver``
         self._active = 0.0  # monotonic time of the last message or heartbeat
         self._lock = asyncio.Lock()
         self._retry: asyncio.Task[None] | None = None
@@ -83,6 +85,26 @@ class StreamReader:
     def stream_seq(self) -> int:
         """The last stream seq handed to ``deliver`` (0 before the first)."""
         return self._sseq
+
+    async def read_past_now(self) -> bool:
+        """Wait until every event batch the stream holds now has been delivered; False
+        when it did not happen within ``HANDOFF_WAIT`` seconds or the reader lost its
+        consumer meanwhile. The stream's last seq names a batch only when the stream
+        holds nothing else; otherwise a delivery with nothing pending after it says so."""
+        nc = self._nc
+        if nc is None or self._stream is None:
+            return False
+        gen = self._gen
+        info = await nc.jsm().stream_info(self._stream)
+        last, delivered = info.state.last_seq, self._delivered
+        deadline = time.monotonic() + HANDOFF_WAIT
+        while gen == self._gen and time.monotonic() < deadline:
+            if self._sseq >= last or (
+                not self._exclusive and self._delivered > delivered and self.pending == 0
+            ):
+                return True
+            await asyncio.sleep(0.005)
+        return False
 
     async def start(self, nc: Client) -> None:
         """First attach; raises what JetStream said (the caller may fall back to core NATS)."""
@@ -104,10 +126,14 @@ class StreamReader:
         self._retry = asyncio.create_task(self._reattach_loop(), name="stream-reattach")
 
     async def close(self) -> None:
+        """Stop reading for good: the consumer, its watchdog and any retry."""
+        self._gen += 1  # what the consumer still pushes is dropped
         tasks = [t for t in (self._retry, self._watch) if t is not None]
+        self._retry = self._watch = None
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self.pending = 0
         await self._unsubscribe()
 
     # -- attach ------------------------------------------------------------------
@@ -202,6 +228,7 @@ class StreamReader:
             self.on_skip(skipped)
         self._sseq = meta.sequence.stream
         self.pending = meta.num_pending
+        self._delivered += 1
         await self.deliver(msg)
         if not self.caught_up and (
             meta.num_pending == 0 or time.time() - meta.timestamp.timestamp() < LIVE_AGE

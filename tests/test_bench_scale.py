@@ -38,6 +38,7 @@ def test_quick_run_prints_complete_json() -> None:
             ("core", "python"),
             ("core", "native"),
             ("jetstream", "python"),
+            ("jetstream", "native"),
         ]
         for row in rows:
             assert row["published_batches"] > 0 and row["requests_idle"] > 0

@@ -4,9 +4,11 @@ Two router replicas in front of mock engines and their node agents. While the se
 down every request still succeeds: routers route on load alone once ``blind_after`` has
 passed (the index is not trusted without its event feed). A new server on the same
 port, with the JetStream store kept (a restarted server) or wiped (a replacement):
-routers reconnect, read the stream again (from where they were, or from the start of
-the new stream), ask the agents for what no stream holds, and end with the index the
-engines really have, the same as a replica started afresh.
+routers reconnect, ask the agents for what they missed and end with the index the
+engines really have, the same as a replica started afresh. With nats-py reading the
+events (``events_reader = "python"``) they read the stream again first (from where they
+were, or from the start of the new stream); the native reader, which took the live
+events over once the stream was read (router/feed.py), reads none of it again.
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ from stack import MockStack, Replica, index_blocks, matches, prompt, send, until
 from router.natsd import EmbeddedNats
 
 
+@pytest.mark.parametrize("reader", ["native", "python"])
 @pytest.mark.parametrize("store", ["kept", "wiped"])
-async def test_nats_restart_mid_traffic(tmp_path: Path, store: str) -> None:
+async def test_nats_restart_mid_traffic(tmp_path: Path, store: str, reader: str) -> None:
     server = EmbeddedNats(store=tmp_path).start()
     stack = await MockStack(server.url).start(2)
     prompts = [prompt(i) for i in range(18)]
 
     def cfg(replica_id: str) -> object:
-        return stack.router_config(replica_id, blind_after=0.5)
+        return stack.router_config(replica_id, blind_after=0.5, events_reader=reader)
 
     try:
         async with AsyncExitStack() as cleanup, httpx.AsyncClient(timeout=30) as http:
@@ -79,8 +82,12 @@ async def test_nats_restart_mid_traffic(tmp_path: Path, store: str) -> None:
             for r in (a, b, fresh):
                 assert index_blocks(r) == truth, r.state.replicas.id
             assert matches(a, prompts) == matches(b, prompts) == matches(fresh, prompts)
-            new_streams = a.state.events.counts["stream_new"]
-            assert new_streams == (1 if store == "wiped" else 0)
+            counts = a.state.events.counts
+            if reader == "python":
+                assert counts["stream_new"] == (1 if store == "wiped" else 0)
+            else:  # handed off once, at the start; the stream was never read again
+                assert (counts["native_handoffs"], counts["stream_new"]) == (1, 0)
+                assert a.state.feed.native_live
             # each agent showed the routers its newest batch again once back
             assert all(x.stats()["republished"] >= 1 for x in stack.agents)
     finally:
@@ -88,15 +95,17 @@ async def test_nats_restart_mid_traffic(tmp_path: Path, store: str) -> None:
         server.stop()
 
 
-async def test_stream_deleted_under_live_routers(nats_url: str) -> None:
+@pytest.mark.parametrize("reader", ["native", "python"])
+async def test_stream_deleted_under_live_routers(nats_url: str, reader: str) -> None:
     """An operator deletes the stream while NATS stays up: the batches published
-    meanwhile exist nowhere but in the agent. The router notices the silence (no
-    heartbeats), creates a new stream, reads it from its start and replays the rest."""
+    meanwhile exist nowhere but in the agent. A router on nats-py notices the silence
+    (no heartbeats), creates a new stream, reads it from its start and replays the rest;
+    one on the native reader reads the live subjects and misses nothing."""
     stack = await MockStack(nats_url).start(1)
     prompts = [prompt(i) for i in range(8)]
     try:
         async with AsyncExitStack() as cleanup, httpx.AsyncClient(timeout=30) as http:
-            a = await Replica(stack.router_config("a")).start()
+            a = await Replica(stack.router_config("a", events_reader=reader)).start()
             cleanup.push_async_callback(a.stop)
             for p in prompts[:4]:
                 await send(http, a, p)
@@ -108,8 +117,12 @@ async def test_stream_deleted_under_live_routers(nats_url: str) -> None:
                 await send(http, a, p)
             await until(lambda: stack.synced(a), timeout=15, what="in sync again")
             counts = a.state.events.counts
-            assert counts["stream_new"] == 1 and counts["stream_lost"] >= 1
-            assert counts["replayed_batches"] >= 1  # what no stream held came from the agent
+            if reader == "python":
+                assert counts["stream_new"] == 1 and counts["stream_lost"] >= 1
+                assert counts["replayed_batches"] >= 1  # what no stream held: the agent's
+            else:
+                assert a.state.feed.native_live and counts["native_applied"] >= 1
+                assert counts["stream_lost"] == 0  # it stopped reading the stream
             assert index_blocks(a) == stack.engine_blocks()
     finally:
         await stack.stop()

@@ -24,9 +24,11 @@ from test_faults_events import SILENT, Feed
 from index import _native
 from index.backend import NATIVE
 from index.codec import BlockStored
+from index.ingest import SeqStatus
 from router import admin, native_events
 from router.app import RouterApp
 from router.config import ConfigError, RouterConfig, WorkerSpec, validate
+from router.jetstream import StreamSpec, ensure_stream
 from router.natsd import EmbeddedNats, free_port
 
 pytestmark = pytest.mark.skipif(
@@ -332,8 +334,8 @@ async def test_framing_headers_garbage_and_oversized_messages(nats_url: str) -> 
 
 def test_native_is_refused_where_it_cannot_read() -> None:
     base = {"nats_url": "nats://127.0.0.1:4222", "events_reader": "native"}
-    with pytest.raises(ConfigError, match=r"events_reader = native: .*JetStream"):
-        validate(RouterConfig(**base, events_transport="jetstream"))  # type: ignore[arg-type]
+    # the stream is read by nats-py up to date, then the reader takes over (router.feed)
+    validate(RouterConfig(**base, events_transport="jetstream"))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="events_reader = native: it speaks no tls://"):
         validate(RouterConfig(**{**base, "nats_url": "tls://127.0.0.1:4222"}))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="events_reader = native: it needs nats_url"):
@@ -368,3 +370,53 @@ def test_a_new_route_gives_the_pools_other_routes_the_new_quota() -> None:
         assert reader._routes["w0"].quota == reader._routes["w1"].quota == alone // 2
     finally:
         reader.close()
+
+
+async def test_the_stream_hands_the_live_events_to_the_reader_and_loses_none(
+    nats_url: str,
+) -> None:
+    """With JetStream (the default transport where the server has it) nats-py reads the
+    stream up to date, then the native reader takes the live events over
+    (router/feed.py). Batches published before the router starts and all through the
+    hand-off arrive once each and in order: no gap, and with no agent to answer a replay
+    the index still ends as the engine's; the reader applies the later ones itself."""
+    engine = await EngineDouble("w0", capacity=400, ring=10_000).start()  # no replays
+    nc = await nats.connect(nats_url)
+    cfg = RouterConfig(
+        nats_url=nats_url,
+        block_size=4,
+        admin_token="t",
+        workers=[WorkerSpec("w0", engine.url, model="m")],
+    )
+    app = RouterApp(cfg)
+    feed = Feed(engine, app, "", nc)
+    stop = asyncio.Event()
+
+    async def publish() -> None:  # in order, every few ms, until told to stop
+        while not stop.is_set():
+            for seq in await feed.make_batches(1):
+                await feed.deliver(seq)
+            await asyncio.sleep(0.003)
+
+    await ensure_stream(nc, StreamSpec())  # as the agents do when they start
+    for seq in await feed.make_batches(20):  # in the stream before the router starts
+        await feed.deliver(seq)
+    publisher = asyncio.create_task(publish())
+    served = await Served(app).start()
+    try:
+        await until(lambda: app.state.feed.native_live, timeout=15, what="handed off")
+        counts = app.state.events.counts
+        await until(lambda: counts["native_applied"] >= 20, timeout=15, what="reader applies")
+        stop.set()
+        await publisher
+        await until(feed.index_is_engine, timeout=15, what="index is the engine's")
+        assert engine.seq > 40 and counts["native_handoffs"] == 1
+        assert counts["stream_caught_up"] >= 1 and app.state.feed.reader.pending == 0
+        assert counts[SeqStatus.GAP] == 0 and not [k for k in counts if k.startswith("lost")]
+        assert admin._reader(app.state.feed)["kind"] == "native"
+    finally:
+        stop.set()
+        await publisher
+        await nc.close()
+        await served.stop()
+        await engine.stop()
