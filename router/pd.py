@@ -328,8 +328,9 @@ class PdRouter:
         raw, body = prep.engine_body(raw)
         exclude: set[str] = set()
         # vLLM: the transfer params and the prefill engine holding their blocks, kept for
-        # a retried decode engine (the blocks wait there until one pulls them)
-        done: tuple[Target, dict[str, Any] | None, float] | None = None
+        # a retried decode engine (the blocks wait there until one pulls them), when it
+        # answered and the blocks a hint pulled into it
+        done: tuple[Target, dict[str, Any] | None, float, int] | None = None
         while True:
             choice = self.decide(prep, exclude)
             d = choice.decision
@@ -345,14 +346,15 @@ class PdRouter:
             try:
                 if prefill is None:
                     resp, flight = await self._local(decode, choice, prep, raw, body, headers, path)
-                    prefilled = time.perf_counter()
+                    prefilled, prefetched = time.perf_counter(), 0
                 elif self.protocol == "vllm":
                     if done is None:
+                        hinted = await self._hint(prep, d.prefill)
                         params = await self._vllm_prefill(
                             prefill, choice, prep, body, headers, path
                         )
-                        done = (prefill, params, time.perf_counter())
-                    prefill, params, prefilled = done
+                        done = (prefill, params, time.perf_counter(), hinted)
+                    prefill, params, prefilled, prefetched = done
                     w = decode.worker
                     if params is None:
                         sent, out = forward_rank(headers, raw, body, decode.rank, w.dp_field)
@@ -361,6 +363,7 @@ class PdRouter:
                         out = vllm_decode_body(rank_body(body, decode.rank, w.dp_field), params)
                     resp, flight = await self._send_decode(decode, prep, out, sent, 0, path)
                 else:
+                    prefetched = await self._hint(prep, d.prefill)
                     resp, flight = await self._sglang_pair(
                         prefill, decode, choice, prep, body, headers, path
                     )
@@ -379,7 +382,25 @@ class PdRouter:
                 self.finish(prep, d)
                 raise
             break
-        await self._stream(proxy, ex, prep, choice, decode, prefill, resp, flight, prefilled)
+        await self._stream(
+            proxy, ex, prep, choice, decode, prefill, resp, flight, prefilled, prefetched
+        )
+
+    async def _hint(self, prep: Prepared, prefill: Decision | None) -> int:
+        """Publish the prefill choice's prefetch hint, if it carries one; the blocks it
+        pulls into the prefill engine (0: none published). Called before the prefill is
+        sent, unlike the mixed path's hint (after the engine's headers, which a streamed
+        answer sends before its prompt is scheduled): the hint is to land while the prefill
+        waits in that engine's queue, and a prefill's answer, headers included, comes
+        only once its prompt is computed, so a hint sent after it names blocks the engine
+        has just computed itself (tests/test_pd_e2e.py, both protocols)."""
+        if prefill is None or prefill.prefetch is None:
+            return 0
+        hint = prefill.prefetch
+        if not await self.state.hints.publish(hint, prep.request, prep.pool):
+            return 0
+        self.state.metrics.prefetch_hints.labels(prep.arm, hint.target_worker).inc()
+        return hint.blocks if hint.target_worker == prefill.worker_id else 0
 
     async def _stream(
         self,
@@ -392,8 +413,10 @@ class PdRouter:
         resp: Response,
         flight: Flight,
         prefilled: float,
+        prefetched: int,
     ) -> None:
-        """Stream the decode engine's answer (``prefilled``: when the prefill answered)."""
+        """Stream the decode engine's answer (``prefilled``: when the prefill answered;
+        ``prefetched``: leading blocks a hint pulled into the prefill engine)."""
         st = self.state
         req = prep.request
         d = choice.decision
@@ -407,8 +430,6 @@ class PdRouter:
         tpot = _TpotClock(ex.send)
         ex.send = tpot.send
         try:
-            if d.prefill is not None and d.prefill.prefetch is not None:
-                await st.hints.publish(d.prefill.prefetch, req, prep.pool)
             st.router.predict(prep, answering)
             if prefill is not None:
                 st.router.predict(prep, decode.id)  # the transferred blocks land there too
@@ -418,8 +439,9 @@ class PdRouter:
             series.routed_hit_tokens.inc(hit)
             if st.capacity is not None and req.block_hashes:  # where the prompt is cached
                 st.capacity.record(
-                    req.model, req.block_size, answering, req.block_hashes, req.num_tokens, 0
-                )
+                    req.model, req.block_size, answering, req.block_hashes, req.num_tokens,
+                    prefetched,
+                )  # fmt: skip
             remote = prefill is not None
             await proxy._stream(
                 ex, resp, decode.id, flight, series, arm, hit, prefilled_remotely=remote

@@ -13,7 +13,9 @@ may send them. After a modelled transfer time the blocks land in the host tier (
 without one), so a later request hits them.
 
 For tests: ``async with MockEngine(MockEngineConfig(...)) as engine:`` starts it on a
-free port in the running event loop; ``engine.url``, ``engine.zmq_endpoint``.
+free port in the running event loop; ``engine.url``, ``engine.zmq_endpoint``;
+``engine.fault = Fault(...)`` fails its next requests (an error status, or an answer
+broken off mid-way).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import contextlib
 import logging
 import socket
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +41,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from index.codec import hash_from_json
 from index.groups import parse_groups
 from router.cli import serve_until_signalled
-from router.errors import ApiError, error_body
+from router.errors import ApiError, ErrorCode, error_body
 from router.media import as_ints, block_keys, expand, media_parts
 from sim import mock_messages as anthropic
 from sim.cache import PrefixCache
@@ -108,6 +110,20 @@ class MockEngineConfig:
     # model as parent, each request for one cached in the adapter's own prefix space
     lora_modules: tuple[str, ...] = ()
     max_loras: int = 4  # vLLM --max-loras, reported in vllm:lora_requests_info
+
+
+@dataclass(slots=True)
+class Fault:
+    """A failure the engine's next ``times`` chat or completion requests meet, for tests
+    of what a router does with a failing engine (``MockEngine.fault``). ``status``: the
+    request is refused with that status and an OpenAI error body before anything runs.
+    Else it runs, and its answer breaks off (the connection dropped, as a dying engine
+    drops it) after ``cut_after`` output tokens of a stream, or after the first half of
+    a whole answer's body."""
+
+    status: int | None = None
+    cut_after: int = 0
+    times: int = 1
 
 
 _HELP = {
@@ -261,6 +277,8 @@ class MockEngine:
         self.pooling = Pooling(self.text, cfg.model, cfg.max_model_len)
         self.responses = ResponseStore()
         self.prefetched_blocks = 0
+        self.generate_requests = 0  # chat and completion requests received
+        self.fault: Fault | None = None
         self.pd = PdSide(
             cfg.role,
             cfg.worker_id,
@@ -564,6 +582,11 @@ class MockEngine:
 
     async def _generate(self, kind: Kind, request: Request) -> Response:
         self.traceparents.append(request.headers.get("traceparent"))
+        self.generate_requests += 1
+        fault = self._take_fault()
+        if fault is not None and fault.status is not None:
+            code: ErrorCode = "engine_error" if fault.status >= 500 else "invalid_request"
+            raise ApiError(fault.status, f"injected fault: status {fault.status}", code)
         body = await _json(request)
         rank = self.pick_rank(request.headers, body)
         plan = self.pd.plan(body, rank.rank) if isinstance(body, dict) else Plan("none")
@@ -588,6 +611,8 @@ class MockEngine:
         sched.submit(seq)
         if p.stream:
             stream = self._stream(sched, p, seq, lambda ok: self.pd.finished(plan, prompt, ok))
+            if fault is not None:  # a chat stream opens with its role event, no token
+                stream = _cut(stream, fault.cut_after + (1 if p.kind == "chat" else 0))
             return StreamingResponse(stream, media_type="text/event-stream")
         pieces: list[str] = []
         try:
@@ -602,7 +627,21 @@ class MockEngine:
         answer = full_response(p, "".join(pieces), seq.finish_reason, use)
         if params is not None:
             answer["kv_transfer_params"] = params
+        if fault is not None:
+            whole = orjson.dumps(answer)
+            half = _cut(_once(whole[: len(whole) // 2]), 1)
+            return StreamingResponse(half, media_type="application/json")
         return JSONResponse(answer)
+
+    def _take_fault(self) -> Fault | None:
+        """The fault this request meets (one of its ``times``), if one is set."""
+        fault = self.fault
+        if fault is None:
+            return None
+        fault.times -= 1
+        if fault.times <= 0:
+            self.fault = None
+        return fault
 
     def _submit(self, request: Request, body: Any, seq: Sequence) -> Scheduler:
         """Queue ``seq`` on the rank the request names (or the least loaded one)."""
@@ -662,7 +701,7 @@ class MockEngine:
         p: Params,
         seq: Sequence,
         finished: Callable[[bool], object] | None = None,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         try:
             if p.kind == "chat":
                 yield role_chunk(p)
@@ -721,6 +760,23 @@ class MockEngine:
         await asyncio.sleep(delay)
         self.prefetched_blocks += self.cache.prefetch(tokens, block_hashes=hashes)
         self.scheduler.flush_events()
+
+
+async def _once(data: bytes) -> AsyncGenerator[bytes, None]:
+    yield data
+
+
+async def _cut(body: AsyncGenerator[bytes, None], events: int) -> AsyncGenerator[bytes, None]:
+    """``body``'s first ``events`` pieces, then a broken connection: uvicorn closes it
+    without the chunked body's end when the app raises mid-answer."""
+    sent = 0
+    async for piece in body:
+        if sent == events:
+            break
+        yield piece
+        sent += 1
+    await body.aclose()  # its own cleanup first (a stream's aborts its sequence)
+    raise RuntimeError("injected fault: the connection is cut mid-answer")
 
 
 async def _json(request: Request) -> Any:

@@ -4,7 +4,9 @@ agents and NATS, the router in front, the openai client.
 
 Streaming and not, a dead prefill engine (retried on another one, the decode engine
 generating once), an unreachable decode engine (another one takes the transfer), a decode
-stream cut mid-way (an error event ends it), and the local-prefill threshold.
+stream cut mid-way (an error event ends it), the local-prefill threshold, and a prefill
+sent away from its busy holder with a prefetch hint. Engines that answer and then fail:
+test_pd_faults.py.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import nats
 import openai
+import orjson
 import pytest
 from stack import BS, MODEL, EngineStack, mock_engine_config, until
 
@@ -47,10 +51,12 @@ async def pd_stack(
     dead: tuple[str, ...] = (),
     extra: list[WorkerSpec] | None = None,
     bootstrap_timeout: float = 30.0,
+    prefill: dict[str, Any] | None = None,
     **cfg: Any,
 ) -> AsyncIterator[PdStack]:
     """Prefill engines p0, p1 and decode engines d0, d1 (those in ``dead`` are ports
-    nobody listens on), each mock with a node agent on NATS, and the router."""
+    nobody listens on), each mock with a node agent on NATS, and the router.
+    ``prefill``: other MockEngineConfig fields of the prefill engines."""
     s = PdStack(nats_url)
     specs: list[WorkerSpec] = []
     try:
@@ -60,14 +66,11 @@ async def pd_stack(
                 url = f"http://127.0.0.1:{free_port()}"
                 specs.append(WorkerSpec(wid, url, model=MODEL, role=role, bootstrap_port=1))
                 continue
+            fields: dict[str, Any] = {"gpu_blocks": 256, "timing": Timing(speed=50.0)}
+            if role == "prefill":
+                fields |= prefill or {}
             engine = await s.add(
-                mock_engine_config(
-                    wid,
-                    gpu_blocks=256,
-                    timing=Timing(speed=50.0),
-                    role=role,
-                    bootstrap_timeout=bootstrap_timeout,
-                )
+                mock_engine_config(wid, role=role, bootstrap_timeout=bootstrap_timeout, **fields)
             )
             # the mock's bootstrap server shares its HTTP port
             specs.append(
@@ -246,6 +249,85 @@ async def test_a_short_uncached_suffix_is_prefilled_by_the_decode_engine(
         assert s.counts(decode)["decodes"] == 1  # the second one came without PD fields
         local = f'{{path="local",role="decode",worker="{decode}"}} 1.0'
         assert "cache_router_pd_requests_total" + local in await metrics(s)
+
+
+async def test_a_prefill_sent_away_from_the_busy_holder_finds_its_blocks_prefetched(
+    nats_url: str, protocol: str
+) -> None:
+    # Prefill engines running one request at a time, 64 tokens a step (the prefill policy
+    # is told that budget), 10 ms a step, with host memory for a prefetch to land in. Their
+    # queues are real: requests sent to them directly, which their agents report.
+    engine = {"host_blocks": 256, "max_num_seqs": 1, "max_num_batched_tokens": 64}
+    costs = {"costs": {"max_batch_tokens": 64}}
+    async with pd_stack(
+        nats_url, protocol, prefill=engine | {"timing": Timing(speed=2.0)}, prefill_params=costs
+    ) as s:
+        client = s.client()
+        await client.chat.completions.create(model=MODEL, messages=messages(), max_tokens=2)
+        holder = next(p for p in ("p0", "p1") if s.counts(p)["prefills"])
+        target = "p1" if holder == "p0" else "p0"
+        prompt = s.engines[holder].text.chat({"messages": messages()})
+        blocks = s.engines[holder].cache.hash_blocks(prompt)  # the holder's names
+        index = s.state.registry.pools["default"].index
+        await until(
+            lambda: index.stats().workers.get(holder, {}).get("gpu", 0) >= len(blocks),
+            what="the holder's blocks indexed",
+        )
+        nc = await nats.connect(nats_url)
+        try:
+            hints = await nc.subscribe("kv.prefetch.>")
+            hits_before = s.engines[target].scheduler.prefix_hits
+            # the holder: one long request running (2.5 s: the agents report each second),
+            # eight waiting; the target: one running, one waiting (a queue the transfer
+            # fits in, the holder's far longer)
+            async with httpx.AsyncClient(timeout=30) as http:
+                load = [
+                    asyncio.create_task(_occupy(http, s.engines[wid].url, i, tokens))
+                    for wid, queue in ((holder, 8), (target, 1))
+                    for i, tokens in enumerate([250] + [1] * queue)
+                ]
+                try:
+                    registry = s.state.registry
+                    await until(
+                        lambda: (
+                            registry.get(holder).load.engine.waiting == 8
+                            and registry.get(target).load.engine.waiting == 1
+                        ),
+                        what="both queues reported",
+                    )
+                    answer = await client.chat.completions.create(
+                        model=MODEL, messages=messages(), max_tokens=2
+                    )
+                    assert answer.usage is not None and answer.usage.completion_tokens == 2
+                finally:
+                    for task in load:
+                        task.cancel()
+                    await asyncio.gather(*load, return_exceptions=True)
+            published = await hints.next_msg(timeout=5)
+            assert hints.pending_msgs == 0  # one hint
+        finally:
+            await nc.close()
+        assert s.counts(target)["prefills"] == 1
+        # the hint went to the target, naming the holder's blocks of this prompt ...
+        assert published.subject == f"kv.prefetch.{target}"
+        hint = orjson.loads(published.data)
+        assert (hint["source_worker"], hint["target_worker"]) == (holder, target)
+        assert hint["block_hashes"] == blocks and hint["num_tokens"] == len(blocks) * BS
+        # ... reached the target engine through its agent, landed, and the prefill found
+        # them: the hint went out before the prefill, not after its answer
+        assert s.engines[target].prefetched_blocks == len(blocks)
+        assert s.engines[target].scheduler.prefix_hits - hits_before == len(blocks) * BS
+        text = await metrics(s)
+        assert (
+            f'cache_router_prefetch_hints_total{{arm="cache_aware",worker="{target}"}} 1.0' in text
+        )
+
+
+async def _occupy(http: httpx.AsyncClient, url: str, i: int, tokens: int) -> None:
+    """A request of its own (a distinct prompt) sent to an engine directly: ``tokens``
+    generated whatever the text says."""
+    body = {"model": MODEL, "prompt": f"load {i} {url} " * 4, "max_tokens": tokens}
+    await http.post(url + "/v1/completions", json=body | {"ignore_eos": True})
 
 
 async def test_admin_lists_roles_and_explains_both_choices(nats_url: str, protocol: str) -> None:

@@ -100,6 +100,34 @@ def test_transfer_time_follows_the_link(trace: Trace) -> None:
     assert reports[0]["ttft_mean_ms"] > reports[1]["ttft_mean_ms"]
 
 
+def test_a_prefill_sent_away_from_its_holder_hits_the_blocks_its_hint_moved(
+    tmp_path: Path,
+) -> None:
+    # 1K-token system prompt, 200-token turns every 4 ms: the holder's queue grows and a few
+    # prefills go to the other prefill engine with a hint; host memory takes the copies
+    path = write_sessions(
+        tmp_path / "t.jsonl", sessions=32, turns=4, gap_ms=4.0, system_tokens=1024,
+        turn_tokens=200, output=6,
+    )  # fmt: skip
+    trace = load_trace(path, block_size=BS)
+    config = SimConfig(workers=2, prefill_workers=2, l1_blocks=4096, l2_blocks=256, max_num_seqs=16)
+    sim = PdSimulation(trace, "cache_router", config)
+    report = sim.run()
+    hinted = [leg for leg in sim.prefill_leg.values() if leg.hint_deadline_ms >= 0]
+    assert hinted and report["prefetch_hints"] == sim.counters["prefetch_hints"] == len(hinted)
+    assert all(sim.ids[leg.worker].startswith("p") for leg in hinted)
+    # blocks crossed to the prefill engines, and the hinted prefills found all of them in
+    # host memory, where nothing else put prefill-side blocks
+    moved = sim.counters["prefetch_blocks"]
+    assert moved > 0 and sum(leg.hit_host_blocks for leg in hinted) == moved
+    assert sum(leg.hit_host_blocks for leg in sim.prefill_leg.values()) == moved
+    # without hints nothing moves, and no prefill hits host memory
+    off = PdSimulation(trace, "cache_router", config, policy_params={"prefetch": False})
+    off.run()
+    assert off.counters["prefetch_hints"] == off.counters["prefetch_blocks"] == 0
+    assert sum(leg.hit_host_blocks for leg in off.prefill_leg.values()) == 0
+
+
 def test_rules_by_name() -> None:
     assert parse_rule("sglang_pd") == ("sglang_cache_aware", "power_of_two")
     assert parse_rule("cache_aware+decode_load") == ("cache_aware", "decode_load")
