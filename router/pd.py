@@ -349,7 +349,7 @@ class PdRouter:
                     prefilled, prefetched = time.perf_counter(), 0
                 elif self.protocol == "vllm":
                     if done is None:
-                        hinted = await self._hint(prep, d.prefill)
+                        hinted = await proxy.hint(d.prefill, prep)
                         params = await self._vllm_prefill(
                             prefill, choice, prep, body, headers, path
                         )
@@ -363,7 +363,7 @@ class PdRouter:
                         out = vllm_decode_body(rank_body(body, decode.rank, w.dp_field), params)
                     resp, flight = await self._send_decode(decode, prep, out, sent, 0, path)
                 else:
-                    prefetched = await self._hint(prep, d.prefill)
+                    prefetched = await proxy.hint(d.prefill, prep)
                     resp, flight = await self._sglang_pair(
                         prefill, decode, choice, prep, body, headers, path
                     )
@@ -385,22 +385,6 @@ class PdRouter:
         await self._stream(
             proxy, ex, prep, choice, decode, prefill, resp, flight, prefilled, prefetched
         )
-
-    async def _hint(self, prep: Prepared, prefill: Decision | None) -> int:
-        """Publish the prefill choice's prefetch hint, if it carries one; the blocks it
-        pulls into the prefill engine (0: none published). Called before the prefill is
-        sent, unlike the mixed path's hint (after the engine's headers, which a streamed
-        answer sends before its prompt is scheduled): the hint is to land while the prefill
-        waits in that engine's queue, and a prefill's answer, headers included, comes
-        only once its prompt is computed, so a hint sent after it names blocks the engine
-        has just computed itself (tests/test_pd_e2e.py, both protocols)."""
-        if prefill is None or prefill.prefetch is None:
-            return 0
-        hint = prefill.prefetch
-        if not await self.state.hints.publish(hint, prep.request, prep.pool):
-            return 0
-        self.state.metrics.prefetch_hints.labels(prep.arm, hint.target_worker).inc()
-        return hint.blocks if hint.target_worker == prefill.worker_id else 0
 
     async def _stream(
         self,

@@ -32,6 +32,7 @@ from router.tracing import Trace, now_ns
 from router.upstream import ConnectFailed, Response, UpstreamError, UpstreamTimeout
 
 if TYPE_CHECKING:
+    from policies.base import Decision
     from policies.experiments import Experiment
     from router.affinity import ResponseAffinity
     from router.audit import HitAudit
@@ -328,6 +329,7 @@ class Proxy:
                 exclude.add(tid)
                 continue
             hit = hit_blocks(views, decision) * req.block_size
+            prefetched = await self.hint(decision, prep)
             flight = worker.rank_load(rank).begin(max(0, req.num_tokens - hit))
             failure: Failure | None = None
             error: UpstreamError | None = None
@@ -364,13 +366,6 @@ class Proxy:
             trace.attrs(worker=tid, arm=arm, prompt_tokens=req.num_tokens,
                         routed_hit_tokens=hit, reason=decision.reason)  # fmt: skip
         try:
-            prefetched = 0  # blocks a published hint pulls into the chosen worker
-            if decision.prefetch is not None and await st.hints.publish(
-                decision.prefetch, req, prep.pool
-            ):
-                st.metrics.prefetch_hints.labels(arm, decision.prefetch.target_worker).inc()
-                if decision.prefetch.target_worker == tid:
-                    prefetched = decision.prefetch.blocks
             st.router.predict(prep, tid)
             series = st.metrics.series(arm, tid)
             series.requests.inc()
@@ -400,6 +395,20 @@ class Proxy:
                 trace.upstream_step("stream end", t_head, now_ns())
                 trace.end_upstream(None if resp.complete else "stream cut", resp.status)
             st.experiment.policy_for(arm).on_finish(req, tid)
+
+    async def hint(self, decision: Decision | None, prep: Prepared) -> int:
+        """Publish the decision's prefetch hint, if it carries one; the blocks it pulls
+        into the decision's worker (0: none). Sent before the request (and by router.pd
+        before a prefill), so that the blocks land while it waits in the engine's queue:
+        a whole answer's headers, and a prefill's, come only once the prompt is computed,
+        and a hint published after them named blocks the engine had just computed
+        (tests/test_router_e2e.py, tests/test_pd_e2e.py)."""
+        hint = None if decision is None else decision.prefetch
+        if hint is None or not await self.deps.hints.publish(hint, prep.request, prep.pool):
+            return 0
+        self.deps.metrics.prefetch_hints.labels(prep.arm, hint.target_worker).inc()
+        assert decision is not None
+        return hint.blocks if hint.target_worker == decision.worker_id else 0
 
     def _failed(
         self,

@@ -189,9 +189,17 @@ async def test_saturated_holder_loses_the_request_and_a_prefetch_hint_is_sent(ma
     registry = stack.state.registry
     await until(lambda: registry.get(holder).load.engine.waiting == 400, what="holder load")
     await until(lambda: registry.get(other).load.engine.waiting == 40, what="other load")
-    second = await client.completions.with_raw_response.create(model="m", prompt=prompt + " more")
+    # the hint goes out before the request: its blocks are to land while the request
+    # waits in the engine's queue (a whole answer's headers come once it is computed)
+    gate = stack.engine(other).gate = asyncio.Event()
+    sent = asyncio.create_task(
+        client.completions.with_raw_response.create(model="m", prompt=prompt + " more")
+    )
+    await until(lambda: stack.engine(other).inflight == 1, what="request held by the engine")
+    await until(lambda: hints, timeout=5, what="prefetch hint while the request waits")
+    gate.set()
+    second = await sent
     assert second.headers["x-cache-router-worker"] == other
-    await until(lambda: hints, what="prefetch hint")
     subject, data = hints[0]
     hint = orjson.loads(data)
     assert subject == f"kv.prefetch.{other}"
