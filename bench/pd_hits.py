@@ -24,7 +24,14 @@ prefill choice recorded against the router's index at that moment:
   to ``hit_rate``). An engine's LRU holds 16,384 pages (1.05M tokens): on Mooncake
   synthetic, between two uses of a prefix 60-100 s apart its engine computed a median
   0.76M tokens, 100-200 s apart 1.33M, so the bands straddle the survival time, where
-  which rule keeps which old prefix is decided (BENCHMARKS.md, session 11).
+  which rule keeps which old prefix is decided (BENCHMARKS.md, session 11);
+- ``prefill_tokens_per_engine``, ``intake_cv``, ``intake_cv_150s``: each prefill engine's
+  intake (prompt tokens it computed: new KV its LRU takes in, so evicts), their
+  coefficient of variation over the run, and the mean of that coefficient over sliding
+  150 s windows (read at each prefill choice from 150 s after the first): an engine that
+  takes in more evicts sooner, and a prefix reused minutes later survives where the
+  intake was low (issue 13's mixed pool, BENCHMARKS.md session 13; the PD prefill side,
+  session 14).
 
     flock /work/bench.lock nice -n 5 python3 bench/pd_hits.py --trace T --limit 2000 \\
         --rules cache_router,sglang_pd [--params '{"recompute_weight": 8}'] \\
@@ -37,10 +44,12 @@ prefill choice recorded against the router's index at that moment:
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +69,7 @@ _SAMPLE_EVERY = 200
 # Upper edges (s) of the reuse bands; a prompt sharing no block with any earlier one is
 # "first", one last shared at or past the last edge is ">=200s".
 _BAND_EDGES_S = (30, 60, 100, 200)
+_INTAKE_WINDOW_S = 150
 
 
 class Recorded(PdSimulation):
@@ -69,6 +79,8 @@ class Recorded(PdSimulation):
         super().__init__(*args, **kwargs)
         self.choices: dict[int, tuple[int, int, str]] = {}  # best, chosen, engine
         self.distinct: list[float] = []
+        # (time ms, prompt tokens each prefill engine computed so far) at each choice
+        self.intake: list[tuple[float, list[int]]] = []
 
     def _send_prefill(self, req: SimRequest, pd: PdDecision, views: list[WorkerView]) -> None:
         assert pd.prefill is not None
@@ -76,11 +88,39 @@ class Recorded(PdSimulation):
         best = max(min(v.match.total, cap) for v in views)
         chosen = next(min(v.match.total, cap) for v in views if v.worker_id == pd.prefill.worker_id)
         self.choices[req.idx] = (best, chosen, pd.prefill.worker_id)
+        self.intake.append((self.now, [self.engines[i].prefill_tokens for i in self.prefill_slots]))
         if len(self.choices) % _SAMPLE_EVERY == 0:
             held = [self.engines[i].cache.gpu_hashes() for i in self.prefill_slots]
             total = sum(len(h) for h in held)
             self.distinct.append(round(len(set().union(*held)) / max(total, 1), 3))
         super()._send_prefill(req, pd, views)
+
+
+def cv(values: Sequence[float]) -> float:
+    """Coefficient of variation (population standard deviation over the mean; 0 when
+    the mean is 0)."""
+    mean = sum(values) / len(values)
+    if mean == 0:
+        return 0.0
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values)) / mean
+
+
+def windowed_cv(samples: Sequence[tuple[float, Sequence[int]]], window_ms: float) -> float | None:
+    """``samples``: (time ms, running totals per engine), in time order. The mean, over the
+    samples at least ``window_ms`` after the first, of ``cv`` of what each engine added in
+    the ``window_ms`` ending there (windows where none added anything are skipped); None
+    when no sample qualifies."""
+    out = []
+    j = 0
+    for t, totals in samples:
+        if t - samples[0][0] < window_ms:
+            continue
+        while samples[j][0] < t - window_ms:
+            j += 1
+        added = [a - b for a, b in zip(totals, samples[j][1], strict=True)]
+        if sum(added) > 0:
+            out.append(cv(added))
+    return sum(out) / len(out) if out else None
 
 
 def last_shared(trace: Trace) -> list[tuple[int, float]]:
@@ -174,6 +214,7 @@ def run(trace: Any, rule: str, args: argparse.Namespace) -> dict[str, Any]:
     lost = [x for x in lost if x > 0]
     evicted = sum(max(0, c - got.get(i, 0)) for i, (_, c, _) in sim.choices.items())
     served = sum(r.input_len for r in sim.requests if r.idx in got) or 1
+    intake = [sim.engines[i].prefill_tokens for i in sim.prefill_slots]
     return {
         "rule": rule,
         "params": params or {},
@@ -190,7 +231,10 @@ def run(trace: Any, rule: str, args: argparse.Namespace) -> dict[str, Any]:
         "reuse_bands": reuse_bands(sim.trace, got, served),
         "distinct_share": sim.distinct,
         "prefills_per_engine": dict(sorted(Counter(e for *_, e in sim.choices.values()).items())),
-        "prefill_tokens_computed": sum(sim.engines[i].prefill_tokens for i in sim.prefill_slots),
+        "prefill_tokens_computed": sum(intake),
+        "prefill_tokens_per_engine": intake,
+        "intake_cv": cv(intake),
+        "intake_cv_150s": windowed_cv(sim.intake, _INTAKE_WINDOW_S * 1000.0),
         "prefetch_hints": report["prefetch_hints"],
         "ttft_p90_ms": report["ttft_p90_ms"],
         "tpot_p90_ms": report["tpot_p90_ms"],

@@ -177,6 +177,10 @@ def test_bench_pd_hits_decomposes_the_prefill_hit_rate(tmp_path: Path) -> None:
         assert bands["first"] == {"requests": 1, "reachable": 0, "hit": 0}
         assert bands["<30s"]["requests"] == 31 and bands["<30s"]["reachable"] >= r["hit_rate"]
         assert sum(b["hit"] for b in bands.values()) == pytest.approx(r["hit_rate"])
+        per_engine = r["prefill_tokens_per_engine"]
+        assert len(per_engine) == 2 and sum(per_engine) == r["prefill_tokens_computed"] > 0
+        assert r["intake_cv"] >= 0
+        assert r["intake_cv_150s"] is None  # the run lasts well under one 150 s window
 
 
 def _pd_hits() -> Any:
@@ -228,6 +232,21 @@ def test_bench_pd_hits_reuse_gap_is_to_the_latest_request_holding_the_shared_run
     assert bands["30-60s"]["hit"] == pytest.approx(2 * BS / tokens)
     assert bands["<30s"]["reachable"] == pytest.approx(2 * BS / tokens)
     assert bands[">=200s"] == {"requests": 1, "reachable": pytest.approx(3 * BS / tokens), "hit": 0}
+
+
+def test_bench_pd_hits_intake_cv_per_window() -> None:
+    pd_hits = _pd_hits()
+    assert pd_hits.cv([5, 5, 5]) == 0 and pd_hits.cv([0, 0]) == 0
+    assert pd_hits.cv([1, 3]) == pytest.approx(0.5)  # sd 1, mean 2
+    samples = [
+        (0.0, [0, 0]),
+        (50.0, [10, 0]),
+        (100.0, [10, 10]),  # window (0, 100]: 10 / 10 added, cv 0
+        (150.0, [30, 10]),  # window from 50: 20 / 10, cv 1/3
+        (260.0, [30, 10]),  # window from 160: nothing added, skipped
+    ]
+    assert pd_hits.windowed_cv(samples, 100.0) == pytest.approx((0 + 1 / 3) / 2)
+    assert pd_hits.windowed_cv(samples, 1000.0) is None
 
 
 def test_bench_pd_hits_seed_reaches_the_trace_as_replay_seed_does(
