@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 import sim.trace_replay
@@ -111,3 +112,109 @@ def test_merge_refuses_one_policy_run_with_two_sets_of_params() -> None:
     joined = sweep.join([base, _row("a", 0, {}, {"cache_aware": ours, "dynamo_kv": theirs})])
     assert set(joined[0]["results"]) == {"cache_aware", "least_load", "dynamo_kv"}
     assert joined[0]["params"] == {}
+
+
+# -- judge: the targets and the Pareto column ---------------------------------------------
+
+
+def _res(hit: float, p90: float) -> dict[str, float]:
+    return {"hit_rate": hit, "ttft_p90_ms": p90}
+
+
+def test_judge_weighs_each_measure_against_its_own_best_other() -> None:
+    """The best other on hit rate and the best other on p90 are two policies here, and
+    least_load is neither: each ratio must be taken against the right one."""
+    sweep = _sweep()
+    row = {"results": {
+        "cache_aware": _res(0.60, 9.0),
+        "sglang_cache_aware": _res(0.58, 12.0),  # the best other hit rate, a slow p90
+        "power_of_two": _res(0.30, 7.5),  # the best other p90, a poor hit rate
+        "least_load": _res(0.20, 10.0),
+    }}  # fmt: skip
+    j = sweep.judge(row)
+    assert (j["best_hit_other"], j["best_p90_other"]) == ("sglang_cache_aware", "power_of_two")
+    assert j["hit_minus_best_other"] == pytest.approx(0.02)
+    assert j["p90_over_best_other"] == pytest.approx(1.2)
+    assert j["p90_over_least_load"] == pytest.approx(0.9)
+    # hit rate above every other's but p90 above power_of_two's: not Pareto-best, and
+    # 1.2x is past the 1.1x target; never above 1.5x least_load's
+    assert (j["pareto"], j["target_p90"], j["target_hit"], j["target_never_collapse"]) == (
+        False,
+        False,
+        True,
+        True,
+    )
+
+
+# (cache_aware, the others, what judge says: pareto, target_p90, target_hit, collapse)
+VERDICTS = {
+    "best on both": (_res(0.6, 9.0), {"a": _res(0.5, 10.0), "b": _res(0.55, 12.0)},
+                     (True, True, True, True)),
+    "tied on both: Pareto-best": (_res(0.5, 10.0), {"a": _res(0.5, 10.0)},
+                                  (True, True, True, True)),
+    "tied hit, p90 a hair worse": (_res(0.5, 10.1), {"a": _res(0.5, 10.0)},
+                                   (False, True, True, True)),
+    "faster, hit a hair lower": (_res(0.499, 9.0), {"a": _res(0.5, 10.0)},
+                                 (False, True, True, True)),
+    "p90 1.1x the best other's": (_res(0.5, 11.0), {"a": _res(0.5, 10.0)},
+                                  (False, True, True, True)),
+    "p90 past 1.1x": (_res(0.5, 11.2), {"a": _res(0.5, 10.0)}, (False, False, True, True)),
+    "hit 1 point under": (_res(0.49, 9.0), {"a": _res(0.50, 10.0)},
+                          (False, True, True, True)),
+    "hit 1 point under, other rates": (_res(0.71, 9.0), {"a": _res(0.72, 10.0)},
+                                       (False, True, True, True)),
+    "hit past 1 point under": (_res(0.489, 9.0), {"a": _res(0.50, 10.0)},
+                               (False, True, False, True)),
+    "p90 1.5x least_load's": (_res(0.9, 15.0), {"least_load": _res(0.1, 10.0)},
+                              (False, False, True, True)),
+    "p90 past 1.5x least_load's": (_res(0.9, 15.1), {"least_load": _res(0.1, 10.0)},
+                                   (False, False, True, False)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(VERDICTS))
+def test_judge_verdicts_at_and_past_each_threshold(case: str) -> None:
+    """Each threshold is inclusive (">= best - 1 point", "<= 1.1x", "<= 1.5x", and ties
+    are Pareto-best) and a step past it misses."""
+    ours, others, want = VERDICTS[case]
+    j = _sweep().judge({"results": {"cache_aware": ours, **others}})
+    got = (j["pareto"], j["target_p90"], j["target_hit"], j["target_never_collapse"])
+    assert got == want
+
+
+def test_judge_without_least_load_has_no_collapse_ratio() -> None:
+    j = _sweep().judge({"results": {"cache_aware": _res(0.5, 99.0), "random": _res(0.1, 1.0)}})
+    assert j["p90_over_least_load"] is None and j["target_never_collapse"]
+
+
+def test_merged_results_are_judged_per_seed_and_on_the_means(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--merge`` of a baseline file and a cache_aware file: each joined row judged, the
+    setting judged on the means, the Pareto column counting the seeds cache_aware was
+    Pareto-best on, and a seed only one file has left out of both."""
+    sweep = _sweep()
+    win, lose = _res(0.6, 10.0), _res(0.5, 12.0)
+    ours = [(0, win), (1, lose), (2, win), (3, win)]
+    theirs = [(0, lose), (1, win), (2, lose)]  # seed 3's baselines did not run
+    files = []
+    for name, runs, policy in (("ours", ours, "cache_aware"), ("theirs", theirs, "least_load")):
+        path = tmp_path / f"{name}.json"
+        rows = [_row("a", seed, {}, {policy: res}) for seed, res in runs]
+        path.write_bytes(orjson.dumps({"rows": rows}))
+        files.append(str(path))
+    table = tmp_path / "sweep.md"
+    assert sweep.main(["--merge", *files, "--markdown", str(table)]) == 0
+    out = orjson.loads(capsys.readouterr().out)
+    judged = {r["seed"]: r.get("judge") for r in out["rows"]}
+    assert {s: j["pareto"] for s, j in judged.items() if j} == {0: True, 1: False, 2: True}
+    assert judged[3] is None  # cache_aware alone: nothing to judge against
+    [setting] = out["settings"]
+    assert setting["seeds"] == [0, 1, 2] and setting["pareto_seeds"] == 2
+    assert setting["results"]["cache_aware"]["hit_rate"] == pytest.approx(17 / 30)
+    j = setting["judge"]
+    assert j["pareto"] and j["target_p90"] and j["target_hit"] and j["target_never_collapse"]
+    assert j["p90_over_least_load"] == pytest.approx((32 / 3) / (34 / 3))
+    line = next(x for x in table.read_text().splitlines() if x.startswith("| a |"))
+    assert "| yes (2/3) | 3/3 |" in line
+    assert "Pareto-best on 1 of 1" in table.read_text()
