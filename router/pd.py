@@ -510,7 +510,7 @@ class PdRouter:
         headers: list[tuple[bytes, bytes]],
         body: bytes,
         path: str,
-        accepted: list[tuple[Response, Flight, Callable[[bytes], None]]] | None = None,
+        accepted: list[tuple[Response, Flight, Callable[[bytes | None], None]]] | None = None,
     ) -> bytes:
         """Send the prefill request; its whole answer, or b"" once its headers are in when
         ``accepted`` takes the response and its load (SGLang: the answer comes after the
@@ -558,10 +558,17 @@ class PdRouter:
         return answer
 
     def _prefill_done(
-        self, prefill: Target, prep: Prepared, hit: int, started: float, answer: bytes
+        self, prefill: Target, prep: Prepared, hit: int, started: float, answer: bytes | None
     ) -> None:
-        """A prefill answered in full: its time, the engine's success, its cached tokens."""
+        """A prefill answered in full: its time, the engine's success, its cached tokens.
+        None: its answer broke off after the decode engine had joined (SGLang), which
+        counts against the engine as a broken vLLM prefill does; the client's stream is
+        the decode engine's and goes on."""
         st, tid = self.state, prefill.id
+        if answer is None:
+            st.registry.request_failed(prefill.worker, PREFILL_BROKEN.reason)
+            st.metrics.error(prep.arm, tid, PREFILL_BROKEN.kind)
+            return
         self.metrics.phase.labels("prefill", tid).observe(time.perf_counter() - started)
         st.registry.request_succeeded(prefill.worker)
         cached = _cached(answer)
@@ -601,7 +608,7 @@ class PdRouter:
         d_body = sglang_body(d_fields, host, port, room)
         p_headers = rank_headers(headers, prefill.rank, p.dp_field)
         d_headers = rank_headers(headers, decode.rank, dec.dp_field)
-        accepted: list[tuple[Response, Flight, Callable[[bytes], None]]] = []
+        accepted: list[tuple[Response, Flight, Callable[[bytes | None], None]]] = []
         p_task = asyncio.ensure_future(
             self._prefill_exchange(prefill, choice, prep, p_headers, p_body, path, accepted)
         )
@@ -617,9 +624,11 @@ class PdRouter:
             self._drain(r, f, done)
         return d_task.result()
 
-    def _drain(self, resp: Response, flight: Flight, done: Callable[[bytes], None]) -> None:
+    def _drain(
+        self, resp: Response, flight: Flight, done: Callable[[bytes | None], None]
+    ) -> None:
         """Read the prefill engine's answer to its end in the background (its prefill load
-        counts until then), then ``done(answer)``; a broken answer records nothing."""
+        counts until then), then ``done(answer)``, ``done(None)`` if it broke off."""
 
         async def drain() -> None:
             try:
@@ -628,7 +637,7 @@ class PdRouter:
                 )
                 done(answer)
             except UpstreamError:
-                pass  # the decode engine's stream reports a failed transfer
+                done(None)  # a failed transfer shows in the decode engine's stream too
             finally:
                 resp.close()
                 flight.finish()

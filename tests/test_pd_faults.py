@@ -10,6 +10,8 @@ a clear error, and a decode stream cut mid-way ends with an error event.
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import orjson
 import pytest
@@ -133,3 +135,31 @@ async def test_a_paired_decode_stream_cut_midway_ends_with_an_error_and_no_secon
         # ... and nothing was sent again: the stream had started
         assert received(s, PREFILLS) == 1 and received(s, DECODES) == 1
         assert "cache_router_retries_total{" not in await metrics(s)
+
+
+async def test_an_sglang_prefill_answer_cut_after_the_pairing_counts_against_its_engine(
+    nats_url: str,
+) -> None:
+    # SGLang: the prefill's answer is read after the decode engine joined the room; when
+    # it breaks off there, the client's stream (the decode engine's) goes on, and the
+    # prefill engine is charged with a failure as a broken vLLM prefill is
+    async with pd_stack(nats_url, "sglang", policy="round_robin") as s:
+        for p in PREFILLS:
+            s.engines[p].fault = Fault(cut_after=0)
+        answer = await s.client().chat.completions.create(
+            model=MODEL, messages=messages(), max_tokens=4
+        )
+        assert answer.usage is not None and answer.usage.completion_tokens == 4
+        assert received(s, PREFILLS) == 1 and received(s, DECODES) == 1
+        failed = [p for p in PREFILLS if s.engines[p].generate_requests]
+
+        async def charged() -> bool:
+            return f'kind="prefill_broken",worker="{failed[0]}"}} 1.0' in await metrics(s)
+
+        for _ in range(100):  # the answer is drained in the background
+            if await charged():
+                break
+            await asyncio.sleep(0.05)
+        assert await charged()
+        worker = s.state.registry.get(failed[0])
+        assert worker is not None and worker.request_failures == 1
