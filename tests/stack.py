@@ -398,11 +398,23 @@ class Routed:
 
     app: RouterApp | None = None
     served: Served | None = None
+    clients: list[openai.AsyncOpenAI]
 
     @property
     def url(self) -> str:
         assert self.served is not None
         return self.served.url
+
+    def client(self) -> openai.AsyncOpenAI:
+        """An OpenAI client of the router, closed with the stack (``close_clients``)."""
+        client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+        self.clients.append(client)
+        return client
+
+    async def close_clients(self) -> None:
+        for client in self.clients:
+            await client.close()
+        self.clients = []
 
     @property
     def state(self) -> Any:
@@ -448,11 +460,6 @@ class DoubleStack(Routed):
         await stack.serve(cfg)
         return stack
 
-    def client(self) -> openai.AsyncOpenAI:
-        client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
-        self.clients.append(client)
-        return client
-
     def http(self, token: str | None = None) -> httpx.AsyncClient:
         """A client of the router; with ``token`` as its bearer (the admin API's)."""
         headers = {"authorization": f"Bearer {token}"} if token else None
@@ -462,8 +469,7 @@ class DoubleStack(Routed):
         return next(e for e in self.engines if e.worker_id == worker_id)
 
     async def stop(self) -> None:
-        for client in self.clients:
-            await client.close()
+        await self.close_clients()
         if self.served is not None:
             await self.served.stop()
         for e in self.engines:
@@ -579,6 +585,7 @@ class EngineStack(Routed):
         self.nats_url = nats_url
         self.engines: dict[str, MockEngine] = {}
         self.agents: list[NodeAgent] = []
+        self.clients = []
 
     async def add(self, cfg: MockEngineConfig, **agent_kw: Any) -> MockEngine:
         if self.nats_url is None:
@@ -590,6 +597,7 @@ class EngineStack(Routed):
         return engine
 
     async def stop(self) -> None:
+        await self.close_clients()
         if self.served is not None:
             await self.served.stop()
             self.served = None

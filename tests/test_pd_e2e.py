@@ -19,7 +19,6 @@ from typing import Any
 
 import httpx
 import nats
-import openai
 import orjson
 import pytest
 from stack import BS, MODEL, EngineStack, mock_engine_config, until
@@ -36,9 +35,6 @@ pytestmark = pytest.mark.parametrize("protocol", ["vllm", "sglang"])
 
 
 class PdStack(EngineStack):
-    def client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0)
-
     def counts(self, wid: str) -> dict[str, int]:
         return self.engines[wid].pd.counts
 
