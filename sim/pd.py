@@ -360,6 +360,7 @@ def summarize_pd(sim: PdSimulation, wall_s: float) -> PolicyReport:
         "decode_busy_max": max(e.busy_ms for e in decode) / 1000.0 / span_s,
         "prefill_busy_max": max(e.busy_ms for e in prefill) / 1000.0 / span_s,
         "prefetch_hints": sim.counters["prefetch_hints"],
+        "prefetch_blocks": sim.counters["prefetch_blocks"],  # landed where a hint sent them
         "throughput_rps": len(served) / span_s,
         "route_us_mean": float(np.mean(route)),
         "route_us_p99": _pct(route, 99),

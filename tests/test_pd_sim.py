@@ -118,7 +118,7 @@ def test_a_prefill_sent_away_from_its_holder_hits_the_blocks_its_hint_moved(
     assert all(sim.ids[leg.worker].startswith("p") for leg in hinted)
     # blocks crossed to the prefill engines, and the hinted prefills found all of them in
     # host memory, where nothing else put prefill-side blocks
-    moved = sim.counters["prefetch_blocks"]
+    moved = report["prefetch_blocks"]
     assert moved > 0 and sum(leg.hit_host_blocks for leg in hinted) == moved
     assert sum(leg.hit_host_blocks for leg in sim.prefill_leg.values()) == moved
     # without hints nothing moves, and no prefill hits host memory
