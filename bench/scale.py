@@ -610,8 +610,9 @@ async def router_side(
 def bench_nats(
     rates: list[float], seconds: float, workers: int, readers: list[str], transports: list[str]
 ) -> list[dict[str, Any]]:
-    """The router's own event path, core NATS (with each of ``readers``, one after the
-    other at each rate, for ratios side by side) and JetStream, at each rate."""
+    """The router's own event path, core NATS and JetStream, each with each of
+    ``readers`` (JetStream's native reader: after the hand-off, router/feed.py) one after
+    the other at each rate, for ratios side by side."""
     import asyncio
 
     from router.natsd import EmbeddedNats
@@ -812,7 +813,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--nats-readers",
         default="python,native",
-        help="nats: who reads core NATS, comma-separated (events_reader: python, native)",
+        help="nats: who reads the live events, comma-separated (events_reader: python, native)",
     )
     p.add_argument(
         "--nats-transports",
