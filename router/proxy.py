@@ -403,11 +403,12 @@ class Proxy:
         a whole answer's headers, and a prefill's, come only once the prompt is computed,
         and a hint published after them named blocks the engine had just computed
         (tests/test_router_e2e.py, tests/test_pd_e2e.py)."""
-        hint = None if decision is None else decision.prefetch
-        if hint is None or not await self.deps.hints.publish(hint, prep.request, prep.pool):
+        if decision is None or decision.prefetch is None:
+            return 0
+        hint = decision.prefetch
+        if not await self.deps.hints.publish(hint, prep.request, prep.pool):
             return 0
         self.deps.metrics.prefetch_hints.labels(prep.arm, hint.target_worker).inc()
-        assert decision is not None
         return hint.blocks if hint.target_worker == decision.worker_id else 0
 
     def _failed(
