@@ -172,11 +172,12 @@ def dynamo_batches(data: list[tuple[int, np.ndarray]], chain: int) -> list[tuple
 
 
 def ingest_ours(
-    index_cls: type, batches: list[tuple[str, int, bytes]], run: int = 1
+    index_cls: type, batches: list[tuple[str, int, bytes]], run: int = 1, names: bool = True
 ) -> tuple[float, Any]:
     """``apply`` batch by batch (``run`` 1), or ``apply_many`` in runs of ``run`` (the
-    router's live path: router/ingest_thread.py hands queued batches over in runs)."""
-    ingest = EventIngest(index_cls(), BlockHasher(BLOCK))
+    router's live path: router/ingest_thread.py hands queued batches over in runs).
+    ``names``: keep the engines' bytes names (a router whose policies send prefetch hints)."""
+    ingest = EventIngest(index_cls(), BlockHasher(BLOCK), keep_names=names)
     apply = ingest.apply
     lost = 0
     if run > 1:
@@ -261,20 +262,20 @@ def _rates(out: dict[str, Any], name: str, pairs: int, times: list[float]) -> No
 def memory_side(side: str, pairs: int, workers: int, chain: int) -> dict[str, float]:
     """One side's bytes per pair, in this (fresh) process: RSS growth while it ingests."""
     data = stores(pairs, workers, chain, 2)
-    if side == "native":
+    if side in ("native", "native_no_names"):
         batches = our_batches(data, chain)
         del data
         gc.collect()
         before = rss()
-        _, ing = ingest_ours(NativePrefixIndex, batches)
+        _, ing = ingest_ours(NativePrefixIndex, batches, names=side == "native")
         grown = rss() - before
         index_bytes = sum(core.bytes()[0] for core in ing.index.cores)
         maps_bytes = sum(core.bytes()[1] for core in ing.index.cores)
         return {
-            "native_heap_bytes_per_pair": (index_bytes + maps_bytes) / pairs,
-            "native_index_heap_bytes_per_pair": index_bytes / pairs,
-            "native_maps_heap_bytes_per_pair": maps_bytes / pairs,
-            "native_rss_bytes_per_pair": grown / pairs,
+            f"{side}_heap_bytes_per_pair": (index_bytes + maps_bytes) / pairs,
+            f"{side}_index_heap_bytes_per_pair": index_bytes / pairs,
+            f"{side}_maps_heap_bytes_per_pair": maps_bytes / pairs,
+            f"{side}_rss_bytes_per_pair": grown / pairs,
         }
     dyn = dynamo_batches(data, chain)
     del data
@@ -291,17 +292,22 @@ def bench_memory(pairs: int, workers: int, chain: int) -> dict[str, Any]:
     # the other side) freed their heap, Dynamo's allocations reuse those pages and its
     # RSS growth reads low (57 B a pair against 89 B in a fresh process, 1M pairs).
     out: dict[str, Any] = {"pairs": pairs, "workers": workers, "fresh_process_each": True}
-    sides = [s for s, ok in (("native", NativePrefixIndex), ("dynamo", RadixTree)) if ok]
+    # bytes names (sha256) are kept only by a router whose policies send prefetch hints,
+    # which Dynamo has none of: both sides of ours against it
+    ours = ["native", "native_no_names"] if ENGINE_HASHES == "sha256" else ["native"]
+    candidates = [*((s, NativePrefixIndex) for s in ours), ("dynamo", RadixTree)]
+    sides = [s for s, ok in candidates if ok]
     for side in sides:
         cmd = [sys.executable, __file__, "--memory-side", side, "--pairs", str(pairs)]
         cmd += ["--engine-hashes", ENGINE_HASHES]
         cmd += ["--workers", str(workers)]
         done = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600)
         out.update(json.loads(done.stdout))
-    if "native_rss_bytes_per_pair" in out and "dynamo_rss_bytes_per_pair" in out:
-        out["ratio_native_over_dynamo_rss"] = (
-            out["native_rss_bytes_per_pair"] / out["dynamo_rss_bytes_per_pair"]
-        )
+    for side in ours:
+        if f"{side}_rss_bytes_per_pair" in out and "dynamo_rss_bytes_per_pair" in out:
+            out[f"ratio_{side}_over_dynamo_rss"] = (
+                out[f"{side}_rss_bytes_per_pair"] / out["dynamo_rss_bytes_per_pair"]
+            )
     return out
 
 
@@ -796,7 +802,9 @@ def main(argv: list[str] | None = None) -> int:
         default="u64",
         help="our events' block hashes: 64-bit ints, or a default vLLM's 32-byte sha256s",
     )
-    p.add_argument("--memory-side", choices=["native", "dynamo"], help=argparse.SUPPRESS)
+    p.add_argument(
+        "--memory-side", choices=["native", "native_no_names", "dynamo"], help=argparse.SUPPRESS
+    )
     p.add_argument("--publish-side", metavar="URL", help=argparse.SUPPRESS)
     p.add_argument("--probe-side", type=int, metavar="FD", help=argparse.SUPPRESS)
     p.add_argument(

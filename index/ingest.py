@@ -138,16 +138,22 @@ class EventIngest:
         max_seq_jump: int = 100_000,
         max_ranks: int = 64,
         max_worker_blocks: int | None = None,
+        keep_names: bool = True,
     ) -> None:
         """The bounds are per source, against forged event headers (issue 10): a seq may
         run ``max_seq_jump`` ahead, a worker may name ``max_ranks`` dp ranks, and hold
         ``max_worker_blocks`` blocks (default: an even share of the index's bound, so one
-        worker cannot evict everyone else's; none when the index is unbounded)."""
+        worker cannot evict everyone else's; none when the index is unbounded).
+
+        ``keep_names``: whether the bytes engines name blocks by (vLLM's sha256) are kept
+        for prefetch hints, the only reader of them; without them ``engine_hashes`` stops
+        at the first block named by bytes (natively: 24 B a block less)."""
         self.index = index
         self.hasher = hasher
         self.max_seq_jump = max_seq_jump
         self.max_ranks = max_ranks
         self.max_worker_blocks = max_worker_blocks
+        self.keep_names = keep_names
         self.errors: Counter[str] = Counter()
         self.events_applied = 0
         self.batches_applied = 0
@@ -235,14 +241,18 @@ class EventIngest:
     def engine_blocks(self, worker_id: str) -> dict[EngineHash, int]:
         """Engine hash -> router hash for every block the worker is known to hold."""
         w = self._workers.get(worker_id)
-        return {} if w is None else {e: v[0] for e, v in w.blocks.items()}
+        if w is None:
+            return {}
+        keep = self.keep_names
+        return {e: v[0] for e, v in w.blocks.items() if keep or not isinstance(e, bytes)}
 
     def engine_hashes(self, worker_id: str, router_hashes: list[int]) -> list[EngineHash]:
         """The worker's own hashes for the leading ``router_hashes`` it holds.
 
         Prefetch hints name blocks in the source engine's terms; this stops at the
         first block the worker is not known to hold (an engine hash a router hash still
-        names after its block was re-stored under another chain and then removed, too).
+        names after its block was re-stored under another chain and then removed, too),
+        or whose bytes name was not kept (``keep_names``).
         """
         w = self._workers.get(worker_id)
         out: list[EngineHash] = []
@@ -250,7 +260,7 @@ class EventIngest:
             return out
         for rh in router_hashes:
             eh = w.engine_of.get(rh)
-            if eh is None or eh not in w.blocks:
+            if eh is None or eh not in w.blocks or (isinstance(eh, bytes) and not self.keep_names):
                 break
             out.append(eh)
         return out

@@ -76,6 +76,7 @@ class NativeEventIngest(EventIngest):
         max_seq_jump: int = 100_000,
         max_ranks: int = 64,
         max_worker_blocks: int | None = None,
+        keep_names: bool = True,
     ) -> None:
         super().__init__(
             index,
@@ -83,12 +84,14 @@ class NativeEventIngest(EventIngest):
             max_seq_jump=max_seq_jump,
             max_ranks=max_ranks,
             max_worker_blocks=max_worker_blocks,
+            keep_names=keep_names,
         )
         tiers = {m: _TIER_NUM[t] for m, t in _TIER_OF_MEDIUM.items() if m is not None}
 
         def setup(core: Core) -> None:
             core.configure_events(hasher.block_size, hasher.bigram, hasher.seed, tiers)
             core.configure_seq(max_seq_jump, max_ranks)
+            core.keep_names(keep_names)
 
         index.configure(setup)
 

@@ -120,6 +120,12 @@ class Policy(ABC):
     def __init__(self, rng: random.Random | None = None) -> None:
         self.rng = rng or random.Random()
 
+    @property
+    def sends_hints(self) -> bool:
+        """Whether ``select`` may give a prefetch hint: the router keeps the engines' own
+        block names, which only hints read, when some policy does (router/app.py)."""
+        return False
+
     @abstractmethod
     def select(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
         """Pick one of ``workers`` (healthy ones only); raise ``NoWorkerError`` if none."""

@@ -532,6 +532,10 @@ class CacheAware(Policy):
         hint = PrefetchHint(source, chosen, blocks, tier, deadline_ms=admit)
         return Decision(chosen, hint, scores, f"{reason} with {tier} prefetch")
 
+    @property
+    def sends_hints(self) -> bool:
+        return self.prefetch
+
     def active_tokens(self, worker_id: str) -> int:
         """Context tokens of the requests routed to ``worker_id`` and not finished."""
         return self._active.get(worker_id, 0)

@@ -174,6 +174,13 @@ class Experiment:
         """The decode-side policy instance of ``arm``; None when it names none."""
         return self._decode.get(self._name(arm))
 
+    @property
+    def sends_hints(self) -> bool:
+        """Whether any arm's policy may give a prefetch hint that is sent: a mixed pool's
+        or a prefill pool's (router/pd.py sends no decode-side hint)."""
+        sides = (self._policies, self._prefill)
+        return any(p.sends_hints for side in sides for p in side.values())
+
     def _name(self, arm: Arm | str) -> str:
         """``arm``'s name; ValueError when this experiment has no arm of that name."""
         name = arm if isinstance(arm, str) else arm.name

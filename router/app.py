@@ -85,7 +85,11 @@ class RouterState:
         self.cfg = cfg
         self.tracing = tracing or Tracing.from_config(cfg)  # None: off, and free
         self.edge = Edge(cfg)
-        self.registry = WorkerRegistry(cfg)
+        self.experiment = make_experiment(cfg)
+        # vLLM's 32-byte block names are kept only where a hint can carry them (24 B a
+        # block natively: ~94 -> ~71 B a (block, worker) pair, BENCHMARKS.md session 15)
+        hints = self.experiment.sends_hints and bool(cfg.nats_url)
+        self.registry = WorkerRegistry(cfg, keep_names=hints)
         for spec in cfg.workers:
             self.registry.add(spec)
         self.discovery = discovery_sources(cfg, self.registry)
@@ -95,7 +99,6 @@ class RouterState:
             else None
         )
         self.tokenizers = TokenizerSet(self._tokenizer_path, self.encoders)
-        self.experiment = make_experiment(cfg)
         self.tokenize_pool = TokenizePool(
             cfg.tokenize_threads, cfg.tokenize_queue, cfg.tokenize_timeout
         )

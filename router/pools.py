@@ -23,7 +23,11 @@ class Pool:
     ingest: EventIngest
 
     @classmethod
-    def create(cls, name: str, block_size: int, max_blocks: int | None = None) -> Pool:
+    def create(
+        cls, name: str, block_size: int, max_blocks: int | None = None, *, keep_names: bool = True
+    ) -> Pool:
+        """``keep_names``: keep the bytes engines name blocks by (prefetch hints need them;
+        ``EventIngest``)."""
         hasher = BlockHasher(block_size)
         # The native index when built (a fraction of the memory, events applied with the
         # GIL released). It holds at most 64 workers: a bigger pool needs
@@ -33,4 +37,5 @@ class Pool:
             if use_native() and NativePrefixIndex is not None
             else PrefixIndex(max_blocks=max_blocks)
         )
-        return cls(name, block_size, hasher, index, EventIngest(index, hasher))
+        ingest = EventIngest(index, hasher, keep_names=keep_names)
+        return cls(name, block_size, hasher, index, ingest)

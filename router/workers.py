@@ -126,8 +126,11 @@ class Worker:
 class WorkerRegistry:
     """All workers, their pools, and the loop that keeps their health and load fresh."""
 
-    def __init__(self, cfg: RouterConfig) -> None:
+    def __init__(self, cfg: RouterConfig, *, keep_names: bool = True) -> None:
+        """``keep_names``: whether the pools keep the bytes engines name blocks by, which
+        only prefetch hints read (``RouterState`` says whether any policy sends them)."""
         self.cfg = cfg
+        self.keep_names = keep_names
         self.pools: dict[str, Pool] = {}
         self.on_up: list[Callable[[Worker], None]] = []  # run when a worker is healthy again
         self.on_failing: list[Callable[[Worker], None]] = []  # each failed check while down
@@ -150,7 +153,9 @@ class WorkerRegistry:
     def pool(self, name: str, block_size: int) -> Pool:
         pool = self.pools.get(name)
         if pool is None:
-            pool = self.pools[name] = Pool.create(name, block_size, self.cfg.max_index_blocks)
+            pool = self.pools[name] = Pool.create(
+                name, block_size, self.cfg.max_index_blocks, keep_names=self.keep_names
+            )
         elif pool.block_size != block_size:
             raise ValueError(f"pool {name} has block size {pool.block_size}, not {block_size}")
         return pool

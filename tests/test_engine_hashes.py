@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 
 import orjson
+import pytest
 
 from agent.core import AgentCore
 from agent.prefetch import check_hint
@@ -15,6 +16,9 @@ from index.hashing import BlockHasher
 from index.ingest import EventIngest
 from index.prefix_index import PrefixIndex
 from policies.base import PrefetchHint, RouteRequest
+from policies.experiments import Arm
+from router.app import RouterState
+from router.config import RouterConfig, WorkerSpec
 from router.hints import hint_message
 from router.pools import Pool
 
@@ -68,3 +72,36 @@ def test_prefetch_hint_names_sha256_blocks_in_json_the_agent_accepts() -> None:
     checked = check_hint(data)
     assert [hash_from_json(h) for h in checked["block_hashes"]] == [sha(i) for i in range(3)]
     assert checked["num_tokens"] == 3 * BS
+
+
+NATS = {"nats_url": "nats://127.0.0.1:4222"}  # never dialled: the state is only built
+
+
+@pytest.mark.parametrize(
+    ("settings", "kept"),
+    [
+        (NATS, True),  # cache_aware sends hints by default
+        ({}, False),  # no NATS: a hint has no way out
+        ({**NATS, "policy_params": {"prefetch": False}}, False),
+        ({**NATS, "policy": "round_robin"}, False),
+        ({**NATS, "arms": [Arm("a", "round_robin"), Arm("b", "cache_aware")]}, True),
+        ({**NATS, "arms": [Arm("a", "round_robin"), Arm("b", "least_load")]}, False),
+        # a decode-side policy's hint is never sent (router/pd.py)
+        ({**NATS, "arms": [Arm("a", "round_robin", decode_policy="cache_aware")]}, False),
+    ],
+)
+def test_the_router_keeps_engine_names_only_where_a_hint_can_carry_them(
+    settings: dict[str, object], kept: bool
+) -> None:
+    """vLLM's 32-byte block names cost the index 24 B a block and only prefetch hints
+    read them: a router none of whose policies sends a hint, or that has no NATS to
+    send one on, keeps none, and a hint lookup then names no bytes-named block."""
+    spec = WorkerSpec("w", "http://127.0.0.1:9", model="m", block_size=BS)
+    cfg = RouterConfig(workers=[spec], forecast_tracked=0, **settings)  # type: ignore[arg-type]
+    pool = RouterState(cfg).registry.pools[spec.pool]
+    assert pool.ingest.keep_names is kept
+    tokens = list(range(3 * BS))
+    pool.ingest.apply("w", 0, payload(BlockStored([sha(i) for i in range(3)], None, tokens, BS)))
+    router = pool.hasher.hash_tokens(tokens)
+    assert pool.index.match(router)["w"] == 3
+    assert pool.ingest.engine_hashes("w", router) == ([sha(i) for i in range(3)] if kept else [])

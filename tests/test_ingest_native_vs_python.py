@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(not NATIVE, reason="native core not built")
 
 B = 4
 # How an engine names a block: the forms index/codec.py accepts.
-FORMS = ("u64", "i64", "sha256", "bytes16", "bytes0")
+FORMS = ("u64", "i64", "sha256", "sha256_head0", "sha256_tail0", "bytes16", "bytes0")
 
 
 def engine_hash(form: str, parent: EngineHash | None, tokens: list[int]) -> EngineHash:
@@ -42,6 +42,13 @@ def engine_hash(form: str, parent: EngineHash | None, tokens: list[int]) -> Engi
         return int.from_bytes(digest[:8], "little", signed=True)
     if form == "sha256":
         return b"\x00" + digest[1:]  # a leading zero byte: an int form would lose it
+    # the native key is the first 8 bytes xor a hash of the other 24 (events.hpp
+    # ``bytes_key``), and a hint's bytes come back from the key and the 24: either part
+    # constant must still give distinct keys and the same bytes back
+    if form == "sha256_head0":
+        return bytes(8) + digest[8:]
+    if form == "sha256_tail0":
+        return digest[:8] + bytes(24)
     if form == "bytes16":
         return digest[:16]
     return b""  # every such block is the same key: a collision both sides must agree on
@@ -149,14 +156,16 @@ def state(ingest: EventIngest, index: object, hasher: BlockHasher, eng: Engine) 
     fates,
     st.booleans(),
     st.integers(1, 4),
+    st.booleans(),
 )
 def test_native_ingest_equals_the_reference(
-    forms: list[str], script: list, fate: list[str], as_map: bool, run: int
+    forms: list[str], script: list, fate: list[str], as_map: bool, run: int, names: bool
 ) -> None:
     eng, log = batches(forms, script, as_map)
     hasher = BlockHasher(B)
     py_index, nat_index = PrefixIndex(), NativePrefixIndex()
-    py, nat = EventIngest(py_index, hasher), EventIngest(nat_index, hasher)
+    py = EventIngest(py_index, hasher, keep_names=names)
+    nat = EventIngest(nat_index, hasher, keep_names=names)
     assert type(nat).__name__ == "NativeEventIngest"
     sends: list[tuple[int, bytes]] = []
     for seq, payload in enumerate(log):
@@ -221,3 +230,26 @@ def test_a_sha256_hash_comes_back_as_the_engines_bytes() -> None:
     ingest.apply("w", 1, encode(EventBatch(1.0, [BlockRemoved([engine[2]], "GPU")], None)))
     assert ingest.engine_hashes("w", router) == engine[:2]
     assert set(ingest.engine_blocks("w")) == set(engine[:2])
+
+
+def test_names_not_kept_stop_a_hint_at_the_first_block_named_by_bytes() -> None:
+    """A router whose policies send no prefetch hints keeps no 32-byte names: a lookup
+    asked anyway names the int-named blocks before the first bytes-named one and stops
+    there (never the key in place of the bytes), and the names cannot be switched back
+    on under blocks stored without them."""
+    hasher = BlockHasher(B)
+    index = NativePrefixIndex()
+    ingest = EventIngest(index, hasher, keep_names=False)
+    eng = Engine(["u64", "u64", "sha256", "u64"])
+    tokens = list(range(4 * B))
+    stored = eng.store(tokens, "GPU")
+    ingest.apply("w", 0, encode(EventBatch(0.0, stored, None)))
+    engine = [h for ev in stored for h in ev.block_hashes]  # type: ignore[attr-defined]
+    assert [type(h) for h in engine] == [int, int, bytes, int]
+    router = hasher.hash_tokens(tokens)
+    assert index.match(router)["w"] == 4  # matching does not need the names
+    assert ingest.engine_hashes("w", router) == engine[:2]
+    assert set(ingest.engine_blocks("w")) == {engine[0], engine[1], engine[3]}
+    core, _ = index.locate("w")
+    with pytest.raises(ValueError, match="before any block"):
+        core.keep_names(True)

@@ -8,17 +8,18 @@
 // ``slow``: Python decodes it with index/codec.py and hands the prepared events back
 // (index/hashing.py keeps those semantics in one place).
 //
-// A bytes engine hash (vLLM's default, a 32-byte sha256) is keyed by its XXH3-64 under
-// ``BYTES_KEY_SEED`` (``bytes_key``) like an int hash is by its value, and its bytes are
-// kept beside the worker's block (WorkerBlocks) so that prefetch hints name it as the
-// engine does. Until session 10 these batches went to Python's decoder: every batch of
-// a default vLLM.
+// A bytes engine hash (vLLM's default, a 32-byte sha256) is keyed by 64 bits of its own
+// (``bytes_key``) like an int hash is by its value, and the rest of its bytes are kept
+// beside the worker's block (WorkerBlocks) so that prefetch hints name it as the engine
+// does. Until session 10 these batches went to Python's decoder: every batch of a
+// default vLLM.
 #pragma once
 
 #include <array>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -37,8 +38,23 @@ enum EventKind : uint8_t { STORED = 0, REMOVED = 1, CLEARED = 2 };
 // Seeds the 64-bit key of a bytes engine hash, so it does not equal the int hash with
 // the same value by construction.
 constexpr uint64_t BYTES_KEY_SEED = 0x62797465735F6B79ULL;
+// A 32-byte hash's key is its first 8 bytes xor the XXH3-64 of the other 24: a bijection
+// for a given tail, so the key and the tail give the hash back (``WorkerBlocks`` keeps
+// 24 bytes a block, not 32), and it depends on every byte (a hash with a constant head,
+// or a constant tail, still spreads). Other lengths: the XXH3-64 of all the bytes.
+// Not collision-resistant against a publisher that crafts names for a chosen key (nor
+// was XXH3 under a public seed): keys live in one worker's own map, so all such names
+// can confuse is the blocks of the worker whose events that publisher already writes.
+constexpr size_t DIGEST = 32, HEAD = 8, TAIL = DIGEST - HEAD;
 
-inline uint64_t bytes_key(std::string_view b) { return xxh3_64(b.data(), b.size(), BYTES_KEY_SEED); }
+inline uint64_t tail_mix(const char* tail) { return xxh3_64(tail, TAIL, BYTES_KEY_SEED); }
+
+inline uint64_t bytes_key(std::string_view b) {
+    if (b.size() != DIGEST) return xxh3_64(b.data(), b.size(), BYTES_KEY_SEED);
+    uint64_t head;
+    std::memcpy(&head, b.data(), HEAD);
+    return head ^ tail_mix(b.data() + HEAD);
+}
 
 struct PEvent {
     uint8_t kind = STORED;
@@ -479,12 +495,24 @@ struct __attribute__((packed)) EngineBlock {
 // same records: ~29 B a (block, worker) pair, where two FlatMaps (a 17 B and a 16 B slot
 // at a load of ~0.79) took ~42 B (bench/scale.py memory, 1M and 5M pairs).
 //
-// A block the engine named by a 32-byte hash (vLLM's sha256) keeps those bytes at its
-// record's id in chunks made on first use: 32 B and a bit a pair, where a FlatMap of
-// digests paid ~62 B at its mean load. Other lengths, which no engine sends by
-// default, go to a node map.
+// A block the engine named by a 32-byte hash (vLLM's sha256) keeps the 24 bytes its key
+// does not give back (``bytes_key``) at its record's id, in chunks made on first use: 24 B
+// and a bit a pair, where the whole 32 bytes read 103 B a pair against Dynamo's 89
+// (bench/scale.py memory, 1M unshared pairs; a FlatMap of digests paid ~62 B at its
+// mean load). Other lengths, which no engine sends by default, go to a node map.
+//
+// Only prefetch hints read these bytes back. A router whose policies send none keeps
+// none (``set_keep_names(false)``): a block named by bytes keeps its bit, so a hint asked
+// for anyway stops there (``Name::DROPPED``) and never names it by the wrong hash.
+enum class Name : uint8_t { INT, BYTES, DROPPED };
+
 class WorkerBlocks {
    public:
+    // Whether bytes names are kept; changed only while the worker holds nothing (a block
+    // stored without its name must never read one back: EventApplier checks).
+    bool keeps_names() const { return keep_; }
+    void set_keep_names(bool keep) { keep_ = keep; }
+
     size_t size() const { return blocks_.size(); }
     EngineBlock* find(uint64_t engine) { return blocks_.get(engine); }
 
@@ -518,25 +546,30 @@ class WorkerBlocks {
         stale_.erase(router);
         spans.erase(engine);
         const uint32_t id = blocks_.find(engine);
-        if (digest_bit(id)) named_[id >> 6] &= ~(uint64_t{1} << (id & 63));
+        if (bytes_bit(id)) named_[id >> 6] &= ~(uint64_t{1} << (id & 63));
         if (!odd_.empty()) odd_.erase(engine);
         blocks_.erase(id);
     }
 
-    // The bytes the engine named held block ``engine`` by (false: it named it by an
-    // int, the key itself).
-    bool engine_bytes(uint64_t engine, std::string_view& out) const {
+    // How the engine named block ``engine``: by an int (the key itself), by bytes (into
+    // ``out``), or by bytes this worker did not keep.
+    Name engine_name(uint64_t engine, std::string& out) const {
         const uint32_t id = blocks_.find(engine);
-        if (id == NodeTable<EngineBlock>::NONE) return false;
-        if (digest_bit(id)) {
-            out = {reinterpret_cast<const char*>(digest(id)), DIGEST};
-            return true;
+        if (id == NodeTable<EngineBlock>::NONE || !bytes_bit(id)) return Name::INT;
+        if (!keep_) return Name::DROPPED;
+        if (!odd_.empty()) {
+            auto it = odd_.find(engine);
+            if (it != odd_.end()) {
+                out = it->second;
+                return Name::BYTES;
+            }
         }
-        if (odd_.empty()) return false;
-        auto it = odd_.find(engine);
-        if (it == odd_.end()) return false;
-        out = it->second;
-        return true;
+        const char* tail = reinterpret_cast<const char*>(digest(id));
+        const uint64_t head = engine ^ tail_mix(tail);
+        out.resize(DIGEST);
+        std::memcpy(out.data(), &head, HEAD);
+        std::memcpy(out.data() + HEAD, tail, TAIL);
+        return Name::BYTES;
     }
 
     // ``router``'s engine hash into ``out``; false when there is none.
@@ -568,7 +601,7 @@ class WorkerBlocks {
 
     size_t bytes() const {
         size_t n = blocks_.bytes() + by_router_.bytes() + stale_.bytes() +
-                   digests_.size() * (size_t{1} << CHUNK_BITS) * DIGEST + named_.capacity() * 8;
+                   digests_.size() * (size_t{1} << CHUNK_BITS) * TAIL + named_.capacity() * 8;
         for (const auto& kv : odd_) n += 48 + kv.second.capacity();  // a node, roughly
         return n;
     }
@@ -578,8 +611,7 @@ class WorkerBlocks {
     std::unordered_map<uint64_t, std::vector<uint64_t>> spans;
 
    private:
-    static constexpr size_t DIGEST = 32;
-    static constexpr int CHUNK_BITS = 14;  // 16K digests (512 KB) a chunk
+    static constexpr int CHUNK_BITS = 14;  // 16K tails (384 KB) a chunk
 
     struct RouterOf {
         const NodeTable<EngineBlock>* blocks;
@@ -587,32 +619,35 @@ class WorkerBlocks {
     };
     RouterOf router_of() const { return RouterOf{&blocks_}; }
 
-    bool digest_bit(uint32_t id) const {
+    bool bytes_bit(uint32_t id) const {
         return (id >> 6) < named_.size() && (named_[id >> 6] >> (id & 63)) & 1;
     }
     uint8_t* digest(uint32_t id) const {
-        return digests_[id >> CHUNK_BITS].get() + (id & ((1u << CHUNK_BITS) - 1)) * DIGEST;
+        return digests_[id >> CHUNK_BITS].get() + (id & ((1u << CHUNK_BITS) - 1)) * TAIL;
     }
 
+    // The bit goes up last: an allocation that throws must not leave a block marked
+    // with no tail to read back.
     void name(uint32_t id, uint64_t engine, std::string_view b) {
-        if (b.size() != DIGEST) {
-            odd_[engine].assign(b);
-            return;
-        }
-        const size_t chunk = id >> CHUNK_BITS;
-        if (digests_.size() <= chunk) digests_.resize(chunk + 1);
-        if (!digests_[chunk]) digests_[chunk].reset(new uint8_t[DIGEST << CHUNK_BITS]);
         if (named_.size() <= (id >> 6)) named_.resize((id >> 6) + 1, 0);
-        std::memcpy(digest(id), b.data(), DIGEST);
+        if (keep_ && b.size() != DIGEST) {
+            odd_[engine].assign(b);
+        } else if (keep_) {
+            const size_t chunk = id >> CHUNK_BITS;
+            if (digests_.size() <= chunk) digests_.resize(chunk + 1);
+            if (!digests_[chunk]) digests_[chunk].reset(new uint8_t[TAIL << CHUNK_BITS]);
+            std::memcpy(digest(id), b.data() + HEAD, TAIL);
+        }
         named_[id >> 6] |= uint64_t{1} << (id & 63);
     }
 
     NodeTable<EngineBlock> blocks_;
     IdIndex by_router_;
     FlatMap<uint64_t> stale_;  // router hashes still naming an engine hash re-stored since
-    std::vector<std::unique_ptr<uint8_t[]>> digests_;  // by record id, chunks made on use
-    std::vector<uint64_t> named_;                      // bit per record id: has a digest
+    std::vector<std::unique_ptr<uint8_t[]>> digests_;  // tails by record id, chunks made on use
+    std::vector<uint64_t> named_;                      // bit per record id: named by bytes
     std::unordered_map<uint64_t, std::string> odd_;    // bytes hashes of other lengths
+    bool keep_ = true;
 };
 
 // Error names match index/ingest.py's.
@@ -632,6 +667,13 @@ class EventApplier {
     }
 
     WorkerBlocks& worker(int slot) { return workers_[slot]; }
+
+    void set_keep_names(bool keep) {
+        for (const auto& w : workers_)
+            if (w.keeps_names() != keep && w.size())
+                throw std::logic_error("whether names are kept is set before any block is");
+        for (auto& w : workers_) w.set_keep_names(keep);
+    }
 
     // ``quota``: the most blocks the worker may hold (< 0: no bound).
     void apply(int slot, const std::vector<PEvent>& events, int64_t quota, ApplyResult& res) {

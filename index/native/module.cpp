@@ -318,15 +318,14 @@ uint64_t engine_key(py::handle h) {
 // Python object after it (no Python allocation, so no GC, while the mutex is held).
 struct EngineName {
     uint64_t key;
-    bool named;       // by bytes
     std::string bytes;
+    Name how;
 
-    EngineName(const WorkerBlocks& w, uint64_t k) : key(k) {
-        std::string_view b;
-        named = w.engine_bytes(k, b);
-        if (named) bytes.assign(b);
+    EngineName(const WorkerBlocks& w, uint64_t k) : key(k), how(w.engine_name(k, bytes)) {}
+    bool known() const { return how != Name::DROPPED; }
+    py::object object() const {
+        return how == Name::BYTES ? py::object(py::bytes(bytes)) : py::object(py::int_(key));
     }
-    py::object object() const { return named ? py::object(py::bytes(bytes)) : py::object(py::int_(key)); }
 };
 
 PEvent event_from_tuple(const py::tuple& t) {
@@ -765,6 +764,19 @@ PYBIND11_MODULE(_native, m) {
             },
             py::arg("block_size"), py::arg("bigram"), py::arg("seed"), py::arg("tiers"),
             "How events are rehashed (the pool's BlockHasher) and media map to tiers.")
+        .def(
+            "keep_names",
+            [](Core& c, bool keep) {
+                Core::Lock l(c.mu);
+                try {
+                    c.applier.set_keep_names(keep);
+                } catch (const std::logic_error& e) {
+                    throw py::value_error(e.what());
+                }
+            },
+            py::arg("keep"),
+            "Whether blocks keep the bytes engines named them by (prefetch hints read "
+            "them); set before any event.")
         .def("add_slot",
              [](Core& c, int slot) {
                  check_slot(slot);
@@ -1197,14 +1209,16 @@ PYBIND11_MODULE(_native, m) {
                      Core::Lock l(c.mu);
                      auto& w = c.applier.worker(slot);
                      w.for_each([&](uint64_t eh, uint64_t router) {
-                         held.emplace_back(EngineName(w, eh), router);
+                         EngineName name(w, eh);
+                         if (name.known()) held.emplace_back(std::move(name), router);
                      });
                  }
                  py::dict out;
                  for (const auto& [name, router] : held) out[name.object()] = py::int_(router);
                  return out;
              },
-             "Engine hash (its bytes, or the int) -> router hash of every block held.")
+             "Engine hash (its bytes, or the int) -> router hash of every block held "
+             "(without the blocks named by bytes that were not kept).")
         .def("engine_hashes",
              [](Core& c, int slot, py::handle router_hashes) {
                  check_slot(slot);
@@ -1216,7 +1230,9 @@ PYBIND11_MODULE(_native, m) {
                      uint64_t eh;
                      for (uint64_t rh : hs) {
                          if (!w.engine_of(rh, eh) || !w.find(eh)) break;
-                         names.emplace_back(w, eh);
+                         EngineName name(w, eh);
+                         if (!name.known()) break;  // named by bytes not kept: no hint names it
+                         names.push_back(std::move(name));
                      }
                  }
                  py::list out;
