@@ -26,9 +26,18 @@ Chat text is encoded by segments (``SegmentCache``): the rendered text is cut be
 each special token the template writes (``<|im_start|>``, ``<s>``, ``[INST]``...), each
 segment encoded once and kept (LRU, bounded in tokens), so a multi-turn or agent
 request encodes only what its previous turns did not, and the segments it does encode
-go to ``encode_batch_fast`` together, which releases the GIL and spreads them over cores
-(``encode`` holds the GIL: 362 ms for 174K tokens during which no request moved) and
-computes no offsets (40 % less CPU than ``encode_batch``: 34 vs 57-64 ms at 32K tokens).
+go to ``encode_batch_fast`` together, which releases the GIL (``encode`` holds it: 362 ms
+for 174K tokens during which no request moved) and computes no offsets (40 % less CPU
+than ``encode_batch``: 34 vs 57-64 ms at 32K tokens).
+
+One request's segments are encoded on one core: ``TOKENIZERS_PARALLELISM`` defaults to
+false in a process that loads a tokenizer here, and in the encode processes it starts
+(a value the user set is kept). The library's rayon workers spin after each call, and a
+router spreads its requests over cores already (the tokenize threads, the encode
+processes): ~1K tokens cost 0.94 ms of CPU serially against 1.34 ms with the workers,
+whose spinning also ran beside the event loop. A cold 8K-token chat alone on an idle
+machine waits longer (6.7 ms against 4.7) for 26 % less CPU. BENCHMARKS.md session 15
+has the router's numbers.
 Encoding by segments is exact because HF tokenizers split added tokens out before
 normalizing and pre-tokenizing: ``encode(a + t + b) == encode(a) + encode(t + b)``
 for a special token ``t`` (not normalized, not stripping left). Each tokenizer's
@@ -41,6 +50,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from array import array
 from collections import OrderedDict
@@ -363,6 +373,7 @@ class HFTokenizer(Tokenizer):
         folder = path if path.is_dir() else path.parent
         file = path / "tokenizer.json" if path.is_dir() else path
         self.path = str(file)
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # see the module docstring
         self._tok = HFRustTokenizer.from_file(str(file))
         config: dict[str, Any] = {}
         if (folder / "tokenizer_config.json").exists():

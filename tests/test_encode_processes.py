@@ -148,3 +148,17 @@ def test_an_encode_process_leaves_with_its_killed_router(spm: Tokenizer, tmp_pat
         for pid in workers:
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(("preset", "after"), [(None, "false"), ("true", "true")])
+def test_a_text_is_encoded_on_one_core_unless_the_user_says_otherwise(
+    spm: Tokenizer, tmp_path, monkeypatch: pytest.MonkeyPatch, preset: str | None, after: str
+) -> None:
+    """Loading the router's tokenizer turns the tokenizer's own workers off (they spin
+    after each call, beside the event loop: router/tokenize.py), for the encode
+    processes too, which inherit it; a value the user set stays."""
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", preset or "")  # restored after the test
+    if preset is None:
+        monkeypatch.delenv("TOKENIZERS_PARALLELISM")
+    HFTokenizer(_write(tmp_path, spm, CHATML))
+    assert os.environ["TOKENIZERS_PARALLELISM"] == after
