@@ -30,6 +30,13 @@ go to ``encode_batch_fast`` together, which releases the GIL (``encode`` holds i
 for 174K tokens during which no request moved) and computes no offsets (40 % less CPU
 than ``encode_batch``: 34 vs 57-64 ms at 32K tokens).
 
+Encoding by segments is exact because HF tokenizers split added tokens out before
+normalizing and pre-tokenizing: ``encode(a + t + b) == encode(a) + encode(t + b)``
+for a special token ``t`` (not normalized, not stripping left). Each tokenizer's
+candidate tokens are checked on sample text at load; the hypothesis tests in
+tests/test_tokenize_segments.py hold it against full encoding on real templates and
+Llama's SentencePiece model.
+
 One request's segments are encoded on one core: ``TOKENIZERS_PARALLELISM`` defaults to
 false in a process that loads a tokenizer here, and in the encode processes it starts
 (a value the user set is kept). The library's rayon workers spin after each call, and a
@@ -38,12 +45,6 @@ processes): ~1K tokens cost 0.94 ms of CPU serially against 1.34 ms with the wor
 whose spinning also ran beside the event loop. A cold 8K-token chat alone on an idle
 machine waits longer (6.7 ms against 4.7) for 26 % less CPU. BENCHMARKS.md session 15
 has the router's numbers.
-Encoding by segments is exact because HF tokenizers split added tokens out before
-normalizing and pre-tokenizing: ``encode(a + t + b) == encode(a) + encode(t + b)``
-for a special token ``t`` (not normalized, not stripping left). Each tokenizer's
-candidate tokens are checked on sample text at load; the hypothesis tests in
-tests/test_tokenize_segments.py hold it against full encoding on real templates and
-Llama's SentencePiece model.
 """
 
 from __future__ import annotations
