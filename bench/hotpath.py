@@ -12,7 +12,9 @@ the bottleneck); ``direct`` is the engine alone. Phases, all printed as one JSON
   p50/p99 it adds to ``direct``; ``tokenizer_cpu_ms`` is this process encoding the same
   chat text once, the floor for a router that tokenizes;
 - ``multi_turn``: one conversation growing by ~1K tokens a turn to 32K, the whole
-  conversation sent each turn;
+  conversation sent each turn (``--multi-turn-only``: the targets in turn with it, then
+  in the reverse order with a second conversation, the two passes averaged and kept in
+  ``multi_turn_passes``);
 - ``interference``: short chat requests' p99 alone, then while a second client sends
   cold 128K-token chat prompts back to back (24 texts cycled, each request led by a
   number of its own); only answers with status 200 are timed, the others counted
@@ -304,6 +306,35 @@ def phase_multi_turn(port: int, pids: list[int], turns: list[bytes]) -> dict[str
     }
 
 
+def conversation(texts: Texts, target: int, session: str) -> tuple[list[bytes], int]:
+    """A chat growing by ~1K tokens a turn (a user message, then the answer the next turn
+    carries) to ``target``: each turn's request, and the tokens it ends at, about."""
+    messages: list[dict[str, str]] = [{"role": "system", "content": texts.of(512)}]
+    turns, turn_tokens = [], 512
+    while turn_tokens < target:
+        messages.append({"role": "user", "content": texts.of(512)})
+        body = {"model": "bench", "messages": list(messages), "max_tokens": 1}
+        turns.append(http("/v1/chat/completions", body, session=session))
+        messages.append({"role": "assistant", "content": texts.of(512)})
+        turn_tokens += 1024
+    return turns, turn_tokens
+
+
+def _mean_pass(passes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The passes' figures averaged, their turns and errors summed (a figure the phase
+    has no value for, None, stays None)."""
+    out: dict[str, Any] = {}
+    for key, first in passes[0].items():
+        values = [p[key] for p in passes]
+        if key in ("turns", "errors"):
+            out[key] = sum(values)
+        elif all(isinstance(v, int | float) for v in values):
+            out[key] = statistics.mean(values)
+        else:
+            out[key] = first
+    return out
+
+
 def phase_interference(port: int, short: list[bytes], long: list[str], seconds: float) -> Any:
     """Short requests one at a time for ``seconds`` alone, then for ``seconds`` while a
     second connection sends chats of the ``long`` texts back to back, each led by a
@@ -536,14 +567,7 @@ def main() -> None:
             rendered = f"<|im_start|>user\n{chat_texts[0]}<|im_end|>\n<|im_start|>assistant\n"
             floor[n] = rendered
             tokens[n] = len(tok.encode(rendered, add_special_tokens=False).ids)
-        messages: list[dict[str, str]] = [{"role": "system", "content": texts.of(512)}]
-        turns, turn_tokens = [], 512
-        while turn_tokens < target:
-            messages.append({"role": "user", "content": texts.of(512)})
-            body = {"model": "bench", "messages": list(messages), "max_tokens": 1}
-            turns.append(http("/v1/chat/completions", body, session="conv"))
-            messages.append({"role": "assistant", "content": texts.of(512)})
-            turn_tokens += 1024
+        turns, turn_tokens = conversation(texts, target, "conv")
         # cold: distinct prompts (a repeated one would find its segments cached)
         long = [texts.of(lengths[-1]) for _ in range(3 if args.quick else 24)]
 
@@ -583,9 +607,18 @@ def main() -> None:
                         for name, cmd in commands_of.items()
                     }
                     if args.multi_turn_only:
-                        for name, run in {"direct": Running(ports[0], []), **targets}.items():
-                            mt = phase_multi_turn(run.port, run.pids, turns)
-                            entries[name]["multi_turn"] = mt
+                        # ABC with this conversation, then CBA with a fresh one (a router
+                        # has the first cached): the machine drifts, a router's figure
+                        # moved ~30 % with its place in the order (BENCHMARKS.md session 15)
+                        runs = {"direct": Running(ports[0], []), **targets}
+                        again = conversation(texts, target, "conv2")[0]
+                        for order, conv in ((list(runs), turns), (list(runs)[::-1], again)):
+                            for name in order:
+                                mt = phase_multi_turn(runs[name].port, runs[name].pids, conv)
+                                entries[name].setdefault("multi_turn_passes", []).append(mt)
+                        for name in runs:
+                            passes = entries[name]["multi_turn_passes"]
+                            entries[name]["multi_turn"] = _mean_pass(passes)
                         continue
                     if args.interference_only:
                         _interference_reps(entries, targets, long, seconds, args.repeat)

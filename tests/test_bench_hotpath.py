@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench" / "hotpath.py"
 
@@ -61,6 +63,22 @@ def test_quick_run_prints_complete_json(tmp_path: Path) -> None:
         assert ours[f"saturation_rps_{n}_workers"] > 0
     assert "sglang_router" not in out
     assert out["tokenizer_alone_cpu_ms"]["100"] > 0
+
+
+def test_multi_turn_only_runs_both_orders_with_two_conversations(tmp_path: Path) -> None:
+    """The machine drifts during a run, so the phase runs the targets in turn and then in
+    the reverse order with a second conversation, and gives both passes' mean."""
+    out = _run(tmp_path, "--multi-turn-only", "--targets", "cache_router")
+    ours = out["cache_router"]
+    passes = ours["multi_turn_passes"]
+    assert len(passes) == 2 and all(p["errors"] == 0 and p["turns"] >= 3 for p in passes)
+    mean = ours["multi_turn"]
+    assert mean["turns"] == passes[0]["turns"] + passes[1]["turns"]
+    for key in ("cpu_ms_per_turn_mean", "p50_ms"):
+        assert mean[key] == pytest.approx((passes[0][key] + passes[1][key]) / 2)
+        assert passes[0][key] > 0 and passes[1][key] > 0
+    assert len(out["direct"]["multi_turn_passes"]) == 2  # the engine alone, both passes
+    assert out["direct"]["multi_turn"]["cpu_ms_per_turn_mean"] is None  # no router CPU
 
 
 def test_interference_only_repeats_with_the_spread(tmp_path: Path) -> None:
