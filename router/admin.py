@@ -204,6 +204,8 @@ def admin_router(state: AdminDeps) -> APIRouter:
                 "duplicates": ing.duplicates,
                 "dropped_events": dict(ing.errors),
                 "in_sync": {w: state.in_sync(w, pool) for w in pool.index.workers},
+                # vLLM's sha256 block names, which only prefetch hints read (router/app.py)
+                "engine_names_kept": ing.keep_names,
             }
         nats = {
             "connected": state.bus.connected if state.bus else False,

@@ -373,6 +373,7 @@ async def test_admin_workers_add_drain_remove(make_stack, nats_url):
         r = await http.get("/admin/index", headers=auth)
         stats = r.json()["pools"]["default"]
         assert stats["events_applied"] >= 3 and "gaps" in stats and "dropped_events" in stats
+        assert stats["engine_names_kept"] is True  # cache_aware sends hints over NATS
 
 
 async def test_explain_scores_every_worker_without_sending(make_stack):
