@@ -86,9 +86,11 @@ class RouterState:
         self.tracing = tracing or Tracing.from_config(cfg)  # None: off, and free
         self.edge = Edge(cfg)
         self.experiment = make_experiment(cfg)
-        # vLLM's 32-byte block names are kept only where a hint can carry them (24 B a
-        # block natively: ~94 -> ~71 B a (block, worker) pair, BENCHMARKS.md session 15)
-        hints = self.experiment.sends_hints and bool(cfg.nats_url)
+        self.bus = Bus(cfg.nats_url, options=nats_options(cfg)) if cfg.nats_url else None
+        # vLLM's 32-byte block names are kept only where a hint can carry them, on this
+        # bus (24 B a block natively: ~94 -> ~71 B a (block, worker) pair, BENCHMARKS.md
+        # session 15)
+        hints = self.experiment.sends_hints and self.bus is not None
         self.registry = WorkerRegistry(cfg, keep_names=hints)
         for spec in cfg.workers:
             self.registry.add(spec)
@@ -102,7 +104,6 @@ class RouterState:
         self.tokenize_pool = TokenizePool(
             cfg.tokenize_threads, cfg.tokenize_queue, cfg.tokenize_timeout
         )
-        self.bus = Bus(cfg.nats_url, options=nats_options(cfg)) if cfg.nats_url else None
         self.events = EventSync(self.registry, cfg.subject_prefix, tracing=self.tracing)
         self.feed = EventFeed.from_config(cfg, self.events) if self.bus else None
         self.replicas = ReplicaShare.from_config(cfg, self.registry, self.bus)
