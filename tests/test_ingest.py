@@ -326,7 +326,7 @@ def test_every_engine_medium_lands_in_its_tier(Index, tier: str) -> None:
     """vLLM's offloading tiers and SGLang's HiCache tiers (``CPU_TIER1``, ``CPU_TIER2``)
     fell into ``unknown_medium``: a hit there was invisible to the policy."""
     hasher, index = BlockHasher(B), Index()
-    ingest = EventIngest(index, hasher)
+    ingest = make_ingest(index, hasher)
     media = ENGINE_MEDIA[tier]
     prompts = [list(range(100 * i, 100 * i + 4)) for i in range(len(media) + 1)]
     events = [
