@@ -270,9 +270,13 @@ async def test_what_cannot_move_gets_the_error_event_and_is_counted(fleet: Fleet
                 async for line in resp.aiter_lines():
                     if line.startswith("data: {") and '"error"' in line:
                         errors.append(orjson.loads(line[6:])["error"])
-                    elif line.startswith("data: {") and worker == victim.worker_id:
-                        if victim.proc is not None and victim.proc.poll() is None:
-                            victim.signal(signal.SIGKILL)
+                    elif (
+                        line.startswith("data: {")
+                        and worker == victim.worker_id
+                        and victim.proc is not None
+                        and victim.proc.poll() is None
+                    ):
+                        victim.signal(signal.SIGKILL)
             if worker == victim.worker_id:
                 break
     assert [e["code"] for e in errors] == ["upstream_broken"]
