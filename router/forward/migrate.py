@@ -59,6 +59,7 @@ from router.workers.load import WAITING, Flight
 
 if TYPE_CHECKING:
     from router.forward.relay import Exchange, ProxyDeps
+    from router.http.asgi import Message
     from router.observe.metrics import Series
     from router.observe.tracing import Trace
     from router.routing.decide import Kind, Parsed, Prepared
@@ -397,7 +398,7 @@ class Legs(Protocol):
 
     def close(self, leg: Leg, prep: Prepared, trace: Trace | None) -> None: ...
 
-    def start(self, resp: Response, worker_id: str, hit: int) -> dict[str, Any]: ...
+    def head(self, resp: Response, worker_id: str, hit: int) -> Message: ...
 
     def first_token(self, prep: Prepared, tid: str) -> Callable[[float], None]: ...
 
@@ -569,7 +570,7 @@ class Migration:
         st.registry.request_succeeded(leg.worker)
         if not ex.started:
             ex.started = True
-            await ex.send(proxy.start(resp, leg.tid, leg.hit))
+            await ex.send(proxy.head(resp, leg.tid, leg.hit))
         first_token = proxy.first_token(self.prep, leg.tid) if splice.leg == 0 else None
         try:
             async for chunk in resp.chunks(st.cfg.request_timeout):
