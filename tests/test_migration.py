@@ -325,9 +325,11 @@ def test_the_splice_sends_whole_events_and_reads_as_one_stream() -> None:
 
 def test_an_error_event_is_a_break_and_tool_calls_cannot_move() -> None:
     splice = Splice("completion", prompt_tokens=3)
-    with pytest.raises(Broken) as info:
-        splice.feed(chunk("completion", "x") + b'data: {"error": {"message": "dead"}}\n\n')
-    assert info.value.cause == "error_event"
+    ok = chunk("completion", "x")
+    out = splice.feed(ok + b'data: {"error": {"message": "dead"}}\n\n' + ok)
+    # what came before the error goes on and is counted; the error and after it do not
+    assert out == ok and splice.text == ["x"] and splice.tokens == 1
+    assert isinstance(splice.broken, Broken) and splice.broken.cause == "error_event"
     calls = Splice("chat", prompt_tokens=3)
     tool = {"id": "a", "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0}]}}]}
     calls.feed(b"data: " + orjson.dumps(tool) + b"\n\n")

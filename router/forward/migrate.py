@@ -129,6 +129,7 @@ class Splice:
         "_id",
         "_model",
         "before",
+        "broken",
         "cached",
         "done",
         "finished",
@@ -161,6 +162,7 @@ class Splice:
         self.finished = False  # a finish_reason went out: the answer is complete
         self.done = False  # ``[DONE]`` went out
         self.usage_sent = False
+        self.broken: Broken | None = None  # the error event that ended this leg
         self.tool_call = False
         self.reasoning = False
 
@@ -176,26 +178,39 @@ class Splice:
         self.leg += 1
         self.leg_tokens = 0
         self.leg_usage = None
+        self.broken = None
         self._buf = b""
 
     def feed(self, chunk: bytes) -> bytes:
-        """The complete events in ``chunk`` (with what came before it) to send on;
-        ``Broken`` at an error event (what precedes it in the chunk is lost: generated
-        again by the next engine)."""
-        buf = self._buf + chunk
+        """The complete events in ``chunk`` (with what came before it) to send on. At an
+        error event ``broken`` is set and the rest is dropped (generated again by the next
+        engine): what the returned bytes hold is exactly what ``text`` and ``tokens``
+        count. The first engine's events go on as they came (no copy)."""
+        buf = self._buf + chunk if self._buf else chunk
         end = buf.rfind(b"\n\n")
         if end < 0:
             self._buf = buf
             return b""
         self._buf = buf[end + 2 :]
+        events = buf[:end].split(b"\n\n")
         out: list[bytes] = []
-        for event in buf[: end + 2].split(b"\n\n")[:-1]:
-            sent = self._event(event)
+        for event in events:
+            try:
+                sent = self._event(event)
+            except Broken as exc:
+                self.broken = exc
+                self._buf = b""
+                break
             if sent is not None:
-                out.append(sent + b"\n\n")
+                out.append(sent)
+        else:
+            if self.leg == 0:  # nothing rewritten: the bytes as they came
+                self.sent = True
+                return buf[: end + 2]
         if out:
             self.sent = True
-        return b"".join(out)
+            out.append(b"")
+        return b"\n\n".join(out)
 
     def _event(self, event: bytes) -> bytes | None:
         """What to send of one event (None: nothing)."""
@@ -583,14 +598,14 @@ class Migration:
                 out = splice.feed(chunk)
                 if out:
                     await ex.send({"type": "http.response.body", "body": out, "more_body": True})
+                if splice.broken is not None:
+                    self._broke(leg, "error event")
+                    return splice.broken.cause
                 if splice.done:
                     break
         except UpstreamError as exc:
             self._broke(leg, "broken stream")
             return cause_of(exc)
-        except Broken as exc:
-            self._broke(leg, "error event")
-            return exc.cause
         if not splice.done:  # the engine ended its answer without [DONE]
             self._broke(leg, "stream cut")
             return "connection"
