@@ -364,6 +364,24 @@ async def test_a_forged_rank_flood_heals_within_the_bound(
     assert ingest.errors["too_many_ranks"] == 0
 
 
+async def test_a_new_engine_life_on_another_rank_is_followed(nats_url, make_stack) -> None:
+    """The subject's rank is pinned, but an engine restarted with another DP layout (a new
+    life, a new rank in its batches) is followed: the agent names the new rank."""
+    stack = await make_stack(1, nats_url, events_transport="core")
+    engine = stack.engines[0]
+    await engine.admit(list(range(40)))
+    await until(lambda: pool_exact(stack, engine) and not stack.state.events._resync, 15)
+    engine.cache.clear()  # the engine restarts empty: a new epoch, seq from 0, rank 3
+    engine.parent.clear()
+    engine.ring.clear()
+    engine.seq = -1
+    engine.epoch = "w0-epoch-2"
+    engine.dp_rank = 3
+    await healed(stack, engine, list(range(500, 540)), timeout=HEAL_BOUND)
+    ingest = stack.state.registry.get("w0").pool.ingest
+    assert ingest.epoch("w0") == "w0-epoch-2" and set(ingest.last_seqs("w0")) == {3}
+
+
 async def test_forged_far_ahead_seqs_cost_one_dump_not_minutes(nats_url, make_stack) -> None:
     """20 batches with Kv-Seq 10^9+i set off a replay and a dump every 5-12 s for minutes."""
     stack = await make_stack(1, nats_url, events_transport="core")

@@ -358,7 +358,8 @@ class EventSync:
         """Whether a live batch belongs to the worker's seq space (its rank is the one
         pinned); the first one pins it. A batch of another rank is dropped (forged, or
         the pin came from a forged first batch): while the agent has not confirmed the
-        pin, it is asked for the last batch applied, whose payload names the real rank.
+        pin, it is asked for the last batch applied, whose payload names the real rank;
+        one of another engine life has the agent asked from seq 0.
 
         A first batch without ``Kv-Epoch`` (agents always send one) is checked with the
         agent at once: a forged seq 0 with no epoch, on a worker whose engine has
@@ -374,11 +375,17 @@ class EventSync:
         if self._rank[worker_id] == rank:
             return True
         self.counts["foreign_rank"] += 1
-        if worker_id not in self._confirmed and worker_id not in self._resync:
-            worker = self.registry.source(worker_id)
-            if worker is not None:
-                last = worker.pool.ingest.last_seq(worker_id, self._rank[worker_id])
-                self._start_resync(worker_id, 0 if last is None else max(0, last))
+        worker = self.registry.source(worker_id)
+        if worker is None or worker_id in self._resync:
+            return False
+        ingest = worker.pool.ingest
+        if live.epoch is not None and live.epoch != ingest.epoch(worker_id):
+            # another engine life may publish another rank (an engine restarted with
+            # another DP layout): its agent names the rank of its payloads
+            self._start_resync(worker_id, 0)
+        elif worker_id not in self._confirmed:
+            last = ingest.last_seq(worker_id, self._rank[worker_id])
+            self._start_resync(worker_id, 0 if last is None else max(0, last))
         return False
 
     def _ingest_thread(self) -> IngestThread:
