@@ -77,7 +77,9 @@ class Passthrough(Proxy):
             raise ApiError(400, "model must be a non-empty string", "invalid_value", "model")
         return self.deps.router.workers_for(model)
 
-    async def _relay(self, scope: Scope, raw: bytes, workers: list[Worker], ex: Exchange) -> None:
+    async def _relay(
+        self, scope: Scope, raw: bytes, workers: list[Worker], ex: Exchange
+    ) -> None:
         st = self.deps
         method = scope["method"].encode()
         query = scope.get("query_string") or b""
