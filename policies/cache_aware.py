@@ -251,6 +251,15 @@ _BOUND_TURNS = 2.0
 # between a session's requests) ago; agent steps' gaps spread 0.5-5 s (1.8x their mean).
 _LIVE_GAPS = 3.0
 _GAP_ALPHA = 0.02
+# A leading block in the prompts of this share of the last ``_COMMON_WINDOW`` clients
+# (sessions, else requests), once ``_COMMON_MIN`` were seen, is common: BOS and the chat
+# template's header are in every prompt, and every worker holds them after its first
+# request, so holding them is no affinity (issue 35: 40 of 40 requests on one engine at
+# 1 request/s). Only the first ``_COMMON_DEPTH`` blocks are counted (per-request cost).
+_COMMON_WINDOW = 64
+_COMMON_MIN = 8
+_COMMON_SHARE = 0.9
+_COMMON_DEPTH = 32
 
 
 class CacheAware(Policy):
@@ -283,6 +292,7 @@ class CacheAware(Policy):
         place_slack_ms: float | None = None,
         replica_slack: bool = True,
         running_discount: bool = False,
+        fade: bool = False,
     ) -> None:
         super().__init__(rng)
         if not 0 < prefetch_fraction <= 1:
@@ -317,6 +327,7 @@ class CacheAware(Policy):
         self.place_slack_ms = place_slack_ms
         self.replica_slack = bool(replica_slack)
         self.running_discount = bool(running_discount)
+        self.fade = bool(fade)
         # Blocks each worker computed for the requests this policy routed (new content in
         # its cache): a cold prefix goes where the least was placed (``_place``).
         self._placed: OrderedDict[str, float] = OrderedDict()
@@ -350,9 +361,33 @@ class CacheAware(Policy):
         self._gap: float | None = None  # decisions between a session's requests, moving mean
         # session -> (request id, block hashes) of its last request while it is in flight
         self._last: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
+        # The leading blocks of the last _COMMON_WINDOW clients' prompts, and how many of
+        # them each block hash leads (``_common_depth``)
+        self._leads: OrderedDict[str, list[int]] = OrderedDict()
+        self._lead_count: dict[int, int] = {}
 
     def select(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
         cands = healthy(workers)
+        session = request.session_key
+        if self._hinted and session is not None:
+            self._learn_landing(session, cands)
+        est = self._estimate(request, cands)
+        per_block = self._charge_recompute(request, est)
+        barred = self._barred(session, cands, request.num_tokens)
+        if barred and self.replica_slack:
+            self._spare_holders(barred, cands, est.matches, request.block_size)
+        if barred:
+            for i in barred:
+                est.ranked[i] = _INF
+        options = self._prefetch_pass(request, cands, est, per_block, barred)
+        i = self._choose(request, cands, est)
+        return self._commit(request, cands, est, i, barred is not None, options)
+
+    def _estimate(self, request: RouteRequest, cands: Sequence[WorkerView]) -> _Estimates:
+        """Each candidate's estimated time to first token (``cost_model.estimate_ttft``,
+        inlined: this loop is the router's per-request overhead), with the blocks the
+        session's request in flight computes there and the common prefix (``_common``)
+        counted as held."""
         c = self.costs
         ppt = c.prefill_ms_per_token
         attn = c.attn_ms_per_token_ctx
@@ -370,21 +405,12 @@ class CacheAware(Policy):
         queued_attn = self._queued_attn
         speed = self.speed
         discount = self.running_discount
-        session = request.session_key
-        if self._hinted and session is not None:
-            self._learn_landing(session, cands)
         own_id, own = self._in_flight_prefix(request) if self.in_flight else (None, 0)
-        matches: list[TierMatch] = []
-        queues: list[float] = []
-        ahead: list[float] = []  # prompt tokens queued before it (``queue_tokens``)
-        ranked: list[float] = []
-        best_hit = 0
-        scores: dict[str, dict[str, float]] = {}
-        src_id: str | None = None
-        src_local = 0
-        src_queue = 0.0
-        maybe_prefetch = False
-        # cost_model.estimate_ttft, inlined: this loop is the router's per-request overhead
+        common = self._common(request.block_hashes)
+        est = _Estimates(cacheable)
+        matches, queues, ahead, ranked, scores = (
+            est.matches, est.queues, est.ahead, est.ranked, est.scores
+        )  # fmt: skip
         for w in cands:
             m = w.match if w.in_sync else NO_MATCH
             total = m.total
@@ -396,6 +422,10 @@ class CacheAware(Policy):
                 total = own
             if m.cpu > m.gpu:
                 self._host_tier.add(w.worker_id)
+            if common > total and w.in_sync:
+                # every worker holds the common prefix after its first request: no affinity
+                m = TierMatch(max(m.gpu, common), max(m.cpu, common), max(m.disk, common), common)
+                total = common
             dec = w.decode_streams
             pending = w.inflight_requests - dec
             if pending < 0:
@@ -449,88 +479,166 @@ class CacheAware(Policy):
                 "recompute_ms": 0.0,
                 "prefetch_risk_ms": 0.0,
             }
-            if total > best_hit:
-                best_hit = total
+            if total > est.best_hit:
+                est.best_hit = total
             if queue > 0 and total > local:
-                maybe_prefetch = True
-            if local > src_local or (local == src_local and src_id and queue < src_queue):
-                src_id, src_local, src_queue = w.worker_id, local, queue
+                est.maybe_prefetch = True
+            if local > est.src_local or (
+                local == est.src_local and est.src_id and queue < est.src_queue
+            ):
+                est.src_id, est.src_local, est.src_queue = w.worker_id, local, queue
+        return est
 
-        # workers are ranked by TTFT plus the pool's cost of recomputing what a peer holds
-        # issue 15: a holder of most of the prompt is stickier (its share raises the weight)
+    def _charge_recompute(self, request: RouteRequest, est: _Estimates) -> float:
+        """Add to each worker the pool's cost of recomputing what the best holder has
+        beyond it; the charge per block (0: none).
+
+        The weight grows with the holder's share of the prompt (issue 15) and fades with
+        the holder's queue beyond the shortest (issue 31): by ``1 - excess / saving``,
+        gone once that excess reaches the prefill the hit saves. While the holder queues
+        no longer than any other, a copy only costs the pool; once it is the bottleneck,
+        a hit is worth its saved prefill against the extra queueing delay, no more, and
+        a session leaves a holder whose queue outgrew what staying saves."""
+        best_hit, cacheable = est.best_hit, est.cacheable
+        if not best_hit:
+            return 0.0
+        bs = request.block_size
+        ppt = self.costs.prefill_ms_per_token
         share = min(best_hit, cacheable) / cacheable if cacheable else 0.0
         per_block = self.recompute_weight * (1.0 + self.recompute_share * share) * bs * ppt
-        if best_hit and per_block:
-            for i, m in enumerate(matches):
+        matches, queues = est.matches, est.queues
+        if per_block and self.fade:
+            saving = min(best_hit, cacheable) * bs * ppt
+            held = min(q for q, m in zip(queues, matches, strict=True) if m.total == best_hit)
+            excess = held - min(queues)
+            if excess >= saving:
+                per_block = 0.0
+            elif excess > 0:
+                per_block *= 1.0 - excess / saving
+        if per_block:
+            for i, (score, m) in enumerate(zip(est.scores.values(), matches, strict=True)):
                 if m.total < best_hit:
                     extra = (best_hit - m.total) * per_block
-                    ranked[i] += extra
-                    scores[cands[i].worker_id]["recompute_ms"] = extra
+                    est.ranked[i] += extra
+                    score["recompute_ms"] = extra
+        return per_block
 
-        barred = self._barred(request.session_key, cands, ntok)
-        if barred and self.replica_slack:
-            self._spare_holders(barred, cands, matches, bs)
-        if barred:
-            for i in barred:
-                ranked[i] = _INF
-
+    def _prefetch_pass(
+        self,
+        request: RouteRequest,
+        cands: Sequence[WorkerView],
+        est: _Estimates,
+        per_block: float,
+        barred: set[int] | None,
+    ) -> dict[int, tuple[str | None, int, HintTier, float]] | None:
+        """Re-rank the workers that pay with a prefetch hint; their hints by index."""
+        if not self.prefetch or not (est.src_local or est.maybe_prefetch):
+            return None
         options: dict[int, tuple[str | None, int, HintTier, float]] | None = None
-        if self.prefetch and (src_local or maybe_prefetch):
-            # a worker whose queue alone exceeds the best cost cannot win with a prefetch
-            bound = min(ranked) + self.tie_ms
-            for i, w in enumerate(cands):
-                if queues[i] <= 0 or queues[i] > bound:  # admission comes no later than that
-                    continue
-                if ahead[i] <= c.max_batch_tokens:
-                    # admitted at its next step (``admit_wait_ms`` 0): no prefetch can land
-                    # first, ``_prefetch_option`` would say None. Skipped for speed alone:
-                    # ~0.55 us a loaded candidate (BENCHMARKS.md session 13)
-                    continue
-                if barred and i in barred:
-                    continue
-                score = scores[w.worker_id]
-                option = self._prefetch_option(
-                    request, w, matches[i], score, src_id, src_local, best_hit, per_block
-                )
-                if option is not None:
-                    if options is None:
-                        options = {}
-                    options[i] = option
-                    # it relies on a hint landing: on a near-tie the worker that needs none wins
-                    ranked[i] = (
-                        score["ttft_ms"]
-                        + score["recompute_ms"]
-                        + score["prefetch_risk_ms"]
-                        + self.tie_ms
-                    )
+        ranked, queues = est.ranked, est.queues
+        # a worker whose queue alone exceeds the best cost cannot win with a prefetch
+        bound = min(ranked) + self.tie_ms
+        for i, w in enumerate(cands):
+            if queues[i] <= 0 or queues[i] > bound:  # admission comes no later than that
+                continue
+            if est.ahead[i] <= self.costs.max_batch_tokens:
+                # admitted at its next step (``admit_wait_ms`` 0): no prefetch can land
+                # first, ``_prefetch_option`` would say None. Skipped for speed alone:
+                # ~0.55 us a loaded candidate (BENCHMARKS.md session 13)
+                continue
+            if barred and i in barred:
+                continue
+            score = est.scores[w.worker_id]
+            option = self._prefetch_option(
+                request, w, est.matches[i], score, est.src_id, est.src_local, est.best_hit,
+                per_block,
+            )  # fmt: skip
+            if option is not None:
+                if options is None:
+                    options = {}
+                options[i] = option
+                # it relies on a hint landing: on a near-tie the worker that needs none wins
+                ranked[i] = (
+                    score["ttft_ms"] + score["recompute_ms"] + score["prefetch_risk_ms"]
+                    + self.tie_ms
+                )  # fmt: skip
+        return options
 
+    def _choose(self, request: RouteRequest, cands: Sequence[WorkerView], est: _Estimates) -> int:
+        """The lowest cost within ``tie_ms``, or a cold prefix placed (``_place``)."""
         placing = self.place_slack_ms is not None
-        if placing:
-            self._meet(cands)
-        if placing and best_hit * 2 <= cacheable and not (session and self._long_sessions()):
-            i = self._place(cands, ranked)
+        if not placing:
+            return argmin_random(est.ranked, self.rng, self.tie_ms)
+        self._meet(cands)
+        session = request.session_key
+        if est.best_hit * 2 <= est.cacheable and not (session and self._long_sessions()):
+            i = self._place(cands, est.ranked)
         else:
-            i = argmin_random(ranked, self.rng, self.tie_ms)
+            i = argmin_random(est.ranked, self.rng, self.tie_ms)
+        self._placed[cands[i].worker_id] += max(0, est.cacheable - est.matches[i].total)
+        return i
+
+    def _commit(
+        self,
+        request: RouteRequest,
+        cands: Sequence[WorkerView],
+        est: _Estimates,
+        i: int,
+        bounded: bool,
+        options: dict[int, tuple[str | None, int, HintTier, float]] | None,
+    ) -> Decision:
+        """Record the choice (its load, its session, the common prefix) and decide."""
         chosen = cands[i].worker_id
-        if placing:
-            self._placed[chosen] += max(0, cacheable - matches[i].total)
-        self._track(request.request_id, chosen, ntok, scores[chosen]["ttft_ms"])
-        left = uncached_tokens(ntok, int(scores[chosen]["hit_blocks"]), bs)
+        score = est.scores[chosen]
+        ntok, bs, session = request.num_tokens, request.block_size, request.session_key
+        self._track(request.request_id, chosen, ntok, score["ttft_ms"])
+        left = uncached_tokens(ntok, int(score["hit_blocks"]), bs)
+        attn = self.costs.attn_ms_per_token_ctx
         self._queue_attn(request.request_id, chosen, attn * left * (ntok - left + 0.5 * left))
         if session is not None and self.in_flight:
             _put(self._last, session, (request.request_id, request.block_hashes))
-        self._count_recent(chosen, barred is not None)
+        self._count_recent(chosen, bounded)
         if session is not None:
             self._sessions[session] = (chosen, self._decisions, ntok)
-        reason = f"min cost: ttft {scores[chosen]['ttft_ms']:.1f} ms"
+        self._lead(session or request.request_id, request.block_hashes)
+        reason = f"min cost: ttft {score['ttft_ms']:.1f} ms"
         option = options.get(i) if options else None
         if option is None:
-            return Decision(chosen, scores=scores, reason=reason)
+            return Decision(chosen, scores=est.scores, reason=reason)
         source, blocks, tier, admit = option
-        if request.session_key is not None:
-            _put(self._hinted, request.session_key, (chosen, blocks))
+        if session is not None:
+            _put(self._hinted, session, (chosen, blocks))
         hint = PrefetchHint(source, chosen, blocks, tier, deadline_ms=admit)
-        return Decision(chosen, hint, scores, f"{reason} with {tier} prefetch")
+        return Decision(chosen, hint, est.scores, f"{reason} with {tier} prefetch")
+
+    def _common(self, hashes: Sequence[int]) -> int:
+        """Leading blocks of ``hashes`` in the prompts of ``_COMMON_SHARE`` of the last
+        clients (at least ``_COMMON_MIN`` seen): a prefix every worker gets, not affinity."""
+        n = len(self._leads)
+        if n < _COMMON_MIN:
+            return 0
+        need = _COMMON_SHARE * n
+        count = self._lead_count
+        d = 0
+        for h in hashes[:_COMMON_DEPTH]:
+            if count.get(h, 0) < need:
+                break
+            d += 1
+        return d
+
+    def _lead(self, client: str, hashes: Sequence[int]) -> None:
+        """Count ``client``'s leading blocks (its last prompt's) in the window."""
+        leads, count = self._leads, self._lead_count
+        old = leads.pop(client, None)
+        if old is not None:
+            _uncount(count, old)
+        new = list(hashes[:_COMMON_DEPTH])
+        leads[client] = new
+        for h in new:
+            count[h] = count.get(h, 0) + 1
+        if len(leads) > _COMMON_WINDOW:
+            _, gone = leads.popitem(last=False)
+            _uncount(count, gone)
 
     @property
     def sends_hints(self) -> bool:
@@ -851,6 +959,47 @@ class CacheAware(Policy):
         score.update(ttft_ms=ttft, prefill_ms=prefill, load_ms=load, hit_blocks=hit)
         score.update(prefetch_blocks=moved, recompute_ms=recompute, prefetch_risk_ms=risk)
         return source, hit, tier, admit
+
+
+class _Estimates:
+    """One decision's numbers per candidate, in candidate order."""
+
+    __slots__ = (
+        "ahead",
+        "best_hit",
+        "cacheable",
+        "matches",
+        "maybe_prefetch",
+        "queues",
+        "ranked",
+        "scores",
+        "src_id",
+        "src_local",
+        "src_queue",
+    )  # fmt: skip
+
+    def __init__(self, cacheable: int) -> None:
+        self.cacheable = cacheable  # blocks of the prompt the engine may serve from cache
+        self.matches: list[TierMatch] = []
+        self.queues: list[float] = []  # estimated wait before its prefill starts, ms
+        self.ahead: list[float] = []  # prompt tokens queued before it (``queue_tokens``)
+        self.ranked: list[float] = []  # the cost compared: ttft, then the charges
+        self.scores: dict[str, dict[str, float]] = {}  # by worker: the numbers behind it
+        self.best_hit = 0
+        # the worker holding the most leading blocks locally: a prefetch's source
+        self.src_id: str | None = None
+        self.src_local = 0
+        self.src_queue = 0.0
+        self.maybe_prefetch = False  # some queued worker reaches blocks in the shared pool
+
+
+def _uncount(count: dict[int, int], hashes: list[int]) -> None:
+    for h in hashes:
+        left = count[h] - 1
+        if left:
+            count[h] = left
+        else:
+            del count[h]
 
 
 def _put(table: OrderedDict[str, _T], key: str, value: _T) -> None:
