@@ -292,7 +292,7 @@ class CacheAware(Policy):
         place_slack_ms: float | None = None,
         replica_slack: bool = True,
         running_discount: bool = False,
-        fade: bool = False,
+        fade: bool = True,
     ) -> None:
         super().__init__(rng)
         if not 0 < prefetch_fraction <= 1:
@@ -510,7 +510,7 @@ class CacheAware(Policy):
         if per_block and self.fade:
             saving = min(best_hit, cacheable) * bs * ppt
             held = min(q for q, m in zip(queues, matches, strict=True) if m.total == best_hit)
-            excess = held - min(queues)
+            excess = held - sum(queues) / len(queues)
             if excess >= saving:
                 per_block = 0.0
             elif excess > 0:
