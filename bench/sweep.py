@@ -159,8 +159,9 @@ FAMILIES: dict[str, list[Setting]] = {
         Setting("chat", speedup=2.2, prompts=16, think="0.1-0.5", sessions=250),
         Setting("chat", speedup=2.8, prompts=4, think="2-8", sessions=250),
         Setting("chat", speedup=1.5, workers=16, prompts=10, think="0.2-1", sessions=400),
-        Setting("chat", speedup=2.4, workers=16, prompts=24, think="0.5-4", sessions=400,
-                l1_blocks=4096),  # fmt: skip
+        Setting(
+            "chat", speedup=2.4, workers=16, prompts=24, think="0.5-4", sessions=400, l1_blocks=4096
+        ),
     ],
 }
 

@@ -9,7 +9,8 @@ reads Mooncake:
 - ``chat``: ``--system-prompts`` shared system prompts of 2-8K tokens (popularity
   Zipf 1: a few are used by most sessions), sessions of 3-10 turns; each turn appends
   the previous answer and a user message of 200-2000 tokens (log-uniform); answers are
-  100-600 tokens; a user thinks 3-30 s (log-uniform) between an answer and the next turn.
+  100-600 tokens; the next turn comes 3-30 s (log-uniform, ``--think-time``) after the
+  last one arrived.
 - ``agent``: sessions start from one of 4 shared tool prompts (2-6K) plus a private task
   of 3-14K (5-20K in all); each step appends a tool result of 0.5-4K tokens and a call
   of 50-300 tokens, until the context reaches a cap of 30-100K; steps follow each other
