@@ -132,6 +132,7 @@ class CacheAware(Policy):
         replica_slack: bool = True,
         running_discount: bool = False,
         fade: bool = True,
+        common: bool = True,
     ) -> None:
         super().__init__(rng)
         if not 0 < prefetch_fraction <= 1:
@@ -167,6 +168,7 @@ class CacheAware(Policy):
         self.replica_slack = bool(replica_slack)
         self.running_discount = bool(running_discount)
         self.fade = bool(fade)
+        self.common = bool(common)
         # Blocks each worker computed for the requests this policy routed (new content in
         # its cache): a cold prefix goes where the least was placed (``_place``).
         self._placed: OrderedDict[str, float] = OrderedDict()
@@ -453,7 +455,7 @@ class CacheAware(Policy):
         """Leading blocks of ``hashes`` in the prompts of ``_COMMON_SHARE`` of the last
         clients (at least ``_COMMON_MIN`` seen): a prefix every worker gets, not affinity."""
         n = len(self._leads)
-        if n < _COMMON_MIN:
+        if n < _COMMON_MIN or not self.common:
             return 0
         need = _COMMON_SHARE * n
         count = self._lead_count
