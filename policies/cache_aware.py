@@ -247,11 +247,15 @@ class CacheAware(Policy):
         speed = self.speed
         discount = self.running_discount
         own_id, own = self._in_flight_prefix(request) if self.in_flight else (None, 0)
-        common = self._common(request.block_hashes)
+        common = self._common(request.block_hashes, cands) if self._leads else 0
         est = _Estimates(cacheable)
         matches, queues, ahead, ranked, scores = (
             est.matches, est.queues, est.ahead, est.ranked, est.scores
         )  # fmt: skip
+        best_hit = src_local = 0
+        src_id: str | None = None
+        src_queue = 0.0
+        maybe_prefetch = False
         for w in cands:
             m = w.match if w.in_sync else NO_MATCH
             total = m.total
@@ -320,14 +324,14 @@ class CacheAware(Policy):
                 "recompute_ms": 0.0,
                 "prefetch_risk_ms": 0.0,
             }
-            if total > est.best_hit:
-                est.best_hit = total
+            if total > best_hit:
+                best_hit = total
             if queue > 0 and total > local:
-                est.maybe_prefetch = True
-            if local > est.src_local or (
-                local == est.src_local and est.src_id and queue < est.src_queue
-            ):
-                est.src_id, est.src_local, est.src_queue = w.worker_id, local, queue
+                maybe_prefetch = True
+            if local > src_local or (local == src_local and src_id and queue < src_queue):
+                src_id, src_local, src_queue = w.worker_id, local, queue
+        est.best_hit, est.maybe_prefetch = best_hit, maybe_prefetch
+        est.src_id, est.src_local, est.src_queue = src_id, src_local, src_queue
         return est
 
     def _charge_recompute(self, request: RouteRequest, est: _Estimates) -> float:
@@ -440,7 +444,8 @@ class CacheAware(Policy):
         self._count_recent(chosen, bounded)
         if session is not None:
             self._sessions[session] = (chosen, self._decisions, ntok)
-        self._lead(session or request.request_id, request.block_hashes)
+        if self.common:
+            self._lead(session or request.request_id, request.block_hashes)
         reason = f"min cost: ttft {score['ttft_ms']:.1f} ms"
         option = options.get(i) if options else None
         if option is None:
@@ -451,28 +456,31 @@ class CacheAware(Policy):
         hint = PrefetchHint(source, chosen, blocks, tier, deadline_ms=admit)
         return Decision(chosen, hint, est.scores, f"{reason} with {tier} prefetch")
 
-    def _common(self, hashes: Sequence[int]) -> int:
+    def _common(self, hashes: Sequence[int], cands: Sequence[WorkerView]) -> int:
         """Leading blocks of ``hashes`` in the prompts of ``_COMMON_SHARE`` of the last
-        clients (at least ``_COMMON_MIN`` seen): a prefix every worker gets, not affinity."""
+        clients (at least ``_COMMON_MIN`` seen): a prefix every worker gets, not affinity.
+        Counted from the least any in-sync candidate holds: below it, all hold them."""
         n = len(self._leads)
         if n < _COMMON_MIN or not self.common:
             return 0
+        end = min(len(hashes), _COMMON_DEPTH)
+        d = min(min((w.match.total for w in cands if w.in_sync), default=0), end)
         need = _COMMON_SHARE * n
         count = self._lead_count
-        d = 0
-        for h in hashes[:_COMMON_DEPTH]:
-            if count.get(h, 0) < need:
-                break
+        while d < end and count.get(hashes[d], 0) >= need:
             d += 1
         return d
 
     def _lead(self, client: str, hashes: Sequence[int]) -> None:
         """Count ``client``'s leading blocks (its last prompt's) in the window."""
         leads, count = self._leads, self._lead_count
+        new = list(hashes[:_COMMON_DEPTH])
         old = leads.pop(client, None)
+        if old == new:  # a session's next turn: its context grew after these blocks
+            leads[client] = new
+            return
         if old is not None:
             _uncount(count, old)
-        new = list(hashes[:_COMMON_DEPTH])
         leads[client] = new
         for h in new:
             count[h] = count.get(h, 0) + 1
