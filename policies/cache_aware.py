@@ -1,199 +1,36 @@
 """``cache_aware``: send each request where its estimated time to first token is lowest.
 
-Per healthy worker::
+Per healthy worker, in prefill-token time (``cost_model``; the simulator's engines run on
+the same constants)::
 
-    ttft = queue wait (prompt tokens ahead of it, incl. the engine's reported queue)
-         + prefill of the uncached tokens (hits in any tier are not recomputed)
-         + load time of the hits below GPU (host, disk, shared pool)
-    cost = ttft + recompute_weight * prefill time of the blocks another worker holds
-           that this one would compute again
-
-Every step (queued or the request's own) costs its fixed part, one token per decoding
-sequence and decode attention over the context of the requests in flight there
-(``decode_ms_per_kv_token``; the policy counts the context it routed until
-``on_finish``). On agent traces, 30-100K-token contexts, that is most of a step.
-
-The queue's prompts pay attention over their own contexts too: the policy keeps, per
-worker, the attention time of the prefill it routed there until that request's first
-token (``queued_attn_ms``). Without it the queue was charged at the linear rate alone,
-and a 4K-token turn on an 80K context costs 4.3x that (0.214 against 0.05 ms a token):
-on agent x2, 16 engines of 4096 pages (issue 13), holders of two long sessions looked
-idle, and the requests there waited far beyond their estimates. With it, the estimate
-meets the simulated TTFT (median ratio 1.01 in every context band) and TTFT p90 on
-seeds 0-2 goes 826/1258/995 -> 818/1041/934 ms (``dynamo_kv`` 734 on the mean); on
-agent x3, 8 engines of 4096 pages, seed 1, 10.0 -> 6.9 s.
+    ttft = queue wait (prompt tokens ahead of it, and their attention; the engine's
+           reported queue; decode steps of the requests in flight there)
+         + prefill of the uncached tokens + load time of the hits below GPU
+    cost = ttft + the pool's charge for recomputing what the best holder has
 
 Affinity and balance are one trade-off in one unit: a hit saves its tokens' prefill, a
-queue costs its tokens' prefill, so a worker holding the prefix wins while its queue is
-shorter than what it saves and loses once it is not. A prefix that every request shares
-(a system prompt in block 0) saves the same on whichever worker holds it and is repaid
-by the first queued request, so it cannot pull the pool onto one worker.
+queue costs its tokens' prefill. The recompute charge (``recompute_weight``, raised by the
+holder's share of the prompt, ``recompute_share``) is the pool's side: a copy is computed
+once more and evicts other prefixes. It fades with the best holder's queue beyond the
+pool's mean (``fade``) and is gone once that excess reaches the prefill the hit saves:
+while the holder is no busier than the pool, a copy only costs the pool; once it is the
+bottleneck, a hit is worth its saved prefill against the extra queueing delay and no
+more. Without the fade, at weight ``8 * (1 + 4 * share)``, ~37 for a chat session
+whose context is 90 % of its prompt, a session left its holder only once that queue
+was ~37x what its hit saved, and on chat with turns 0.1-1 s apart sessions piled up
+behind it (issue 31; the numbers are in ``docs/history/cache_aware.md``).
 
-The recompute term is the pool's side of the bill: tokens recomputed although a peer
-holds them are paid once in this request's TTFT and once more by the pool, as compute
-that later requests queue behind and as a second copy that evicts other prefixes. At
-weight ``w`` a request leaves the holder when the holder's queue costs more than
-``1 + w`` times the saving; weight 0 is the pure TTFT estimate (the holder's share of the
-prompt raises ``w``, below). Weight 6 was chosen on where the Mooncake hits went
-(BENCHMARKS.md, session 7): at weight 3, on mooncake-conv x1 8 engines seed 1, the
-requests routed off their best holder (6.4 %) lost 2.9 hit points at the decision
-(in-flight prefixes won 0.95 back), none was lost to eviction after routing, and each
-move was right for its own TTFT (2.3 s at the holder, median, against 0.35 s elsewhere;
-observed / estimated TTFT 0.95-1.01 at the median for every queue length): the pool's
-bill, not the estimate, was too small. The truer queue (``queued_attn_ms``, below) had
-made such moves more frequent. Weights 6 to 12 (seeds 0-2) each bring the three Mooncake
-rows of ``bench/sweep.py`` within a point of ``sglang_cache_aware`` (-0.1 / -0.6 / -0.6
-points at 6, from -1.4 / -1.3 / -1.5 at 3) with p90 unchanged (0.86-0.95x the best
-other's); the chat and agent rows move within 0.2 points and their seeds' spread. 6 was
-the smallest that did; with the share term (session 11, below) the default is 8.
-
-Prefetch, only where it pays: when a worker ``S`` holds more leading blocks locally than
-the target can reach and the transfer from ``S`` fits in ``prefetch_fraction`` of the
-target's expected wait before it admits the request, the target may be estimated with
-those blocks in its host memory and, if chosen, the decision carries a ``PrefetchHint``
-(tier "cpu", source ``S``, deadline = the expected admission). Blocks the target
-reaches only in the shared pool are hinted the same way (tier "shared"). It must pay
-against the plain estimate, with three charges that the first version lacked and that
-together made a feedback loop near saturation (issue 13: 27 % of requests hinted,
-sessions moved turn after turn, engines computed 5x the prompt tokens, TTFT p90 108 s
-where ``sglang_cache_aware`` had 2.1 s):
-
-- a tier to land in: a copy to a worker never seen holding host-memory blocks lands
-  in its GPU memory and evicts other sessions' prefixes, so it is charged twice;
-- room: a target whose reported ``kv_usage`` is ``_KV_ROOM`` or more gets no hint;
-- risk and memory: the saving counts with ``landing_rate``, learned from what happened
-  to earlier hints (did the session's next request find the blocks on the target?),
-  and the copy pays ``copy_weight`` of its blocks' prefill, the memory it takes.
-
-The fraction is a safety factor: admission times scatter widely around the estimate
-(0.14x to 1.5x, p10 to p90, in the simulator) and a late prefetch is a wasted copy.
-Engine speed is learned, not assumed: estimates are scaled by the ratio of observed times
-to first token to what the policy estimated for them (``speed``, moving sums over
-~``1 / _SPEED_ALPHA`` requests, from ``on_first_token``; clamped to ``_SPEED_RANGE``):
-the pool's ratio for every worker, times a worker's own ratio to the pool's where that
-is beyond ``_SPEED_DEADBAND`` (a slower engine in a mixed pool). At the assumed costs
-the ratios measure 0.95-1.11, at engines 2x slower 1.93-2.04, one engine of 4 3x
-slower 2.4x its peers. Off by default (``learn_speed``): routing already adapts through
-the queues counted in tokens (a slow engine's stay longer), and in the simulator the
-factor did not pay: a uniform one changes no ranking, and per-worker ones fed back
-(an agent trace, seed 1: hit 0.927 -> 0.916, p90 748 -> 951 ms; a mixed pool's slow
-engine got 54 of 500 requests against 53 without).
-
-A worker whose index is out of sync is estimated with no hit at all: a stale match
-promises a saving the engine may not deliver.
-
-A session's request still in flight (routed, not finished) counts as holding its prefix
-on its worker (``in_flight``): the engine computes it there first, in queue order, and
-keeps it while it decodes, but the index learns of it only once it is computed. Near
-saturation a session's next step often arrives while its last one still queues; the
-index then showed its context on no worker, and it went to whichever queue looked
-shortest to recompute 20-90K tokens as a copy that evicted other sessions (issue 13,
-agent x3, 8 engines of 4096 pages, seed 1: hit rate 0.730 and TTFT p90 76.6 s, against
-0.886 and 15.6 s for ``sglang_cache_aware``, whose tree records what it routes; with
-it 0.915 and 6.8 s). The router counts the in-flight prefill of the request with that
-hit (``expected_hit_blocks``), else the queue there looks a context longer.
-
-New sessions are placed with bounded load (Mirrokni et al., as ``session_affinity``): a
-session's first request may go only to a worker that took at most ``session_load``
-times its fair share of the last ``_WINDOW`` routed requests. A session stays where
-its context grows, so its first placement decides where all its later turns queue;
-the shared prefix that draws it to a holder (agent tool prompts of 2-6K tokens) is
-saved once, and recomputing it on another worker replicates a hot prefix that later
-sessions can use. Without the bound, agent sessions piled onto the holders of the
-shared prompts (seed 1, 8 engines: 0 to 250 routed requests per engine) and TTFT p90
-was 1.17x ``sglang_cache_aware``'s (1.46x at 16 workers and twice the load).
-Recent requests are not lasting load: where sessions are bounded, a worker may also take
-a new one only while its live sessions (last request within ``_LIVE_GAPS`` mean gaps
-between a session's requests, counted in decisions) stay within ``session_load`` times
-the pool's share (``live_sessions``). Counting requests alone, agent x2 on 16 engines
-put two 80-97K-token sessions on one engine and none on three; with it TTFT p90 on
-seeds 0-2 goes 818/1041/934 -> 741/744/684 ms (``dynamo_kv`` 740/749/714), agent x3 on
-8 engines 3094/7007/4652 -> 2007/6070/5221 ms, the same hit rates.
-
-The bound has a price: a session started away from the holder of its shared prefix
-recomputes that prefix as a second copy. On chat (20 system prompts of 2-8K tokens,
-sessions of 6.7 turns adding ~1.5K tokens each) that was all of the hit gap to
-``sglang_cache_aware`` (chat x1, 8 engines of 4096 pages, seed 0: first turns 0.0733
-of hit rate against 0.0768 at their best holders, later turns equal), while
-``sglang_cache_aware``, which never replicates for balance, sits at the pool's ceiling
-(every request at its best holder). So a barred worker is spared by what barring it
-costs (``replica_slack``): its factor grows by its lead (the prefix it holds beyond every
-worker the session may start on) over the session's expected later prompt tokens
-(requests per session less one, times the mean growth per request). A chat system
-prompt adds ~0.6 to the factor, an agent tool prompt ~0.07 (22 steps of ~2.6K tokens).
-Seeds 0-2 (BENCHMARKS.md, session 8): chat x2 8 engines 0.8487 / 186 ms -> 0.8525 /
-204 ms (``sglang_cache_aware`` 0.8493 / 209), chat x2 16 engines fast2x 0.8459 / 86 ->
-0.8517 / 84 (0.8505 / 95), chat x1 4096 pages 0.849 / 173 -> 0.8526 / 174 (0.8531 /
-177); the agent rows move within their seeds' spread. Scaling the lead by 1.5-3 (fewer
-copies) gave chat x2 8 engines seed 0 a TTFT p90 of 354-375 ms against 234: a popular
-prompt then stays on one engine. No copies at all (a barred holder always spared while
-no free worker holds the prefix): the ceiling's hit rates, and p90 375 / 185 / 380 ms
-there, agent x2 16 engines seed 0 1405 ms against 741.
-
-Cold prefixes can be placed as SGLang's router places them (``place_slack_ms``, off by
-default): a request no worker holds half of goes, among the workers whose cost is within
-``tie_ms + place_slack_ms`` of the best, to the one that computed the fewest blocks for
-this policy so far (SGLang: the tenant with the smallest tree), which evens out what each
-LRU must evict. Not a session's request where sessions are long (the bounded placement
-above applies): there a first request decides where the session's later turns queue,
-which the blocks computed do not measure (agent trace, PD prefill side: TTFT p90 1,010
--> 1,047 ms at 500 ms without this exception). Alone it is noise (PD simulator,
-``bench/pd_hits.py``, Mooncake synthetic, 2,000 requests, 4 + 4 engines, BENCHMARKS.md:
-hit 0.1396 -> 0.1404 at 500 ms, seed 0); with no slack limit, SGLang's rule for cold
-prefixes, 0.1422 at a TTFT p90 of 6,619 ms against 5,560.
-
-On a disaggregated pool's prefill engines the policy runs with ``prefill_params``
-(``recompute_weight`` 8 until session 10, now 6 with ``running_discount``, below;
-``place_slack_ms`` 500; ``Experiment.prefill_policy_for``): a prefill engine only
-computes prompts, so a recomputed prefix is all extra work for the pool and its copy
-evicts other prompts' KV with nothing else in the cache to buffer it. Measured on the
-same simulator (BENCHMARKS.md): Mooncake synthetic, seeds 0-4, hit 0.1473-0.1490 (mean
-0.1480) against 0.1396 / 0.1427 on seeds 0 / 1 with the mixed defaults of then (weight
-3, no slack), TTFT p90 5,233-5,454 ms against 5,560 / 5,575; Mooncake conversation 0.177
-against 0.164 (TTFT p90 6,662 against 6,959 ms); the agent trace unchanged. Weights
-12-64 and slacks 250-2,000 ms moved the hit rate by less than the seed-to-seed spread.
-
-The holder's share of the prompt (``recompute_share``, 4 on both sides): the weight
-grows with the share of the prompt the best holder has, ``recompute_weight * (1 +
-recompute_share * share)``. Who left a holder (issue 15, Mooncake conversation seed
-2, 4 + 4 engines): 59 requests by the policy's own view (0.48 hit points), 18 of them from a
-holder of 90 % or more of the prompt (0.27 points), typically behind one long prompt
-still prefilling, which the router counts whole until its first token (93K tokens
-counted where 11K were left). Such a request costs its holder only its suffix and a peer
-all of it. PD simulator, seeds 0-2 (BENCHMARKS.md, session 8): conversation hit 0.1739 /
-0.1715 / 0.1669 -> 0.1748 / 0.1760 / 0.1768, TTFT p90 7,010 / 6,966 / 7,203 -> 7,204 /
-6,994 / 6,986 ms; synthetic 0.1476 / 0.1470 / 0.1496 -> 0.1497 / 0.1492 / 0.1472 (at the
-prefill engines' capacity, seed noise); agent within 0.01 points. Share 2 / 8 / 16 on
-conversation seed 2: 0.1758 / 0.1741 / 0.1768, TTFT p90 up to 7,468 ms. Mixed pools had
-it off (share 0, weight 6) until session 11: there ``bench/sweep.py``'s 12 settings x
-seeds 0-2 (BENCHMARKS.md) at weight 8 and share 4 move the three Mooncake rows from
--0.08 / -0.67 / -0.62 hit points under ``sglang_cache_aware`` (conversation x1 8
-engines, x2 16 engines, synthetic) to +0.06 / +0.20 / -0.20, requests off their best
-holder 3.4-4.7 % -> 1.0-1.9 % on conversation, at TTFT p90 +2-5 % (conversation x2 16
-engines 2,070 -> 2,171 ms, 0.996x ``dynamo_kv``'s 2,181, a tie: its seeds spread
-2,102-2,273 ms); Pareto-best on 9 settings of 12, was 7, every target still met. Chat
-and agent rows moved by at most 0.01 points, but agent x3 8 engines 4096 pages seed 1
-(saturated) went 5,808 -> 10,653 ms (``sglang_cache_aware`` 15,635). Weight 6 with share
-4 / 6 / 8 gave conversation x1 -0.01 / +0.09 / -0.14 points and conversation x2 16
-engines -0.13 / +0.20 / +0.14 points at p90 0.999x / 1.003x / 1.014x ``dynamo_kv``'s.
-
-A running prefill counts by what is left (``running_discount``, on for the prefill side
-only): the router and the simulator give each view the oldest in-flight prompt's tokens
-and how long it has run (``router.load.RunningPrefills``), and the queue is charged
-``cost_model.computed_tokens`` fewer tokens, its running time at the linear rate (its
-attention stays charged, so the charge falls by about the time run). The oldest prompt's
-time left was then off by 624 ms on the mean at each arrival, against 1,837 ms counted
-whole (PD simulator, synthetic seed 1). At weight 8 it cost the synthetic rows 0.25-0.46
-hit points (seeds 0-2); weight 6 with it, against session 8's table (BENCHMARKS.md,
-session 10): conversation hit 0.1748 / 0.1760 / 0.1768 -> 0.1769 / 0.1778 / 0.1806,
-synthetic 0.1497 / 0.1492 / 0.1472 -> 0.1484 / 0.1496 / 0.1505, agent within 0.0001,
-TTFT p90 and TPOT p90 still the best of the PD rules in every cell. Weight 6 alone moved
-conversation seed 2 to 0.1761. Off for mixed pools: there it raised the TTFT p90 of
-Mooncake conversation (1,500 requests, 8 engines, seed 0) from 2,211 to 2,790 ms, hit
-0.2371 -> 0.2348.
-
-Ties (within ``tie_ms``) are broken at random, never by list order. An estimate that
-relies on a prefetch must win by more than ``tie_ms``: the hint may be dropped.
+What the index shows is corrected by what the router knows: a session's request in
+flight holds its prefix on its worker (``in_flight``); a worker out of sync has no hit;
+a leading block in nearly every client's prompt (BOS, a chat template's header) is held
+by every worker, so it breaks no tie (``_common``, issue 35). New sessions start only
+where their load stays bounded (``session_load``, ``live_sessions``), spared by what
+barring a holder costs (``replica_slack``); cold prefixes may be placed as SGLang does
+(``place_slack_ms``). A prefetch hint moves a prefix to a queued worker only where the
+transfer lands before admission and pays after its risk and the memory it takes
+(``prefetch_fraction``, ``landing_rate``, ``copy_weight``). Ties (``tie_ms``) break at
+random. Why each part exists, what it measured and the commit that set each default:
+``docs/history/cache_aware.md``.
 """
 
 from __future__ import annotations
@@ -251,6 +88,15 @@ _BOUND_TURNS = 2.0
 # between a session's requests) ago; agent steps' gaps spread 0.5-5 s (1.8x their mean).
 _LIVE_GAPS = 3.0
 _GAP_ALPHA = 0.02
+# A leading block in the prompts of this share of the last ``_COMMON_WINDOW`` clients
+# (sessions, else requests), once ``_COMMON_MIN`` were seen, is common: BOS and the chat
+# template's header are in every prompt, and every worker holds them after its first
+# request, so holding them is no affinity (issue 35: 40 of 40 requests on one engine at
+# 1 request/s). Only the first ``_COMMON_DEPTH`` blocks are counted (per-request cost).
+_COMMON_WINDOW = 64
+_COMMON_MIN = 8
+_COMMON_SHARE = 0.9
+_COMMON_DEPTH = 32
 
 
 class CacheAware(Policy):
@@ -263,6 +109,8 @@ class CacheAware(Policy):
         "place_slack_ms": 500.0,
         "replica_slack": False,
         "running_discount": True,
+        # unmeasured on a prefill pool (issue 15's tables are unfaded): kept as it was
+        "fade": False,
     }
 
     def __init__(
@@ -283,6 +131,8 @@ class CacheAware(Policy):
         place_slack_ms: float | None = None,
         replica_slack: bool = True,
         running_discount: bool = False,
+        fade: bool = True,
+        common: bool = True,
     ) -> None:
         super().__init__(rng)
         if not 0 < prefetch_fraction <= 1:
@@ -317,6 +167,8 @@ class CacheAware(Policy):
         self.place_slack_ms = place_slack_ms
         self.replica_slack = bool(replica_slack)
         self.running_discount = bool(running_discount)
+        self.fade = bool(fade)
+        self.common = bool(common)
         # Blocks each worker computed for the requests this policy routed (new content in
         # its cache): a cold prefix goes where the least was placed (``_place``).
         self._placed: OrderedDict[str, float] = OrderedDict()
@@ -350,9 +202,33 @@ class CacheAware(Policy):
         self._gap: float | None = None  # decisions between a session's requests, moving mean
         # session -> (request id, block hashes) of its last request while it is in flight
         self._last: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
+        # The leading blocks of the last _COMMON_WINDOW clients' prompts, and how many of
+        # them each block hash leads (``_common_depth``)
+        self._leads: OrderedDict[str, list[int]] = OrderedDict()
+        self._lead_count: dict[int, int] = {}
 
     def select(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
         cands = healthy(workers)
+        session = request.session_key
+        if self._hinted and session is not None:
+            self._learn_landing(session, cands)
+        est = self._estimate(request, cands)
+        per_block = self._charge_recompute(request, est)
+        barred = self._barred(session, cands, request.num_tokens)
+        if barred and self.replica_slack:
+            self._spare_holders(barred, cands, est.matches, request.block_size)
+        if barred:
+            for i in barred:
+                est.ranked[i] = _INF
+        options = self._prefetch_pass(request, cands, est, per_block, barred)
+        i = self._choose(request, cands, est)
+        return self._commit(request, cands, est, i, barred is not None, options)
+
+    def _estimate(self, request: RouteRequest, cands: Sequence[WorkerView]) -> _Estimates:
+        """Each candidate's estimated time to first token (``cost_model.estimate_ttft``,
+        inlined: this loop is the router's per-request overhead), with the blocks the
+        session's request in flight computes there and the common prefix (``_common``)
+        counted as held."""
         c = self.costs
         ppt = c.prefill_ms_per_token
         attn = c.attn_ms_per_token_ctx
@@ -370,21 +246,16 @@ class CacheAware(Policy):
         queued_attn = self._queued_attn
         speed = self.speed
         discount = self.running_discount
-        session = request.session_key
-        if self._hinted and session is not None:
-            self._learn_landing(session, cands)
         own_id, own = self._in_flight_prefix(request) if self.in_flight else (None, 0)
-        matches: list[TierMatch] = []
-        queues: list[float] = []
-        ahead: list[float] = []  # prompt tokens queued before it (``queue_tokens``)
-        ranked: list[float] = []
-        best_hit = 0
-        scores: dict[str, dict[str, float]] = {}
+        common = self._common(request.block_hashes, cands) if self._leads else 0
+        est = _Estimates(cacheable)
+        matches, queues, ahead, ranked, scores = (
+            est.matches, est.queues, est.ahead, est.ranked, est.scores
+        )  # fmt: skip
+        best_hit = src_local = 0
         src_id: str | None = None
-        src_local = 0
         src_queue = 0.0
         maybe_prefetch = False
-        # cost_model.estimate_ttft, inlined: this loop is the router's per-request overhead
         for w in cands:
             m = w.match if w.in_sync else NO_MATCH
             total = m.total
@@ -396,6 +267,10 @@ class CacheAware(Policy):
                 total = own
             if m.cpu > m.gpu:
                 self._host_tier.add(w.worker_id)
+            if common > total and w.in_sync:
+                # every worker holds the common prefix after its first request: no affinity
+                m = TierMatch(max(m.gpu, common), max(m.cpu, common), max(m.disk, common), common)
+                total = common
             dec = w.decode_streams
             pending = w.inflight_requests - dec
             if pending < 0:
@@ -455,82 +330,163 @@ class CacheAware(Policy):
                 maybe_prefetch = True
             if local > src_local or (local == src_local and src_id and queue < src_queue):
                 src_id, src_local, src_queue = w.worker_id, local, queue
+        est.best_hit, est.maybe_prefetch = best_hit, maybe_prefetch
+        est.src_id, est.src_local, est.src_queue = src_id, src_local, src_queue
+        return est
 
-        # workers are ranked by TTFT plus the pool's cost of recomputing what a peer holds
-        # issue 15: a holder of most of the prompt is stickier (its share raises the weight)
+    def _charge_recompute(self, request: RouteRequest, est: _Estimates) -> float:
+        """Add to each worker the pool's cost of recomputing what the best holder has
+        beyond it; the charge per block (0: none).
+
+        The weight grows with the holder's share of the prompt (issue 15) and, with
+        ``fade``, shrinks with the holder's queue beyond the pool's mean (issue 31): by
+        ``1 - excess / saving``, gone once the excess reaches the prefill the hit saves.
+        The mean, not the shortest queue: a pool queued evenly keeps its hits, which are
+        its capacity; only a holder busier than the pool is a bottleneck to leave."""
+        best_hit, cacheable = est.best_hit, est.cacheable
+        if not best_hit:
+            return 0.0
+        bs = request.block_size
+        ppt = self.costs.prefill_ms_per_token
         share = min(best_hit, cacheable) / cacheable if cacheable else 0.0
         per_block = self.recompute_weight * (1.0 + self.recompute_share * share) * bs * ppt
-        if best_hit and per_block:
-            for i, m in enumerate(matches):
+        matches, queues = est.matches, est.queues
+        if per_block and self.fade:
+            saving = min(best_hit, cacheable) * bs * ppt
+            held = min(q for q, m in zip(queues, matches, strict=True) if m.total == best_hit)
+            excess = held - sum(queues) / len(queues)
+            if excess >= saving:
+                per_block = 0.0
+            elif excess > 0:
+                per_block *= 1.0 - excess / saving
+        if per_block:
+            for i, (score, m) in enumerate(zip(est.scores.values(), matches, strict=True)):
                 if m.total < best_hit:
                     extra = (best_hit - m.total) * per_block
-                    ranked[i] += extra
-                    scores[cands[i].worker_id]["recompute_ms"] = extra
+                    est.ranked[i] += extra
+                    score["recompute_ms"] = extra
+        return per_block
 
-        barred = self._barred(request.session_key, cands, ntok)
-        if barred and self.replica_slack:
-            self._spare_holders(barred, cands, matches, bs)
-        if barred:
-            for i in barred:
-                ranked[i] = _INF
-
+    def _prefetch_pass(
+        self,
+        request: RouteRequest,
+        cands: Sequence[WorkerView],
+        est: _Estimates,
+        per_block: float,
+        barred: set[int] | None,
+    ) -> dict[int, tuple[str | None, int, HintTier, float]] | None:
+        """Re-rank the workers that pay with a prefetch hint; their hints by index."""
+        if not self.prefetch or not (est.src_local or est.maybe_prefetch):
+            return None
         options: dict[int, tuple[str | None, int, HintTier, float]] | None = None
-        if self.prefetch and (src_local or maybe_prefetch):
-            # a worker whose queue alone exceeds the best cost cannot win with a prefetch
-            bound = min(ranked) + self.tie_ms
-            for i, w in enumerate(cands):
-                if queues[i] <= 0 or queues[i] > bound:  # admission comes no later than that
-                    continue
-                if ahead[i] <= c.max_batch_tokens:
-                    # admitted at its next step (``admit_wait_ms`` 0): no prefetch can land
-                    # first, ``_prefetch_option`` would say None. Skipped for speed alone:
-                    # ~0.55 us a loaded candidate (BENCHMARKS.md session 13)
-                    continue
-                if barred and i in barred:
-                    continue
-                score = scores[w.worker_id]
-                option = self._prefetch_option(
-                    request, w, matches[i], score, src_id, src_local, best_hit, per_block
-                )
-                if option is not None:
-                    if options is None:
-                        options = {}
-                    options[i] = option
-                    # it relies on a hint landing: on a near-tie the worker that needs none wins
-                    ranked[i] = (
-                        score["ttft_ms"]
-                        + score["recompute_ms"]
-                        + score["prefetch_risk_ms"]
-                        + self.tie_ms
-                    )
+        ranked, queues = est.ranked, est.queues
+        # a worker whose queue alone exceeds the best cost cannot win with a prefetch
+        bound = min(ranked) + self.tie_ms
+        for i, w in enumerate(cands):
+            if queues[i] <= 0 or queues[i] > bound:  # admission comes no later than that
+                continue
+            if est.ahead[i] <= self.costs.max_batch_tokens:
+                # admitted at its next step (``admit_wait_ms`` 0): no prefetch can land
+                # first, ``_prefetch_option`` would say None. Skipped for speed alone:
+                # ~0.55 us a loaded candidate (BENCHMARKS.md session 13)
+                continue
+            if barred and i in barred:
+                continue
+            score = est.scores[w.worker_id]
+            option = self._prefetch_option(
+                request, w, est.matches[i], score, est.src_id, est.src_local, est.best_hit,
+                per_block,
+            )  # fmt: skip
+            if option is not None:
+                if options is None:
+                    options = {}
+                options[i] = option
+                # it relies on a hint landing: on a near-tie the worker that needs none wins
+                ranked[i] = (
+                    score["ttft_ms"] + score["recompute_ms"] + score["prefetch_risk_ms"]
+                    + self.tie_ms
+                )  # fmt: skip
+        return options
 
+    def _choose(self, request: RouteRequest, cands: Sequence[WorkerView], est: _Estimates) -> int:
+        """The lowest cost within ``tie_ms``, or a cold prefix placed (``_place``)."""
         placing = self.place_slack_ms is not None
-        if placing:
-            self._meet(cands)
-        if placing and best_hit * 2 <= cacheable and not (session and self._long_sessions()):
-            i = self._place(cands, ranked)
+        if not placing:
+            return argmin_random(est.ranked, self.rng, self.tie_ms)
+        self._meet(cands)
+        session = request.session_key
+        if est.best_hit * 2 <= est.cacheable and not (session and self._long_sessions()):
+            i = self._place(cands, est.ranked)
         else:
-            i = argmin_random(ranked, self.rng, self.tie_ms)
+            i = argmin_random(est.ranked, self.rng, self.tie_ms)
+        self._placed[cands[i].worker_id] += max(0, est.cacheable - est.matches[i].total)
+        return i
+
+    def _commit(
+        self,
+        request: RouteRequest,
+        cands: Sequence[WorkerView],
+        est: _Estimates,
+        i: int,
+        bounded: bool,
+        options: dict[int, tuple[str | None, int, HintTier, float]] | None,
+    ) -> Decision:
+        """Record the choice (its load, its session, the common prefix) and decide."""
         chosen = cands[i].worker_id
-        if placing:
-            self._placed[chosen] += max(0, cacheable - matches[i].total)
-        self._track(request.request_id, chosen, ntok, scores[chosen]["ttft_ms"])
-        left = uncached_tokens(ntok, int(scores[chosen]["hit_blocks"]), bs)
+        score = est.scores[chosen]
+        ntok, bs, session = request.num_tokens, request.block_size, request.session_key
+        self._track(request.request_id, chosen, ntok, score["ttft_ms"])
+        left = uncached_tokens(ntok, int(score["hit_blocks"]), bs)
+        attn = self.costs.attn_ms_per_token_ctx
         self._queue_attn(request.request_id, chosen, attn * left * (ntok - left + 0.5 * left))
         if session is not None and self.in_flight:
             _put(self._last, session, (request.request_id, request.block_hashes))
-        self._count_recent(chosen, barred is not None)
+        self._count_recent(chosen, bounded)
         if session is not None:
             self._sessions[session] = (chosen, self._decisions, ntok)
-        reason = f"min cost: ttft {scores[chosen]['ttft_ms']:.1f} ms"
+        if self.common:
+            self._lead(session or request.request_id, request.block_hashes)
+        reason = f"min cost: ttft {score['ttft_ms']:.1f} ms"
         option = options.get(i) if options else None
         if option is None:
-            return Decision(chosen, scores=scores, reason=reason)
+            return Decision(chosen, scores=est.scores, reason=reason)
         source, blocks, tier, admit = option
-        if request.session_key is not None:
-            _put(self._hinted, request.session_key, (chosen, blocks))
+        if session is not None:
+            _put(self._hinted, session, (chosen, blocks))
         hint = PrefetchHint(source, chosen, blocks, tier, deadline_ms=admit)
-        return Decision(chosen, hint, scores, f"{reason} with {tier} prefetch")
+        return Decision(chosen, hint, est.scores, f"{reason} with {tier} prefetch")
+
+    def _common(self, hashes: Sequence[int], cands: Sequence[WorkerView]) -> int:
+        """Leading blocks of ``hashes`` in the prompts of ``_COMMON_SHARE`` of the last
+        clients (at least ``_COMMON_MIN`` seen): a prefix every worker gets, not affinity.
+        Counted from the least any in-sync candidate holds: below it, all hold them."""
+        n = len(self._leads)
+        if n < _COMMON_MIN or not self.common:
+            return 0
+        end = min(len(hashes), _COMMON_DEPTH)
+        d = min(min((w.match.total for w in cands if w.in_sync), default=0), end)
+        need = _COMMON_SHARE * n
+        count = self._lead_count
+        while d < end and count.get(hashes[d], 0) >= need:
+            d += 1
+        return d
+
+    def _lead(self, client: str, hashes: Sequence[int]) -> None:
+        """Count ``client``'s leading blocks (its last prompt's) in the window."""
+        leads, count = self._leads, self._lead_count
+        new = list(hashes[:_COMMON_DEPTH])
+        old = leads.pop(client, None)
+        if old == new:  # a session's next turn: its context grew after these blocks
+            leads[client] = new
+            return
+        if old is not None:
+            _uncount(count, old)
+        leads[client] = new
+        for h in new:
+            count[h] = count.get(h, 0) + 1
+        if len(leads) > _COMMON_WINDOW:
+            _, gone = leads.popitem(last=False)
+            _uncount(count, gone)
 
     @property
     def sends_hints(self) -> bool:
@@ -851,6 +807,47 @@ class CacheAware(Policy):
         score.update(ttft_ms=ttft, prefill_ms=prefill, load_ms=load, hit_blocks=hit)
         score.update(prefetch_blocks=moved, recompute_ms=recompute, prefetch_risk_ms=risk)
         return source, hit, tier, admit
+
+
+class _Estimates:
+    """One decision's numbers per candidate, in candidate order."""
+
+    __slots__ = (
+        "ahead",
+        "best_hit",
+        "cacheable",
+        "matches",
+        "maybe_prefetch",
+        "queues",
+        "ranked",
+        "scores",
+        "src_id",
+        "src_local",
+        "src_queue",
+    )  # fmt: skip
+
+    def __init__(self, cacheable: int) -> None:
+        self.cacheable = cacheable  # blocks of the prompt the engine may serve from cache
+        self.matches: list[TierMatch] = []
+        self.queues: list[float] = []  # estimated wait before its prefill starts, ms
+        self.ahead: list[float] = []  # prompt tokens queued before it (``queue_tokens``)
+        self.ranked: list[float] = []  # the cost compared: ttft, then the charges
+        self.scores: dict[str, dict[str, float]] = {}  # by worker: the numbers behind it
+        self.best_hit = 0
+        # the worker holding the most leading blocks locally: a prefetch's source
+        self.src_id: str | None = None
+        self.src_local = 0
+        self.src_queue = 0.0
+        self.maybe_prefetch = False  # some queued worker reaches blocks in the shared pool
+
+
+def _uncount(count: dict[int, int], hashes: list[int]) -> None:
+    for h in hashes:
+        left = count[h] - 1
+        if left:
+            count[h] = left
+        else:
+            del count[h]
 
 
 def _put(table: OrderedDict[str, _T], key: str, value: _T) -> None:

@@ -9,7 +9,8 @@ reads Mooncake:
 - ``chat``: ``--system-prompts`` shared system prompts of 2-8K tokens (popularity
   Zipf 1: a few are used by most sessions), sessions of 3-10 turns; each turn appends
   the previous answer and a user message of 200-2000 tokens (log-uniform); answers are
-  100-600 tokens; a user thinks 3-30 s (log-uniform) between an answer and the next turn.
+  100-600 tokens; the next turn comes 3-30 s (log-uniform, ``--think-time``) after the
+  last one arrived.
 - ``agent``: sessions start from one of 4 shared tool prompts (2-6K) plus a private task
   of 3-14K (5-20K in all); each step appends a tool result of 0.5-4K tokens and a call
   of 50-300 tokens, until the context reaches a cap of 30-100K; steps follow each other
@@ -93,7 +94,14 @@ def _shared(rng: random.Random, ids: _Ids, n: int, lo: int, hi: int) -> list[_Co
 Row = tuple[float, int, int, list[int], str]
 
 
-def _chat(rng: random.Random, ids: _Ids, sessions: int, rate: float, prompts: int) -> Iterator[Row]:
+def _chat(
+    rng: random.Random,
+    ids: _Ids,
+    sessions: int,
+    rate: float,
+    prompts: int,
+    think: tuple[float, float] = (3.0, 30.0),
+) -> Iterator[Row]:
     systems = _shared(rng, ids, prompts, 2048, 8192)
     weights = _zipf_weights(prompts)
     start = 0.0
@@ -107,7 +115,7 @@ def _chat(rng: random.Random, ids: _Ids, sessions: int, rate: float, prompts: in
             answer = rng.randint(100, 600)
             n, hash_ids = _prompt(ctx, ids)
             yield t, n, answer, hash_ids, f"chat{s}"
-            t += _loguniform(rng, 3000, 30000)
+            t += _loguniform(rng, think[0] * 1000.0, think[1] * 1000.0)
 
 
 def _agent(
@@ -139,9 +147,11 @@ def generate(
     sessions: int | None = None,
     rate: float | None = None,
     system_prompts: int | None = None,
+    think_s: tuple[float, float] | None = None,
     seed: int = 0,
 ) -> list[dict[str, object]]:
-    """The trace's lines (dicts), sorted by arrival."""
+    """The trace's lines (dicts), sorted by arrival. ``think_s``: chat's think time
+    between turns, (low, high) seconds, log-uniform (default 3-30 s)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
     sessions = DEFAULT_SESSIONS[shape] if sessions is None else sessions
@@ -149,9 +159,18 @@ def generate(
     prompts = (20 if shape == "chat" else 4) if system_prompts is None else system_prompts
     if sessions < 1 or not rate > 0 or prompts < 1:
         raise ValueError("sessions and system prompts must be >= 1, rate > 0")
+    if think_s is not None:
+        if shape != "chat":
+            raise ValueError("think time: chat only (agent steps follow tool run times)")
+        if not 0 < think_s[0] <= think_s[1]:
+            raise ValueError(f"think time must be 0 < low <= high, got {think_s}")
     rng = random.Random(f"{shape}:{seed}")
-    make = _chat if shape == "chat" else _agent
-    rows = sorted(make(rng, _Ids(), sessions, rate, prompts), key=lambda r: r[0])
+    ids = _Ids()
+    if shape == "chat":
+        made = _chat(rng, ids, sessions, rate, prompts, think_s or (3.0, 30.0))
+    else:
+        made = _agent(rng, ids, sessions, rate, prompts)
+    rows = sorted(made, key=lambda r: r[0])
     return [
         {
             "timestamp": round(t, 3),
@@ -177,7 +196,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--system-prompts", type=int, help="shared prompts (default: 20 chat, 4 agent)"
     )
+    parser.add_argument(
+        "--think-time",
+        type=_think,
+        metavar="LOW-HIGH",
+        help="chat: seconds between an answer and the next turn, log-uniform (default 3-30)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="same seed, same trace")
+
+
+def _think(text: str) -> tuple[float, float]:
+    lo, sep, hi = text.partition("-")
+    try:
+        return (float(lo), float(hi)) if sep else (float(lo), float(lo))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LOW-HIGH seconds, got {text!r}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -187,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
             sessions=args.sessions,
             rate=args.rate,
             system_prompts=args.system_prompts,
+            think_s=args.think_time,
             seed=args.seed,
         )
     except ValueError as exc:

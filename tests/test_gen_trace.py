@@ -97,3 +97,24 @@ def test_written_file_round_trips(tmp_path: Path) -> None:
     lines = generate("agent", sessions=2, seed=5)
     path = write(tmp_path / "a.jsonl", lines)
     assert [json.loads(x) for x in path.read_text().splitlines()] == lines
+
+
+def test_think_time_sets_the_gaps_between_a_sessions_turns(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--think-time 0.1-1``: turns 0.1-1 s apart (issue 31's short think times); the
+    default stays 3-30 s, and a range that is empty or not chat's fails."""
+    out = tmp_path / "chat.jsonl"
+    argv = ["gen-trace", "--shape", "chat", "--sessions", "20", "--out", str(out)]
+    assert main([*argv, "--think-time", "0.1-1"]) == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert lines == generate("chat", sessions=20, think_s=(0.1, 1.0))
+    for think, (lo, hi) in ((None, (3000, 30000)), ((0.1, 1.0), (100, 1000))):
+        by: dict[str, list[float]] = {}
+        for x in generate("chat", sessions=20, think_s=think):
+            by.setdefault(str(x["session_id"]), []).append(float(str(x["timestamp"])))
+        gaps = [b - a for ts in by.values() for a, b in itertools.pairwise(ts)]
+        assert gaps and all(lo - 1 <= g <= hi + 1 for g in gaps)
+    assert main([*argv, "--think-time", "2-1"]) == 2
+    assert "think time" in capsys.readouterr().err
+    assert main(["gen-trace", "--shape", "agent", "--think-time", "1-2", "--out", str(out)]) == 2

@@ -458,8 +458,9 @@ def test_cache_aware_recompute_weight_keeps_a_prefix_on_its_holder_longer() -> N
     ws[0].match = tm(gpu=8)  # saves 128 tokens of prefill (~6.4 ms)
     # 100 tokens queued + one step: ~11 ms, between the saving and twice the saving
     ws[0].inflight_requests, ws[0].inflight_prefill_tokens = 1, 100
-    pure = make_policy("cache_aware", random.Random(0), recompute_weight=0)
-    pooled = make_policy("cache_aware", random.Random(0), recompute_weight=1)
+    # the weight alone, unfaded (its fading: tests/test_policies_overload.py)
+    pure = make_policy("cache_aware", random.Random(0), recompute_weight=0, fade=False)
+    pooled = make_policy("cache_aware", random.Random(0), recompute_weight=1, fade=False)
     assert pure.select(req(hashes), ws).worker_id == "w1"  # the queue outweighs the hit
     assert pooled.select(req(hashes), ws).worker_id == "w0"  # not once the pool's bill counts
     ws[0].inflight_prefill_tokens = 2000  # a long queue still sends the request away
@@ -525,6 +526,7 @@ def test_policy_scores_equal_the_reference_cost_model(
         prefetch=prefetch,
         recompute_weight=1,
         running_discount=discount,
+        fade=False,  # the charge checked below is the unfaded one
     )
     d = policy.select(r, ws)
     for w in ws:
@@ -615,7 +617,8 @@ def _hint_setup() -> list[WorkerView]:
 
 # The hint tests are sized for a flat recompute weight 6 (the mixed pool's until session 11):
 # the share term makes a holder of all 10 blocks five times stickier, which a hint avoids.
-FLAT6 = {"recompute_weight": 6.0, "recompute_share": 0.0}
+# Unfaded: their holders queue far beyond the pool's mean, where the charge is gone.
+FLAT6 = {"recompute_weight": 6.0, "recompute_share": 0.0, "fade": False}
 
 
 def test_cache_aware_a_copy_into_gpu_memory_costs_more_than_into_host_memory() -> None:

@@ -30,15 +30,19 @@ def agent_trace(tmp_path_factory: pytest.TempPathFactory) -> Trace:
 def test_new_sessions_spread_across_workers(agent_trace: Trace) -> None:
     config = SimConfig(workers=8, l1_blocks=4096, seed=1, engine_seed=1)
     ours = Simulation(agent_trace, "cache_aware", config).run()
+    # neither bound nor fading charge (issue 31's fade alone spreads them too: 1.89, p90
+    # 784 ms, against 2.74 and 2,861 ms without either)
     unbounded = Simulation(
-        agent_trace, "cache_aware", config, policy_params={"session_load": 1e9}
+        agent_trace, "cache_aware", config, policy_params={"session_load": 1e9, "fade": False}
     ).run()
     ref = Simulation(agent_trace, "sglang_cache_aware", config).run()
     # the pile-up this guards against is real on this trace
     assert unbounded["requests_max_over_mean"] >= 1.6
     # 1.28 with ``replica_slack`` off, 1.34 on (early sessions, while the window still
-    # counts few turns per session, are spared more by a tool prompt's lead)
-    assert ours["requests_max_over_mean"] <= 1.35
+    # counts few turns per session, are spared more by a tool prompt's lead), 1.38 with
+    # the fading charge (steps leave a holder whose queue outgrew their hit: counted in
+    # requests the pool is less even, TTFT p90 727 -> 732 ms, hit 0.9270 -> 0.9257)
+    assert ours["requests_max_over_mean"] <= 1.4
     # spreading costs no hits (the shared prompts are replicated once per worker) ...
     assert ours["hit_rate"] >= unbounded["hit_rate"] - 0.005
     assert ours["hit_rate"] >= ref["hit_rate"] - 0.01
