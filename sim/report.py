@@ -66,6 +66,8 @@ def summarize(sim: Simulation, wall_s: float) -> PolicyReport:
         "policy": sim.policy.name,
         "requests": len(sim.requests),
         "rejected": sim.num_rejected,
+        # turned away by admission at the router (sim.admission): no TTFT, not served
+        "shed": 0 if sim.admission is None else sim.admission.shed,
         "hit_rate": (gpu + host) / tokens_in,
         "hit_rate_gpu": gpu / tokens_in,
         "hit_rate_host": host / tokens_in,

@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 
 from router.admission import Admission, AdmissionSettings, State, TenantSpec, Ticket
-from router.admission.capacity import Capacity
+from router.admission.capacity import WINDOW, Capacity
 from router.admission.fair import TokenBucket, VirtualCounters, retry_after
 from router.admission.stats import MAX_TENANTS, OTHER, AdmissionStats
 
@@ -311,12 +311,22 @@ def test_a_held_request_waits_for_its_holder_no_longer_than_recomputing_takes() 
 def test_capacity_learns_each_engines_limit_from_its_reports() -> None:
     cap = Capacity(engine_queue=1)
     assert cap.limit("w") is None and cap.room("w", 10_000) > 0
-    assert cap.report("w", 4, 3) and cap.limit("w") == 4
+    assert not cap.report("w", 9, 0, 0.0)  # never seen full: no limit
+    assert cap.report("w", 4, 3, 0.0) and cap.limit("w") == 4
     assert cap.room("w", 5) == 0 and cap.room("w", 4) == 1
-    assert not cap.report("w", 3, 0)  # fewer running, nobody waiting: says nothing
-    assert cap.report("w", 6, 0) and cap.limit("w") == 6  # ran more without a queue
-    assert cap.report("w", 2, 5) and cap.limit("w") == 2  # full at two (long prompts)
-    assert not cap.report("w", None, 5)
+    assert not cap.report("w", 3, 0, 1.0)  # fewer running, nobody waiting: says nothing
+    assert cap.report("w", 6, 0, 2.0) and cap.limit("w") == 6  # ran more without a queue
+    # one waiting at fewer running (a request between two steps): the most seen stands
+    assert not cap.report("w", 2, 1, 3.0) and cap.limit("w") == 6
+    # more waiting than its headroom twice running: it runs fewer now (a full KV cache)
+    assert not cap.report("w", 5, 2, 3.4) and cap.limit("w") == 6
+    assert cap.report("w", 5, 2, 3.5) and cap.limit("w") == 5
+    assert cap.report("w", 6, 1, 3.6) and cap.limit("w") == 6
+    assert not cap.report("w", None, 5, 4.0)
+    # a new window: the last one's peak; then one never full forgets the limit
+    assert not cap.report("w", 3, 1, WINDOW) and cap.limit("w") == 6
+    assert cap.report("w", 1, 0, 2 * WINDOW) and cap.limit("w") == 3
+    assert cap.report("w", 1, 0, 3 * WINDOW) and cap.limit("w") is None
     assert Capacity(max_inflight=3).limit("any") == 3
 
 
