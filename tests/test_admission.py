@@ -351,3 +351,27 @@ def test_stats_labels_are_bounded() -> None:
     priorities = {k[1] for k in stats.series}
     assert len(tenants) <= MAX_TENANTS and OTHER in tenants
     assert stats.key("paying", 0)[0] == "paying" and OTHER in priorities
+
+
+def test_reserved_slots_wait_for_the_tenant_under_its_share() -> None:
+    """Alone, a flood takes every slot; once a steady tenant is active the flood keeps
+    off a reserved slot per engine, so the steady tenant's next request starts at once."""
+    pool = Pool(2, engine_queue=0, reserve=0.25, queue_size=100)
+    pool.full(4)
+    flood = [pool.ticket("flood") for _ in range(12)]
+    assert sum(t.state is State.BOUND for t in flood) == 8  # alone: under its share
+    steady = pool.ticket("steady")
+    assert steady.state is State.QUEUED
+    pool.now = 0.1
+    pool.end(flood[0])
+    assert steady.state is State.BOUND  # the next slot: its counter is the lowest
+    for t in flood[1:5]:  # four flood requests end: the flood may refill three of them
+        pool.now += 0.05
+        pool.end(t)
+    assert pool.inflight == Counter({"w0": 3, "w1": 3})  # one slot idle per engine, kept
+    pool.end(steady)
+    urgent = pool.ticket("flood", priority=-1)  # urgent requests may take it too
+    assert urgent.state is State.BOUND
+    pool.end(urgent)
+    pool.now += 0.5
+    assert pool.ticket("steady").state is State.BOUND  # at once, no wait for a slot

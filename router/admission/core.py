@@ -57,6 +57,11 @@ SHED_STATUS: Mapping[ShedCode, int] = {
 LOOKAHEAD = 32
 # How much a new interval between two dispatches moves the queue's drain estimate.
 _ALPHA = 0.125
+# A tenant counts as active (shares the pool) this long after its last request: longer
+# than the gap between two requests of a steady tenant, so that it is still counted
+# when its next one comes.
+ACTIVE = 2.0
+MAX_SEEN = 4096  # tenants remembered as seen before the quiet ones are forgotten
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +82,9 @@ class AdmissionSettings:
     max_inflight: int | None = None  # a fixed per-worker limit (None: learnt)
     starve_after: float = 5.0
     starve_share: int = 8
+    # a share of each full engine's slots kept for requests of tenants under their fair
+    # share, and urgent ones (priority < 0); see ``capacity``
+    reserve: float = 0.1
     tenants: Mapping[str, TenantSpec] = field(default_factory=dict)
 
 
@@ -166,7 +174,7 @@ class Admission:
         clock: Callable[[], float],
     ) -> None:
         self.settings = settings
-        self.capacity = Capacity(settings.engine_queue, settings.max_inflight)
+        self.capacity = Capacity(settings.engine_queue, settings.max_inflight, settings.reserve)
         self.stats = AdmissionStats(settings.tenants)
         self._inflight = inflight
         self._bind = bind
@@ -183,6 +191,8 @@ class Admission:
         self._drain: float | None = None  # seconds between dispatches while held
         self._last_dispatch = -math.inf
         self._period = 0  # busy periods (a backlog, until it empties) so far
+        self._flying: Counter[str] = Counter()  # bound tickets not finished, per tenant
+        self._seen: dict[str, float] = {}  # tenant -> its last arrival
 
     # -- tenants ------------------------------------------------------------------------
     def spec(self, tenant: str) -> TenantSpec:
@@ -215,6 +225,7 @@ class Admission:
         now = self._clock()
         self._seq += 1
         ticket.seq, ticket.arrival = self._seq, now
+        self._saw(ticket.tenant, now)
         ticket.deadline = now + self.settings.queue_timeout
         bucket = self._bucket(ticket.tenant, now)
         if bucket is not None:
@@ -273,6 +284,9 @@ class Admission:
         ticket.state = State.DONE
         now = self._clock()
         if ticket.worker is not None:
+            self._flying[ticket.tenant] -= 1
+            if self._flying[ticket.tenant] <= 0:
+                del self._flying[ticket.tenant]
             self.capacity.freed(ticket.worker, now)
             if output_tokens is not None:
                 extra = output_tokens - ticket.output_tokens
@@ -296,7 +310,7 @@ class Admission:
         now = self._clock()
         bound = 0
         while self._held:
-            rooms: dict[str, bool] = {}
+            rooms: dict[tuple[str, bool], bool] = {}
             for ticket in self._order(now):
                 allowed = self._allowed(ticket, now, rooms)
                 if allowed is not None:
@@ -327,17 +341,48 @@ class Admission:
                 for i in range(min(len(queue), LOOKAHEAD)):
                     yield queue[i]
 
+    def _saw(self, tenant: str, now: float) -> None:
+        seen = self._seen
+        seen[tenant] = now
+        if len(seen) > MAX_SEEN:  # forget the tenants quiet for a while
+            for name in [t for t, at in seen.items() if now - at > ACTIVE]:
+                del seen[name]
+
+    def _entitled(self, ticket: Ticket, now: float) -> bool:
+        """Whether ``ticket`` may take a worker's reserved slots: it is urgent (priority
+        below 0), or its tenant has fewer requests in flight than its weighted share of
+        the candidates' slots among the tenants active now (in flight, or arrived within
+        ``ACTIVE`` seconds). A tenant alone is under its share whatever it sends."""
+        if ticket.priority < 0:
+            return True
+        total = 0
+        for w in ticket.candidates:
+            limit = self.capacity.limit(w)
+            if limit is None:
+                return True
+            total += limit
+        active = {t for t, at in self._seen.items() if now - at <= ACTIVE}
+        active.update(self._flying)
+        active.add(ticket.tenant)
+        if len(active) == 1:
+            return True
+        weight = self.weight
+        share = total * weight(ticket.tenant) / sum(weight(t) for t in active)
+        return self._flying[ticket.tenant] < share
+
     def _allowed(
-        self, ticket: Ticket, now: float, rooms: dict[str, bool] | None = None
+        self, ticket: Ticket, now: float, rooms: dict[tuple[str, bool], bool] | None = None
     ) -> frozenset[str] | None:
         """The workers ``ticket`` may be bound to now (None: it waits); ``rooms`` keeps
         whether each worker has room over one pass of the queue."""
         rooms = {} if rooms is None else rooms
+        entitled = self.capacity.reserve <= 0 or self._entitled(ticket, now)
         free = []
         for w in ticket.candidates:
-            has = rooms.get(w)
+            has = rooms.get((w, entitled))
             if has is None:
-                has = rooms[w] = self.capacity.room(w, self._inflight(w)) > 0
+                room = self.capacity.room(w, self._inflight(w), entitled)
+                has = rooms[w, entitled] = room > 0
             if has:
                 free.append(w)
         if not free:
@@ -382,6 +427,7 @@ class Admission:
         if ticket.worker is None:
             self._refund(ticket)
             return
+        self._flying[ticket.tenant] += 1
         if backlog or self._held:  # fair shares count only while someone waits
             self._vtc.charge(ticket.tenant, ticket.tokens)
             ticket.charged = self._period
