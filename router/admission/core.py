@@ -236,7 +236,7 @@ class Admission:
                     wait,
                 )  # fmt: skip
         if not self._held:  # nobody waits: the fast path, no ordering to respect
-            allowed = self._allowed(ticket, now)
+            allowed = self.allowed(ticket, now)
             if allowed is not None:
                 self._dispatch(ticket, allowed, now)
                 return ticket.state
@@ -312,7 +312,7 @@ class Admission:
         while self._held:
             rooms: dict[tuple[str, bool], bool] = {}
             for ticket in self._order(now):
-                allowed = self._allowed(ticket, now, rooms)
+                allowed = self.allowed(ticket, now, rooms)
                 if allowed is not None:
                     self._count_skip(ticket, now)
                     self._remove(ticket)
@@ -348,7 +348,7 @@ class Admission:
             for name in [t for t, at in seen.items() if now - at > ACTIVE]:
                 del seen[name]
 
-    def _entitled(self, ticket: Ticket, now: float) -> bool:
+    def entitled(self, ticket: Ticket, now: float) -> bool:
         """Whether ``ticket`` may take a worker's reserved slots: it is urgent (priority
         below 0), or its tenant has fewer requests in flight than its weighted share of
         the candidates' slots among the tenants active now (in flight, or arrived within
@@ -370,13 +370,13 @@ class Admission:
         share = total * weight(ticket.tenant) / sum(weight(t) for t in active)
         return self._flying[ticket.tenant] < share
 
-    def _allowed(
+    def allowed(
         self, ticket: Ticket, now: float, rooms: dict[tuple[str, bool], bool] | None = None
     ) -> frozenset[str] | None:
         """The workers ``ticket`` may be bound to now (None: it waits); ``rooms`` keeps
         whether each worker has room over one pass of the queue."""
         rooms = {} if rooms is None else rooms
-        entitled = self.capacity.reserve <= 0 or self._entitled(ticket, now)
+        entitled = self.capacity.reserve <= 0 or self.entitled(ticket, now)
         free = []
         for w in ticket.candidates:
             has = rooms.get((w, entitled))
@@ -541,6 +541,12 @@ class Admission:
                     else:
                         ahead += min(len(queue), math.ceil(share * self.weight(tenant)))
         return (ahead + 1) * self._drain
+
+    def held(self) -> Iterator[tuple[str, int, int]]:
+        """(tenant, priority, tickets held) for each tenant and priority waiting."""
+        for priority, tenants in self._levels.items():
+            for tenant, queue in tenants.items():
+                yield tenant, priority, len(queue)
 
     def snapshot(self) -> dict[str, object]:
         """The queue as ``/admin`` shows it."""
