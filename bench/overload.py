@@ -47,9 +47,10 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.load import http_get, processes, wait_ready  # noqa: E402
-from router.natsd import free_ports  # noqa: E402
 from router.upstream import Upstream, UpstreamError  # noqa: E402
+
+from bench.load import http_get, processes, wait_ready  # noqa: E402
+from sim.mock.natsd import free_ports  # noqa: E402
 
 MODEL = "overload-model"
 MAX_TOKENS = 20

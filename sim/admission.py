@@ -11,17 +11,37 @@ requests count in the report's ``shed``; they have no TTFT.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, cast
 
-from router.admission import Admission, AdmissionSettings, State, Ticket
+from router.admission.core import Admission, AdmissionSettings, State, Ticket
 
 if TYPE_CHECKING:
+    from policies.base import WorkerView
+    from policies.cost_model import EngineCosts
     from sim.request import SimRequest
-    from sim.simulator import Simulation
+
+
+class Simulated(Protocol):
+    """What admission reads of, and does to, the simulation (``sim.simulator``)."""
+
+    now: float
+    costs: EngineCosts
+    block_size: int
+    targets: list[str]
+    target_engines: dict[str, list[int]]
+    inflight: list[int]
+    reported: list[tuple[int, int, float]]
+    done: int
+    progress: Callable[[int], None] | None
+
+    def at(self, time_ms: float, fn: Callable[..., None], *args: object) -> None: ...
+    def _views(self, hashes: list[int]) -> list[WorkerView]: ...
+    def route(self, req: SimRequest, allowed: frozenset[str] | None = None) -> str: ...
 
 
 class SimAdmission:
-    def __init__(self, sim: Simulation, settings: AdmissionSettings) -> None:
+    def __init__(self, sim: Simulated, settings: AdmissionSettings) -> None:
         self.sim = sim
         self.core = Admission(
             settings, self._inflight, self._bind, self._shed, lambda: sim.now / 1000.0

@@ -32,17 +32,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from index.backend import make_ingest
 from index.codec import Event, EventBatch, encode
 from index.groups import clip_matches, parse_groups
 from index.hashing import BlockHasher, cacheable_blocks
-from index.ingest import EventIngest, SeqStatus
+from index.ingest import SeqStatus
 from index.prefix_index import PrefixIndex
 from policies import EngineCosts, PrefetchHint, WorkerView, make_policy
 from policies.base import NO_MATCH, expected_hit_blocks
 from policies.cost_model import uncached_tokens
-from router.admission import AdmissionSettings
-from router.dp import target_id
-from router.load import RunningPrefills
+from router.admission.core import AdmissionSettings
+from router.workers.dp import target_id
+from router.workers.load import RunningPrefills
 from sim.admission import SimAdmission
 from sim.batch_engine import BatchEngine
 from sim.cache import PrefixCache
@@ -107,7 +108,7 @@ class Simulation:
         self._heap: list[tuple[float, int, Callable[..., None], tuple[object, ...]]] = []
         self._tick = itertools.count()
         self.index = PrefixIndex(clock=lambda: self.now / 1000.0)
-        self.ingest = EventIngest(self.index, BlockHasher(trace.block_size))
+        self.ingest = make_ingest(self.index, BlockHasher(trace.block_size))
         groups = parse_groups(config.kv_groups)
         if groups and groups[0].kind != "full":
             raise ValueError("kv_groups: group 0 of the simulated engines is full attention")
@@ -168,7 +169,14 @@ class Simulation:
         self.counters: Counter[str] = Counter()
         if config.admission is not None and config.prefill_workers:
             raise ValueError("admission is simulated for pools of mixed engines only")
-        self.admission = None if config.admission is None else SimAdmission(self, config.admission)
+        self.admission: SimAdmission | None = None
+        if config.admission is not None:
+            self.admission = SimAdmission(self, config.admission)
+
+    @property
+    def num_shed(self) -> int:
+        """Requests admission at the router turned away (none without it)."""
+        return 0 if self.admission is None else self.admission.shed
 
     # -- clock ------------------------------------------------------------------------
     def at(self, time_ms: float, fn: Callable[..., None], *args: object) -> None:
@@ -194,7 +202,7 @@ class Simulation:
 
     # -- router side --------------------------------------------------------------------
     def _views(self, hashes: list[int]) -> list[WorkerView]:
-        """One view per routing target, as ``router.routing.Router.views`` builds them."""
+        """One view per routing target, as ``router.routing.decide.Router.views`` builds them."""
         matches = self.index.match_tiers(hashes)
         groups = self.ingest.group_specs()
         if groups is not None and matches:

@@ -22,7 +22,7 @@ import orjson
 
 from index.groups import parse_groups
 from policies import POLICY_NAMES, EngineCosts
-from router.admission import AdmissionSettings
+from router.admission.core import AdmissionSettings
 from sim.pd import PD_RULES, PdSimulation, parse_rule
 from sim.report import PolicyReport, write_json
 from sim.simulator import SimConfig, Simulation

@@ -11,8 +11,8 @@ from collections import Counter
 
 import pytest
 
-from router.admission import Admission, AdmissionSettings, State, TenantSpec, Ticket
 from router.admission.capacity import WINDOW, Capacity
+from router.admission.core import Admission, AdmissionSettings, State, TenantSpec, Ticket
 from router.admission.fair import TokenBucket, VirtualCounters, retry_after
 from router.admission.stats import MAX_TENANTS, OTHER, AdmissionStats
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from router.admission import AdmissionSettings
+from router.admission.core import AdmissionSettings
 from sim.gen_trace import generate, write
 from sim.simulator import SimConfig, Simulation
 from sim.traces import Trace, load_trace

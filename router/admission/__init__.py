@@ -4,17 +4,6 @@ answer what cannot be served in time (issue 31).
 
 ``core`` is plain and synchronous on an injected clock, shared by the router and the
 simulator; ``fair`` holds the token counters and rate limits, ``capacity`` the engines'
-learnt limits, ``stats`` the per-tenant, per-priority counts.
+learnt limits, ``stats`` the per-tenant, per-priority counts, ``gate`` the part on the
+router's event loop (a request's tenant, priority, wait and answer).
 """
-
-from router.admission.core import (
-    Admission,
-    AdmissionSettings,
-    Shed,
-    ShedCode,
-    State,
-    TenantSpec,
-    Ticket,
-)
-
-__all__ = ["Admission", "AdmissionSettings", "Shed", "ShedCode", "State", "TenantSpec", "Ticket"]
