@@ -43,8 +43,10 @@ class Pool:
         return worker
 
     def full(self, limit: int = 1) -> None:
-        """Every worker reports ``limit`` running and some waiting."""
+        """Every worker reports ``limit`` running and some waiting, twice (once could be
+        a request between two steps)."""
         for w in self.workers:
+            self.adm.report(w, limit, 1)
             self.adm.report(w, limit, 1)
 
     def ticket(
@@ -266,8 +268,7 @@ def test_a_token_rate_limit_sheds_with_429_and_the_wait() -> None:
 
 def test_late_binding_waits_for_the_prefix_holder_when_that_is_cheaper() -> None:
     pool = Pool(2, engine_queue=0)
-    for w in pool.workers:
-        pool.adm.report(w, 1, 1)
+    pool.full(1)
     a = pool.ticket(candidates=("w0",))
     for t in (0.0, 0.05, 0.1):  # w0 frees a slot every 0.05 s
         pool.adm.capacity.freed("w0", t)
@@ -281,8 +282,7 @@ def test_late_binding_waits_for_the_prefix_holder_when_that_is_cheaper() -> None
 
 def test_late_binding_recomputes_when_waiting_costs_more() -> None:
     pool = Pool(2, engine_queue=0)
-    for w in pool.workers:
-        pool.adm.report(w, 1, 1)
+    pool.full(1)
     pool.ticket(candidates=("w0",))
     # w0's pace unknown: waiting for it might cost anything; go to w1 at once
     cheap = pool.ticket(saved={"w0": 0.5})
@@ -296,8 +296,7 @@ def test_late_binding_recomputes_when_waiting_costs_more() -> None:
 
 def test_a_held_request_waits_for_its_holder_no_longer_than_recomputing_takes() -> None:
     pool = Pool(2, engine_queue=0)
-    for w in pool.workers:
-        pool.adm.report(w, 1, 1)
+    pool.full(1)
     pool.ticket(candidates=("w0",))
     pool.adm.capacity.freed("w0", 0.0)
     pool.adm.capacity.freed("w0", 0.1)
@@ -312,7 +311,9 @@ def test_capacity_learns_each_engines_limit_from_its_reports() -> None:
     cap = Capacity(engine_queue=1)
     assert cap.limit("w") is None and cap.room("w", 10_000) > 0
     assert not cap.report("w", 9, 0, 0.0)  # never seen full: no limit
-    assert cap.report("w", 4, 3, 0.0) and cap.limit("w") == 4
+    assert not cap.report("w", 4, 1, 0.0)  # one waiting, once: maybe between two steps
+    assert cap.report("w", 4, 1, 0.0) and cap.limit("w") == 4
+    assert Capacity().report("w", 4, 2, 0.0)  # more waiting than its headroom: at once
     assert cap.room("w", 5) == 0 and cap.room("w", 4) == 1
     assert not cap.report("w", 3, 0, 1.0)  # fewer running, nobody waiting: says nothing
     assert cap.report("w", 6, 0, 2.0) and cap.limit("w") == 6  # ran more without a queue

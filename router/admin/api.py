@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import httpx
 
     from policies.experiments import Experiment
+    from router.admission.gate import Gate
     from router.events.bus import Bus
     from router.events.consumer import EventSync
     from router.events.feed import EventFeed
@@ -78,6 +79,7 @@ class AdminDeps:
     feed: EventFeed | None = None
     capacity: CapacityWatch | None = None
     pd: PdRouter | None = None  # disaggregated pools' two-sided choice (router.pd.exchange)
+    gate: Gate | None = None  # admission at the router (router.admission)
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -258,6 +260,9 @@ def admin_router(state: AdminDeps) -> APIRouter:
                     }
                 )
         chosen = registry.target(decision.worker_id)
+        admission = None
+        if state.gate is not None and pd is None and prep.pinned is None:
+            admission = state.gate.explain(prep, request.headers.raw)
         return _json(
             {
                 "request_id": prep.request.request_id,
@@ -276,6 +281,8 @@ def admin_router(state: AdminDeps) -> APIRouter:
                 },
                 "workers": workers,
                 **({} if pd is None else {"pd": pd}),
+                # where the request would wait, and why (router.admission.gate)
+                **({} if admission is None else {"admission": admission}),
             }
         )
 

@@ -72,6 +72,7 @@ class TenantSpec:
     tokens_per_second: float | None = None  # its token-rate limit (None: none)
     burst_tokens: float | None = None  # saved-up tokens (None: ten seconds of the rate)
     priority: int = 0  # the priority of its requests that name none
+    api_keys: tuple[str, ...] = ()  # the API keys whose requests are its
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,16 +26,36 @@ from typing import TYPE_CHECKING, Any
 from policies.cost_model import EngineCosts
 from router.admission.core import Admission, AdmissionSettings, Shed, State, Ticket
 from router.admission.stats import WAIT_BUCKETS
-from router.errors import ApiError
+from router.http.errors import ApiError
 
 if TYPE_CHECKING:
     from policies.base import Decision, WorkerView
-    from router.routing import Prepared, Router
-    from router.workers import WorkerRegistry
+    from router.config import RouterConfig
+    from router.routing.decide import Prepared, Router
+    from router.workers.registry import WorkerRegistry
 
 POLL = 0.1  # seconds between two readings of the engines' reports
 MAX_TENANT_CHARS = 128
 PRIORITY_BOUND = 1 << 31  # |priority| below this (vLLM takes any int; a label takes less)
+
+
+def make_gate(cfg: RouterConfig, router: Router, registry: WorkerRegistry) -> Gate:
+    """The gate a router's config describes."""
+    settings = AdmissionSettings(
+        queue_size=cfg.queue_size,
+        queue_timeout=cfg.queue_timeout,
+        engine_queue=cfg.engine_queue,
+        max_inflight=cfg.engine_max_inflight,
+        starve_after=cfg.priority_starve_after,
+        starve_share=cfg.priority_starve_share,
+        reserve=cfg.reserve_share,
+        tenants=cfg.tenants,
+    )
+    keys = {key: name for name, spec in cfg.tenants.items() for key in spec.api_keys}
+    return Gate(
+        settings, router, registry, tenant_header=cfg.tenant_header, key_tenants=keys,
+        expected_output=cfg.expected_output_tokens,
+    )  # fmt: skip
 
 
 class ShedError(ApiError):

@@ -59,6 +59,7 @@ from index.backend import NATIVE
 from index.groups import parse_groups
 from index.wire import DEFAULT_PREFIX, worker_id_error
 from policies.experiments import Arm, parse_arm
+from router.admission.core import TenantSpec
 from router.workers.dp import DP_FIELDS, MAX_DP_SIZE, DpField
 
 ENV_PREFIX = "CACHE_ROUTER_"
@@ -360,6 +361,34 @@ class ObserveSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class OverloadSettings:
+    """Admission at the router (``router.admission``): while the engines are full,
+    requests wait at the router in priority and fair-share order and are bound to a
+    worker when one has room; what cannot be served in time is shed at once (429/503,
+    ``Retry-After``). An engine never seen full holds nothing back, so the default (on)
+    costs unsaturated traffic nothing but a few microseconds."""
+
+    admission: bool = setting(True)  # off: every request goes to an engine at once
+    queue_size: int = setting(
+        1024, Range(1, 1 << 20), flag="requests held at the router at most (admission; 1024)"
+    )
+    queue_timeout: float = setting(
+        10.0, _DURATION, flag="seconds a request may wait at the router before a 503 (10)"
+    )
+    engine_queue: int = setting(1, Range(0, 1 << 20))  # requests a full engine still gets
+    engine_max_inflight: int | None = setting(None, _COUNT)  # a fixed engine limit; None: learnt
+    # a share of a full engine's slots kept for tenants under their fair share and for
+    # urgent requests (priority < 0)
+    reserve_share: float = setting(0.1, Range(0, 0.9))
+    priority_starve_after: float = setting(5.0, _DURATION)  # waited this long: its turn comes
+    priority_starve_share: int = setting(8, Range(2, 1 << 20))  # one dispatch in this many then
+    tenant_header: str = setting("x-tenant-id")  # names a request's tenant (after API keys)
+    # a request's answer counted in its tokens when it sets no max_tokens
+    expected_output_tokens: int = setting(256, Range(1, 1 << 31))
+    tenants: dict[str, TenantSpec] = table(dict)  # [tenants.NAME] weight, limits, keys
+
+
+@dataclass(frozen=True, kw_only=True)
 class FleetSettings:
     """The engines: listed, or found behind DNS names."""
 
@@ -380,6 +409,7 @@ class RouterConfig(
     NatsSettings,
     ReplicaSettings,
     ObserveSettings,
+    OverloadSettings,
     FleetSettings,
 ):
     """Every setting; built once by ``load_config`` (or directly, in tests), then read-only.
@@ -547,7 +577,7 @@ def worker_spec(raw: Any, where: str) -> WorkerSpec:
     kv_groups = raw.get("kv_groups", "")
     try:
         if not isinstance(kv_groups, str):
-            raise ValueError("kv_groups must be a string like \"full,sliding_window:4096\"")
+            raise ValueError('kv_groups must be a string like "full,sliding_window:4096"')
         parse_groups(kv_groups)
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
@@ -610,6 +640,45 @@ def _api_keys(value: Any, where: str) -> list[str]:
     return list(value)
 
 
+_TENANT_KEYS = frozenset(("weight", "tokens_per_second", "burst_tokens", "priority", "api_keys"))
+
+
+def _tenants(value: Any, where: str) -> dict[str, TenantSpec]:
+    """``[tenants.NAME]`` tables: ``weight``, ``tokens_per_second``, ``burst_tokens``,
+    ``priority`` (the default of its requests), ``api_keys`` (whose requests are its)."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: tenants must be a table of tables")
+    out: dict[str, TenantSpec] = {}
+    owner: dict[str, str] = {}
+    for name, raw in value.items():
+        at = f"{where} tenants.{name}"
+        if not isinstance(raw, Mapping) or not 0 < len(name) <= 128:
+            raise ConfigError(f"{at}: a tenant is a table named by 1-128 characters")
+        unknown = set(raw) - _TENANT_KEYS
+        if unknown:
+            raise ConfigError(f"{at}: unknown keys {sorted(unknown)}")
+        numbers = {k: raw[k] for k in ("weight", "tokens_per_second", "burst_tokens") if k in raw}
+        for key, number in numbers.items():
+            if isinstance(number, bool) or not isinstance(number, int | float) or not number > 0:
+                raise ConfigError(f"{at}: {key} must be a positive number")
+        priority = raw.get("priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ConfigError(f"{at}: priority must be an integer")
+        keys = _api_keys(raw.get("api_keys", []), at)
+        for key in keys:
+            if owner.setdefault(key, name) != name:
+                raise ConfigError(f"{at}: an API key of tenant {owner[key]!r} too")
+        rate, burst = numbers.get("tokens_per_second"), numbers.get("burst_tokens")
+        out[name] = TenantSpec(
+            weight=float(numbers.get("weight", 1.0)),
+            tokens_per_second=None if rate is None else float(rate),
+            burst_tokens=None if burst is None else float(burst),
+            priority=priority,
+            api_keys=tuple(keys),
+        )
+    return out
+
+
 # How each table setting is read from TOML (``where`` names the file in errors).
 TABLE_PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "policy_params": _params("policy_params"),
@@ -619,6 +688,7 @@ TABLE_PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "arms": _arms,
     "discovery": _discovery,
     "api_keys": _api_keys,
+    "tenants": _tenants,
 }
 
 

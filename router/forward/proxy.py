@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from router.admission.gate import waiter
 from router.forward.relay import (
     CLUSTER_UNAVAILABLE,
     REQ_DROP,
@@ -43,6 +44,7 @@ from router.workers.load import WAITING, Flight
 
 if TYPE_CHECKING:
     from policies.base import Decision
+    from router.admission.core import Ticket
     from router.workers.registry import Worker
 
 log = logging.getLogger(__name__)
@@ -131,12 +133,29 @@ class Proxy:
         if st.pd is not None and st.pd.disaggregated(prep):  # prefill and decode engines
             await st.pd.forward(self, scope, raw, prep, ex)
             return
-        await self._forward(scope, raw, prep, ex, trace)
+        if st.gate is None or prep.pinned is not None:  # a stored response has one engine
+            await self._forward(scope, raw, prep, ex, trace)
+            return
+        # admission (router.admission): held here while the engines are full, or shed
+        ticket = await st.gate.enter(prep, scope["headers"])
+        try:
+            await self._forward(scope, raw, prep, ex, trace, ticket)
+        finally:
+            st.gate.finish(ticket)
 
     async def _forward(
-        self, scope: Scope, raw: bytes, prep: Prepared, ex: Exchange, trace: Trace | None
+        self,
+        scope: Scope,
+        raw: bytes,
+        prep: Prepared,
+        ex: Exchange,
+        trace: Trace | None,
+        ticket: Ticket | None = None,
     ) -> None:
+        """Send to the engine the policy chooses (admission's choice, with a ``ticket``,
+        for the first try) and stream its answer back."""
         st = self.deps
+        bound = None if ticket is None else waiter(ticket)
         req = prep.request
         arm = prep.arm
         headers = [(k, v) for k, v in scope["headers"] if k not in self.drop]
@@ -145,7 +164,10 @@ class Proxy:
         out_raw, out_body = prep.engine_body(raw)
         exclude: set[str] = set()
         while True:
-            decision, views = st.router.decide(prep, exclude, trace)
+            if bound is not None and bound.decision is not None:  # bound by admission
+                decision, views, bound = bound.decision, bound.views, None
+            else:
+                decision, views = st.router.decide(prep, exclude, trace)
             tid = decision.worker_id  # the worker, or one of its DP ranks (router/workers/dp.py)
             found = st.registry.target(tid)
             worker, rank = found if found is not None else (st.registry.get(tid), None)
@@ -155,6 +177,8 @@ class Proxy:
             hit = hit_blocks(views, decision) * req.block_size
             prefetched = await self.hint(decision, prep)
             flight = worker.rank_load(rank).begin(max(0, req.num_tokens - hit))
+            if ticket is not None and st.gate is not None:
+                st.gate.started(ticket)
             failure: Failure | None = None
             error: UpstreamError | None = None
             sent, body = forward_rank(headers, out_raw, out_body, rank, worker.dp_field)
