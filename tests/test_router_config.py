@@ -218,7 +218,7 @@ def test_every_setting_keeps_its_toml_key_and_env_variable(tmp_path):
     assert sorted(TABLES) == [
         "api_keys", "arms", "discovery", "models", "policy_params", "prefill_params",
         "tenants", "workers",
-    ]
+    ]  # fmt: skip
     for name in SCALAR_NAMES:
         if name.startswith("nats_tls_") or name == "nats_credentials":
             continue  # must name a file: covered by tests/test_security.py
