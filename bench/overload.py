@@ -47,9 +47,8 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from router.upstream import Upstream, UpstreamError  # noqa: E402
-
 from bench.load import http_get, processes, wait_ready  # noqa: E402
+from router.forward.upstream import Upstream, UpstreamError  # noqa: E402
 from sim.mock.natsd import free_ports  # noqa: E402
 
 MODEL = "overload-model"
@@ -293,19 +292,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 flood = max(0.0, load * capacity - rates["steady"] - rates["urgent"])
                 offered = {**rates, "flood": flood}
                 t0 = time.perf_counter()
-                summary = _summary(
-                    asyncio.run(_offer(url, offered, args.duration, args.client_timeout, args.seed)),
-                    args.duration, args.slo, args.queue_timeout,
-                )  # fmt: skip
+                run_ = asyncio.run(
+                    _offer(url, offered, args.duration, args.client_timeout, args.seed)
+                )
+                summary = _summary(run_, args.duration, args.slo, args.queue_timeout)
                 st = summary["streams"]
+                steady = st.get("steady", {}).get("ttft_p99_s")
+                urgent = st.get("urgent", {}).get("ttft_p99_s")
                 results.append(
                     {
                         "policy": policy,
                         "admission": admission,
                         "load": load,
                         "offered_rps": {k: round(v, 2) for k, v in offered.items()},
-                        "steady_p99_over_alone": _ratio(st.get("steady", {}).get("ttft_p99_s"), base["steady"]),
-                        "urgent_p99_over_unloaded": _ratio(st.get("urgent", {}).get("ttft_p99_s"), base["urgent"]),
+                        "steady_p99_over_alone": _ratio(steady, base["steady"]),
+                        "urgent_p99_over_unloaded": _ratio(urgent, base["urgent"]),
                         **summary,
                         "wall_s": round(time.perf_counter() - t0, 1),
                     }
