@@ -79,6 +79,11 @@ class Capacity:
         self._over: set[str] = set()  # workers whose last report had too many waiting
         self._queued: set[str] = set()  # workers whose last report had any waiting
 
+    @property
+    def limited(self) -> bool:
+        """Whether any worker has a limit (none: nothing is ever held)."""
+        return self.max_inflight is not None or bool(self._limits)
+
     def limit(self, worker: str) -> int | None:
         """Requests the worker runs before it queues (None: never seen full)."""
         if self.max_inflight is not None:

@@ -236,7 +236,10 @@ class Admission:
                     ticket, "rate_limited", f"tenant over its token rate; retry in {wait:.1f} s",
                     wait,
                 )  # fmt: skip
-        if not self._held:  # nobody waits: the fast path, no ordering to respect
+        if not self._held and not self.capacity.limited:  # no engine ever full: go
+            self._dispatch(ticket, frozenset(ticket.candidates), now)
+            return ticket.state
+        if not self._held:  # nobody waits: no ordering to respect
             allowed = self.allowed(ticket, now)
             if allowed is not None:
                 self._dispatch(ticket, allowed, now)
