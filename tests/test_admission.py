@@ -35,7 +35,9 @@ class Pool:
             lambda: self.now,
         )
 
-    def _bind(self, ticket: Ticket, allowed: frozenset[str]) -> str:
+    def _bind(self, ticket: Ticket, allowed: frozenset[str]) -> str | None:
+        if not allowed:
+            return None  # the router's routing answers (503: no healthy worker)
         worker = min(allowed)
         self.inflight[worker] += 1
         self.bound.append(ticket)
@@ -59,7 +61,8 @@ class Pool:
         saved: dict[str, float] | None = None,
     ) -> Ticket:
         """A new request of ``tokens`` prompt tokens expecting ``output`` more."""
-        t = Ticket(tenant, priority, tokens, output, candidates or self.workers, saved)
+        where = self.workers if candidates is None else candidates
+        t = Ticket(tenant, priority, tokens, output, where, saved)
         self.adm.arrive(t)
         return t
 
@@ -362,7 +365,7 @@ def test_reserved_slots_wait_for_the_tenant_under_its_share() -> None:
     flood = [pool.ticket("flood") for _ in range(12)]
     assert sum(t.state is State.BOUND for t in flood) == 8  # alone: under its share
     steady = pool.ticket("steady")
-    assert steady.state is State.QUEUED
+    assert pool.adm.queued == 5  # four of the flood's, and the steady one
     pool.now = 0.1
     pool.end(flood[0])
     assert steady.state is State.BOUND  # the next slot: its counter is the lowest
@@ -376,3 +379,12 @@ def test_reserved_slots_wait_for_the_tenant_under_its_share() -> None:
     pool.end(urgent)
     pool.now += 0.5
     assert pool.ticket("steady").state is State.BOUND  # at once, no wait for a slot
+
+
+def test_a_request_with_no_worker_at_all_is_not_held() -> None:
+    """No candidate (every engine down): routing answers at once, not a queue timeout."""
+    pool = Pool(1, engine_queue=0)
+    pool.ticket()
+    pool.full(1)
+    lost = pool.ticket(candidates=())
+    assert lost.state is State.BOUND and lost.worker is None and pool.adm.queued == 0

@@ -236,7 +236,8 @@ class Admission:
                     ticket, "rate_limited", f"tenant over its token rate; retry in {wait:.1f} s",
                     wait,
                 )  # fmt: skip
-        if not self._held and not self.capacity.limited:  # no engine ever full: go
+        if not ticket.candidates or (not self._held and not self.capacity.limited):
+            # no engine ever full: go; no engine at all: routing answers why
             self._dispatch(ticket, frozenset(ticket.candidates), now)
             return ticket.state
         if not self._held:  # nobody waits: no ordering to respect

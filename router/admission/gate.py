@@ -186,6 +186,8 @@ class Gate:
             except TimeoutError:
                 self.core.expire(ticket)
             except asyncio.CancelledError:
+                if ticket.state is State.BOUND:  # bound, then cancelled before it woke
+                    self.finish(ticket)
                 self.core.leave(ticket)
                 raise
         if ticket.state is State.SHED:
