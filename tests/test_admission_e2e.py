@@ -221,3 +221,22 @@ async def test_the_engines_own_queue_teaches_the_router_its_limit(
         await until(lambda: held(stack) > 0, what="requests held at the router")
         answers = await asyncio.gather(*first, *later)
     assert all(a.status_code == 200 for a in answers)
+
+
+async def test_the_doctor_says_where_requests_wait(stacks: list[EngineStack]) -> None:
+    from router.observe.doctor import admission
+
+    stack, bodies = await start(engine_max_inflight=1, engine_queue=0)
+    stacks.append(stack)
+    auth = {"authorization": f"Bearer {ADMIN}"}
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+        workers = (await http.get("/admin/workers", headers=auth)).json()["workers"]
+        with httpx.Client(timeout=10) as sync:
+            idle = await asyncio.to_thread(admission, sync, stack.url, auth, workers)
+            first = asyncio.create_task(complete(http, 25))
+            await until(lambda: len(bodies.seen) == 1, what="the engine full")
+            full = await asyncio.to_thread(admission, sync, stack.url, auth, workers)
+        assert (await first).status_code == 200
+    assert [(c.worker, c.status) for c in idle] == [("w0", "ok"), ("-", "ok")]
+    assert [(c.worker, c.status) for c in full] == [("w0", "warn"), ("-", "warn")]
+    assert "limit 1, 1 in flight, room 0" in full[0].detail
