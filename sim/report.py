@@ -40,6 +40,8 @@ class Simulation(Protocol):
     @property
     def num_rejected(self) -> int: ...
     @property
+    def num_shed(self) -> int: ...
+    @property
     def counters(self) -> Counter[str]: ...
 
 
@@ -93,6 +95,8 @@ def summarize(sim: Simulation, wall_s: float) -> PolicyReport:
         "policy": sim.policy.name,
         "requests": len(sim.requests),
         "rejected": sim.num_rejected,
+        # turned away by admission at the router (sim.admission): no TTFT, not served
+        "shed": sim.num_shed,
         "hit_rate": (gpu + host) / tokens_in,
         "hit_rate_gpu": gpu / tokens_in,
         "hit_rate_host": host / tokens_in,

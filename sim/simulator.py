@@ -41,8 +41,10 @@ from index.prefix_index import PrefixIndex
 from policies import EngineCosts, PrefetchHint, WorkerView, make_policy
 from policies.base import NO_MATCH, expected_hit_blocks
 from policies.cost_model import uncached_tokens
+from router.admission.core import AdmissionSettings
 from router.workers.dp import target_id
 from router.workers.load import RunningPrefills
+from sim.admission import SimAdmission
 from sim.batch_engine import BatchEngine
 from sim.cache import PrefixCache
 from sim.report import PolicyReport, summarize
@@ -77,6 +79,9 @@ class SimConfig:
     groups_aware: bool = True
     # engine i runs on worker_costs[i] where given (a mixed pool), else on ``costs``
     worker_costs: tuple[EngineCosts, ...] = ()
+    # admission at the router (router.admission, sim.admission): requests wait at the
+    # router while the engines are full; None: each is routed as it arrives
+    admission: AdmissionSettings | None = None
 
 
 class Simulation:
@@ -162,6 +167,16 @@ class Simulation:
         self.done = 0
         self.num_rejected = 0
         self.counters: Counter[str] = Counter()
+        if config.admission is not None and config.prefill_workers:
+            raise ValueError("admission is simulated for pools of mixed engines only")
+        self.admission: SimAdmission | None = None
+        if config.admission is not None:
+            self.admission = SimAdmission(self, config.admission)
+
+    @property
+    def num_shed(self) -> int:
+        """Requests admission at the router turned away (none without it)."""
+        return 0 if self.admission is None else self.admission.shed
 
     # -- clock ------------------------------------------------------------------------
     def at(self, time_ms: float, fn: Callable[..., None], *args: object) -> None:
@@ -223,11 +238,20 @@ class Simulation:
 
     def _arrive(self, i: int) -> None:
         req = SimRequest.arrival(self.trace, i, self.block_size)
+        self.requests.append(req)
+        if self.admission is not None:
+            self.admission.arrive(req)  # routed now, later (``route``) or shed
+        else:
+            self.route(req)
+
+    def route(self, req: SimRequest, allowed: frozenset[str] | None = None) -> str:
+        """Route and submit ``req`` among the targets ``allowed`` (None: all); its target."""
         route = req.route
         hashes = route.block_hashes
-        self.requests.append(req)
         start = time.perf_counter()
         views = self._views(hashes)
+        if allowed is not None:
+            views = [v for v in views if v.worker_id in allowed]
         decision = self.policy.select(route, views)
         self.route_us.append((time.perf_counter() - start) * 1e6)
         w = self._engine_for(decision.worker_id)
@@ -250,9 +274,12 @@ class Simulation:
             req.hint_deadline_ms = decision.prefetch.deadline_ms
             self._prefetch(req, decision.prefetch)
         self.engines[w].submit(req, self.now)
+        return decision.worker_id
 
     def _sample(self) -> None:
         self.reported = [(e.running, e.num_waiting, e.cache.usage) for e in self.engines]
+        if self.admission is not None:
+            self.admission.sample()
         if self.done < len(self.trace.requests):
             self.at(self.now + self.config.load_interval_ms, self._sample)
 
@@ -320,6 +347,8 @@ class Simulation:
 
     def _close(self, req: SimRequest) -> None:
         self.policy.on_finish(req.route, self.engines[req.worker].source)
+        if self.admission is not None:
+            self.admission.ended(req)
         req.tokens = None  # type: ignore[assignment]  # free the prompt; metrics stay
         self.done += 1
         if self.progress is not None:

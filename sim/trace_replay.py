@@ -22,6 +22,7 @@ import orjson
 
 from index.groups import parse_groups
 from policies import POLICY_NAMES, EngineCosts, known_policies
+from router.admission.core import AdmissionSettings
 from sim.pd import PD_RULES, PdSimulation, parse_rule
 from sim.report import PolicyReport, write_json
 from sim.simulator import SimConfig, Simulation
@@ -32,6 +33,7 @@ _TRACE: Trace | None = None
 _PROGRESS: Any = None  # multiprocessing.Array of per-policy finished counts
 _PROGRESS_EVERY = 64
 _DEFAULTS = SimConfig()
+_ADMISSION = AdmissionSettings()
 
 _TABLE = (
     ("policy", "policy", "{}"),
@@ -41,6 +43,7 @@ _TABLE = (
     ("ttft_p90_ms", "p90", "{:.0f}"),
     ("ttft_p99_ms", "p99", "{:.0f}"),
     ("queue_mean_ms", "queue", "{:.0f}"),
+    ("shed", "shed", "{}"),
     ("prefill_load_max_over_mean", "load max/mean", "{:.2f}"),
     ("prefetch_tokens", "prefetch tok", "{}"),
     ("cache_loss", "loss", "{:.3f}"),
@@ -124,6 +127,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also run each policy behind a router blind to DP ranks (merged in the index, "
         "the engine picks the rank) or to the KV-cache groups (full attention matched "
         "alone), reported as 'POLICY (dp-blind)' / 'POLICY (groups-blind)'",
+    )
+    parser.add_argument(
+        "--admission",
+        choices=("off", "on", "both"),
+        default="off",
+        help="admission at the router (sim/admission.py): requests wait at the router "
+        "while the engines are full; both: each policy without it and with it, reported "
+        "as 'POLICY (admission)'",
+    )
+    parser.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=_ADMISSION.queue_timeout,
+        help="with --admission: seconds a request may wait at the router before it is shed",
+    )
+    parser.add_argument(
+        "--engine-queue",
+        type=int,
+        default=_ADMISSION.engine_queue,
+        help="with --admission: requests a full engine is still given",
     )
     parser.add_argument(
         "--local-prefill-tokens",
@@ -238,6 +261,8 @@ def _simulate(
 
     simulation = PdSimulation if config.prefill_workers else Simulation
     report = simulation(_TRACE, policy, config, policy_params=params, progress=progress).run()
+    if config.admission is not None:
+        report["policy"] = f"{report['policy']} (admission)"
     if not config.dp_aware:
         report["policy"] = f"{report['policy']} (dp-blind)"
     elif not config.groups_aware:
@@ -265,17 +290,23 @@ def replay_trace(
     jobs: int | None = None,
     blind: str | None = None,
     policy_params: dict[str, dict[str, Any]] | None = None,
+    admission: AdmissionSettings | None = None,
 ) -> list[PolicyReport]:
     """Run each policy over ``trace``, in parallel processes; reports in ``policies`` order
-    (with ``blind``, each followed by its run behind the blind router). ``policy_params``:
+    (with ``blind``, each followed by its run behind the blind router; with ``admission``,
+    each followed by its run with admission at the router). ``policy_params``:
     parameters by policy name (``bench/sweep.py --params``: the policy under test's)."""
     global _TRACE, _PROGRESS
     runs = [(p, config) for p in policies]
     if blind is not None:
         other = blind_config(config, blind)
         runs = [r for p in policies for r in ((p, config), (p, other))]
+    if admission is not None:
+        runs = [
+            r for p, c in runs for r in ((p, c), (p, dataclasses.replace(c, admission=admission)))
+        ]
     params = policy_params or {}
-    jobs = min(len(policies), jobs or os.cpu_count() or 1)
+    jobs = min(len(runs), jobs or os.cpu_count() or 1)
     show = sys.stderr.isatty()
     ctx = mp.get_context("fork")
     _TRACE = trace
@@ -377,7 +408,13 @@ def run(args: argparse.Namespace) -> int:
         kv_groups=args.kv_groups,
         group_blocks=args.group_blocks,
     )
-    results = replay_trace(trace, policies, config, jobs=args.jobs, blind=args.blind)
+    admission = AdmissionSettings(queue_timeout=args.queue_timeout, engine_queue=args.engine_queue)
+    if args.admission == "on":
+        config = dataclasses.replace(config, admission=admission)
+    both = admission if args.admission == "both" else None
+    results = replay_trace(
+        trace, policies, config, jobs=args.jobs, blind=args.blind, admission=both
+    )
     result = {
         "trace": str(args.trace),
         "workers": args.workers,
@@ -387,6 +424,8 @@ def run(args: argparse.Namespace) -> int:
         "kv_groups": args.kv_groups,
         "group_blocks": args.group_blocks,
         "blind": args.blind,
+        "admission": args.admission,
+        "queue_timeout": args.queue_timeout,
         "requests": len(trace.requests),
         "block_size": args.block_size,
         "l1_blocks": args.l1_blocks,

@@ -186,11 +186,13 @@ predict_ttl replica_id request_timeout share_interval stall_after subject_prefix
 tracing unhealthy_after pd_protocol pd_bootstrap_port pd_local_prefill_tokens decode_policy
 tokenize_threads tokenize_queue tokenize_timeout forward_token_ids prefix_cache_mb
 derive_session_key processes tokenize_processes
+admission queue_size queue_timeout engine_queue engine_max_inflight reserve_share
+priority_starve_after priority_starve_share tenant_header expected_output_tokens
 """.split()  # noqa: SIM905
 FLAG_NAMES = """
 --host --port --nats-url --block-size --policy --tokenizer --admin-token --subject-prefix
 --gateway --metrics-token --replica-id --events-transport --events-reader --tracing --pd-protocol
---pd-local-prefill-tokens --decode-policy --prefix-cache-mb
+--pd-local-prefill-tokens --decode-policy --prefix-cache-mb --queue-size --queue-timeout
 """.split()  # noqa: SIM905
 
 
@@ -214,8 +216,9 @@ def test_every_setting_keeps_its_toml_key_and_env_variable(tmp_path):
 
     assert sorted(SCALARS) == sorted(SCALAR_NAMES)
     assert sorted(TABLES) == [
-        "api_keys", "arms", "discovery", "models", "policy_params", "prefill_params", "workers"
-    ]
+        "api_keys", "arms", "discovery", "models", "policy_params", "prefill_params",
+        "tenants", "workers",
+    ]  # fmt: skip
     for name in SCALAR_NAMES:
         if name.startswith("nats_tls_") or name == "nats_credentials":
             continue  # must name a file: covered by tests/test_security.py

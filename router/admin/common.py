@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import httpx
 
     from policies.experiments import Experiment
+    from router.admission.gate import Gate
     from router.events.bus import Bus
     from router.events.consumer import EventSync
     from router.events.feed import EventFeed
@@ -74,6 +75,7 @@ class AdminDeps:
     feed: EventFeed | None = None
     capacity: CapacityWatch | None = None
     pd: PdRouter | None = None  # disaggregated pools' two-sided choice (router.pd.exchange)
+    gate: Gate | None = None  # admission at the router (router.admission)
 
 
 def json_response(obj: Any, status: int = 200) -> Response:

@@ -38,6 +38,9 @@ def mount(api: APIRouter, state: AdminDeps) -> None:
             decision = Decision(pd["decode"]["worker_id"], pd["decode"]["prefetch"],
                                 pd["decode"]["scores"], pd["decode"]["reason"])  # fmt: skip
         chosen = state.registry.target(decision.worker_id)
+        admission = None
+        if state.gate is not None and pd is None and prep.pinned is None:
+            admission = state.gate.explain(prep, request.headers.raw)
         return json_response(
             {
                 "request_id": prep.request.request_id,
@@ -56,6 +59,8 @@ def mount(api: APIRouter, state: AdminDeps) -> None:
                 },
                 "workers": rows(state, prep, decision, views),
                 **({} if pd is None else {"pd": pd}),
+                # where the request would wait, and why (router.admission.gate)
+                **({} if admission is None else {"admission": admission}),
             }
         )
 

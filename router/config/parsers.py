@@ -17,6 +17,7 @@ from urllib.parse import parse_qsl, urlsplit
 from index.groups import parse_groups
 from index.wire import worker_id_error
 from policies.experiments import Arm, parse_arm
+from router.admission.core import TenantSpec
 from router.config.settings import (
     DEFAULT_POOL,
     ROLES,
@@ -169,6 +170,45 @@ def _api_keys(value: Any, where: str) -> list[str]:
     return list(value)
 
 
+_TENANT_KEYS = frozenset(("weight", "tokens_per_second", "burst_tokens", "priority", "api_keys"))
+
+
+def _tenants(value: Any, where: str) -> dict[str, TenantSpec]:
+    """``[tenants.NAME]`` tables: ``weight``, ``tokens_per_second``, ``burst_tokens``,
+    ``priority`` (the default of its requests), ``api_keys`` (whose requests are its)."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: tenants must be a table of tables")
+    out: dict[str, TenantSpec] = {}
+    owner: dict[str, str] = {}
+    for name, raw in value.items():
+        at = f"{where} tenants.{name}"
+        if not isinstance(raw, Mapping) or not 0 < len(name) <= 128:
+            raise ConfigError(f"{at}: a tenant is a table named by 1-128 characters")
+        unknown = set(raw) - _TENANT_KEYS
+        if unknown:
+            raise ConfigError(f"{at}: unknown keys {sorted(unknown)}")
+        numbers = {k: raw[k] for k in ("weight", "tokens_per_second", "burst_tokens") if k in raw}
+        for key, number in numbers.items():
+            if isinstance(number, bool) or not isinstance(number, int | float) or not number > 0:
+                raise ConfigError(f"{at}: {key} must be a positive number")
+        priority = raw.get("priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ConfigError(f"{at}: priority must be an integer")
+        keys = _api_keys(raw.get("api_keys", []), at)
+        for key in keys:
+            if owner.setdefault(key, name) != name:
+                raise ConfigError(f"{at}: an API key of tenant {owner[key]!r} too")
+        rate, burst = numbers.get("tokens_per_second"), numbers.get("burst_tokens")
+        out[name] = TenantSpec(
+            weight=float(numbers.get("weight", 1.0)),
+            tokens_per_second=None if rate is None else float(rate),
+            burst_tokens=None if burst is None else float(burst),
+            priority=priority,
+            api_keys=tuple(keys),
+        )
+    return out
+
+
 # How each table setting is read from TOML (``where`` names the file in errors).
 TABLE_PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "policy_params": _params("policy_params"),
@@ -178,6 +218,7 @@ TABLE_PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "arms": _arms,
     "discovery": _discovery,
     "api_keys": _api_keys,
+    "tenants": _tenants,
 }
 
 

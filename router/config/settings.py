@@ -51,6 +51,7 @@ from typing import Any, Literal, NamedTuple, TypeVar
 
 from index.wire import DEFAULT_PREFIX
 from policies.experiments import Arm
+from router.admission.core import TenantSpec
 from router.workers.dp import DpField
 
 ENV_PREFIX = "CACHE_ROUTER_"
@@ -357,6 +358,34 @@ class ObserveSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class OverloadSettings:
+    """Admission at the router (``router.admission``): while the engines are full,
+    requests wait at the router in priority and fair-share order and are bound to a
+    worker when one has room; what cannot be served in time is shed at once (429/503,
+    ``Retry-After``). An engine never seen full holds nothing back, so the default (on)
+    costs unsaturated traffic nothing but a few microseconds."""
+
+    admission: bool = setting(True)  # off: every request goes to an engine at once
+    queue_size: int = setting(
+        1024, Range(1, 1 << 20), flag="requests held at the router at most (admission; 1024)"
+    )
+    queue_timeout: float = setting(
+        10.0, _DURATION, flag="seconds a request may wait at the router before a 503 (10)"
+    )
+    engine_queue: int = setting(1, Range(0, 1 << 20))  # requests a full engine still gets
+    engine_max_inflight: int | None = setting(None, _COUNT)  # a fixed engine limit; None: learnt
+    # a share of a full engine's slots kept for tenants under their fair share and for
+    # urgent requests (priority < 0)
+    reserve_share: float = setting(0.1, Range(0, 0.9))
+    priority_starve_after: float = setting(5.0, _DURATION)  # waited this long: its turn comes
+    priority_starve_share: int = setting(8, Range(2, 1 << 20))  # one dispatch in this many then
+    tenant_header: str = setting("x-tenant-id")  # names a request's tenant (after API keys)
+    # a request's answer counted in its tokens when it sets no max_tokens
+    expected_output_tokens: int = setting(256, Range(1, 1 << 31))
+    tenants: dict[str, TenantSpec] = table(dict)  # [tenants.NAME] weight, limits, keys
+
+
+@dataclass(frozen=True, kw_only=True)
 class FleetSettings:
     """The engines: listed, or found behind DNS names."""
 
@@ -377,6 +406,7 @@ class RouterConfig(
     NatsSettings,
     ReplicaSettings,
     ObserveSettings,
+    OverloadSettings,
     FleetSettings,
 ):
     """Every setting; built once by ``load_config`` (or directly, in tests), then read-only.

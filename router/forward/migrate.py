@@ -58,6 +58,7 @@ from router.http.errors import ApiError, sse_error
 from router.workers.load import WAITING, Flight
 
 if TYPE_CHECKING:
+    from router.admission.core import Ticket
     from router.forward.relay import Exchange, ProxyDeps
     from router.http.asgi import Message
     from router.observe.metrics import Series
@@ -409,6 +410,7 @@ class Legs(Protocol):
         exclude: set[str],
         trace: Trace | None,
         resend: Callable[[Cause], bool] | None = None,
+        ticket: Ticket | None = None,
     ) -> Leg: ...
 
     def close(self, leg: Leg, prep: Prepared, trace: Trace | None) -> None: ...
@@ -443,8 +445,10 @@ class Migration:
         raw: bytes,
         ex: Exchange,
         trace: Trace | None,
+        ticket: Ticket | None = None,
     ) -> None:
         self.proxy = proxy
+        self.ticket = ticket  # admission's binding, for the first leg only
         self.st = proxy.deps
         self.first = prep  # the client's request
         self.prep = prep  # the one being sent (a continuation after a break)
@@ -454,6 +458,10 @@ class Migration:
         self.trace = trace
         self.exclude: set[str] = set()
         self.moves = 0
+
+    def _take_ticket(self) -> Ticket | None:
+        ticket, self.ticket = self.ticket, None
+        return ticket
 
     def _move(self, cause: Cause) -> bool:
         """Take one of the ``migrate_max`` moves for ``cause`` (False: none left)."""
@@ -485,7 +493,7 @@ class Migration:
         while True:
             try:
                 leg = await proxy.open(self.prep, self.headers, self.raw, self.exclude,
-                                       self.trace, self._move)  # fmt: skip
+                                       self.trace, self._move, self._take_ticket())  # fmt: skip
             except ApiError as err:
                 if broke is None:
                     raise  # no engine broke under it: the router's own answer, as ever
@@ -522,7 +530,7 @@ class Migration:
         while True:
             try:
                 leg = await proxy.open(self.prep, self.headers, self.raw, self.exclude,
-                                       self.trace, self._move)  # fmt: skip
+                                       self.trace, self._move, self._take_ticket())  # fmt: skip
             except ApiError as err:
                 if not ex.started:
                     raise  # nothing reached the client: the error as a status, as ever

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from router.admission.gate import waiter
 from router.forward.migrate import Cause, Leg, Migration, cause_of, refusal
 from router.forward.relay import (
     CLUSTER_UNAVAILABLE,
@@ -44,6 +45,7 @@ from router.workers.load import WAITING, Flight
 
 if TYPE_CHECKING:
     from policies.base import Decision
+    from router.admission.core import Ticket
     from router.workers.registry import Worker
 
 log = logging.getLogger(__name__)
@@ -132,20 +134,36 @@ class Proxy:
         if st.pd is not None and st.pd.disaggregated(prep):  # prefill and decode engines
             await st.pd.forward(self, scope, raw, prep, ex)
             return
-        await self._forward(scope, raw, prep, ex, trace)
+        if st.gate is None or prep.pinned is not None:  # a stored response has one engine
+            await self._forward(scope, raw, prep, ex, trace)
+            return
+        # admission (router.admission): held here while the engines are full, or shed
+        ticket = await st.gate.enter(prep, scope["headers"])
+        try:
+            await self._forward(scope, raw, prep, ex, trace, ticket)
+        finally:
+            st.gate.finish(ticket)
 
     async def _forward(
-        self, scope: Scope, raw: bytes, prep: Prepared, ex: Exchange, trace: Trace | None
+        self,
+        scope: Scope,
+        raw: bytes,
+        prep: Prepared,
+        ex: Exchange,
+        trace: Trace | None,
+        ticket: Ticket | None = None,
     ) -> None:
+        """Send to the engine the policy chooses (admission's choice, with a ``ticket``,
+        for the first try) and stream its answer back."""
         st = self.deps
         headers = [(k, v) for k, v in scope["headers"] if k not in self.drop]
         if not any(k == b"x-request-id" for k, _ in headers):
             headers.append((b"x-request-id", prep.request.request_id.encode()))
         why = refusal(prep.parsed, st.cfg.gateway) if st.cfg.migrate_max else "off"
         if why is None:  # it moves to another engine if its engine breaks
-            await Migration(self, prep, headers, raw, ex, trace).run()
+            await Migration(self, prep, headers, raw, ex, trace, ticket).run()
             return
-        leg = await self.open(prep, headers, raw, set(), trace)
+        leg = await self.open(prep, headers, raw, set(), trace, ticket=ticket)
         try:
             remember = None
             if self.kind == "responses" and prep.parsed.body.get("store") is not False:
@@ -181,20 +199,25 @@ class Proxy:
         exclude: set[str],
         trace: Trace | None,
         resend: Callable[[Cause], bool] | None = None,
+        ticket: Ticket | None = None,
     ) -> Leg:
         """Decide and send until an engine answers with its status and headers: the
         next-best worker gets the request while nothing can have run on the last one
         (``Failure.retry``), or while ``resend`` allows it (a migratable request: it may
         have reached the engine, the engine broke before answering). ``ApiError`` when
-        no worker is left."""
+        no worker is left. With a ``ticket`` the first try goes where admission bound it."""
         st = self.deps
         req = prep.request
         arm = prep.arm
+        bound = None if ticket is None else waiter(ticket)
         out_raw, out_body = prep.engine_body(raw)
         broke: UpstreamError | None = None  # an engine broke under it and it moved on
         while True:
             try:
-                decision, views = st.router.decide(prep, exclude, trace)
+                if bound is not None and bound.decision is not None:  # bound by admission
+                    decision, views, bound = bound.decision, bound.views, None
+                else:
+                    decision, views = st.router.decide(prep, exclude, trace)
             except ApiError as err:
                 if broke is None:
                     raise
@@ -209,6 +232,8 @@ class Proxy:
             hit = hit_blocks(views, decision) * req.block_size
             prefetched = await self.hint(decision, prep)
             flight = worker.rank_load(rank).begin(max(0, req.num_tokens - hit))
+            if ticket is not None and st.gate is not None:
+                st.gate.started(ticket)
             failure: Failure | None = None
             error: UpstreamError | None = None
             sent, body = forward_rank(headers, out_raw, out_body, rank, worker.dp_field)

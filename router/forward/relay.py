@@ -24,6 +24,7 @@ from router.http.errors import ApiError, ErrorCode, ErrorKind
 if TYPE_CHECKING:
     from policies.base import Decision
     from policies.experiments import Experiment
+    from router.admission.gate import Gate
     from router.forward.hints import HintPublisher
     from router.forward.upstream import Response, Upstream
     from router.http.edge import Edge
@@ -83,6 +84,7 @@ class ProxyDeps:
     capacity: CapacityWatch | None = None
     tracing: Tracing | None = None  # None: off, and free
     pd: Disaggregation | None = None  # disaggregated pools (router.pd.exchange)
+    gate: Gate | None = None  # admission at the router (router.admission); None: off
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +167,7 @@ _CLOSE = [*_JSON, (b"connection", b"close")]
 async def send_error(send: Send, err: ApiError, close: bool = False) -> None:
     """The error response; ``close`` ends the connection (its request may be unread)."""
     body = err.body()
-    headers = [*(_CLOSE if close else _JSON), (b"content-length", b"%d" % len(body))]
+    headers = [*(_CLOSE if close else _JSON), (b"content-length", b"%d" % len(body)), *err.headers]
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 

@@ -27,6 +27,7 @@ from index.capacity import Sampling
 from policies.experiments import Arm, Experiment
 from router.admin.api import admin_router
 from router.admin.common import AdminDeps
+from router.admission.gate import AdmissionCollector, make_gate
 from router.config import ConfigError, PdSettings, RouterConfig
 from router.events.bus import Bus, nats_options
 from router.events.consumer import EventSync
@@ -146,6 +147,14 @@ class RouterState:
             self.metrics.add_collector(CapacityCollector(self.capacity, self.metrics))
         self.client: httpx.AsyncClient = _client(cfg)  # cold paths: health, scrapes
         self.upstream = Upstream()  # the hot path's engine connections
+        # admission at the router (router.admission); a gateway's workers are clusters
+        self.gate = (
+            make_gate(cfg, self.router, self.registry)
+            if cfg.admission and not cfg.gateway
+            else None
+        )
+        if self.gate is not None:
+            self.metrics.add_collector(AdmissionCollector(self.gate))
         self.pd = PdRouter(cfg.section(PdSettings), self.proxy_deps())  # disaggregated pools
         self._tasks: list[asyncio.Task[Any]] = []
 
@@ -165,6 +174,7 @@ class RouterState:
             capacity=self.capacity,
             tracing=self.tracing,
             pd=self.pd,
+            gate=self.gate,
         )
 
     def admin_deps(self) -> AdminDeps:
@@ -185,6 +195,7 @@ class RouterState:
             feed=self.feed,
             capacity=self.capacity,
             pd=self.pd,
+            gate=self.gate,
         )
 
     async def start(self) -> None:
@@ -220,6 +231,8 @@ class RouterState:
             self._tasks.append(asyncio.create_task(source.run(self.client), name="discovery"))
         if self.capacity is not None:
             self._tasks.append(asyncio.create_task(self.capacity.run(), name="capacity"))
+        if self.gate is not None:
+            self._tasks.append(asyncio.create_task(self.gate.run(), name="admission"))
 
     def _resync_worker(self, worker: Worker) -> None:
         for tid in worker.targets:  # each DP rank is its own event source

@@ -35,6 +35,9 @@ ErrorCode = Literal[
     # the mock engine's KV transfer failing, or pulled twice, or no decode engine joining
     # the SGLang bootstrap room (sim.mock.pd)
     "pd_no_transfer_params", "kv_transfer", "transfer_not_found", "bootstrap_timeout",
+    # admission at the router (router.admission): queue full, tenant over its token rate
+    # (429); the queue's wait past the deadline, now or later (503); all with Retry-After
+    "queue_full", "rate_limited", "overloaded", "queue_timeout",
     # the router itself
     "internal_error",
 ]  # fmt: skip
@@ -59,6 +62,8 @@ _TYPES = {
 
 class ApiError(Exception):
     """A request the router answers itself with ``status`` and an OpenAI error body."""
+
+    headers: tuple[tuple[bytes, bytes], ...] = ()  # sent with it (Retry-After)
 
     def __init__(
         self, status: int, message: str, code: ErrorCode, param: str | None = None

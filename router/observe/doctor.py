@@ -11,6 +11,8 @@ on one screen (``--json`` for scripts; exit status 1 when something is):
   hash can ever match;
 - hits: the router's predicted cached tokens against the engine-reported ones
   (the hit audit in ``/admin/index``), with its warnings.
+- admission: each engine's limit as the router learnt it, its load and room, and
+  whether a request would wait at the router now (``POST /admin/explain``).
 
 Each check says ok, warn, fail or skip (the engine cannot tell) and why.
 """
@@ -156,6 +158,34 @@ def diagnose(http: httpx.Client, router: str, token: str) -> list[Check]:
         else:
             status = "ok" if div is None or div == 0 else "warn"
             checks.append(Check(wid, "hits", status, detail))
+    checks.extend(admission(http, router, auth, workers.json()["workers"]))
+    return checks
+
+
+def admission(
+    http: httpx.Client, router: str, auth: dict[str, str], workers: list[dict[str, Any]]
+) -> list[Check]:
+    """Where a probe request would wait (router.admission): warn when it would be held."""
+    model = next((m for w in workers for m in sorted(w["models"])), None)
+    if model is None:
+        return []
+    r = http.post(router + "/admin/explain", headers=auth, json={"model": model, "prompt": PROBE})
+    found = r.json().get("admission") if r.status_code == 200 else None
+    if found is None:
+        return [Check("-", "admission", "skip", "off (or the probe was not routable)")]
+    checks = []
+    for wid, w in found["workers"].items():
+        if w["limit"] is None:
+            checks.append(Check(wid, "admission", "ok", "never seen full: nothing held"))
+        else:
+            room = w["room"]
+            detail = f"limit {w['limit']}, {w['inflight']} in flight, room {room}"
+            checks.append(Check(wid, "admission", "ok" if room > 0 else "warn", detail))
+    held = found["queued"]["queued"]
+    status = "ok" if found["would"].startswith("bound") else "warn"
+    checks.append(
+        Check("-", "admission", status, f"{held} held; a request would be {found['would']}")
+    )
     return checks
 
 

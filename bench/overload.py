@@ -1,0 +1,356 @@
+"""Past saturation: admission at the router against the policies without it (issue 31).
+
+Two mock engines of known capacity (``--max-num-seqs 4``, ``--decode-tps 100``, answers
+of 20 tokens) behind one ``cache-router serve`` per configuration (a policy, admission
+on or off). The pool's capacity C is measured first (requests/s, closed loop at twice
+the engines' slots). Then, per configuration and per offered load L (multiples of C),
+for ``--duration`` seconds, three open-loop Poisson streams of streamed completions:
+
+- ``steady``: tenant ``steady``, priority 0, ``--steady-share`` of C (the well-behaved
+  tenant, far under its half of the pool);
+- ``urgent``: tenant ``flood``, priority -10, ``--urgent-share`` of C (urgent requests:
+  strict priority comes before fair shares);
+- ``flood``: tenant ``flood``, priority 0, the rest of L x C (at L = 3 about 5.5x its
+  half of the pool).
+
+Tenants travel in ``x-tenant-id``, priorities in the body's ``priority`` (vLLM's field).
+A baseline run without the flood gives each stream's TTFT "alone". Reported per run:
+each stream's TTFT p50/p99 (time to the first token chunk), the steady stream's p99
+over its baseline and the urgent one's over its unloaded value, goodput (requests/s
+answered 200 with TTFT within ``--slo``), shed answers by code with their latency (a
+``queue_timeout`` counted from its deadline) and whether each carried ``Retry-After``,
+and *lost*: requests with no complete answer (an error, a cut stream, no answer within
+``--client-timeout``).
+
+    flock /tmp/cpu-heavy.lock python bench/overload.py [--loads 0.5,1,2,3] [--duration 6]
+
+Prints one JSON object; never asserts. The router's admission settings come from its
+config (defaults; ``--queue-timeout`` here sets ``CACHE_ROUTER_QUEUE_TIMEOUT``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.load import http_get, processes, wait_ready  # noqa: E402
+from router.forward.upstream import Upstream, UpstreamError  # noqa: E402
+from sim.mock.natsd import free_ports  # noqa: E402
+
+MODEL = "overload-model"
+MAX_TOKENS = 20
+STREAMS = ("steady", "urgent", "flood")
+# stream -> (tenant, priority)
+WHO = {"steady": ("steady", 0), "urgent": ("flood", -10), "flood": ("flood", 0)}
+
+
+@dataclass
+class Outcome:
+    stream: str
+    sent: float
+    status: int = 0
+    ttft: float | None = None  # seconds to the first token chunk
+    answered: float | None = None  # seconds to the response's head (shed answers)
+    code: str = ""
+    retry_after: bool = False
+    complete: bool = False
+    error: str = ""
+
+
+@dataclass
+class Run:
+    outcomes: list[Outcome] = field(default_factory=list)
+
+
+def _body(stream: str, i: int) -> bytes:
+    tenant, priority = WHO[stream]
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "prompt": f"{tenant} request {i}: write twenty short words about queues, please.",
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    if priority:
+        body["priority"] = priority
+    return orjson.dumps(body)
+
+
+async def _one(
+    upstream: Upstream, url: str, stream: str, i: int, timeout: float, out: list[Outcome]
+) -> None:
+    tenant, _ = WHO[stream]
+    headers = [(b"content-type", b"application/json"), (b"x-tenant-id", tenant.encode())]
+    o = Outcome(stream, time.perf_counter())
+    out.append(o)
+    try:
+        async with asyncio.timeout(timeout):
+            resp = await upstream.send(url, "/v1/completions", headers, _body(stream, i), timeout)
+            o.status = resp.status
+            o.answered = time.perf_counter() - o.sent
+            o.retry_after = resp.header(b"retry-after") is not None
+            body = b""
+            try:
+                async for chunk in resp.chunks(timeout):
+                    if o.ttft is None and resp.status == 200 and b'"text"' in chunk:
+                        o.ttft = time.perf_counter() - o.sent
+                    body += chunk
+            finally:
+                resp.close()
+    except TimeoutError:
+        o.error = "client_timeout"
+        return
+    except UpstreamError as exc:
+        o.error = type(exc).__name__
+        return
+    if o.status == 200:
+        o.complete = body.rstrip().endswith(b"data: [DONE]") and b'"error"' not in body
+        if not o.complete:
+            o.error = "incomplete"
+    else:
+        try:
+            o.code = orjson.loads(body)["error"]["code"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            o.code = "?"
+
+
+async def _offer(
+    url: str, rates: dict[str, float], duration: float, timeout: float, seed: int
+) -> Run:
+    """Open loop: each stream a Poisson process at its rate for ``duration`` seconds."""
+    upstream = Upstream(connect_timeout=10.0, max_idle=512)
+    run = Run()
+    tasks: list[asyncio.Task[None]] = []
+
+    async def stream(name: str, rate: float) -> None:
+        rng = random.Random(f"{seed}:{name}")
+        t0 = time.perf_counter()
+        at, i = 0.0, 0
+        while rate > 0:
+            at += rng.expovariate(rate)
+            if at >= duration:
+                return
+            delay = t0 + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(_one(upstream, url, name, i, timeout, run.outcomes)))
+            i += 1
+
+    await asyncio.gather(*(stream(n, r) for n, r in rates.items()))
+    await asyncio.gather(*tasks)
+    upstream.close()
+    return run
+
+
+async def _capacity(url: str, seconds: float, concurrency: int) -> float:
+    """Requests/s of the pool, closed loop (``concurrency`` clients, no think time)."""
+    upstream = Upstream(connect_timeout=10.0, max_idle=concurrency)
+    done = 0
+    end = time.perf_counter() + seconds
+    out: list[Outcome] = []
+
+    async def client(k: int) -> None:
+        nonlocal done
+        i = 0
+        while time.perf_counter() < end:
+            await _one(upstream, url, "steady", k * 100_000 + i, 30.0, out)
+            i += 1
+            done += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(k) for k in range(concurrency)))
+    upstream.close()
+    return done / (time.perf_counter() - t0)
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def _summary(run: Run, duration: float, slo: float, queue_timeout: float) -> dict[str, Any]:
+    by: dict[str, list[Outcome]] = defaultdict(list)
+    for o in run.outcomes:
+        by[o.stream].append(o)
+    streams = {}
+    for name, outs in by.items():
+        ttft = [o.ttft for o in outs if o.ttft is not None and o.complete]
+        streams[name] = {
+            "sent": len(outs),
+            "ok": sum(o.complete for o in outs),
+            "ttft_p50_s": _pct(ttft, 0.5),
+            "ttft_p99_s": _pct(ttft, 0.99),
+            "shed": sum(o.status in (429, 503) for o in outs),
+        }
+    shed = [o for o in run.outcomes if o.status in (429, 503)]
+    shed_latency = [
+        (o.answered or 0.0) - (queue_timeout if o.code == "queue_timeout" else 0.0) for o in shed
+    ]
+    good = [o for o in run.outcomes if o.complete and o.ttft is not None and o.ttft <= slo]
+    lost = [o for o in run.outcomes if not o.complete and o.status not in (429, 503)]
+    return {
+        "sent": len(run.outcomes),
+        "ok": sum(o.complete for o in run.outcomes),
+        "goodput_rps": len(good) / duration,
+        "streams": streams,
+        "shed": dict(Counter(f"{o.status} {o.code}" for o in shed)),
+        "shed_without_retry_after": sum(not o.retry_after for o in shed),
+        "shed_answer_p50_ms": None if not shed else 1000 * (_pct(shed_latency, 0.5) or 0.0),
+        "shed_answer_max_ms": None if not shed else 1000 * max(shed_latency),
+        "lost": len(lost),
+        "lost_by": dict(Counter(o.error or f"status {o.status} {o.code}" for o in lost)),
+    }
+
+
+def _idle(ports: list[int], timeout: float = 120.0) -> None:
+    """Wait until no engine runs or queues anything (the last run's backlog drained)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        busy = 0.0
+        for port in ports:
+            for line in http_get(port, "/metrics")[1].decode().splitlines():
+                if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
+                    busy += float(line.rsplit(" ", 1)[1])
+        if busy == 0:
+            return
+        time.sleep(0.2)
+
+
+def _router(procs: list[subprocess.Popen[bytes]], port: int, engines: list[int], policy: str,
+            admission: bool, args: argparse.Namespace) -> subprocess.Popen[bytes]:  # fmt: skip
+    env = {
+        **os.environ,
+        "CACHE_ROUTER_ADMISSION": "true" if admission else "false",
+        "CACHE_ROUTER_QUEUE_TIMEOUT": str(args.queue_timeout),
+        # the engines' load as /metrics scrapes, 4 a second (no NATS in this run)
+        "CACHE_ROUTER_HEALTH_INTERVAL": "0.25",
+        "CACHE_ROUTER_LOAD_STALE_AFTER": "0.2",
+    }
+    workers = [f"--worker=e{i}=http://127.0.0.1:{p}" for i, p in enumerate(engines)]
+    cmd = [sys.executable, "-m", "router.cli", "serve", "--port", str(port), "--policy", policy,
+           "--log-level", "error", *workers]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    procs.append(proc)
+    wait_ready(port, proc)
+    return proc
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    py = sys.executable
+    quiet = {"cwd": ROOT, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    configs = [(p, False) for p in args.policies.split(",")]
+    configs += [(p, True) for p in args.admission_policies.split(",") if p]
+    loads = [float(x) for x in args.loads.split(",")]
+    results: list[dict[str, Any]] = []
+    with processes() as procs:
+        engine_ports = free_ports(2)
+        for i, port in enumerate(engine_ports):
+            cmd = [py, "-m", "router.cli", "mock-engine", "--port", str(port), "--model", MODEL,
+                   "--worker-id", f"e{i}", "--max-num-seqs", str(args.max_num_seqs),
+                   "--decode-tps", str(args.decode_tps), "--log-level", "WARNING"]  # fmt: skip
+            procs.append(subprocess.Popen(cmd, **quiet))  # type: ignore[call-overload]
+        for port, proc in zip(engine_ports, procs, strict=True):
+            wait_ready(port, proc)
+        # the pool's capacity, and each stream alone, through a router without admission
+        (port,) = free_ports(1)
+        router = _router(procs, port, engine_ports, "least_load", False, args)
+        url = f"http://127.0.0.1:{port}"
+        capacity = asyncio.run(_capacity(url, args.capacity_seconds, 4 * args.max_num_seqs))
+        _idle(engine_ports)
+        rates = {"steady": args.steady_share * capacity, "urgent": args.urgent_share * capacity}
+        alone = _summary(
+            asyncio.run(_offer(url, rates, args.duration, args.client_timeout, args.seed)),
+            args.duration, args.slo, args.queue_timeout,
+        )  # fmt: skip
+        router.terminate()
+        router.wait(10)
+        base = {s: alone["streams"][s]["ttft_p99_s"] for s in ("steady", "urgent")}
+        for policy, admission in configs:
+            (port,) = free_ports(1)
+            router = _router(procs, port, engine_ports, policy, admission, args)
+            url = f"http://127.0.0.1:{port}"
+            for load in loads:
+                _idle(engine_ports)
+                flood = max(0.0, load * capacity - rates["steady"] - rates["urgent"])
+                offered = {**rates, "flood": flood}
+                t0 = time.perf_counter()
+                run_ = asyncio.run(
+                    _offer(url, offered, args.duration, args.client_timeout, args.seed)
+                )
+                summary = _summary(run_, args.duration, args.slo, args.queue_timeout)
+                st = summary["streams"]
+                steady = st.get("steady", {}).get("ttft_p99_s")
+                urgent = st.get("urgent", {}).get("ttft_p99_s")
+                results.append(
+                    {
+                        "policy": policy,
+                        "admission": admission,
+                        "load": load,
+                        "offered_rps": {k: round(v, 2) for k, v in offered.items()},
+                        "steady_p99_over_alone": _ratio(steady, base["steady"]),
+                        "urgent_p99_over_unloaded": _ratio(urgent, base["urgent"]),
+                        **summary,
+                        "wall_s": round(time.perf_counter() - t0, 1),
+                    }
+                )  # fmt: skip
+                print(orjson.dumps(results[-1]).decode(), file=sys.stderr)
+            router.terminate()
+            router.wait(10)
+    return {
+        "engines": 2,
+        "max_num_seqs": args.max_num_seqs,
+        "decode_tps": args.decode_tps,
+        "max_tokens": MAX_TOKENS,
+        "capacity_rps": round(capacity, 2),
+        "slo_ttft_s": args.slo,
+        "duration_s": args.duration,
+        "queue_timeout_s": args.queue_timeout,
+        "alone": alone,
+        "cpu_count": os.cpu_count(),
+        "results": results,
+    }
+
+
+def _ratio(value: float | None, base: float | None) -> float | None:
+    return None if value is None or not base else round(value / base, 2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--loads", default="0.5,1,2,3", help="offered load, multiples of capacity")
+    ap.add_argument("--duration", type=float, default=6.0, help="seconds of load per run")
+    ap.add_argument("--policies", default="cache_aware,least_load,dynamo_kv,sglang_cache_aware")
+    ap.add_argument("--admission-policies", default="cache_aware,least_load",
+                    help="policies also run with admission on")  # fmt: skip
+    ap.add_argument("--max-num-seqs", type=int, default=4)
+    ap.add_argument("--decode-tps", type=float, default=100.0)
+    ap.add_argument("--steady-share", type=float, default=0.12)
+    ap.add_argument("--urgent-share", type=float, default=0.1)
+    ap.add_argument("--slo", type=float, default=0.5, help="goodput's TTFT bound, seconds")
+    ap.add_argument("--queue-timeout", type=float, default=2.0)
+    ap.add_argument("--client-timeout", type=float, default=60.0)
+    ap.add_argument("--capacity-seconds", type=float, default=4.0)
+    ap.add_argument("--seed", type=int, default=0)
+    print(orjson.dumps(run(ap.parse_args()), option=orjson.OPT_INDENT_2).decode())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""How many requests each engine takes before it queues, learnt from what it reports.
+
+An engine that reports requests waiting may be full: the requests it runs at that
+moment may be all it can run (``max_num_seqs``, or as many as its KV cache holds). Its
+limit is the most it was seen running, with requests waiting, over the last ``WINDOW``
+seconds (or without any waiting, above that). The most, because a request that arrived
+during a step waits for the next one whatever room the engine has: on the simulator's
+chat trace at 2x load the engines showed 1-3 waiting at 7-45 running, every 500 ms,
+their KV caches a third full, and taking each report's running as the limit held at
+the router what the engines had room for (TTFT p50 161 ms -> 3.9 s). Within a window,
+because a limit set by long prompts in a full cache must come down when they go.
+
+More waiting than the router means to leave there (below), in two reports in a row,
+says the engine runs fewer now (its KV cache filled): its limit comes down by an
+eighth, or to what it runs if that is more. On the same trace at 3x load, running fell
+from 117 to 56 with the cache full and 73 waiting behind a limit of 117 (TTFT p50 7.0 s;
+2.1 s with the cut); cut on one report, not two, the 2x run's p90 went 2.8 -> 5.4 s.
+
+An engine never seen with more requests waiting than its headroom (below), nor with any
+in two reports in a row, has no limit: the router holds nothing for it, so traffic that
+never saturates an engine never waits at the router (a request between two steps
+waiting is no saturation). On the simulator's chat trace (three seeds, 2x and 3x load)
+learning from the first report with any waiting cost a load the engines carried alone
+(seed 3 at 2x: TTFT p90 0.38 s without admission, 3.1 s with; 0.38 s with this rule)
+and doubled the 3x runs' p50; it learnt sooner where the prefix holders piled up (seed 1
+at 2x: p90 2.8 s, 7.9 s with this rule, 33 s without admission).
+
+A worker is open while the router's in-flight requests on it are below its limit plus
+``engine_queue`` or an eighth of the limit, whichever is more (requests allowed to wait
+in the engine, so a slot freed there is filled without a round trip through the router;
+and the limit can rise, since the engine is offered more than its limit).
+
+Some of a full engine's slots (``reserve``, a share of its limit, at least one slot
+left) are kept for entitled requests, those of a tenant under its fair share or urgent
+(``router.admission.core``): a request of a tenant flooding the pool never takes them,
+so the next request of a well-behaved tenant finds an idle slot instead of waiting for
+one to free (on bench/overload.py's mock pool, slots free every ~28 ms at random: a
+wait of up to ~130 ms at p99, three times the 44 ms TTFT of the tenant alone).
+
+``max_inflight`` fixes every limit instead (engines that report no load).
+"""
+
+from __future__ import annotations
+
+import math
+
+# How much a new interval between two ends on a worker moves its average: about the
+# last eight, enough to follow a load change within a second at mock-engine rates.
+_ALPHA = 0.125
+WINDOW = 30.0  # seconds a limit is remembered without being seen again
+# A full engine is offered an eighth more than its limit (at least ``engine_queue``):
+# an engine whose limit was learnt low runs them all, with none waiting, and raises it
+# by as much at each report, instead of by ``engine_queue``.
+PROBE = 8
+
+
+class Capacity:
+    """Per-worker limits and the pace at which their slots free; plain and synchronous."""
+
+    __slots__ = (
+        "_freed_at", "_interval", "_limits", "_over", "_queued", "engine_queue", "max_inflight",
+        "reserve",
+    )  # fmt: skip
+    # worker -> (the limit, the window's start, the most seen running in this window)
+
+    def __init__(
+        self, engine_queue: int = 1, max_inflight: int | None = None, reserve: float = 0.0
+    ) -> None:
+        if engine_queue < 0 or (max_inflight is not None and max_inflight < 1):
+            raise ValueError("engine_queue must be >= 0 and max_inflight >= 1")
+        if not 0.0 <= reserve < 1.0:
+            raise ValueError("reserve must be in [0, 1)")
+        self.engine_queue = engine_queue
+        self.reserve = reserve
+        self.max_inflight = max_inflight
+        self._limits: dict[str, tuple[int, float, int]] = {}
+        self._freed_at: dict[str, float] = {}
+        self._interval: dict[str, float] = {}  # seconds between two slots freeing
+        self._over: set[str] = set()  # workers whose last report had too many waiting
+        self._queued: set[str] = set()  # workers whose last report had any waiting
+
+    @property
+    def limited(self) -> bool:
+        """Whether any worker has a limit (none: nothing is ever held)."""
+        return self.max_inflight is not None or bool(self._limits)
+
+    def limit(self, worker: str) -> int | None:
+        """Requests the worker runs before it queues (None: never seen full)."""
+        if self.max_inflight is not None:
+            return self.max_inflight
+        found = self._limits.get(worker)
+        return None if found is None else found[0]
+
+    def report(self, worker: str, running: int | None, waiting: int | None, now: float) -> bool:
+        """An engine's load report at ``now``; whether the worker's limit changed."""
+        if running is None or waiting is None:
+            return False
+        found = self._limits.get(worker)
+        old = None if found is None else found[0]
+        if found is not None and now - found[1] >= WINDOW:
+            # a new window: the last one's peak is the limit, none if it was never full
+            found = None if found[2] == 0 else (found[2], now, 0)
+        if found is None:
+            # more waiting than a full engine is left, or any twice in a row: no burst
+            if waiting > self.headroom(running) or (waiting > 0 and worker in self._queued):
+                found = (max(1, running), now, max(1, running))
+        else:
+            limit, since, peak = found
+            over = waiting > self.headroom(limit)
+            if over and worker in self._over:  # more waiting than meant, twice: it holds fewer
+                lower = max(1, running, limit - max(1, limit // PROBE))
+                found = (lower, since, lower)
+            else:
+                if waiting > 0 or running >= limit:  # full, or as busy as when it was
+                    peak = max(peak, running, 1)
+                found = (max(limit, peak), since, peak)
+            (self._over.add if over else self._over.discard)(worker)
+        (self._queued.add if waiting > 0 else self._queued.discard)(worker)
+        if found is None:
+            self._limits.pop(worker, None)
+            return old is not None
+        self._limits[worker] = found
+        return found[0] != old
+
+    def room(self, worker: str, inflight: int, entitled: bool = True) -> int:
+        """Requests the worker can take now (a large number without a limit): all its
+        slots and its headroom for an ``entitled`` request, else its slots but the
+        reserved ones (``reserved``)."""
+        limit = self.limit(worker)
+        if limit is None:
+            return 1 << 30
+        if entitled:
+            return limit + self.headroom(limit) - inflight
+        return limit - self.reserved(limit) - inflight
+
+    def reserved(self, limit: int) -> int:
+        """Slots of a full engine of ``limit`` kept for entitled requests (at least one
+        left for the others)."""
+        return 0 if self.reserve <= 0 else min(limit - 1, math.ceil(limit * self.reserve))
+
+    def headroom(self, limit: int) -> int:
+        """Requests a full engine of ``limit`` may hold waiting."""
+        return max(self.engine_queue, limit // PROBE)
+
+    def freed(self, worker: str, now: float) -> None:
+        """A request on ``worker`` ended: its slot is free."""
+        last = self._freed_at.get(worker)
+        self._freed_at[worker] = now
+        if last is not None:
+            gap = now - last
+            old = self._interval.get(worker)
+            self._interval[worker] = gap if old is None else old + _ALPHA * (gap - old)
+
+    def free_in(self, worker: str) -> float:
+        """Seconds until a slot on ``worker`` is expected to free (inf: unknown)."""
+        return self._interval.get(worker, math.inf)
+
+    def forget(self, worker: str) -> None:
+        """The worker left the pool."""
+        for table in (self._limits, self._freed_at, self._interval):
+            table.pop(worker, None)
+
+    def snapshot(self, worker: str) -> dict[str, float | int | None]:
+        interval = self._interval.get(worker)
+        return {"limit": self.limit(worker), "free_every_s": interval}

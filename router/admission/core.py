@@ -1,0 +1,569 @@
+"""Admission: which held request goes next, where, and which is refused at once.
+
+Plain and synchronous, on an injected clock (seconds): the router drives it from its
+event loop, the simulator from its virtual clock, the tests from a fake one.
+
+A request becomes a ``Ticket`` (tenant, priority, tokens, the workers it may go to and
+how much prefill each one's cache saves it). ``Admission.arrive`` either binds it at
+once, through the ``bind`` callback (the caller runs its routing policy among the
+workers it is allowed and starts the request there), or holds it, or sheds it. Held
+tickets are bound by ``pump``, run whenever capacity may have freed (a request ended,
+an engine reported), in this order:
+
+1. strict priority: the lowest ``priority`` first (vLLM's convention), except that once
+   a ticket has waited ``starve_after`` seconds, one dispatch in ``starve_share`` goes to
+   the oldest such ticket even while more urgent ones wait (the anti-starvation bound:
+   a lower priority keeps a known share of the pool, an urgent one loses at most that);
+2. within a priority, the tenant with the lowest virtual token counter (``fair``);
+3. within a tenant, arrival order.
+
+Late binding: a ticket is bound only when a worker it may use has room (``capacity``),
+so it goes where the capacity is at that moment, not where it was when it came. It
+keeps its affinity: if its prefix holder is full but another worker is open, it waits
+for the holder when a slot there is expected to free sooner than the prefill its cache
+saves, and at most that long in all (waiting never costs more than recomputing would).
+
+Shedding is immediate: a full queue (429 ``queue_full``; the newcomer takes the place
+of the worst queued ticket when it ranks above it, that one is shed instead), a tenant
+over its token rate (429 ``rate_limited``), a wait that the queue's drain rate says
+cannot end before the deadline (503 ``overloaded``). A ticket still queued at its
+deadline is shed by its holder with ``expire`` (503 ``queue_timeout``). Every shed
+carries a ``Retry-After`` estimate.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from router.admission.capacity import Capacity
+from router.admission.fair import TokenBucket, VirtualCounters, retry_after
+from router.admission.stats import AdmissionStats
+
+ShedCode = Literal["queue_full", "rate_limited", "overloaded", "queue_timeout"]
+SHED_STATUS: Mapping[ShedCode, int] = {
+    "queue_full": 429, "rate_limited": 429, "overloaded": 503, "queue_timeout": 503,
+}  # fmt: skip
+# tickets of one tenant looked at per pump: one held for its prefix holder does not
+# block the next, which may go elsewhere (or be for another pool). Bounded, since a
+# pump with nothing to bind looks at all of them; a hold lasts no longer than a
+# recompute, so a ticket further back waits at most that long for its turn to be seen.
+# (4 blocked the simulator's chat trace: TTFT p50 161 ms -> 5.5 s behind four tickets
+# holding for one full engine while three others idled.)
+LOOKAHEAD = 32
+# How much a new interval between two dispatches moves the queue's drain estimate.
+_ALPHA = 0.125
+# A tenant counts as active (shares the pool) this long after its last request: longer
+# than the gap between two requests of a steady tenant, so that it is still counted
+# when its next one comes.
+ACTIVE = 2.0
+MAX_SEEN = 4096  # tenants remembered as seen before the quiet ones are forgotten
+
+
+@dataclass(frozen=True, slots=True)
+class TenantSpec:
+    """One tenant's share and limits (``[tenants.<name>]`` in the router's config)."""
+
+    weight: float = 1.0  # its share of a saturated pool, relative to the others'
+    tokens_per_second: float | None = None  # its token-rate limit (None: none)
+    burst_tokens: float | None = None  # saved-up tokens (None: ten seconds of the rate)
+    priority: int = 0  # the priority of its requests that name none
+    api_keys: tuple[str, ...] = ()  # the API keys whose requests are its
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionSettings:
+    queue_size: int = 1024  # tickets held at once
+    queue_timeout: float = 10.0  # seconds a ticket may wait before it is shed
+    engine_queue: int = 1  # requests a full engine is still given (see ``capacity``)
+    max_inflight: int | None = None  # a fixed per-worker limit (None: learnt)
+    starve_after: float = 5.0
+    starve_share: int = 8
+    # a share of each full engine's slots kept for requests of tenants under their fair
+    # share, and urgent ones (priority < 0); see ``capacity``
+    reserve: float = 0.1
+    tenants: Mapping[str, TenantSpec] = field(default_factory=dict)
+
+
+class State(enum.Enum):
+    NEW = "new"
+    QUEUED = "queued"
+    BOUND = "bound"  # on a worker (or its bind found none: ``worker`` is None)
+    SHED = "shed"
+    LEFT = "left"  # its client went away while it was held
+    DONE = "done"
+
+
+@dataclass(frozen=True, slots=True)
+class Shed:
+    status: int
+    code: ShedCode
+    message: str
+    retry_after: int  # seconds
+
+
+class Ticket:
+    """One request as admission sees it; ``payload`` is the caller's (its waiter)."""
+
+    __slots__ = (
+        "arrival",
+        "candidates",
+        "charged",
+        "deadline",
+        "offered",
+        "output_tokens",
+        "payload",
+        "priority",
+        "prompt_tokens",
+        "saved",
+        "seq",
+        "shed",
+        "state",
+        "tenant",
+        "worker",
+    )
+
+    def __init__(
+        self,
+        tenant: str,
+        priority: int,
+        prompt_tokens: int,
+        output_tokens: int,
+        candidates: tuple[str, ...],
+        saved: Mapping[str, float] | None = None,
+        payload: object = None,
+    ) -> None:
+        self.tenant = tenant
+        self.priority = priority
+        self.prompt_tokens = prompt_tokens
+        self.output_tokens = output_tokens  # expected; settled by ``Admission.finish``
+        self.candidates = candidates
+        self.saved = saved or {}  # seconds of prefill each worker's cache saves
+        self.payload = payload
+        self.state = State.NEW
+        self.worker: str | None = None
+        self.shed: Shed | None = None
+        self.seq = 0
+        self.arrival = 0.0
+        self.deadline = math.inf
+        self.charged = -1  # the busy period whose fair-share counters it was charged in
+        self.offered = math.inf  # when a worker without its prefix first had room
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+
+# ``bind(ticket, allowed)``: route the ticket among ``allowed`` and start it; the worker
+# chosen (None: it could not be placed, the caller answers it). ``shed(ticket)``: a
+# queued ticket was shed by someone else's arrival; answer it with ``ticket.shed``.
+Bind = Callable[[Ticket, frozenset[str]], "str | None"]
+ShedHook = Callable[[Ticket], None]
+
+
+class Admission:
+    def __init__(
+        self,
+        settings: AdmissionSettings,
+        inflight: Callable[[str], int],
+        bind: Bind,
+        shed: ShedHook,
+        clock: Callable[[], float],
+    ) -> None:
+        self.settings = settings
+        self.capacity = Capacity(settings.engine_queue, settings.max_inflight, settings.reserve)
+        self.stats = AdmissionStats(settings.tenants)
+        self._inflight = inflight
+        self._bind = bind
+        self._on_shed = shed
+        self._clock = clock
+        self._vtc = VirtualCounters(self.weight)
+        self._buckets: dict[str, TokenBucket] = {}
+        # priority -> tenant -> its queued tickets in arrival order
+        self._levels: dict[int, dict[str, deque[Ticket]]] = {}
+        self._held: dict[int, Ticket] = {}  # seq -> ticket, in arrival order
+        self._backlog: Counter[str] = Counter()  # tokens held per tenant
+        self._seq = 0
+        self._skips = 0  # dispatches that passed over a starved ticket
+        self._drain: float | None = None  # seconds between dispatches while held
+        self._last_dispatch = -math.inf
+        self._period = 0  # busy periods (a backlog, until it empties) so far
+        self._flying: Counter[str] = Counter()  # bound tickets not finished, per tenant
+        self._seen: dict[str, float] = {}  # tenant -> its last arrival
+
+    # -- tenants ------------------------------------------------------------------------
+    def spec(self, tenant: str) -> TenantSpec:
+        return self.settings.tenants.get(tenant) or _DEFAULT
+
+    def weight(self, tenant: str) -> float:
+        return self.spec(tenant).weight
+
+    def default_priority(self, tenant: str) -> int:
+        return self.spec(tenant).priority
+
+    def _bucket(self, tenant: str, now: float) -> TokenBucket | None:
+        spec = self.settings.tenants.get(tenant)
+        if spec is None or spec.tokens_per_second is None:
+            return None
+        bucket = self._buckets.get(tenant)
+        if bucket is None:
+            burst = spec.burst_tokens or spec.tokens_per_second * 10.0
+            bucket = self._buckets[tenant] = TokenBucket(spec.tokens_per_second, burst, now)
+        return bucket
+
+    # -- the life of a ticket -------------------------------------------------------------
+    @property
+    def queued(self) -> int:
+        return len(self._held)
+
+    def arrive(self, ticket: Ticket) -> State:
+        """Bind, hold or shed a new ticket; its ``state`` says which (and ``worker`` or
+        ``shed`` the rest)."""
+        now = self._clock()
+        self._seq += 1
+        ticket.seq, ticket.arrival = self._seq, now
+        self._saw(ticket.tenant, now)
+        ticket.deadline = now + self.settings.queue_timeout
+        bucket = self._bucket(ticket.tenant, now)
+        if bucket is not None:
+            wait = bucket.take(ticket.tokens, now)
+            if wait > 0:
+                return self._shed(
+                    ticket, "rate_limited", f"tenant over its token rate; retry in {wait:.1f} s",
+                    wait,
+                )  # fmt: skip
+        if not ticket.candidates or (not self._held and not self.capacity.limited):
+            # no engine ever full: go; no engine at all: routing answers why
+            self._dispatch(ticket, frozenset(ticket.candidates), now)
+            return ticket.state
+        if not self._held:  # nobody waits: no ordering to respect
+            allowed = self.allowed(ticket, now)
+            if allowed is not None:
+                self._dispatch(ticket, allowed, now)
+                return ticket.state
+        if len(self._held) >= self.settings.queue_size and not self._evict_for(ticket):
+            return self._shed(ticket, "queue_full", "the router's queue is full", self._wait())
+        self._hold(ticket)
+        self.pump()
+        if ticket.state is State.QUEUED:
+            wait = self.expected_wait(ticket)
+            if wait > ticket.deadline - now:
+                self._remove(ticket)
+                return self._shed(
+                    ticket, "overloaded",
+                    f"the pool is saturated: about {wait:.1f} s of queue ahead, over the "
+                    f"{self.settings.queue_timeout:g} s a request may wait", wait,
+                )  # fmt: skip
+            self.stats.queued(ticket.tenant, ticket.priority)
+        return ticket.state
+
+    def leave(self, ticket: Ticket) -> None:
+        """The ticket's client went away while it was held."""
+        if ticket.state is State.QUEUED:
+            self._remove(ticket)
+            self._refund(ticket)
+            ticket.state = State.LEFT
+            self.stats.left(ticket.tenant, ticket.priority)
+
+    def expire(self, ticket: Ticket) -> Shed | None:
+        """The ticket's deadline passed while it was held: shed it (None: it was bound or
+        answered meanwhile)."""
+        if ticket.state is not State.QUEUED:
+            return None
+        self._remove(ticket)
+        self._shed(
+            ticket, "queue_timeout",
+            f"no engine had room within {self.settings.queue_timeout:g} s", self._wait(),
+        )  # fmt: skip
+        return ticket.shed
+
+    def finish(self, ticket: Ticket, output_tokens: int | None = None) -> None:
+        """A bound ticket's request ended (its slot is free); ``output_tokens`` generated,
+        when known, settle the estimate it was charged. Binds what can go now."""
+        if ticket.state is not State.BOUND:
+            return
+        ticket.state = State.DONE
+        now = self._clock()
+        if ticket.worker is not None:
+            self._flying[ticket.tenant] -= 1
+            if self._flying[ticket.tenant] <= 0:
+                del self._flying[ticket.tenant]
+            self.capacity.freed(ticket.worker, now)
+            if output_tokens is not None:
+                extra = output_tokens - ticket.output_tokens
+                if ticket.charged == self._period:
+                    self._vtc.charge(ticket.tenant, extra)
+                bucket = self._bucket(ticket.tenant, now)
+                if bucket is not None:
+                    bucket.settle(-extra)
+                self.stats.tokens(ticket.tenant, ticket.priority, extra)
+        if self._held:
+            self.pump()
+
+    def report(self, worker: str, running: int | None, waiting: int | None) -> None:
+        """An engine's load; a raised limit may let held tickets go."""
+        if self.capacity.report(worker, running, waiting, self._clock()) and self._held:
+            self.pump()
+
+    # -- binding ---------------------------------------------------------------------------
+    def pump(self) -> int:
+        """Bind held tickets while some may go; how many went."""
+        now = self._clock()
+        bound = 0
+        while self._held:
+            rooms: dict[tuple[str, bool], bool] = {}
+            for ticket in self._order(now):
+                allowed = self.allowed(ticket, now, rooms)
+                if allowed is not None:
+                    self._count_skip(ticket, now)
+                    self._remove(ticket)
+                    self._dispatch(ticket, allowed, now)
+                    bound += 1
+                    break
+            else:
+                break
+        if not self._held:  # the busy period is over
+            self._vtc.reset()
+            self._period += 1
+        return bound
+
+    def _order(self, now: float) -> Iterator[Ticket]:
+        """Held tickets in the order they are offered a worker."""
+        levels = self._levels
+        best = min(levels)
+        oldest = next(iter(self._held.values()))
+        if self._starved(oldest, best, now) and self._skips + 1 >= self.settings.starve_share:
+            yield oldest
+        for priority in sorted(levels):
+            tenants = levels[priority]
+            value = self._vtc.value
+            for tenant in sorted(tenants, key=lambda t: (value(t), tenants[t][0].seq)):
+                queue = tenants[tenant]
+                for i in range(min(len(queue), LOOKAHEAD)):
+                    yield queue[i]
+
+    def _saw(self, tenant: str, now: float) -> None:
+        seen = self._seen
+        seen[tenant] = now
+        if len(seen) > MAX_SEEN:  # forget the tenants quiet for a while
+            for name in [t for t, at in seen.items() if now - at > ACTIVE]:
+                del seen[name]
+
+    def entitled(self, ticket: Ticket, now: float) -> bool:
+        """Whether ``ticket`` may take a worker's reserved slots: it is urgent (priority
+        below 0), or its tenant has fewer requests in flight than its weighted share of
+        the candidates' slots among the tenants active now (in flight, or arrived within
+        ``ACTIVE`` seconds). A tenant alone is under its share whatever it sends."""
+        if ticket.priority < 0:
+            return True
+        total = 0
+        for w in ticket.candidates:
+            limit = self.capacity.limit(w)
+            if limit is None:
+                return True
+            total += limit
+        active = {t for t, at in self._seen.items() if now - at <= ACTIVE}
+        active.update(self._flying)
+        active.add(ticket.tenant)
+        if len(active) == 1:
+            return True
+        weight = self.weight
+        share = total * weight(ticket.tenant) / sum(weight(t) for t in active)
+        return self._flying[ticket.tenant] < share
+
+    def allowed(
+        self, ticket: Ticket, now: float, rooms: dict[tuple[str, bool], bool] | None = None
+    ) -> frozenset[str] | None:
+        """The workers ``ticket`` may be bound to now (None: it waits); ``rooms`` keeps
+        whether each worker has room over one pass of the queue."""
+        rooms = {} if rooms is None else rooms
+        entitled = self.capacity.reserve <= 0 or self.entitled(ticket, now)
+        free = []
+        for w in ticket.candidates:
+            has = rooms.get((w, entitled))
+            if has is None:
+                room = self.capacity.room(w, self._inflight(w), entitled)
+                has = rooms[w, entitled] = room > 0
+            if has:
+                free.append(w)
+        if not free:
+            return None
+        saved = ticket.saved
+        if saved:
+            best = max(saved.values())
+            loss = best - max((saved.get(w, 0.0) for w in free), default=0.0)
+            if loss > 0:
+                holder = max(saved, key=saved.__getitem__)
+                # wait for the holder while that is cheaper than recomputing, and in all
+                # no longer than recomputing would take, from when another could take it
+                # (not from its arrival: a ticket held seconds for want of any room
+                # went wherever a slot freed, its hit lost, TTFT p50 428 ms -> 2 s on
+                # the simulator's chat trace at 3x load)
+                ticket.offered = min(ticket.offered, now)
+                if self.capacity.free_in(holder) < loss and now - ticket.offered < loss:
+                    return None
+        return frozenset(free)
+
+    def _starved(self, oldest: Ticket, best: int, now: float) -> bool:
+        return oldest.priority > best and now - oldest.arrival >= self.settings.starve_after
+
+    def _count_skip(self, ticket: Ticket, now: float) -> None:
+        """Before ``ticket`` leaves the queue: whether it passes over a starved one."""
+        oldest = next(iter(self._held.values()))
+        if ticket is oldest or not self._starved(oldest, min(self._levels), now):
+            self._skips = 0
+        else:
+            self._skips += 1
+
+    def _dispatch(self, ticket: Ticket, allowed: frozenset[str], now: float) -> None:
+        backlog = ticket.state is State.QUEUED
+        if backlog:  # the queue's pace: seconds between two tickets leaving it
+            gap = now - self._last_dispatch
+            drain = self._drain
+            self._drain = gap if drain is None else drain + _ALPHA * (gap - drain)
+        self._last_dispatch = now
+        waited = now - ticket.arrival
+        ticket.state = State.BOUND
+        ticket.worker = self._bind(ticket, allowed)
+        if ticket.worker is None:
+            self._refund(ticket)
+            return
+        self._flying[ticket.tenant] += 1
+        if backlog or self._held:  # fair shares count only while someone waits
+            self._vtc.charge(ticket.tenant, ticket.tokens)
+            ticket.charged = self._period
+        self.stats.admitted(ticket.tenant, ticket.priority, ticket.tokens, waited)
+
+    def _refund(self, ticket: Ticket) -> None:
+        """A ticket charged to its tenant's token rate that never ran."""
+        bucket = self._buckets.get(ticket.tenant)
+        if bucket is not None:
+            bucket.settle(ticket.tokens)
+
+    # -- the queue -----------------------------------------------------------------------
+    def _hold(self, ticket: Ticket) -> None:
+        if not self._held:  # a backlog forms: its pace counts from now
+            self._last_dispatch = ticket.arrival
+        tenants = self._levels.setdefault(ticket.priority, {})
+        backlogged = any(ticket.tenant in level for level in self._levels.values())
+        if not backlogged:
+            self._vtc.lift(ticket.tenant, self._backlogged())
+        tenants.setdefault(ticket.tenant, deque()).append(ticket)
+        self._held[ticket.seq] = ticket
+        self._backlog[ticket.tenant] += ticket.tokens
+        ticket.state = State.QUEUED
+
+    def _backlogged(self) -> Iterator[str]:
+        for tenants in self._levels.values():
+            yield from tenants
+
+    def _remove(self, ticket: Ticket) -> None:
+        del self._held[ticket.seq]
+        backlog = self._backlog
+        backlog[ticket.tenant] -= ticket.tokens
+        if backlog[ticket.tenant] <= 0:
+            del backlog[ticket.tenant]
+        tenants = self._levels[ticket.priority]
+        queue = tenants[ticket.tenant]
+        if queue[0] is ticket:
+            queue.popleft()
+        else:
+            queue.remove(ticket)
+        if not queue:
+            del tenants[ticket.tenant]
+            if not tenants:
+                del self._levels[ticket.priority]
+
+    def _projected(self, tenant: str) -> float:
+        """A tenant's counter once what it has queued is served: how far over its share
+        it is asking to be."""
+        return self._vtc.value(tenant) + self._backlog[tenant] / self.weight(tenant)
+
+    def _evict_for(self, ticket: Ticket) -> bool:
+        """Make room for ``ticket`` by shedding the worst held ticket, if it ranks below
+        (a later priority; or the same, of the tenant asking furthest over its share)."""
+        worst_priority = max(self._levels)
+        tenants = self._levels[worst_priority]
+        worst_tenant = max(tenants, key=lambda t: (self._projected(t), -tenants[t][0].seq))
+        if ticket.priority > worst_priority:
+            return False
+        if ticket.priority == worst_priority:
+            if ticket.tenant == worst_tenant:
+                return False
+            tenant = ticket.tenant
+            mine = self._projected(tenant) + ticket.tokens / self.weight(tenant)
+            if tenant not in self._backlog:  # it would be lifted on joining
+                floor = min(self._vtc.value(t) for t in self._backlog)
+                mine += max(0.0, floor - self._vtc.value(tenant))
+            if mine >= self._projected(worst_tenant):
+                return False
+        victim = tenants[worst_tenant][-1]  # its newest: the one with the most still ahead
+        self._remove(victim)
+        self._shed(victim, "queue_full", "the router's queue is full", self._wait())
+        self._on_shed(victim)
+        return True
+
+    def _shed(self, ticket: Ticket, code: ShedCode, message: str, wait: float) -> State:
+        if code != "rate_limited":
+            self._refund(ticket)
+        ticket.state = State.SHED
+        ticket.shed = Shed(SHED_STATUS[code], code, message, retry_after(wait))
+        self.stats.shed(ticket.tenant, ticket.priority, code)
+        return ticket.state
+
+    # -- estimates -----------------------------------------------------------------------
+    def _wait(self) -> float:
+        """Seconds for the whole queue to drain at its recent pace (0: unknown)."""
+        return 0.0 if self._drain is None else self._drain * len(self._held)
+
+    def expected_wait(self, ticket: Ticket) -> float:
+        """Seconds until a held ticket is expected to be bound: the tickets served before
+        it, at the queue's recent drain pace (0 while the pace is unknown). Those before it
+        are the more urgent ones, and within its priority, for each other tenant, as many
+        as its weight gives that tenant while this ticket's own turn comes."""
+        if self._drain is None:
+            return 0.0
+        ahead = 0.0
+        for priority, tenants in self._levels.items():
+            if priority < ticket.priority:
+                ahead += sum(len(q) for q in tenants.values())
+            elif priority == ticket.priority:
+                mine = tenants.get(ticket.tenant)
+                if mine is None:
+                    k = 1
+                elif mine[-1] is ticket:  # a newcomer: the usual case, no search
+                    k = len(mine)
+                else:
+                    k = 1 + mine.index(ticket) if ticket in mine else 1
+                share = k / self.weight(ticket.tenant)
+                for tenant, queue in tenants.items():
+                    if tenant == ticket.tenant:
+                        ahead += k - 1
+                    else:
+                        ahead += min(len(queue), math.ceil(share * self.weight(tenant)))
+        return (ahead + 1) * self._drain
+
+    def held(self) -> Iterator[tuple[str, int, int]]:
+        """(tenant, priority, tickets held) for each tenant and priority waiting."""
+        for priority, tenants in self._levels.items():
+            for tenant, queue in tenants.items():
+                yield tenant, priority, len(queue)
+
+    def snapshot(self) -> dict[str, object]:
+        """The queue as ``/admin`` shows it."""
+        return {
+            "queued": len(self._held),
+            "queue_size": self.settings.queue_size,
+            "drain_every_s": self._drain,
+            "levels": {
+                str(p): {t: len(q) for t, q in tenants.items()}
+                for p, tenants in sorted(self._levels.items())
+            },
+        }
+
+
+_DEFAULT = TenantSpec()

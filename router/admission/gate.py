@@ -1,0 +1,382 @@
+"""Admission on the router's event loop: a request's tenant and priority, its ticket, its
+wait, and its answer when it is shed (the core is ``router.admission.core``).
+
+Binding a ticket is routing it: ``bind`` runs the request's routing policy among the
+workers admission allows (``Router.decide`` with the others excluded), keeps the
+decision for the proxy and counts the request on its worker at once (``_reserved``,
+until its flight begins), so that one pump binding several tickets does not overfill
+one worker. A held request waits on a future that ``bind`` resolves, with its deadline
+as the timeout; a client that goes away cancels the wait and leaves the queue.
+
+Engine load reaches admission without a hook in the event or health code: a task
+(``run``) reads each worker's last report ten times a second and hands new ones on; it
+also pumps the queue, so a ticket waiting for its prefix holder is let go elsewhere
+when its hold ends even if nothing else happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from policies.cost_model import EngineCosts
+from router.admission.core import Admission, AdmissionSettings, Shed, State, Ticket
+from router.admission.stats import WAIT_BUCKETS
+from router.http.errors import ApiError
+
+if TYPE_CHECKING:
+    from policies.base import Decision, WorkerView
+    from router.config import RouterConfig
+    from router.routing.decide import Prepared, Router
+    from router.workers.registry import WorkerRegistry
+
+POLL = 0.1  # seconds between two readings of the engines' reports
+MAX_TENANT_CHARS = 128
+PRIORITY_BOUND = 1 << 31  # |priority| below this (vLLM takes any int; a label takes less)
+
+
+def make_gate(cfg: RouterConfig, router: Router, registry: WorkerRegistry) -> Gate:
+    """The gate a router's config describes."""
+    settings = AdmissionSettings(
+        queue_size=cfg.queue_size,
+        queue_timeout=cfg.queue_timeout,
+        engine_queue=cfg.engine_queue,
+        max_inflight=cfg.engine_max_inflight,
+        starve_after=cfg.priority_starve_after,
+        starve_share=cfg.priority_starve_share,
+        reserve=cfg.reserve_share,
+        tenants=cfg.tenants,
+    )
+    keys = {key: name for name, spec in cfg.tenants.items() for key in spec.api_keys}
+    return Gate(
+        settings, router, registry, tenant_header=cfg.tenant_header, key_tenants=keys,
+        expected_output=cfg.expected_output_tokens,
+    )  # fmt: skip
+
+
+class ShedError(ApiError):
+    """A request admission turned away: 429 or 503 with ``Retry-After``."""
+
+    def __init__(self, shed: Shed) -> None:
+        super().__init__(shed.status, shed.message, shed.code)
+        self.headers = ((b"retry-after", b"%d" % shed.retry_after),)
+
+
+class Waiter:
+    """A ticket's request, and what binding it decided."""
+
+    __slots__ = ("decision", "error", "future", "prep", "started", "views")
+
+    def __init__(self, prep: Prepared) -> None:
+        self.prep = prep
+        self.future: asyncio.Future[None] | None = None
+        self.decision: Decision | None = None
+        self.views: list[WorkerView] = []
+        self.error: ApiError | None = None
+        self.started = False
+
+
+def waiter(ticket: Ticket) -> Waiter:
+    w = ticket.payload
+    assert isinstance(w, Waiter)
+    return w
+
+
+class Gate:
+    def __init__(
+        self,
+        settings: AdmissionSettings,
+        router: Router,
+        registry: WorkerRegistry,
+        *,
+        tenant_header: str = "x-tenant-id",
+        key_tenants: Mapping[str, str] | None = None,
+        expected_output: int = 256,
+        costs: EngineCosts | None = None,
+    ) -> None:
+        self.router = router
+        self.registry = registry
+        self.tenant_header = tenant_header.lower().encode()
+        self.key_tenants = dict(key_tenants or {})
+        # tenants named by a key: no header may claim them
+        self._keyed = frozenset(self.key_tenants.values())
+        self.expected_output = expected_output
+        self.costs = costs or EngineCosts()
+        self._reserved: Counter[str] = Counter()  # bound, flight not begun, per target
+        self._seen: dict[str, float] = {}  # worker -> the report last handed on
+        self.core = Admission(settings, self._inflight, self._bind, self._evicted, time.monotonic)
+
+    # -- who and how urgent ------------------------------------------------------------
+    def identify(
+        self, headers: Iterable[tuple[bytes, bytes]], body: Mapping[str, Any]
+    ) -> tuple[str, int]:
+        """A request's tenant (its API key's, else the tenant header's, else none) and
+        priority (the body's ``priority``, else its tenant's default); 400 for a
+        priority that is not an integer."""
+        keyed = named = None
+        for key, value in headers:
+            if key == b"authorization" and self.key_tenants:
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                if scheme.lower() == "bearer":
+                    keyed = self.key_tenants.get(token.strip())
+            elif key == self.tenant_header:
+                named = value.decode("latin-1").strip()[:MAX_TENANT_CHARS]
+        if keyed is not None:
+            tenant = keyed
+        elif named and named not in self._keyed:
+            tenant = named
+        else:
+            tenant = ""
+        priority = body.get("priority")
+        if priority is None:
+            return tenant, self.core.default_priority(tenant)
+        if (
+            isinstance(priority, bool)
+            or not isinstance(priority, int)
+            or not (-PRIORITY_BOUND < priority < PRIORITY_BOUND)
+        ):
+            raise ApiError(
+                400, "priority must be an integer (lower is served first)", "invalid_value",
+                "priority",
+            )  # fmt: skip
+        return tenant, priority
+
+    def ticket(self, prep: Prepared, tenant: str, priority: int) -> Ticket:
+        body = prep.parsed.body
+        asked = body.get("max_completion_tokens") or body.get("max_tokens")
+        output = asked if isinstance(asked, int) and asked > 0 else self.expected_output
+        candidates = tuple(t for w in prep.workers for t in w.targets)
+        saved: dict[str, float] = {}
+        limit = self.core.capacity.limit
+        if self.core.queued or any(limit(t) is not None for t in candidates):
+            saved = self._saved(prep)  # only a full pool binds late: nothing to pay before
+        return Ticket(
+            tenant, priority, prep.request.num_tokens, output, candidates, saved, Waiter(prep)
+        )
+
+    def _saved(self, prep: Prepared) -> dict[str, float]:
+        """Seconds of prefill each worker's cache saves the request."""
+        req = prep.request
+        n = req.num_tokens
+        full = self.costs.prefill_ms(n)
+        saved = {}
+        for view in self.router.views(prep):
+            hit = min(view.match.total * req.block_size, n - 1)
+            if hit > 0:
+                saved[view.worker_id] = (full - self.costs.prefill_ms(n - hit, hit)) / 1000.0
+        return saved
+
+    # -- a request's way through ---------------------------------------------------------
+    async def enter(self, prep: Prepared, headers: Iterable[tuple[bytes, bytes]]) -> Ticket:
+        """Admit a request: its ticket once bound (``waiter(t).decision`` is where it
+        goes); ``ShedError`` if it is shed, the routing error if it could not be placed."""
+        tenant, priority = self.identify(headers, prep.parsed.body)
+        ticket = self.ticket(prep, tenant, priority)
+        state = self.core.arrive(ticket)
+        if state is State.QUEUED:
+            w = waiter(ticket)
+            w.future = asyncio.get_running_loop().create_future()
+            try:
+                async with asyncio.timeout(max(0.0, ticket.deadline - time.monotonic())):
+                    await w.future
+            except TimeoutError:
+                self.core.expire(ticket)
+            except asyncio.CancelledError:
+                if ticket.state is State.BOUND:  # bound, then cancelled before it woke
+                    self.finish(ticket)
+                self.core.leave(ticket)
+                raise
+        if ticket.state is State.SHED:
+            assert ticket.shed is not None
+            raise ShedError(ticket.shed)
+        w = waiter(ticket)
+        if w.error is not None:
+            raise w.error
+        return ticket
+
+    def started(self, ticket: Ticket) -> None:
+        """The request's flight began: its worker counts it now."""
+        w = waiter(ticket)
+        if not w.started and ticket.worker is not None:
+            w.started = True
+            self._release(ticket.worker)
+
+    def finish(self, ticket: Ticket, output_tokens: int | None = None) -> None:
+        """The request ended (answered, failed or cancelled): its slot is free."""
+        self.started(ticket)
+        self.core.finish(ticket, output_tokens)
+
+    def _release(self, target: str) -> None:
+        self._reserved[target] -= 1
+        if self._reserved[target] <= 0:
+            del self._reserved[target]
+
+    # -- the core's callbacks --------------------------------------------------------------
+    def _inflight(self, target: str) -> int:
+        found = self.registry.target(target)
+        if found is None:
+            return self._reserved[target]
+        worker, rank = found
+        return worker.rank_load(rank).inflight_requests + self._reserved[target]
+
+    def _bind(self, ticket: Ticket, allowed: frozenset[str]) -> str | None:
+        w = waiter(ticket)
+        exclude = frozenset(t for t in ticket.candidates if t not in allowed)
+        try:
+            w.decision, w.views = self.router.decide(w.prep, exclude)
+        except ApiError as err:
+            w.error = err
+            self._wake(w)
+            return None
+        target = w.decision.worker_id
+        self._reserved[target] += 1
+        self._wake(w)
+        return target
+
+    def _evicted(self, ticket: Ticket) -> None:
+        self._wake(waiter(ticket))
+
+    @staticmethod
+    def _wake(w: Waiter) -> None:
+        if w.future is not None and not w.future.done():
+            w.future.set_result(None)
+
+    # -- engine reports ----------------------------------------------------------------------
+    def poll(self) -> None:
+        """Hand each worker's new engine report to admission; let go what can go."""
+        for worker in self.registry:
+            load = worker.load
+            if self._seen.get(worker.id) == load.engine_seen:
+                continue
+            self._seen[worker.id] = load.engine_seen
+            engine = load.engine
+            ranks = len(worker.targets)
+            for target in worker.targets:
+                self.core.report(
+                    target, _share(engine.running, ranks), _share(engine.waiting, ranks)
+                )
+        if self.core.queued:
+            self.core.pump()
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(POLL)
+            with contextlib.suppress(Exception):  # a bug here must not stop admission
+                self.poll()
+
+    # -- telling -----------------------------------------------------------------------------
+    def explain(self, prep: Prepared, headers: Iterable[tuple[bytes, bytes]]) -> dict[str, Any]:
+        """Where a request would queue and why, without admitting it (``/admin/explain``)."""
+        tenant, priority = self.identify(headers, prep.parsed.body)
+        ticket = self.ticket(prep, tenant, priority)
+        core = self.core
+        now = time.monotonic()
+        entitled = core.capacity.reserve <= 0 or core.entitled(ticket, now)
+        workers = {}
+        for t in ticket.candidates:
+            limit = core.capacity.limit(t)
+            inflight = self._inflight(t)
+            workers[t] = {
+                "limit": limit,
+                "inflight": inflight,
+                "room": None if limit is None else core.capacity.room(t, inflight, entitled),
+                "saved_prefill_s": ticket.saved.get(t, 0.0),
+            }
+        allowed = None if core.queued else core.allowed(ticket, now)
+        if allowed is not None:
+            would = f"bound at once, to one of {sorted(allowed)}"
+        elif core.queued >= core.settings.queue_size:
+            would = "shed (429 queue_full) unless it ranks above the worst queued request"
+        else:
+            would = "held at the router until a worker it may use has room"
+        return {
+            "tenant": tenant or None,
+            "priority": priority,
+            "entitled_to_reserve": entitled,
+            "would": would,
+            "queued": core.snapshot(),
+            "workers": workers,
+        }
+
+
+def _share(count: int | None, ranks: int) -> int | None:
+    return count if count is None or ranks <= 1 else -(-count // ranks)
+
+
+class AdmissionCollector:
+    """Admission's numbers for ``/metrics``, read at scrape time."""
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        core = self.gate.core
+        labels = ["tenant", "priority"]
+        queued_now = GaugeMetricFamily(
+            "cache_router_admission_held", "Requests held at the router now", labels=labels
+        )
+        now: Counter[tuple[str, str]] = Counter()
+        for tenant, priority, n in core.held():
+            now[core.stats.key(tenant, priority)] += n
+        for key, n in now.items():
+            queued_now.add_metric(list(key), n)
+        yield queued_now
+        families = {
+            "queued": CounterMetricFamily(
+                "cache_router_admission_queued", "Requests that waited at the router", labels=labels
+            ),
+            "admitted": CounterMetricFamily(
+                "cache_router_admission_admitted", "Requests admitted to a worker", labels=labels
+            ),
+            "tokens": CounterMetricFamily(
+                "cache_router_admission_tokens",
+                "Prompt and generated tokens of admitted requests (estimates settled)",
+                labels=labels,
+            ),
+            "left": CounterMetricFamily(
+                "cache_router_admission_left",
+                "Requests whose client left while held",
+                labels=labels,
+            ),
+        }
+        shed = CounterMetricFamily(
+            "cache_router_admission_shed", "Requests shed, by code", labels=[*labels, "code"]
+        )
+        wait = HistogramMetricFamily(
+            "cache_router_admission_wait_seconds", "Time held at the router before admission",
+            labels=labels,
+        )  # fmt: skip
+        for key, s in core.stats.series.items():
+            for name, family in families.items():
+                family.add_metric(list(key), getattr(s, name))
+            for code, n in s.shed.items():
+                shed.add_metric([*key, code], n)
+            cumulative, buckets = 0, []
+            for bound, n in zip([*map(str, WAIT_BUCKETS), "+Inf"], s.wait_buckets, strict=True):
+                cumulative += n
+                buckets.append((bound, cumulative))
+            wait.add_metric(list(key), buckets, s.wait_sum)
+        yield from families.values()
+        yield shed
+        yield wait
+        limits = GaugeMetricFamily(
+            "cache_router_admission_limit",
+            "Requests a worker runs before it queues, as admission learnt it",
+            labels=["worker"],
+        )
+        for worker in self.gate.registry:
+            for t in worker.targets:
+                limit = core.capacity.limit(t)
+                if limit is not None:
+                    limits.add_metric([t], limit)
+        yield limits

@@ -1,0 +1,390 @@
+"""Admission's order, shares, limits and shedding, on a fake clock (router.admission).
+
+Deterministic: a ``Pool`` plays the router's part (in-flight counts, the bind callback
+that places a ticket on the first allowed worker) and time moves only when a test says.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+
+from router.admission.capacity import WINDOW, Capacity
+from router.admission.core import Admission, AdmissionSettings, State, TenantSpec, Ticket
+from router.admission.fair import TokenBucket, VirtualCounters, retry_after
+from router.admission.stats import MAX_TENANTS, OTHER, AdmissionStats
+
+
+class Pool:
+    """Workers with in-flight counts, a clock, and what was bound and shed, in order."""
+
+    def __init__(self, workers: int = 1, **settings: object) -> None:
+        self.now = 0.0
+        self.inflight: Counter[str] = Counter()
+        self.workers = tuple(f"w{i}" for i in range(workers))
+        self.bound: list[Ticket] = []
+        self.shed: list[Ticket] = []
+        self.allowed: list[frozenset[str]] = []
+        self.adm = Admission(
+            AdmissionSettings(**settings),  # type: ignore[arg-type]
+            self.inflight.__getitem__,
+            self._bind,
+            self.shed.append,
+            lambda: self.now,
+        )
+
+    def _bind(self, ticket: Ticket, allowed: frozenset[str]) -> str | None:
+        if not allowed:
+            return None  # the router's routing answers (503: no healthy worker)
+        worker = min(allowed)
+        self.inflight[worker] += 1
+        self.bound.append(ticket)
+        self.allowed.append(allowed)
+        return worker
+
+    def full(self, limit: int = 1) -> None:
+        """Every worker reports ``limit`` running and some waiting, twice (once could be
+        a request between two steps)."""
+        for w in self.workers:
+            self.adm.report(w, limit, 1)
+            self.adm.report(w, limit, 1)
+
+    def ticket(
+        self,
+        tenant: str = "",
+        priority: int = 0,
+        tokens: int = 100,
+        output: int = 0,
+        candidates: tuple[str, ...] | None = None,
+        saved: dict[str, float] | None = None,
+    ) -> Ticket:
+        """A new request of ``tokens`` prompt tokens expecting ``output`` more."""
+        where = self.workers if candidates is None else candidates
+        t = Ticket(tenant, priority, tokens, output, where, saved)
+        self.adm.arrive(t)
+        return t
+
+    def end(self, ticket: Ticket, output: int | None = None) -> None:
+        assert ticket.worker is not None
+        self.inflight[ticket.worker] -= 1
+        self.adm.finish(ticket, output)
+
+
+def test_nothing_waits_while_no_engine_was_ever_full() -> None:
+    pool = Pool(2, engine_queue=0)
+    tickets = [pool.ticket() for _ in range(50)]
+    assert all(t.state is State.BOUND for t in tickets)
+    assert pool.allowed[0] == frozenset({"w0", "w1"})
+    assert pool.adm.queued == 0
+
+
+def test_a_full_engine_holds_requests_until_a_slot_frees() -> None:
+    pool = Pool(1, engine_queue=0)
+    first = pool.ticket()
+    pool.full(1)  # running 1, waiting 1: its limit is 1
+    second = pool.ticket()
+    assert pool.adm.queued == 1
+    pool.now = 0.2
+    pool.end(first)
+    assert second.state is State.BOUND and second.worker == "w0"
+    assert pool.adm.stats.series[("none", "0")].admitted == 2
+
+
+def test_engine_queue_lets_a_full_engine_take_more() -> None:
+    pool = Pool(1, engine_queue=2)
+    pool.full(1)
+    states = [pool.ticket().state for _ in range(4)]
+    assert states == [State.BOUND, State.BOUND, State.BOUND, State.QUEUED]
+
+
+def test_lower_priority_values_go_first_and_arrival_order_breaks_ties() -> None:
+    pool = Pool(1, engine_queue=0)
+    running = pool.ticket()
+    pool.full(1)
+    held = [pool.ticket(priority=p) for p in (5, 0, -1, 0)]
+    pool.end(running)
+    while pool.adm.queued:
+        pool.end(pool.bound[-1])
+    assert [t.priority for t in pool.bound[1:]] == [-1, 0, 0, 5]
+    assert pool.bound[2] is held[1]  # the first of the two 0s
+
+
+def test_a_starved_request_gets_its_share() -> None:
+    """Priority 9 waits while priority 0 keeps coming, until starve_after; then one
+    dispatch in starve_share is its."""
+    pool = Pool(1, engine_queue=0, starve_after=1.0, starve_share=3)
+    current = pool.ticket()
+    pool.full(1)
+    low = pool.ticket(priority=9)
+    order = []
+    for step in range(12):
+        pool.ticket(priority=0)
+        pool.now += 0.25
+        pool.end(current)
+        current = pool.bound[-1]
+        order.append((step, current.priority))
+        if current is low:
+            break
+    served_low = [s for s, p in order if p == 9]
+    # starved from t=1.0 (step 3); then the third dispatch after it is its own
+    assert served_low == [5]
+
+
+def test_a_flooding_tenant_does_not_delay_a_steady_one() -> None:
+    pool = Pool(1, engine_queue=0)
+    current = pool.ticket("flood")
+    pool.full(1)
+    for _ in range(30):
+        pool.ticket("flood")
+    steady = pool.ticket("steady")
+    # the busy period began with the queue: both counters were 0, flood's head is older
+    for _ in range(2):
+        pool.end(current)
+        current = pool.bound[-1]
+    assert current is steady and steady.state is State.BOUND
+
+
+def test_shares_are_counted_in_tokens_and_weighted() -> None:
+    """Both tenants always backlogged: the tokens served follow the weights 2:1, whatever
+    the sizes of their requests."""
+    tenants = {"a": TenantSpec(weight=2.0), "b": TenantSpec(weight=1.0)}
+    pool = Pool(1, engine_queue=0, queue_size=10_000, tenants=tenants)
+    current = pool.ticket("a")
+    pool.full(1)
+    for _ in range(400):
+        pool.ticket("a", tokens=1000)
+        for _ in range(10):
+            pool.ticket("b", tokens=50)
+    served: Counter[str] = Counter()
+    for _ in range(600):
+        pool.end(current)
+        current = pool.bound[-1]
+        served[current.tenant] += current.tokens
+    assert served["a"] / served["b"] == pytest.approx(2.0, rel=0.05)
+
+
+def test_a_tenant_back_from_idle_banks_no_credit() -> None:
+    pool = Pool(1, engine_queue=0, queue_size=10_000)
+    current = pool.ticket("a")
+    pool.full(1)
+    for _ in range(40):
+        pool.ticket("a")
+    for _ in range(20):  # a alone for a while: its counter grows
+        pool.end(current)
+        current = pool.bound[-1]
+    for _ in range(40):
+        pool.ticket("b")
+    served = []
+    for _ in range(10):
+        pool.end(current)
+        current = pool.bound[-1]
+        served.append(current.tenant)
+    assert served.count("b") <= 6  # lifted to a's counter: alternating, not b ten times
+
+
+def test_a_full_queue_sheds_at_once_with_429_and_a_better_newcomer_takes_the_worst_place() -> None:
+    pool = Pool(1, engine_queue=0, queue_size=3)
+    pool.ticket()
+    pool.full(1)
+    held = [pool.ticket("x", priority=p) for p in (0, 5, 5)]
+    late = pool.ticket("x", priority=5)
+    assert late.state is State.SHED and late.shed is not None
+    assert (late.shed.status, late.shed.code) == (429, "queue_full")
+    assert late.shed.retry_after >= 1
+    urgent = pool.ticket("x", priority=-3)
+    assert urgent.state is State.QUEUED
+    assert pool.shed == [held[2]]  # the newest of the worst priority
+    assert held[2].state is State.SHED and held[2].shed is not None
+    assert held[2].shed.code == "queue_full"
+
+
+def test_a_full_queue_sheds_the_tenant_furthest_over_its_share() -> None:
+    pool = Pool(1, engine_queue=0, queue_size=4)
+    current = pool.ticket("flood")
+    pool.full(1)
+    for _ in range(6):
+        pool.ticket("flood")
+    for _ in range(3):  # flood is served: its counter grows
+        pool.end(current)
+        current = pool.bound[-1]
+    while pool.adm.queued < 4:
+        pool.ticket("flood")
+    steady = pool.ticket("steady")
+    assert steady.state is State.QUEUED
+    assert pool.shed and pool.shed[-1].tenant == "flood"
+
+
+def test_a_deadline_that_cannot_be_met_is_shed_at_once_with_503() -> None:
+    pool = Pool(1, engine_queue=0, queue_timeout=1.0, queue_size=1000)
+    current = pool.ticket()
+    pool.full(1)
+    for _ in range(20):
+        pool.ticket()
+    for _ in range(5):  # the queue drains one every 0.1 s
+        pool.now += 0.1
+        pool.end(current)
+        current = pool.bound[-1]
+    assert pool.adm.expected_wait(pool.adm._held[max(pool.adm._held)]) == pytest.approx(1.5)
+    # 15 held (the last bound after 15 more slots free); one more would wait 1.6 s
+    late = pool.ticket()
+    assert late.state is State.SHED and late.shed is not None
+    assert (late.shed.status, late.shed.code, late.shed.retry_after) == (503, "overloaded", 2)
+
+
+def test_a_ticket_past_its_deadline_expires_with_503() -> None:
+    pool = Pool(1, engine_queue=0, queue_timeout=2.0)
+    pool.ticket()
+    pool.full(1)
+    held = pool.ticket()
+    pool.now = 2.0
+    shed = pool.adm.expire(held)
+    assert shed is not None and (shed.status, shed.code) == (503, "queue_timeout")
+    assert pool.adm.queued == 0 and pool.adm.expire(held) is None
+
+
+def test_a_client_that_leaves_leaves_the_queue() -> None:
+    pool = Pool(1, engine_queue=0)
+    running = pool.ticket()
+    pool.full(1)
+    gone, kept = pool.ticket("a"), pool.ticket("b")
+    pool.adm.leave(gone)
+    assert gone.state is State.LEFT and pool.adm.queued == 1
+    pool.end(running)
+    assert kept.state is State.BOUND and gone.worker is None
+
+
+def test_a_token_rate_limit_sheds_with_429_and_the_wait() -> None:
+    tenants = {"t": TenantSpec(tokens_per_second=100.0, burst_tokens=200.0)}
+    pool = Pool(1, tenants=tenants)
+    first = pool.ticket("t", tokens=50, output=100)
+    second = pool.ticket("t", tokens=50, output=100)
+    assert first.state is State.BOUND
+    shed = second.shed
+    assert second.state is State.SHED and shed is not None
+    assert (shed.status, shed.code, shed.retry_after) == (429, "rate_limited", 1)
+    pool.end(first, output=0)  # settled: no answer at all, its 100 come back
+    assert pool.ticket("t", tokens=150).state is State.BOUND
+    assert pool.ticket("other", tokens=10_000).state is State.BOUND  # no limit of its own
+
+
+def test_late_binding_waits_for_the_prefix_holder_when_that_is_cheaper() -> None:
+    pool = Pool(2, engine_queue=0)
+    pool.full(1)
+    a = pool.ticket(candidates=("w0",))
+    for t in (0.0, 0.05, 0.1):  # w0 frees a slot every 0.05 s
+        pool.adm.capacity.freed("w0", t)
+    # w0 is full, w1 open; w0's cache saves 0.5 s of prefill: wait for w0
+    held = pool.ticket(saved={"w0": 0.5, "w1": 0.0})
+    assert held.state is State.QUEUED
+    pool.now = 0.12
+    pool.end(a)
+    assert held.worker == "w0"  # both open now: the policy chooses, and sees the hit
+
+
+def test_late_binding_recomputes_when_waiting_costs_more() -> None:
+    pool = Pool(2, engine_queue=0)
+    pool.full(1)
+    pool.ticket(candidates=("w0",))
+    # w0's pace unknown: waiting for it might cost anything; go to w1 at once
+    cheap = pool.ticket(saved={"w0": 0.5})
+    assert cheap.worker == "w1"
+    pool.adm.capacity.freed("w0", 0.0)
+    pool.adm.capacity.freed("w0", 1.0)  # a slot every second, the hit saves 0.1 s
+    pool.inflight["w1"] = 0
+    slow = pool.ticket(saved={"w0": 0.1})
+    assert slow.worker == "w1"
+
+
+def test_a_held_request_waits_for_its_holder_no_longer_than_recomputing_takes() -> None:
+    pool = Pool(2, engine_queue=0)
+    pool.full(1)
+    pool.ticket(candidates=("w0",))
+    pool.adm.capacity.freed("w0", 0.0)
+    pool.adm.capacity.freed("w0", 0.1)
+    held = pool.ticket(saved={"w0": 0.3})
+    assert held.state is State.QUEUED
+    pool.now = 0.31
+    pool.adm.pump()
+    assert held.worker == "w1"
+
+
+def test_capacity_learns_each_engines_limit_from_its_reports() -> None:
+    cap = Capacity(engine_queue=1)
+    assert cap.limit("w") is None and cap.room("w", 10_000) > 0
+    assert not cap.report("w", 9, 0, 0.0)  # never seen full: no limit
+    assert not cap.report("w", 4, 1, 0.0)  # one waiting, once: maybe between two steps
+    assert cap.report("w", 4, 1, 0.0) and cap.limit("w") == 4
+    assert Capacity().report("w", 4, 2, 0.0)  # more waiting than its headroom: at once
+    assert cap.room("w", 5) == 0 and cap.room("w", 4) == 1
+    assert not cap.report("w", 3, 0, 1.0)  # fewer running, nobody waiting: says nothing
+    assert cap.report("w", 6, 0, 2.0) and cap.limit("w") == 6  # ran more without a queue
+    # one waiting at fewer running (a request between two steps): the most seen stands
+    assert not cap.report("w", 2, 1, 3.0) and cap.limit("w") == 6
+    # more waiting than its headroom twice running: it runs fewer now (a full KV cache)
+    assert not cap.report("w", 5, 2, 3.4) and cap.limit("w") == 6
+    assert cap.report("w", 5, 2, 3.5) and cap.limit("w") == 5
+    assert cap.report("w", 6, 1, 3.6) and cap.limit("w") == 6
+    assert not cap.report("w", None, 5, 4.0)
+    # a new window: the last one's peak; then one never full forgets the limit
+    assert not cap.report("w", 3, 1, WINDOW) and cap.limit("w") == 6
+    assert cap.report("w", 1, 0, 2 * WINDOW) and cap.limit("w") == 3
+    assert cap.report("w", 1, 0, 3 * WINDOW) and cap.limit("w") is None
+    assert Capacity(max_inflight=3).limit("any") == 3
+
+
+def test_virtual_counters_and_buckets() -> None:
+    vtc = VirtualCounters(lambda t: 2.0 if t == "a" else 1.0)
+    vtc.charge("a", 100)
+    vtc.charge("b", 100)
+    assert (vtc.value("a"), vtc.value("b")) == (50.0, 100.0)
+    vtc.lift("c", ["a", "b"])
+    assert vtc.value("c") == 50.0
+    bucket = TokenBucket(10.0, 20.0, now=0.0)
+    assert bucket.take(50, 0.0) == 0.0  # larger than the burst: passes when full
+    assert bucket.take(5, 0.0) == pytest.approx(3.5)  # at -30: 5 tokens in 3.5 s
+    assert [retry_after(x) for x in (0.0, math.nan, 0.2, 1.5, math.inf)] == [1, 1, 1, 2, 60]
+
+
+def test_stats_labels_are_bounded() -> None:
+    stats = AdmissionStats(["paying"])
+    for i in range(MAX_TENANTS * 2):
+        stats.queued(f"t{i}", i)
+    tenants = {k[0] for k in stats.series}
+    priorities = {k[1] for k in stats.series}
+    assert len(tenants) <= MAX_TENANTS and OTHER in tenants
+    assert stats.key("paying", 0)[0] == "paying" and OTHER in priorities
+
+
+def test_reserved_slots_wait_for_the_tenant_under_its_share() -> None:
+    """Alone, a flood takes every slot; once a steady tenant is active the flood keeps
+    off a reserved slot per engine, so the steady tenant's next request starts at once."""
+    pool = Pool(2, engine_queue=0, reserve=0.25, queue_size=100)
+    pool.full(4)
+    flood = [pool.ticket("flood") for _ in range(12)]
+    assert sum(t.state is State.BOUND for t in flood) == 8  # alone: under its share
+    steady = pool.ticket("steady")
+    assert pool.adm.queued == 5  # four of the flood's, and the steady one
+    pool.now = 0.1
+    pool.end(flood[0])
+    assert steady.state is State.BOUND  # the next slot: its counter is the lowest
+    for t in flood[1:5]:  # four flood requests end: the flood may refill three of them
+        pool.now += 0.05
+        pool.end(t)
+    assert pool.inflight == Counter({"w0": 3, "w1": 3})  # one slot idle per engine, kept
+    pool.end(steady)
+    urgent = pool.ticket("flood", priority=-1)  # urgent requests may take it too
+    assert urgent.state is State.BOUND
+    pool.end(urgent)
+    pool.now += 0.5
+    assert pool.ticket("steady").state is State.BOUND  # at once, no wait for a slot
+
+
+def test_a_request_with_no_worker_at_all_is_not_held() -> None:
+    """No candidate (every engine down): routing answers at once, not a queue timeout."""
+    pool = Pool(1, engine_queue=0)
+    pool.ticket()
+    pool.full(1)
+    lost = pool.ticket(candidates=())
+    assert lost.state is State.BOUND and lost.worker is None and pool.adm.queued == 0
