@@ -547,6 +547,10 @@ class EventSync:
                     elif m.kind == "dump":
                         dump.append(decode(m.payload))
                         dump_seq = m.seq
+                    elif m.reading:  # the agent is behind its engine: not in sync, ask again
+                        self.counts["replay_agent_reading"] += 1
+                        ingest.mark_out_of_sync(worker_id)
+                        return False
                     else:
                         self._rank[worker_id] = rank  # the seq space the agent just filled
                         with self._apply_lock:
