@@ -75,7 +75,7 @@ sys.path.insert(0, str(ROOT / "tests" / "real_engines"))
 
 from vllm_engine import BLOCK, MODEL, Engine  # noqa: E402
 
-from router.natsd import free_ports, nats_server_binary  # noqa: E402
+from sim.mock.natsd import free_ports, nats_server_binary  # noqa: E402
 
 ROUTERS = ("cache_aware", "round_robin", "sglang_router", "vllm_router")
 WORKLOADS = ("conversation", "synthetic", "agent")

@@ -19,10 +19,10 @@ from stack import SYSTEM, Replica, mock_engine_config, until
 
 from agent.node import AgentConfig, NodeAgent
 from router.config import RouterConfig, WorkerSpec
-from router.events import last_seq
-from router.natsd import free_ports
-from sim.mock_engine import MockEngine
-from sim.mock_publisher import wire_hash
+from router.events.consumer import last_seq
+from sim.mock.engine import MockEngine
+from sim.mock.natsd import free_ports
+from sim.mock.publisher import wire_hash
 
 W = "fresh-0"
 

@@ -339,7 +339,7 @@ async def test_hf_tokenizer_long_outputs(tmp_path: Path) -> None:
     ``ignore_eos``, which the mock answered with HTTP 500 ("fewer tokens than characters")."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    from sim.mock_text import _WORDS
+    from sim.mock.text import _WORDS
 
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
