@@ -24,8 +24,9 @@ The load is NVIDIA's ``aiperf`` (PyPI), replaying slices of traces with their
 project's ``agent`` shape (``cache-router gen-trace``). Hash blocks are scaled from 512 to
 32 tokens (``--isl-block-size 32``), input and output lengths by the same 1/16 (outputs
 capped at ``--max-output``), requests that would not fit ``--max-model-len`` dropped;
-``--speedup`` divides the timestamps. aiperf wants its tokenizer by hub name: the model's
-is laid out as a Hugging Face cache entry and aiperf runs with ``HF_HUB_OFFLINE=1``.
+``--speedup`` divides the timestamps (``--workloads agent@3``: one workload's own). aiperf
+wants its tokenizer by hub name: the model's is laid out as a Hugging Face cache entry
+and aiperf runs with ``HF_HUB_OFFLINE=1``.
 
 Reported per workload and router (every run, and the runs pooled): TTFT p50/p90/p99 (ms,
 aiperf's records), the engines' own hit rate (``vllm:prefix_cache_hits`` over
@@ -105,7 +106,7 @@ def scaled(
             max(math.ceil(r["input_length"] / SCALE), (len(ids) - 1) * BLOCK + 1), len(ids) * BLOCK
         )
         outp = min(max(math.ceil(r["output_length"] / SCALE), 1), max_out)
-        if inp + outp + 64 > max_len:  # 64: the chat template's tokens
+        if inp * 1.1 + outp + 64 > max_len:  # the template's tokens; aiperf's text re-tokenizes
             continue
         out.append(
             {
@@ -681,7 +682,11 @@ def main() -> None:
     )
     ap.add_argument("--traces", type=Path, default=ROOT.parent / "shared/data/traces")
     ap.add_argument("--routers", default=",".join(ROUTERS))
-    ap.add_argument("--workloads", default="conversation,agent")
+    ap.add_argument(
+        "--workloads",
+        default="conversation,agent",
+        help=f"of {WORKLOADS}, each NAME or NAME@SPEEDUP (its own --speedup)",
+    )
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--gpu-blocks", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
@@ -737,16 +742,19 @@ def main() -> None:
     model = make_model(args.vllm_python, work, args.layers, args.hidden)
     slices: dict[str, dict[str, Any]] = {}
     for w in workloads:
+        name, _, at = w.partition("@")  # "agent@3": that workload at 3x
+        speedup = float(at) if at else args.speedup
         rows = scaled(
-            load_rows(w, args.traces, args.offset),
+            load_rows(name, args.traces, args.offset),
             args.requests,
             args.max_model_len,
             args.max_output,
-            args.speedup,
+            speedup,
         )
         path = work / f"{w}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         slices[w] = {
+            "speedup": speedup,
             "requests": len(rows),
             "span_s": rows[-1]["timestamp"] / 1000 if rows else 0,
             "input_tokens_mean": round(statistics.fmean(r["input_length"] for r in rows)),
