@@ -32,8 +32,9 @@ Reported per workload and router (every run, and the runs pooled): TTFT p50/p90/
 aiperf's records), the engines' own hit rate (``vllm:prefix_cache_hits`` over
 ``vllm:prompt_tokens``, deltas of their ``/metrics``) and the clients' (``cached_tokens``
 over ``prompt_tokens`` from the answers' usage), goodput (requests per second with TTFT
-within ``--slo-ms``), errors, and the router's CPU seconds (psutil, its process tree;
-the agents' and nats-server's apart). One JSON object on stdout (and ``--out``).
+within ``--slo-ms``), errors, and the router's CPU (psutil, its process tree; the agents'
+and nats-server's apart): seconds per run, its idle rate (watched for 3 s before the load)
+and per request net of it. One JSON object on stdout (and ``--out``).
 
     flock /tmp/cpu-heavy.lock python3 bench/e2e.py \\
         --vllm-python /tmp/cache-router-vllm-venv/bin/python \\
@@ -85,6 +86,7 @@ SCALE = MOONCAKE_BLOCK // BLOCK  # 512-token hash blocks replayed as 32-token on
 HUB_NAME = "cache-router/tiny-llama"  # the tokenizer's name in the HF cache aiperf reads
 SNAPSHOT = "0" * 40
 ADMIN = "bench"
+IDLE_S = 3.0  # seconds the router is watched idle before each run
 PEERS_VENV = "/tmp/cache-router-peers-venv"  # aiperf, sglang-router, vllm-router
 
 
@@ -581,6 +583,9 @@ def one_run(
     reset(engines)
     before = [metrics(e.url) for e in engines]
     with router_stack(kind, engines, model, args.peers_python, logs) as (url, proc, side):
+        idle0 = proc.cpu_s()
+        time.sleep(IDLE_S)  # what the router burns with no request (health, load, events)
+        idle = (proc.cpu_s() - idle0) / IDLE_S
         cpu0, side0 = proc.cpu_s(), sum(p.cpu_s() for p in side)
         t0 = time.monotonic()
         rc = aiperf(
@@ -619,6 +624,11 @@ def one_run(
         "engine_hit_rate": round(hits / prompt, 4) if prompt else None,
         "prompt_tokens_by_engine": per_engine,
         "router_cpu_s": round(cpu, 2),
+        "router_idle_cpu_ms_per_s": round(1000 * idle, 1),
+        # the load's share: the run's CPU less its idle rate over the same time
+        "router_cpu_ms_per_request_net": round(1000 * (cpu - idle * duration) / len(recs), 2)
+        if recs
+        else None,
         "events_cpu_s": round(side_cpu, 2),
         **summarize(recs, args.slo_ms, span),
     }
@@ -639,6 +649,12 @@ def pooled(args: argparse.Namespace, runs: list[dict[str, Any]], work: Path) -> 
         router_cpu_s=round(sum(run["router_cpu_s"] for run in runs), 2),
         router_cpu_ms_per_request=round(
             1000 * sum(run["router_cpu_s"] for run in runs) / max(out["requests"], 1), 2
+        ),
+        router_cpu_ms_per_request_net=round(
+            statistics.fmean(r["router_cpu_ms_per_request_net"] or 0.0 for r in runs), 2
+        ),
+        router_idle_cpu_ms_per_s=round(
+            statistics.fmean(r["router_idle_cpu_ms_per_s"] for r in runs), 1
         ),
     )
     return out
