@@ -22,4 +22,27 @@ ready || install || install
 ready || { echo "the vLLM venv at $venv does not import vllm"; exit 1; }
 echo "real engines: venv ready after $((SECONDS - start)) s"
 CACHE_ROUTER_VLLM_PYTHON="$venv/bin/python" python3 -m pytest -q -p no:cacheprovider tests/real_engines
+echo "real engines: tests done after $((SECONDS - start)) s"
+# bench/e2e.py's smoke: two engines, cache-router cache_aware then round_robin, each loaded
+# by aiperf (in a venv of its own, kept like the engines'; ~3 min to install) with 10
+# agent-shaped requests; every request must be answered (measured: ~3.5 min, engines' start
+# included).
+peers=${CACHE_ROUTER_PEERS_VENV:-/tmp/cache-router-peers-venv}
+peers_ready() { "$peers/bin/python" -c "import aiperf" 2>/dev/null; }
+peers_install() {
+  rm -rf "$peers" && python3 -m venv "$peers" && "$peers/bin/pip" install --quiet --retries 10 aiperf
+}
+peers_ready || peers_install || peers_install
+smoke=$(mktemp -d)
+timeout 900 python3 bench/e2e.py --smoke --vllm-python "$venv/bin/python" \
+  --peers-python "$peers/bin/python" --workdir "$smoke" --out "$smoke/e2e.json" >/dev/null
+python3 - "$smoke/e2e.json" <<'PY'
+import json, sys
+report = json.load(open(sys.argv[1]))
+runs = report["runs"]
+bad = [r for r in runs if "failed" in r or r["errors"] or r["requests"] != 10]
+print("e2e smoke:", [(r["router"], r.get("ttft_ms"), r.get("engine_hit_rate")) for r in runs])
+sys.exit(1 if bad or len(runs) != 2 else 0)
+PY
+rm -rf "$smoke"
 echo "real engines: done after $((SECONDS - start)) s"

@@ -119,6 +119,9 @@ class NodeAgent:
         self._engine_lock = asyncio.Lock()  # one engine-event handler at a time
         self._stopping = False
         self._last: Accepted | None = None  # the newest batch, published or not
+        # Until the engine's replay socket has been read (and while it is read again after
+        # a gap), what the core holds is behind the engine: replay requests are told so.
+        self.reading = cfg.replay_endpoint is not None
         self.subjects = subjects = Subjects(cfg.subject_prefix)
         self.events_subject = subjects.events(cfg.worker_id)
         self.replay_subject = subjects.gap_fill(cfg.worker_id)
@@ -363,18 +366,35 @@ class NodeAgent:
         await self._publish(core.accept(seq, payload))
 
     async def _catch_up(self) -> None:
-        """Accept every batch the engine's replay socket holds from ``expected`` on."""
+        """Accept every batch the engine's replay socket holds from ``expected`` on, and
+        publish only the newest of them.
+
+        Published one by one, a long history (a fresh agent beside a vLLM that served
+        for minutes replays up to 10,000 batches) reached routers as in-order live
+        batches: each applied alone left the worker "in sync" with a past state, blocks
+        evicted since included, until the last one came (seen behind real vLLM: 73-114
+        such blocks while ``/admin/index`` said in sync, and ``cache_aware`` routed on
+        them). The newest alone shows routers a gap, and they fetch the rest from this
+        agent's ring in one answer, applied at once; a router that asks meanwhile is told
+        the agent is still reading (``GapFillMessage.reading``).
+        """
         if not self.cfg.replay_endpoint:
             return
-        batches, _ = await fetch_replay(
-            self._ctx,
-            self.cfg.replay_endpoint,
-            self.core.expected,
-            idle_timeout=self.cfg.replay_timeout,
-        )
-        for seq, payload in batches:
-            if seq >= self.core.expected:
-                await self._publish(self.core.accept(seq, payload))
+        newest: Accepted | None = None
+        self.reading = True
+        try:
+            batches, _ = await fetch_replay(
+                self._ctx,
+                self.cfg.replay_endpoint,
+                self.core.expected,
+                idle_timeout=self.cfg.replay_timeout,
+            )
+            for seq, payload in batches:
+                if seq >= self.core.expected:
+                    newest = self.core.accept(seq, payload) or newest
+        finally:
+            self.reading = False
+        await self._publish(newest)
 
     async def _engine_restarted(self) -> bool | None:
         """After a reconnect: does the engine still hold our last batch, byte for byte?
@@ -424,12 +444,7 @@ class NodeAgent:
             bad_input.warning("bad replay request: %s", exc)
             replies = [GapFillMessage("end", -1, epoch=self.core.epoch)]
         else:
-            try:
-                replies = self.core.gap_fill(request.from_seq)  # one consistent snapshot
-            except Exception:  # a bug must still answer, or the router waits out a timeout
-                self.counters["replay_errors"] += 1
-                log.exception("replay from seq %d failed", request.from_seq)
-                replies = [GapFillMessage("end", -1, epoch=self.core.epoch)]
+            replies = self._gap_fill(request.from_seq)
         try:
             assert self.nc is not None
             for reply in replies:
@@ -437,6 +452,20 @@ class NodeAgent:
         except Exception as exc:
             self.counters["replay_publish_failed"] += 1
             log.warning("replay reply failed: %s", exc)
+
+    def _gap_fill(self, from_seq: int) -> list[GapFillMessage]:
+        """The answer to a router's replay request (``index/gapfill.py``)."""
+        core = self.core
+        if self.reading:  # behind the engine: the router asks again (see _catch_up)
+            self.counters["replays_while_reading"] += 1
+            last = -1 if core.last_seq is None else core.last_seq
+            return [GapFillMessage("end", last, epoch=core.epoch, reading=True)]
+        try:
+            return core.gap_fill(from_seq)  # one consistent snapshot
+        except Exception:  # a bug must still answer, or the router waits out a timeout
+            self.counters["replay_errors"] += 1
+            log.exception("replay from seq %d failed", from_seq)
+            return [GapFillMessage("end", -1, epoch=core.epoch)]
 
     async def _on_prefetch(self, msg: Msg) -> None:
         self.prefetch.submit(msg.data)

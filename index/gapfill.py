@@ -14,6 +14,13 @@ request's reply inbox, so no single NATS message grows past the payload limit:
 - ``{"kind": "dump", "seq": S, "payload": <EventBatch bytes>}`` chunks that together
   re-create everything the engine holds as of seq S (BlockStored events, parents first),
 - then exactly one ``{"kind": "end", "epoch": E, "last_seq": L, "dump": bool}``.
+
+An agent that is still reading its engine's history (just started, or catching up after
+its engine connection dropped) answers with one ``end`` that adds ``"reading": true``
+and nothing else: what it holds is behind the engine, so the router keeps the worker out
+of sync and asks again. Without it, a router that asked a fresh agent mid-way through a
+long history (vLLM replays up to 10,000 batches) took the part read so far for the
+engine's state and said "in sync" while holding blocks the engine had evicted since.
 """
 
 from __future__ import annotations
@@ -50,11 +57,14 @@ class GapFillMessage:
     payload: bytes = b""
     epoch: str | None = None
     dump: bool = False
+    reading: bool = False  # an ``end``: the agent has not read its engine up to date yet
 
     def encode(self) -> bytes:
         obj: dict[str, object]
         if self.kind == "end":
             obj = {"kind": "end", "epoch": self.epoch, "last_seq": self.seq, "dump": self.dump}
+            if self.reading:
+                obj["reading"] = True
         else:
             obj = {"kind": self.kind, "seq": self.seq, "payload": self.payload}
         packed: bytes = msgpack.packb(obj, use_bin_type=True)
@@ -74,5 +84,6 @@ class GapFillMessage:
                 int(obj.get("last_seq", -1)),
                 epoch=epoch,
                 dump=bool(obj.get("dump")),
+                reading=bool(obj.get("reading")),
             )
         return cls(obj["kind"], int(obj["seq"]), bytes(obj["payload"]))

@@ -514,3 +514,51 @@ async def test_an_endpoint_nobody_binds_is_reported(
     finally:
         await bound.close()
     assert any("wildcard" in r.getMessage() and unbound in r.getMessage() for r in caplog.records)
+
+
+async def test_a_long_catch_up_goes_out_as_its_newest_batch_only(nats_url: str, nc: NATS) -> None:
+    """A fresh agent beside an engine with a history republished it batch by batch, and a
+    router applying them one at a time said "in sync" at every step with a past state
+    (evicted blocks included). Only the newest goes out now: a router sees the gap and
+    takes the rest from the agent's ring in one answer."""
+    seqs: list[int] = []
+
+    async def on_event(msg: Msg) -> None:
+        seqs.append(int((msg.headers or {})["Kv-Seq"]))
+
+    await nc.subscribe("kv.events.w-hist", cb=on_event)
+    await subscribed(nc)
+    async with MockEngine(engine_config(gpu_blocks=20)) as engine:
+        await complete(engine, PROMPTS)  # stores and evictions, nobody listening yet
+        assert engine.publisher is not None
+        head = engine.publisher.seq - 1
+        assert head >= 5
+        async with NodeAgent(agent_config("w-hist", engine, nats_url)) as agent:
+            await until(lambda: agent.core.last_seq == head and head in seqs, what="catch-up")
+            side = await RouterSide(nc, "w-hist").start()
+            end = await side.gap_fill(0)
+            side.assert_matches(engine, PROMPTS)
+    assert seqs == [head] and not end.dump and end.seq == head
+
+
+async def test_an_agent_that_has_not_read_its_engine_says_so(nats_url: str, nc: NATS) -> None:
+    """Before the engine's replay socket answered, the agent's (empty) state is no answer:
+    a replay request gets ``reading`` and the agent's last seq; once read, the batches."""
+    zmq_port, replay_port = free_ports(2)
+    cfg = engine_config(
+        zmq_endpoint=f"tcp://127.0.0.1:{zmq_port}", replay_endpoint=f"tcp://127.0.0.1:{replay_port}"
+    )
+    acfg = agent_config("w-first", None, nats_url, zmq_endpoint=cfg.zmq_endpoint)
+    acfg.replay_endpoint = cfg.replay_endpoint
+    async with NodeAgent(acfg) as agent:  # its engine is not up yet
+        side = RouterSide(nc, "w-first")
+        end = await side.gap_fill(0)
+        assert end.reading and end.seq == -1 and agent.stats()["replays_while_reading"] == 1
+        async with MockEngine(cfg) as engine:
+            await complete(engine, PROMPTS[:3])
+            assert engine.publisher is not None
+            await until(lambda: agent.core.last_seq == engine.publisher.seq - 1)  # type: ignore[union-attr]
+            await until(lambda: not agent.reading)
+            end = await side.gap_fill(0)
+            assert not end.reading and end.seq == engine.publisher.seq - 1
+            side.assert_matches(engine, PROMPTS[:3])

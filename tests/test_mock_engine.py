@@ -355,3 +355,34 @@ async def test_a_continued_final_message_is_continued_as_vllm_does(engine: MockE
         # every full block of the original chat is a prefix of the continuation's prompt
         held = first["usage"]["prompt_tokens"] // BS * BS
         assert usage["prompt_tokens_details"]["cached_tokens"] >= held > 0
+
+
+async def test_hf_tokenizer_long_outputs(tmp_path: Path) -> None:
+    """A tokenizer whose tokens are whole words (longer than the fallback's 4 bytes) still
+    gets every length asked for: aiperf's Mooncake requests ask for hundreds of tokens with
+    ``ignore_eos``, which the mock answered with HTTP 500 ("fewer tokens than characters")."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from sim.mock.text import _WORDS
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([_WORDS] * 3, trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    async with (
+        MockEngine(engine_config(tokenizer=str(path))) as engine,
+        httpx.AsyncClient(base_url=engine.url) as http,
+    ):
+        for n in (1, 64, 300, 1000):
+            body = {"prompt": f"prompt {n}", "max_tokens": n, "ignore_eos": True}
+            r = await http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == n
+            assert len(tok.encode(r.json()["choices"][0]["text"]).ids) == n
+        for i in range(20):  # the model's own lengths (8..64), no limit asked
+            body = {"messages": [{"role": "user", "content": f"question {i}"}]}
+            r = await http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            text = r.json()["choices"][0]["message"]["content"]
+            assert len(tok.encode(text).ids) == r.json()["usage"]["completion_tokens"]

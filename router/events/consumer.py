@@ -668,6 +668,10 @@ class EventSync:
                     elif m.kind == "dump":
                         dump.append(decode(m.payload))
                         dump_seq = m.seq
+                    elif m.reading:  # the agent is behind its engine: not in sync, ask again
+                        self.counts["replay_agent_reading"] += 1
+                        ingest.mark_out_of_sync(worker_id)
+                        return False
                     else:
                         rank = self._agent_rank(worker_id, rank, batches, dump, m)
                         with self._apply_lock:

@@ -69,28 +69,27 @@ class MockText:
         return 8 + self._seed(prompt) % 57
 
     def pieces(self, prompt: list[int], n: int) -> list[str]:
-        """Exactly ``n`` text pieces, one per output token."""
+        """Exactly ``n`` text pieces, one per output token.
+
+        With a tokenizer file a word is often one token (or less: ``" the"`` is one id in
+        Llama's vocabulary), so the text grows until it encodes to at least ``n`` tokens
+        whatever the tokenizer; a fixed guess of characters per token answered long
+        outputs (aiperf's Mooncake prompts ask hundreds) with HTTP 500.
+        """
         if n <= 0:
             return []
         seed = self._seed(prompt)
         vocab = _WORDS.split(" ")
-        words: list[str] = []
-        chars = 0
-        i = 0
-        # Either tokenizer gives at most one token per character of ASCII text.
-        while chars < 4 * n + 8:
-            word = vocab[(seed + i * 7919) % len(vocab)]
-            words.append(word)
-            chars += len(word) + 1
-            i += 1
-        text = " ".join(words)
-        if self._hf is None:
-            return [text[j : j + 4] for j in range(0, 4 * n, 4)]
-        starts = [start for start, _ in self._hf.encode(text, add_special_tokens=False).offsets]
-        if len(starts) < n:
-            raise ValueError("tokenizer produced fewer tokens than characters")
-        ends = [*starts[1:], len(text)]
-        return [text[starts[j] : ends[j]] for j in range(n)]
+        words = 2 * n + 8  # the fallback's 4 bytes per token: two words of 2+ letters
+        while True:
+            text = " ".join(vocab[(seed + i * 7919) % len(vocab)] for i in range(words))
+            if self._hf is None:
+                return [text[j : j + 4] for j in range(0, 4 * n, 4)]
+            starts = [s for s, _ in self._hf.encode(text, add_special_tokens=False).offsets]
+            if len(starts) >= n:
+                ends = [*starts[1:], len(text)]
+                return [text[starts[j] : ends[j]] for j in range(n)]
+            words *= 2
 
     @staticmethod
     def _seed(prompt: list[int]) -> int:

