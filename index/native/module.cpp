@@ -493,7 +493,7 @@ class LiveFeed : public NatsHandler {
 
     void on_oversized(std::string_view subject) override {
         ++oversized;
-        if (!subject.empty()) dropped(subject);  // empty: a subject too long to name a worker
+        dropped(subject);
     }
 
     void on_message(std::string_view subject, std::string_view headers,
@@ -589,9 +589,15 @@ class LiveFeed : public NatsHandler {
         return true;
     }
 
+    // A name longer than this is no worker's (the router's ids are 128 bytes at most): a
+    // message on it is counted, and nobody is resynced for it (a long subject, which a
+    // server with a larger max_control_line forwards, must not mark every worker).
+    static constexpr size_t MAX_NAME = 1024;
+
     void dropped(std::string_view subject) {
         ++queue_full;
         std::lock_guard<std::mutex> l(q_mu_);
+        if (subject.size() > prefix_.size() + MAX_NAME) return;
         if (subject.size() > prefix_.size() && subject.substr(0, prefix_.size()) == prefix_ &&
             dropped_.size() < 1024)
             dropped_.insert(std::string(subject.substr(prefix_.size())));

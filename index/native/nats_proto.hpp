@@ -185,9 +185,8 @@ class NatsParser {
         if (with_headers && (!size_of(args[args.size() - 2], hdr) || hdr > total))
             return bad(f, "malformed HMSG header size");
         if (total > max_payload_ || skip_whole) {
-            // A copy of the subject: the bytes it points at are skipped next. A subject
-            // longer than any line a client may send names no worker: reported empty.
-            subject_.assign(args[1].size() <= max_line_ ? args[1] : std::string_view());
+            // A copy of the subject: the bytes it points at are skipped next.
+            subject_.assign(args[1]);
             pos_ += line_len;
             skip_ = total + 2;
             f.kind = FrameKind::OVERSIZED;
