@@ -174,16 +174,27 @@ def _named(body: list[Any] | dict[str, Any], names: tuple[str, ...]) -> dict[str
     return body if isinstance(body, dict) else dict(zip(names, body, strict=False))
 
 
+_U32 = 1 << 32
+
+
 def _token_ids(value: Any) -> list[int]:
-    """Token ids; SGLang's EAGLE mode sends ``[t, t+1]`` pairs, flattened here to the
-    ``n + 1`` tokens the bigram windows cover."""
+    """Token ids, each an int in [0, 2**32) as the router hashes them (u32s) and the
+    native decoder reads them (a bool, a negative or a wider int is a bad event there,
+    and here: before session 16 ``True`` was taken as 1 and a negative id raised from the
+    hasher, out of the ingest). SGLang's EAGLE mode sends ``[t, t+1]`` pairs, flattened
+    here to the ``n + 1`` tokens the bigram windows cover."""
     if not isinstance(value, list | tuple):
         raise TypeError("token_ids is not a list")
     if value and isinstance(value[0], list | tuple):
-        if any(len(p) != 2 for p in value):
+        if any(not isinstance(p, list | tuple) or len(p) != 2 for p in value):
             raise TypeError("bigram token_ids must be pairs")
-        return [p[0] for p in value] + [value[-1][1]]
-    return list(value)
+        ids = [p[0] for p in value] + [value[-1][1]]
+    else:
+        ids = list(value)
+    for t in ids:
+        if type(t) is not int or not 0 <= t < _U32:
+            raise TypeError("a token id is not an int in [0, 2**32)")
+    return ids
 
 
 def _medium(f: dict[str, Any]) -> str | None:
@@ -207,7 +218,7 @@ def decode_event(raw: Any, hash_of: HashOf = norm_hash) -> Event | None:
         medium = _medium(f)
         parent = f.get("parent_block_hash")
         block_size = f.get("block_size")
-        if not isinstance(block_size, int) or block_size <= 0:
+        if type(block_size) is not int or block_size <= 0:  # a bool is no size
             raise TypeError("block_size is not a positive int")
         extra = f.get("extra_keys")
         return BlockStored(

@@ -110,6 +110,7 @@ class IngestResult:
 class _Worker:
     # engine hash -> [router hash, tier bits held]
     blocks: dict[EngineHash, list[int]] = field(default_factory=dict)
+    spans: int = 0  # router blocks in ``blocks``' spans (entry[2:]): the quota counts them
     engine_of: dict[int, EngineHash] = field(default_factory=dict)  # router -> engine hash
     last_seq: dict[int | None, int] = field(default_factory=dict)
     seen: dict[int | None, int] = field(default_factory=dict)  # highest seq seen per rank
@@ -442,6 +443,7 @@ class EventIngest:
         w.seen.clear()
         for key, state in [(worker_id, w), *self._group_states(worker_id, w)]:
             state.blocks.clear()
+            state.spans = 0
             state.engine_of.clear()
             self.index.clear(key)
 
@@ -518,6 +520,7 @@ class EventIngest:
         """Apply one event; the name of what was wrong with it, or None."""
         if isinstance(event, AllBlocksCleared):
             w.blocks.clear()
+            w.spans = 0
             w.engine_of.clear()
             self.index.clear(worker_id)
             return None
@@ -538,6 +541,7 @@ class EventIngest:
                 entry[1] &= ~bit
                 if not entry[1]:
                     del w.blocks[eh]
+                    w.spans -= len(entry) - 2
                     w.engine_of.pop(entry[0], None)
             self.index.remove(worker_id, gone, tier)
             return None
@@ -604,13 +608,15 @@ class EventIngest:
         if skip:
             parent, router = router[skip * k - 1], router[skip * k :]
         quota = self._quota()
-        if quota is not None and len(w.blocks) + n > quota:
+        # in router blocks, as the index counts them: a coarse engine block is k
+        held = len(w.blocks) + w.spans
+        if quota is not None and held + n * k > quota:
             # keep the leading blocks that fit: a chain's prefix is still a true prefix
             room = 0
             fresh = 0
             for eh in event.block_hashes:
-                fresh += eh not in w.blocks
-                if len(w.blocks) + fresh > quota:
+                fresh += k if eh not in w.blocks else 0
+                if held + fresh > quota:
                     break
                 room += 1
             if room < n:
@@ -634,6 +640,7 @@ class EventIngest:
                 entry = w.blocks.get(eh)
                 # [last router hash, tier bits, the span's other router hashes...]
                 w.blocks[eh] = [span[-1], bit | (entry[1] if entry else 0), *span[:-1]]
+                w.spans += k - 1 - (len(entry) - 2 if entry else 0)
                 w.engine_of[span[-1]] = eh
         self.index.store(worker_id, router, tier, parent=parent)
         if w.base is not None:

@@ -296,6 +296,7 @@ class NativeEventIngest(EventIngest):
     def _reset_groups(self, worker_id: str, w: _Worker) -> None:
         for g, state in w.groups.items():
             state.blocks.clear()
+            state.spans = 0
             state.engine_of.clear()
             self.index.clear(group_key(worker_id, g))
 

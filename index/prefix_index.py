@@ -134,6 +134,11 @@ class PrefixIndex:
         if slot is None:
             return
         bit = 1 << slot
+        if not any(self._counts[slot]):  # holds nothing: no block to scan for (spam costs O(1))
+            for key in [k for k, m in self._spec.items() if m & bit]:
+                self._drop_spec(key, slot)
+            self._set_orphans(slot, 0)
+            return
         keep = ~bit
         dead = []
         for key, e in self._entries.items():
@@ -506,21 +511,42 @@ class PrefixIndex:
         return not any((slot << _SLOT_SHIFT | key) in kids for slot in _slots(holders))
 
     def _evict(self, target: int) -> None:
-        """Drop least recently matched blocks down to ``target``, leaves first."""
+        """Drop least recently matched blocks down to ``target``, leaves first: one scan
+        for the leaves, then a heap by (tick, key) that a parent joins when its last
+        held child goes. Each round used to rescan every block and take the leaves of
+        that moment only, so a chain (one leaf) cost a scan per block: O(excess x N)."""
         entries = self._entries
         while len(entries) > target:
-            excess = len(entries) - target
-            leaves = [(k, e) for k, e in entries.items() if self._is_leaf(k, e)]
-            pool = leaves or list(entries.items())
-            victims = heapq.nsmallest(excess, pool, key=lambda kv: kv[1][_TICK])
-            for key, e in victims:
+            heap = [(e[_TICK], k) for k, e in entries.items() if self._is_leaf(k, e)]
+            leaves = bool(heap)
+            if not leaves:  # every block has a held child: a cycle of crafted hashes
+                heap = [(e[_TICK], k) for k, e in entries.items()]
+            heapq.heapify(heap)
+            taken = 0
+            while len(entries) > target and heap:
+                _, key = heapq.heappop(heap)
+                e = entries.get(key)
+                if e is None:
+                    continue
+                p = e[_PARENT]
+                parent = None if p is None else entries.get(p)
+                was_leaf = parent is None or self._is_leaf(p, parent)
                 for pos in (_GPU, _CPU, _DISK, _SHARED):
                     for slot in _slots(e[pos]):
                         self._counts[slot][pos - 1] -= 1
                 for slot in _slots(e[_GPU] | e[_CPU] | e[_DISK] | e[_SHARED]):
                     self._unhold(key, e, slot)
                 del entries[key]
-            self.dropped += len(victims)
+                taken += 1
+                if (
+                    leaves
+                    and parent is not None
+                    and not was_leaf
+                    and p in entries
+                    and self._is_leaf(p, parent)
+                ):
+                    heapq.heappush(heap, (parent[_TICK], p))
+            self.dropped += taken
 
     def __len__(self) -> int:
         return len(self._entries)

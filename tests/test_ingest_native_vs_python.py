@@ -9,7 +9,9 @@ name must be the same on both.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
+import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -101,6 +103,60 @@ class Engine:
         return [AllBlocksCleared()]
 
 
+def _stored(**change: object) -> list[object]:
+    """A valid tagged-array store of one block, with fields replaced by ``change``."""
+    fields: dict[str, object] = {
+        "hashes": [4242],
+        "parent": None,
+        "tokens": [1, 2, 3, 0],
+        "size": B,
+        "medium": "GPU",
+    }
+    fields.update(change)
+    return ["BlockStored", *fields.values()]
+
+
+def _nested(depth: int) -> object:
+    obj: object = 0
+    for _ in range(depth):
+        obj = [obj]
+    return obj
+
+
+def _with_event(event_bytes: bytes) -> bytes:
+    """A batch ``[0.0, [a valid store, <event_bytes>], None]`` from raw msgpack bytes."""
+    return b"\x93\xcb" + bytes(8) + b"\x92" + msgpack.packb(_stored()) + event_bytes + b"\xc0"
+
+
+# Shapes the native and Python decoders disagreed on before session 16 (the fuzz
+# campaign of issue 32), and their neighbours: each is a bad event counted, or a whole
+# batch refused, the same on both sides, never an exception.
+MALFORMED: dict[str, Callable[[], bytes]] = {
+    "true_token": lambda: _batch(_stored(tokens=[True, 2, 3, 0])),
+    "negative_token": lambda: _batch(_stored(tokens=[1, -2, 3, 0])),
+    "wide_token": lambda: _batch(_stored(tokens=[1, 2, 3, 1 << 32])),
+    "float_token": lambda: _batch(_stored(tokens=[1, 2.0, 3, 0])),
+    "bool_block_size": lambda: _batch(_stored(size=True)),
+    "bool_hash": lambda: _batch(_stored(hashes=[False])),
+    "ext_hash": lambda: _batch(_stored(hashes=[msgpack.ExtType(0x7F, b"abc")])),
+    # ext types 0x80-0xfe (negative in msgpack-python), which ExtType cannot make
+    "ext_high_medium": lambda: _batch(_stored()).replace(b"\xa3GPU", b"\xd4\x9c\x78"),
+    "ext_high_hash": lambda: _batch(_stored(hashes=["#"])).replace(b"\xa1#", b"\xd5\x80ab"),
+    "timestamp_medium": lambda: _batch(_stored(medium=msgpack.Timestamp(1, 5))),
+    "bad_timestamp": lambda: _with_event(b"\xd4\xff\x00"),  # type -1, 1 byte: no timestamp
+    "bad_timestamp_ns": lambda: _with_event(b"\xd7\xff" + b"\xff" * 8),
+    "list_map_key": lambda: _with_event(b"\x82\xa4type\xabBlockStored\x91\x01\x02"),
+    "map_map_key": lambda: _with_event(b"\x81\x80\x02"),
+    "nil_events": lambda: _batch(None, None, 1, "x", ["BlockRemoved"]),
+    "deep_1024": lambda: _batch([*_stored(), _nested(1024 - 4)]),  # 1,024 containers: read
+    "deep_1025": lambda: _batch([*_stored(), _nested(1025 - 4)]),  # 1,025: refused
+}
+
+
+def _batch(*events: object) -> bytes:
+    return msgpack.packb([0.0, list(events), None], use_bin_type=True)
+
+
 prompts = st.lists(st.integers(0, 3), min_size=B, max_size=5 * B)
 ops = st.lists(
     st.one_of(
@@ -109,6 +165,7 @@ ops = st.lists(
         st.tuples(st.just("clear")),
         st.tuples(st.just("bad_hash")),  # an event whose hash is a str: a bad event
         st.tuples(st.just("garbage"), st.binary(max_size=40)),
+        st.tuples(st.just("malformed"), st.sampled_from(sorted(MALFORMED)), st.integers(0, 3)),
     ),
     max_size=30,
 )
@@ -122,6 +179,9 @@ def batches(forms: list[str], script: list, as_map: bool) -> tuple[Engine, list[
     for op, *args in script:
         if op == "garbage":
             out.append(args[0])
+            continue
+        if op == "malformed":
+            out.append(MALFORMED[args[0]]())
             continue
         if op == "bad_hash":
             events: list[object] = [BlockRemoved(["not-a-hash"], "GPU")]  # type: ignore[list-item]
@@ -253,3 +313,19 @@ def test_names_not_kept_stop_a_hint_at_the_first_block_named_by_bytes() -> None:
     core, _ = index.locate("w")
     with pytest.raises(ValueError, match="before any block"):
         core.keep_names(True)
+
+
+@pytest.mark.parametrize("shape", sorted(MALFORMED))
+def test_both_decoders_read_each_malformed_shape_alike(shape: str) -> None:
+    """Each shape alone, through both ingests: the same outcome and counts, no raise."""
+    payload = MALFORMED[shape]()
+    py = EventIngest(PrefixIndex(), BlockHasher(B))
+    nat = EventIngest(NativePrefixIndex(), BlockHasher(B))
+    got = nat.apply("w", 0, payload)
+    want = py.apply("w", 0, payload)
+    assert (got.status, got.applied, dict(got.errors)) == (
+        want.status,
+        want.applied,
+        dict(want.errors),
+    )
+    assert dict(nat.errors) == dict(py.errors)

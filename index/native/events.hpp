@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "flat_map.hpp"
+#include "keyed.hpp"
 #include "msgpack_reader.hpp"
 #include "node_table.hpp"
 #include "prefix_index.hpp"
@@ -105,6 +106,14 @@ class BatchParser {
         nodes_.clear();
         ints_.clear();
     }
+    // The per-thread scratch is kept for the next parse up to a bound, and given back
+    // past it: a 1 MB batch of tiny values grew it by ~49 MB, kept until the thread ended.
+    ~BatchParser() {
+        if (nodes_.capacity() > KEEP_NODES) std::vector<Node>().swap(nodes_);
+        if (ints_.capacity() > KEEP_INTS) std::vector<uint64_t>().swap(ints_);
+    }
+    BatchParser(const BatchParser&) = delete;
+    BatchParser& operator=(const BatchParser&) = delete;
 
     // Throws DecodeError when the payload is not an EventBatch at all.
     void parse(const uint8_t* p, size_t n, ParsedBatch& out) {
@@ -118,24 +127,41 @@ class BatchParser {
     }
 
    private:
+    static constexpr size_t KEEP_NODES = 16384, KEEP_INTS = 65536;  // ~640 KB + 512 KB
+
     struct Node {
         Value v;
         uint32_t size;    // nodes in this subtree, itself included
         int32_t packed;   // an array of unsigned ints only: its values start at ints_[packed]
     };
 
+    // msgpack-python's (index/codec.py's) limits, so both decoders refuse the same
+    // payloads: 1,024 nested containers at most, and no array or map as a map key (a
+    // Python dict key must be hashable).
+    static constexpr int MAX_DEPTH = 1024;
+
     void build(Reader& r, int depth) {
-        if (depth > 256) throw DecodeError("nested too deep");
         const size_t at = nodes_.size();
         nodes_.push_back(Node{r.next(), 1, -1});
         const Value v = nodes_[at].v;
         if (v.kind == Kind::Str && !utf8_ok(v.bytes)) throw DecodeError("invalid utf-8");
+        if (v.kind != Kind::Array && v.kind != Kind::Map) return;
+        if (depth >= MAX_DEPTH) throw DecodeError("nested too deep");
         if (v.kind == Kind::Array && pack(r, v.n)) {
             nodes_[at].packed = static_cast<int32_t>(ints_.size() - v.n);
             return;
         }
-        uint64_t kids = v.kind == Kind::Array ? v.n : v.kind == Kind::Map ? 2ULL * v.n : 0;
-        for (uint64_t i = 0; i < kids; ++i) build(r, depth + 1);
+        if (v.kind == Kind::Array) {
+            for (uint32_t i = 0; i < v.n; ++i) build(r, depth + 1);
+        } else {
+            for (uint32_t i = 0; i < v.n; ++i) {
+                const size_t key = nodes_.size();
+                build(r, depth + 1);
+                const Kind k = nodes_[key].v.kind;
+                if (k == Kind::Array || k == Kind::Map) throw DecodeError("unhashable map key");
+                build(r, depth + 1);
+            }
+        }
         nodes_[at].size = static_cast<uint32_t>(nodes_.size() - at);
     }
 
@@ -182,8 +208,13 @@ class BatchParser {
     // Children of the container at ``i``.
     std::vector<size_t> children(size_t i) const {
         std::vector<size_t> out;
+        children(i, out);
+        return out;
+    }
+    void children(size_t i, std::vector<size_t>& out) const {
+        out.clear();
         const Node& c = nodes_[i];
-        if (c.packed >= 0) return out;
+        if (c.packed >= 0) return;
         size_t count = c.v.kind == Kind::Array ? c.v.n : 2ULL * c.v.n;
         out.reserve(count);  // the nodes exist (build parsed them): one allocation, not ~5
         size_t j = i + 1;
@@ -191,7 +222,6 @@ class BatchParser {
             out.push_back(j);
             j += nodes_[j].size;
         }
-        return out;
     }
 
     bool is_str(size_t i, std::string_view s) const {
@@ -266,11 +296,18 @@ class BatchParser {
         }
     }
 
-    struct Bad {};
+    // A bad event is flagged in ``bad_``, never thrown: a C++ exception per bad event
+    // cost ~2.6 us, so 1M ``nil`` events in a 1 MB batch held the reader's thread for
+    // 2.65 s (a benign batch of that size: 6 ms). The helpers below set it and return a
+    // neutral value; ``event`` checks it after each.
+    bool fail() const {
+        bad_ = true;
+        return false;
+    }
 
     // An engine hash's key; a bytes hash's bytes into ``bin`` (when given).
     uint64_t hash(size_t i, std::string_view* bin) const {
-        if (!i) throw Bad{};
+        if (!i) return fail();
         const Value& v = nodes_[i].v;
         if (v.kind == Kind::UInt) return v.u;
         if (v.kind == Kind::Int) return static_cast<uint64_t>(v.i);
@@ -278,11 +315,14 @@ class BatchParser {
             if (bin) *bin = v.bytes;
             return bytes_key(v.bytes);
         }
-        throw Bad{};
+        return fail();
     }
 
     void hashes(size_t i, PEvent& ev) const {
-        if (kind(i) != Kind::Array) throw Bad{};
+        if (kind(i) != Kind::Array) {
+            fail();
+            return;
+        }
         if (nodes_[i].packed >= 0) {
             const uint64_t* p = ints_.data() + nodes_[i].packed;
             ev.hashes.assign(p, p + nodes_[i].v.n);
@@ -294,6 +334,7 @@ class BatchParser {
         for (size_t c : kids) {
             std::string_view bin;
             ev.hashes.push_back(hash(c, &bin));
+            if (bad_) return;
             if (nodes_[c].v.kind == Kind::Bin)
                 ev.wide.emplace_back(static_cast<uint32_t>(ev.hashes.size() - 1), bin);
         }
@@ -305,7 +346,7 @@ class BatchParser {
             case Kind::Nil: return false;
             case Kind::UInt: return nodes_[i].v.u != 0;
             case Kind::Int: return true;
-            default: throw Bad{};
+            default: return fail();
         }
     }
 
@@ -315,10 +356,10 @@ class BatchParser {
             case Kind::Nil: return false;
             case Kind::Str: out = nodes_[i].v.bytes; return true;
             case Kind::Bin:
-                if (!utf8_ok(nodes_[i].v.bytes)) throw Bad{};
+                if (!utf8_ok(nodes_[i].v.bytes)) return fail();
                 out = nodes_[i].v.bytes;
                 return true;
-            default: throw Bad{};
+            default: return fail();
         }
     }
 
@@ -345,30 +386,32 @@ class BatchParser {
 
     // 0: decoded, 1: bad event, 2: unknown kind.
     int event(size_t e, PEvent& ev, bool& slow) {
-        try {
-            return event_or_throw(e, ev, slow);
-        } catch (const Bad&) {
-            return 1;
-        }
+        bad_ = false;
+        bool s = false;
+        const int r = event_or_bad(e, ev, s);
+        if (bad_) return 1;
+        slow |= s;  // as before: a bad event's earlier fields may send the batch to Python
+        return r;
     }
 
-    int event_or_throw(size_t e, PEvent& ev, bool& slow) {
-        std::vector<size_t> body;
+    // ``bad_`` set: a bad event (whatever it returns).
+    int event_or_bad(size_t e, PEvent& ev, bool& slow) {
+        std::vector<size_t>& body = body_;
         bool as_map = false;
         std::string_view tag;
         if (kind(e) == Kind::Array && nodes_[e].packed < 0 && nodes_[e].v.n &&
             (kind(e + 1) == Kind::Str || kind(e + 1) == Kind::Bin)) {
-            body = children(e);
+            children(e, body);
             body.erase(body.begin());
-            if (!opt_str(e + 1, tag)) throw Bad{};
+            if (!opt_str(e + 1, tag)) return fail();
         } else if (kind(e) == Kind::Map) {
             as_map = true;
-            body = children(e);
+            children(e, body);
             size_t t = field(body, "type");
-            if (kind(t) != Kind::Str && kind(t) != Kind::Bin) throw Bad{};
-            opt_str(t, tag);
+            if (kind(t) != Kind::Str && kind(t) != Kind::Bin) return fail();
+            if (!opt_str(t, tag)) return fail();
         } else {
-            throw Bad{};
+            return fail();
         }
         static constexpr std::array<std::string_view, 11> stored_fields = {
             "block_hashes", "parent_block_hash", "token_ids",          "block_size",
@@ -383,16 +426,18 @@ class BatchParser {
         if (tag == "BlockStored") {
             ev.kind = STORED;
             size_t bs = get(stored_fields, 3);
-            if (kind(bs) != Kind::UInt || nodes_[bs].v.u == 0) throw Bad{};
+            if (kind(bs) != Kind::UInt || nodes_[bs].v.u == 0) return fail();
             ev.block_size = nodes_[bs].v.u > (1ULL << 40) ? -1 : static_cast<int64_t>(nodes_[bs].v.u);
             hashes(get(stored_fields, 0), ev);
+            if (bad_) return 1;
             size_t parent = get(stored_fields, 1);
             if (kind(parent) != Kind::Nil) {
                 ev.has_parent = true;
                 ev.parent = hash(parent, nullptr);
+                if (bad_) return 1;
             }
             size_t toks = get(stored_fields, 2);
-            if (kind(toks) != Kind::Array) throw Bad{};
+            if (kind(toks) != Kind::Array) return fail();
             if (nodes_[toks].packed >= 0) {
                 const uint64_t* p = ints_.data() + nodes_[toks].packed;
                 const uint32_t n = nodes_[toks].v.n;
@@ -402,17 +447,17 @@ class BatchParser {
                     high |= p[k];
                     ev.tokens[k] = static_cast<uint32_t>(p[k]);
                 }
-                if (high > 0xFFFFFFFFULL) throw Bad{};
+                if (high > 0xFFFFFFFFULL) return fail();
             }
-            auto tc = children(toks);
-            ev.tokens.reserve(tc.size());
-            for (size_t t : tc) {
+            children(toks, kids_);
+            ev.tokens.reserve(kids_.size());
+            for (size_t t : kids_) {
                 Kind k = kind(t);
                 if (k == Kind::Array) {
                     slow = true;  // EAGLE token pairs
                     continue;
                 }
-                if (k != Kind::UInt || nodes_[t].v.u > 0xFFFFFFFFULL) throw Bad{};
+                if (k != Kind::UInt || nodes_[t].v.u > 0xFFFFFFFFULL) return fail();
                 ev.tokens.push_back(static_cast<uint32_t>(nodes_[t].v.u));
             }
             if (kind(get(stored_fields, 4)) != Kind::Nil) {
@@ -465,6 +510,8 @@ class BatchParser {
     const TierTable& tiers_;
     std::vector<Node>& nodes_;
     std::vector<uint64_t>& ints_;
+    mutable bool bad_ = false;         // the event being read is bad (``fail``)
+    std::vector<size_t> body_, kids_;  // an event's fields, its token nodes
 };
 
 class EventDecoder {
@@ -544,7 +591,13 @@ class WorkerBlocks {
         const uint64_t router = b.router, engine = b.key;
         by_router_.erase(router, router_of());
         stale_.erase(router);
-        spans.erase(engine);
+        if (!spans_.empty()) {
+            auto it = spans_.find(engine);
+            if (it != spans_.end()) {
+                span_blocks_ -= it->second.size();
+                spans_.erase(it);
+            }
+        }
         const uint32_t id = blocks_.find(engine);
         if (bytes_bit(id)) named_[id >> 6] &= ~(uint64_t{1} << (id & 63));
         if (!odd_.empty()) odd_.erase(engine);
@@ -593,7 +646,8 @@ class WorkerBlocks {
         blocks_.clear();
         by_router_.clear();
         stale_.clear();
-        spans.clear();
+        spans_.clear();
+        span_blocks_ = 0;
         digests_.clear();
         std::vector<uint64_t>().swap(named_);
         odd_.clear();
@@ -608,7 +662,19 @@ class WorkerBlocks {
 
     // A block k times the router's (a coarser KV group) is k router blocks: the ones
     // before its last, by engine hash. Rare, so not in EngineBlock.
-    std::unordered_map<uint64_t, std::vector<uint64_t>> spans;
+    const std::vector<uint64_t>* span(uint64_t engine) const {
+        if (spans_.empty()) return nullptr;
+        auto it = spans_.find(engine);
+        return it == spans_.end() ? nullptr : &it->second;
+    }
+    void set_span(uint64_t engine, const uint64_t* routers, size_t n) {
+        std::vector<uint64_t>& s = spans_[engine];
+        span_blocks_ += n - s.size();
+        s.assign(routers, routers + n);
+    }
+
+    // Router blocks held (the quota's measure): a block and its span's others.
+    size_t router_blocks() const { return blocks_.size() + span_blocks_; }
 
    private:
     static constexpr int CHUNK_BITS = 14;  // 16K tails (384 KB) a chunk
@@ -646,7 +712,9 @@ class WorkerBlocks {
     FlatMap<uint64_t> stale_;  // router hashes still naming an engine hash re-stored since
     std::vector<std::unique_ptr<uint8_t[]>> digests_;  // tails by record id, chunks made on use
     std::vector<uint64_t> named_;                      // bit per record id: named by bytes
-    std::unordered_map<uint64_t, std::string> odd_;    // bytes hashes of other lengths
+    std::unordered_map<uint64_t, std::string, KeyedHash> odd_;    // bytes hashes of other lengths
+    std::unordered_map<uint64_t, std::vector<uint64_t>, KeyedHash> spans_;  // span
+    size_t span_blocks_ = 0;  // router blocks in spans_
     bool keep_ = true;
 };
 
@@ -710,10 +778,9 @@ class EventApplier {
             for (uint64_t eh : ev.hashes) {
                 EngineBlock* ref = w.find(eh);
                 if (!ref || !(ref->tiers & tbit)) continue;
-                gone_.push_back(ref->router);
-                auto span = w.spans.find(eh);
-                if (span != w.spans.end())
-                    gone_.insert(gone_.end(), span->second.begin(), span->second.end());
+                gone_.push_back(uint64_t{ref->router});  // a copy: no reference into a packed record
+                if (const std::vector<uint64_t>* span = w.span(eh))
+                    gone_.insert(gone_.end(), span->begin(), span->end());
                 w.unstore(*ref, static_cast<uint8_t>(tbit));
             }
             index_.remove(slot, gone_.data(), gone_.size(), ev.tier);
@@ -739,12 +806,15 @@ class EventApplier {
         } else {
             hash_with_extras(ev, h);
         }
-        if (quota_ >= 0 && static_cast<int64_t>(w.size() + n) > quota_) {
+        // The quota is in router blocks, as the index counts them: a coarse engine block
+        // is k of them (counted as one until session 16, so a worker sending coarse
+        // blocks held k times its share and evicted everyone else's).
+        if (quota_ >= 0 && static_cast<int64_t>(w.router_blocks() + n * k) > quota_) {
             // Keep the leading blocks that fit: a chain's prefix is still a true prefix.
             size_t room = 0, fresh = 0;
             for (uint64_t eh : ev.hashes) {
-                fresh += w.find(eh) == nullptr;
-                if (static_cast<int64_t>(w.size() + fresh) > quota_) break;
+                fresh += w.find(eh) == nullptr ? k : 0;
+                if (static_cast<int64_t>(w.router_blocks() + fresh) > quota_) break;
                 ++room;
             }
             if (room < n) {
@@ -761,7 +831,7 @@ class EventApplier {
             const bool has_bytes = named != ev.wide.end() && named->first == i;
             w.store(eh, last, static_cast<uint8_t>(tbit), has_bytes ? &named->second : nullptr);
             named += has_bytes;
-            if (k > 1) w.spans[eh].assign(router_.begin() + i * k, router_.begin() + (i + 1) * k - 1);
+            if (k > 1) w.set_span(eh, router_.data() + i * k, k - 1);
         }
         index_.store(slot, router_.data(), router_.size(), ev.tier, has_parent, parent);
         return nullptr;

@@ -14,6 +14,8 @@
 #include <utility>
 #include <vector>
 
+#include "keyed.hpp"
+
 namespace cr {
 
 template <class V>
@@ -136,8 +138,7 @@ class FlatMap {
 
    private:
     size_t home(uint64_t key) const {
-        uint64_t h = key * 0x9E3779B97F4A7C15ULL;
-        h ^= h >> 29;
+        const uint64_t h = keyed_mix(key);  // keyed.hpp: no key a publisher picks collides by design
         return static_cast<size_t>((static_cast<__uint128_t>(h) * slots_.size()) >> 64);
     }
 

@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "events.hpp"
+#include "kv_headers.hpp"
 #include "nats_reader.hpp"
 #include "prefix_index.hpp"
 #include "seq.hpp"
@@ -89,7 +90,7 @@ std::vector<uint32_t> u32s(py::handle obj) {
         py::buffer_info info = py::reinterpret_borrow<py::buffer>(obj).request();
         const size_t n = static_cast<size_t>(info.size * info.itemsize) / 4;
         out.resize(n);
-        std::memcpy(out.data(), info.ptr, n * 4);
+        if (n) std::memcpy(out.data(), info.ptr, n * 4);  // an empty buffer's pointer may be null
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
         for (auto& t : out) t = __builtin_bswap32(t);
 #endif
@@ -200,7 +201,11 @@ py::tuple outcome(const SeqDecision& d, const ApplyResult& r, const ParsedBatch*
     }
     const int flags = (d.apply ? APPLIED_BATCH : 0) | (d.restarted ? RESTARTED : 0) |
                       (d.reset ? WAS_RESET : 0);
-    py::object expected = d.has_expected ? py::object(py::int_(d.expected)) : py::none();
+    py::object expected = py::none();
+    if (d.has_expected)
+        expected = d.past_max ? py::reinterpret_steal<py::object>(
+                                    PyLong_FromUnsignedLongLong(uint64_t{1} << 63))
+                              : py::object(py::int_(d.expected));
     return py::make_tuple(d.status, expected, r.applied, errors, self_errors, flags);
 }
 
@@ -352,7 +357,7 @@ PEvent event_from_tuple(const py::tuple& t) {
         py::buffer_info info;
         std::string_view tb = bytes_of(t[5].cast<py::buffer>(), info);
         ev.tokens.resize(tb.size() / 4);
-        std::memcpy(ev.tokens.data(), tb.data(), ev.tokens.size() * 4);
+        if (!ev.tokens.empty()) std::memcpy(ev.tokens.data(), tb.data(), ev.tokens.size() * 4);
     }
     ev.block_size = t[7].cast<int64_t>();
     if (!t[8].is_none()) ev.has_root = true, ev.root = t[8].cast<uint64_t>();
@@ -467,7 +472,7 @@ class LiveFeed : public NatsHandler {
         return {queue_.size(), now() - queue_.front().queued};
     }
 
-    std::atomic<int64_t> messages{0}, applied_here{0}, queue_full{0}, oversized{0};
+    std::atomic<int64_t> messages{0}, applied_here{0}, queue_full{0}, oversized{0}, failed{0};
     std::atomic<bool> up{false};
 
     // -- on the reader's thread ----------------------------------------------------
@@ -494,7 +499,18 @@ class LiveFeed : public NatsHandler {
     void on_message(std::string_view subject, std::string_view headers,
                     std::string_view payload) override {
         ++messages;
-        if (!try_apply(subject, headers, payload)) {
+        bool applied;
+        try {
+            applied = try_apply(subject, headers, payload);
+        } catch (const std::exception&) {
+            // bad_alloc, or a table at its size bound (length_error), maybe half way
+            // through the batch: an exception must never end the reader's thread (and
+            // with it the process); the worker is resynced, as for a dropped message.
+            ++failed;
+            dropped(subject);
+            return;
+        }
+        if (!applied) {
             Record rec;
             rec.subject.assign(subject);
             rec.headers.assign(headers);
@@ -509,22 +525,6 @@ class LiveFeed : public NatsHandler {
             .count();
     }
 
-    static bool int_of(std::string_view s, int64_t lo, int64_t hi, int64_t& out) {
-        if (s.empty() || s.size() > 19) return false;
-        bool neg = s.front() == '-';
-        if (neg) s.remove_prefix(1);
-        if (s.empty()) return false;
-        int64_t v = 0;
-        for (char c : s) {
-            if (c < '0' || c > '9') return false;
-            v = v * 10 + (c - '0');
-        }
-        v = neg ? -v : v;
-        if (v < lo || v > hi) return false;
-        out = v;
-        return true;
-    }
-
     // Applied here: true. False: nothing changed, Python takes the message.
     bool try_apply(std::string_view subject, std::string_view headers, std::string_view payload) {
         if (subject.size() <= prefix_.size() || subject.substr(0, prefix_.size()) != prefix_)
@@ -533,22 +533,10 @@ class LiveFeed : public NatsHandler {
         std::string_view status;
         if (headers.empty() || !parse_headers(headers, status, kv_) || !status.empty())
             return false;
-        int64_t seq = 0, rank = NO_RANK;
-        bool has_seq = false;
-        Epoch epoch;
-        for (const auto& [k, v] : kv_) {  // the last of a repeated key wins, as in Python
-            if (k == "Kv-Seq") {
-                if (!int_of(v, 0, INT64_MAX, seq)) return false;
-                has_seq = true;
-            } else if (k == "Kv-Dp-Rank") {
-                if (v.empty()) rank = NO_RANK;
-                else if (!int_of(v, 0, (1 << 16) - 1, rank)) return false;
-            } else if (k == "Kv-Epoch") {
-                epoch.has = true;
-                epoch.text.assign(v);
-            }
-        }
-        if (!has_seq) return false;
+        KvHeaders h;
+        if (!read_kv_headers(kv_, h) || !h.has_seq) return false;
+        const int64_t seq = h.seq, rank = h.rank;
+        const Epoch& epoch = h.epoch;
         Route route{};
         {
             std::lock_guard<std::mutex> l(routes_mu_);
@@ -574,7 +562,7 @@ class LiveFeed : public NatsHandler {
             if (c.gen[route.slot] != route.gen || !w.known || !w.in_sync || w.epoch != epoch)
                 return false;
             const int64_t* last = w.last.find(rank);
-            if (!last || seq != *last + 1) return false;
+            if (!last || !SeqRules::follows(*last, seq)) return false;
             c.ingest(route.slot, rank, seq, epoch, &parsed.events, route.quota, d, r);
         }
         ++applied_here;
@@ -601,9 +589,15 @@ class LiveFeed : public NatsHandler {
         return true;
     }
 
+    // A name longer than this is no worker's (the router's ids are 128 bytes at most): a
+    // message on it is counted, and nobody is resynced for it (a long subject, which a
+    // server with a larger max_control_line forwards, must not mark every worker).
+    static constexpr size_t MAX_NAME = 1024;
+
     void dropped(std::string_view subject) {
         ++queue_full;
         std::lock_guard<std::mutex> l(q_mu_);
+        if (subject.size() > prefix_.size() + MAX_NAME) return;
         if (subject.size() > prefix_.size() && subject.substr(0, prefix_.size()) == prefix_ &&
             dropped_.size() < 1024)
             dropped_.insert(std::string(subject.substr(prefix_.size())));
@@ -690,6 +684,9 @@ PYBIND11_MODULE(_native, m) {
         py::arg("tokens"), py::arg("block_size"), py::arg("bigram"), py::arg("seed"),
         "Rolling xxh3_64 hashes of every full block of ``tokens``: a sequence of ints or\n"
         "little-endian u32 bytes. Bit-identical to index.hashing's Python loop.");
+
+    m.def("table_hash", &keyed_mix, py::arg("key"),
+          "The native hash tables' slot hash of ``key``, keyed per process (keyed.hpp).");
 
     py::class_<Stack>(m, "StackDistance")
         .def(py::init([](int64_t max_tracked, bool full, uint64_t threshold,
@@ -923,6 +920,12 @@ PYBIND11_MODULE(_native, m) {
                  return py::make_tuple(c.index.dropped, c.index.spec_confirmed,
                                        c.index.spec_expired);
              })
+        .def("scans",
+             [](Core& c) {
+                 Core::Lock l(c.mu);
+                 return py::make_tuple(c.index.clear_scans, c.index.evict_scans);
+             },
+             "Scans of every node so far: (by clears, by eviction rounds).")
         .def("bytes",
              [](Core& c) {
                  Core::Lock l(c.mu);
@@ -1365,6 +1368,7 @@ PYBIND11_MODULE(_native, m) {
             d["applied"] = f.applied_here.load();
             d["dropped"] = f.queue_full.load();
             d["oversized"] = f.oversized.load();
+            d["failed"] = f.failed.load();
             return d;
         });
 }

@@ -228,9 +228,22 @@ class Reader {
         p_ += n;
         return v;
     }
+    // An ext value is opaque, but msgpack-python (index/codec.py's decoder) refuses the
+    // reserved types 0x80-0xfe (its ExtType takes 0-127) and decodes type -1, msgpack's
+    // timestamp, refusing a malformed one: refused here the same way (before session 16
+    // they were skipped here, so the two decoders disagreed on such batches).
     Value ext(uint64_t n) {
-        byte();  // ext type
+        const uint8_t type = byte();
         Value v = str(Kind::Ext, n);
+        if (type >= 0x80 && type != 0xff) throw DecodeError("reserved ext type");
+        if (type == 0xff) {
+            const auto* d = reinterpret_cast<const uint8_t*>(v.bytes.data());
+            uint64_t ns = 0;
+            if (n == 8) ns = load_be<uint64_t>(d) >> 34;
+            else if (n == 12) ns = load_be<uint32_t>(d);
+            else if (n != 4) throw DecodeError("invalid timestamp");
+            if (ns > 999999999) throw DecodeError("invalid timestamp");
+        }
         return v;
     }
 

@@ -6,11 +6,21 @@
 // with headers ``NATS/1.0[ status]\r\n(Key: Value\r\n)*\r\n``; ``INFO {json}``, ``PING``,
 // ``PONG``, ``+OK``, ``-ERR '<text>'``.
 //
-// Every size is bounded: a control line longer than ``max_control`` is a protocol error
-// (the connection is dropped, as nats-server does with a client's), and a message whose
-// size is over ``max_payload`` is skipped byte by byte, never buffered, and reported.
+// Every size is bounded. ``max_control`` is the server's max_control_line, which bounds
+// the line a client sends (``PUB``): the ``MSG`` line the server forwards for it is longer
+// by the sid and a letter (``HPUB`` -> ``HMSG``), so lines up to ``max_control`` plus
+// ``MSG_OVERHEAD`` are read as usual. Until session 16 the reader stopped at 4,096 and one
+// publisher whose PUB line was 4,091-4,096 bytes (nats-server takes it) disconnected it
+// and put every worker out of sync, 79 times in 5 s. A longer MSG line (a server with a
+// larger max_control_line, a subject mapping that grew it) is still framed: its size is on
+// the line, so its payload is skipped like an oversized one and its subject reported
+// (only that worker is resynced); other lines (a cluster's long INFO) are read up to
+// ``HARD_LINE``. A line with no end within ``HARD_LINE`` bytes is a protocol error (the
+// connection is dropped, as nats-server does with a client's). A message over ``max_payload`` is skipped byte by byte, never
+// buffered, and reported.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -59,8 +69,16 @@ inline bool parse_headers(std::string_view block, std::string_view& status,
 
 class NatsParser {
    public:
+    // " <sid>" (the reader's sid is 1; 24 covers any u64) and HPUB's one more letter,
+    // rounded up.
+    static constexpr size_t MSG_OVERHEAD = 64;
+    // The longest line looked for an end in; longer is garbage, not a NATS server.
+    static constexpr size_t HARD_LINE = 64u << 10;
+
     NatsParser(size_t max_control, size_t max_payload)
-        : max_control_(max_control), max_payload_(max_payload) {}
+        : max_line_(max_control + MSG_OVERHEAD),
+          hard_line_(std::max(HARD_LINE, max_line_)),
+          max_payload_(max_payload) {}
 
     // Room for the socket's next read (at least ``want`` bytes).
     char* space(size_t want) {
@@ -69,7 +87,7 @@ class NatsParser {
         return buf_.data() + end_;
     }
     void wrote(size_t n) { end_ += n; }
-    void reset() { pos_ = end_ = 0, skip_ = 0; }
+    void reset() { pos_ = end_ = 0, skip_ = 0, scanned_ = 0; }
 
     // The next frame in what was read so far; its views live until the next call.
     Frame next() {
@@ -81,11 +99,16 @@ class NatsParser {
         }
         const char* base = buf_.data() + pos_;
         const size_t avail = end_ - pos_;
-        const void* nl = std::memchr(base, '\n', std::min(avail, max_control_ + 2));
+        // Resumes where the last look stopped: a line read in many pieces is scanned once.
+        const size_t look = std::min(avail, hard_line_ + 2);
+        const void* nl = scanned_ < look ? std::memchr(base + scanned_, '\n', look - scanned_)
+                                         : nullptr;
         if (!nl) {
-            if (avail > max_control_ + 1) return bad(f, "maximum control line exceeded");
+            if (avail > hard_line_ + 1) return bad(f, "maximum control line exceeded");
+            scanned_ = look;
             return f;
         }
+        scanned_ = 0;
         const size_t line_len = static_cast<const char*>(nl) - base + 1;
         std::string_view line(base, line_len);
         if (line.size() < 2 || line[line.size() - 2] != '\r') return bad(f, "line without CRLF");
@@ -94,7 +117,8 @@ class NatsParser {
         split(line, args);
         if (args.empty()) return bad(f, "empty control line");
         const std::string op = upper(args[0]);
-        if (op == "MSG" || op == "HMSG") return message(f, op == "HMSG", args, line_len, base);
+        if (op == "MSG" || op == "HMSG")
+            return message(f, op == "HMSG", args, line_len, base, line_len > max_line_ + 2);
         pos_ += line_len;
         if (op == "PING") f.kind = FrameKind::PING;
         else if (op == "PONG") f.kind = FrameKind::PONG;
@@ -149,8 +173,9 @@ class NatsParser {
         return true;
     }
 
+    // ``skip_whole``: the line is past ``max_line_``: the message is reported as oversized.
     Frame& message(Frame& f, bool with_headers, const std::vector<std::string_view>& args,
-                   size_t line_len, const char* base) {
+                   size_t line_len, const char* base, bool skip_whole) {
         // MSG subj sid [reply] n | HMSG subj sid [reply] hn n
         const size_t fixed = with_headers ? 5 : 4;
         if (args.size() != fixed && args.size() != fixed + 1)
@@ -159,7 +184,7 @@ class NatsParser {
         if (!size_of(args.back(), total)) return bad(f, "malformed MSG size");
         if (with_headers && (!size_of(args[args.size() - 2], hdr) || hdr > total))
             return bad(f, "malformed HMSG header size");
-        if (total > max_payload_) {
+        if (total > max_payload_ || skip_whole) {
             // A copy of the subject: the bytes it points at are skipped next.
             subject_.assign(args[1]);
             pos_ += line_len;
@@ -188,9 +213,10 @@ class NatsParser {
         if (buf_.size() > (4u << 20) && end_ < (1u << 20)) buf_.resize(1u << 20);
     }
 
-    size_t max_control_, max_payload_;
+    size_t max_line_, hard_line_, max_payload_;
     std::vector<char> buf_;
     size_t pos_ = 0, end_ = 0, skip_ = 0;
+    size_t scanned_ = 0;  // bytes from pos_ looked through for a line's end already
     std::string subject_;
 };
 

@@ -19,6 +19,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <exception>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -97,16 +98,23 @@ class NatsReader {
             bool was_up = false;
             int fd = dial(host, port, why);
             if (fd >= 0) {
-                was_up = session(fd, why);
+                try {
+                    was_up = session(fd, why);
+                } catch (const std::exception& e) {
+                    // nothing may end this thread (an uncaught exception ends the process):
+                    // what threw ends the session, which reconnects as after a loss
+                    why = std::string("internal error: ") + e.what();
+                    was_up = up_;
+                }
                 ::close(fd);
             }
             if (stopping_) return;
-            if (was_up) {
-                handler_.on_lost(why);
-                backoff = 50;
-            } else {
-                handler_.on_fail(why);
+            try {
+                if (was_up) handler_.on_lost(why);
+                else handler_.on_fail(why);
+            } catch (const std::exception&) {  // out of memory for the news: go on without it
             }
+            if (was_up) backoff = 50;
             sleep_ms(backoff);
             backoff = std::min(backoff * 2, opts_.max_backoff_ms);
         }
@@ -192,7 +200,9 @@ class NatsReader {
     bool session(int fd, std::string& why) {
         parser_.reset();
         ++sessions;
-        bool up = false, greeted = false;
+        bool& up = up_;
+        up = false;
+        bool greeted = false;
         auto handshake_until = Clock::now() + std::chrono::milliseconds(opts_.connect_timeout_ms);
         auto next_ping = Clock::now() + std::chrono::milliseconds(opts_.ping_interval_ms);
         int pings_out = 0;
@@ -289,6 +299,7 @@ class NatsReader {
     NatsOptions opts_;
     NatsHandler& handler_;
     NatsParser parser_;
+    bool up_ = false;  // this session got as far as subscribed (reader thread only)
     std::thread thread_;
     std::atomic<bool> stopping_{false};
 };

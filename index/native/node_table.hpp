@@ -20,6 +20,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "keyed.hpp"
+
 namespace cr {
 
 // Ids by key, the key of an id read through ``key_of(id)`` (the table keeps no keys).
@@ -125,17 +127,9 @@ class IdIndex {
    private:
     static constexpr size_t NPOS = ~size_t{0};
 
-    // MurmurHash3's full finalizer. Its first half alone was not enough: consecutive
-    // keys (bench/scale.py's engine hashes) fell into long probe runs (callgrind: ~20
-    // slots read per insert into a worker's table).
-    static uint64_t mix(uint64_t k) {
-        k ^= k >> 33;
-        k *= 0xFF51AFD7ED558CCDULL;
-        k ^= k >> 33;
-        k *= 0xC4CEB9FE1A85EC53ULL;
-        k ^= k >> 33;
-        return k;
-    }
+    // Keyed per process (keyed.hpp): MurmurHash3's finalizer, which it replaced, is a
+    // public bijection, so a publisher could pick engine hashes that share a probe run.
+    static uint64_t mix(uint64_t k) { return keyed_mix(k); }
     static uint32_t tag_of(uint64_t h) { return static_cast<uint32_t>(h & 31); }
     size_t home(uint64_t h) const {
         return static_cast<size_t>((static_cast<__uint128_t>(h) * slots_.size()) >> 64);

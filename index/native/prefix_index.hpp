@@ -19,11 +19,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
 #include "flat_map.hpp"
+#include "keyed.hpp"
 #include "node_table.hpp"
 
 namespace cr {
@@ -47,12 +49,7 @@ struct TierMasks {
     Mask t[NTIERS];
 };
 
-struct PairHash {
-    size_t operator()(const std::pair<uint64_t, int>& p) const {
-        return static_cast<size_t>((p.first ^ (static_cast<uint64_t>(p.second) << 58)) *
-                                   0x9E3779B97F4A7C15ULL);
-    }
-};
+using PairHash = KeyedHash;  // keyed.hpp
 
 struct Depths {
     Mask found = 0;
@@ -79,6 +76,9 @@ class PrefixCore {
     }
 
     uint64_t dropped = 0, spec_confirmed = 0, spec_expired = 0;
+    // Scans of every node: by clears past a slot's log, by eviction rounds (the work a
+    // publisher can make the core do, bounded by the stores it sent; tests read them).
+    uint64_t clear_scans = 0, evict_scans = 0;
 
     // -- slots -------------------------------------------------------------------
     void add_slot(int slot) {
@@ -120,6 +120,7 @@ class PrefixCore {
             set_tier(e, tier, b);
             ++added;
             if (!was_held) {
+                log_hold(slot, h);
                 orphans -= kid_count(slot, e);
                 const uint32_t p = e.link & NO_PARENT;
                 if (p != NO_PARENT) {
@@ -166,34 +167,76 @@ class PrefixCore {
         return (tier < 0 ? e->held : tier_mask(*e, tier)) & bit(slot);
     }
 
+    // What the slot began to hold since its last clear is logged (up to LOG_CAP keys), so
+    // a clear walks those blocks, not the whole core: the clear of a worker that holds
+    // nothing costs O(1), of one that stored k blocks since its last clear O(k). A slot
+    // past the cap is cleared by a scan of every node, as every clear was until session
+    // 16 (a 1 MB batch of 58,000 clears for an empty worker held the mutex for 47 s at
+    // 410K blocks); it takes LOG_CAP stores to earn a scan, so no batch pays more than
+    // one scan per LOG_CAP blocks it stores.
     void clear(int slot) {
         const Mask b = bit(slot);
+        if (spec_marks_[slot]) {
+            std::vector<uint64_t> marks;
+            spec_.for_each([&](uint64_t key, Mask& m) {
+                if (m & b) marks.push_back(key);
+            });
+            for (uint64_t k : marks) drop_spec(k, slot);
+        }
+        shared_total_ -= counts_[slot][SHARED];
+        std::fill(counts_[slot], counts_[slot] + NTIERS, 0);
+        set_orphans(slot, 0);
+        std::vector<uint64_t>& log = log_[slot];
+        if (log_full_ & b) {
+            scan_clear(slot);
+        } else {
+            std::vector<uint32_t> dead;
+            for (uint64_t key : log) {
+                const uint32_t id = nodes_.find(key);
+                if (id == Nodes::NONE) continue;
+                Node& e = nodes_.at(id);
+                if (!(e.held & b)) continue;
+                drop_holder(e, b);
+                dead.push_back(id);
+                const uint32_t p = e.link & NO_PARENT;
+                if (p != NO_PARENT && nodes_.used(p)) {  // the kid bit its hold set (kid_inc)
+                    Node& parent = nodes_.at(p);
+                    parent.kids &= ~b;
+                    if (!kid_counts_.empty()) kid_counts_.erase({parent.key, slot});
+                    dead.push_back(p);
+                }
+            }
+            for (uint32_t id : dead) settle_node(id);
+        }
+        log_full_ &= ~b;
+        log.clear();
+        if (log.capacity() > LOG_CAP / 8) std::vector<uint64_t>().swap(log);
+    }
+
+    // ``b`` no longer holds ``e`` in any tier.
+    void drop_holder(Node& e, Mask b) {
+        if (e.link & SPLIT) {
+            TierMasks* t = split_.find(e.key);
+            for (Mask& m : t->t) m &= ~b;
+            settle(e, *t);
+        } else {
+            e.held &= ~b;
+        }
+        if (!e.held) --blocks_;
+    }
+
+    void scan_clear(int slot) {
+        const Mask b = bit(slot);
+        ++clear_scans;
         std::vector<uint32_t> dead;
         nodes_.for_each([&](uint32_t id, Node& e) {
             e.kids &= ~b;
-            if (e.held & b) {
-                if (e.link & SPLIT) {
-                    TierMasks* t = split_.find(e.key);
-                    for (Mask& m : t->t) m &= ~b;
-                    settle(e, *t);
-                } else {
-                    e.held &= ~b;
-                }
-                if (!e.held) --blocks_;
-            }
+            if (e.held & b) drop_holder(e, b);
             if (!e.held) dead.push_back(id);
         });
         for (uint32_t id : dead) settle_node(id);
         for (auto it = kid_counts_.begin(); it != kid_counts_.end();)
             it = it->first.second == slot ? kid_counts_.erase(it) : std::next(it);
-        std::vector<uint64_t> marks;
-        spec_.for_each([&](uint64_t key, Mask& m) {
-            if (m & b) marks.push_back(key);
-        });
-        for (uint64_t k : marks) drop_spec(k, slot);
-        shared_total_ -= counts_[slot][SHARED];
-        std::fill(counts_[slot], counts_[slot] + NTIERS, 0);
-        set_orphans(slot, 0);
     }
 
     // -- predict-on-route ------------------------------------------------------------
@@ -201,7 +244,9 @@ class PrefixCore {
         const Mask b = bit(slot);
         for (size_t i = 0; i < n; ++i) {
             bool inserted;
-            spec_.get_or_insert(hashes[i], inserted) |= b;
+            Mask& m = spec_.get_or_insert(hashes[i], inserted);
+            spec_marks_[slot] += !(m & b);
+            m |= b;
             spec_expiry_[{hashes[i], slot}] = expiry;
             heap_.push_back(SpecMark{expiry, hashes[i], slot});
             std::push_heap(heap_.begin(), heap_.end(), later);
@@ -265,7 +310,9 @@ class PrefixCore {
     const int64_t* counts(int slot) const { return counts_[slot]; }
     int holey_count() const { return __builtin_popcountll(holey_); }
     size_t bytes() const {
-        return nodes_.bytes() + split_.bytes() + spec_.bytes() +
+        size_t logs = 0;
+        for (const auto& l : log_) logs += l.capacity() * sizeof(uint64_t);
+        return logs + nodes_.bytes() + split_.bytes() + spec_.bytes() +
                kid_counts_.size() * 48 + spec_expiry_.size() * 48 + heap_.capacity() * 24;
     }
 
@@ -403,6 +450,7 @@ class PrefixCore {
     void drop_spec(uint64_t key, int slot) {
         Mask* m = spec_.find(key);
         if (m) {
+            spec_marks_[slot] -= (*m & bit(slot)) != 0;
             *m &= ~bit(slot);
             if (!*m) spec_.erase(key);
         }
@@ -530,49 +578,91 @@ class PrefixCore {
     // -- memory --------------------------------------------------------------------------
     static bool is_leaf(const Node& e) { return !(e.kids & e.held); }
 
+    // Least recently matched leaves first, down to ``target``: one scan for the leaves,
+    // then a min-heap by (tick, key) that a parent joins when its last held child goes
+    // (it is a leaf then). Until session 16 each round rescanned every node and took
+    // only the leaves of that moment, so a chain (one leaf) cost a scan per block: a
+    // worker past its quota with chained blocks made eviction O(excess x N).
     void evict(size_t target) {
         struct Aged {
             uint32_t tick;
             uint64_t key;
             uint32_t id;
-            bool operator<(const Aged& o) const { return tick != o.tick ? tick < o.tick : key < o.key; }
+            bool operator>(const Aged& o) const { return tick != o.tick ? tick > o.tick : key > o.key; }
         };
-        std::vector<Aged> pool;
+        std::vector<Aged> heap;
+        const auto older = std::greater<Aged>();
         while (blocks_ > target) {
-            const size_t excess = blocks_ - target;
-            pool.clear();
+            ++evict_scans;
+            heap.clear();
             nodes_.for_each([&](uint32_t id, Node& e) {
-                if (e.held && is_leaf(e)) pool.push_back({e.tick, e.key, id});
+                if (e.held && is_leaf(e)) heap.push_back({e.tick, e.key, id});
             });
-            if (pool.empty())
+            const bool leaves = !heap.empty();
+            if (!leaves)  // every held node has a held child: a cycle of crafted hashes
                 nodes_.for_each([&](uint32_t id, Node& e) {
-                    if (e.held) pool.push_back({e.tick, e.key, id});
+                    if (e.held) heap.push_back({e.tick, e.key, id});
                 });
-            const size_t take = std::min(excess, pool.size());
-            std::nth_element(pool.begin(), pool.begin() + (take - 1), pool.end());
-            std::sort(pool.begin(), pool.begin() + take);
-            for (size_t i = 0; i < take; ++i) {
-                const uint32_t id = pool[i].id;
-                Node& e = nodes_.at(id);
-                for (int t = 0; t < NTIERS; ++t) {
-                    for (Mask m = tier_mask(e, t); m; m &= m - 1) {
-                        --counts_[__builtin_ctzll(m)][t];
-                        if (t == SHARED) --shared_total_;
+            std::make_heap(heap.begin(), heap.end(), older);
+            uint64_t taken = 0;
+            while (blocks_ > target && !heap.empty()) {
+                std::pop_heap(heap.begin(), heap.end(), older);
+                const Aged a = heap.back();
+                heap.pop_back();
+                if (!nodes_.used(a.id)) continue;
+                Node& e = nodes_.at(a.id);
+                if (e.key != a.key || !e.held) continue;
+                const uint32_t p = e.link & NO_PARENT;
+                const bool parent_was_leaf =
+                    p == NO_PARENT || !nodes_.used(p) || is_leaf(nodes_.at(p));
+                drop_node(a.id);
+                ++taken;
+                if (leaves && !parent_was_leaf && nodes_.used(p)) {
+                    const Node& q = nodes_.at(p);
+                    if (q.held && is_leaf(q)) {
+                        heap.push_back({q.tick, q.key, p});
+                        std::push_heap(heap.begin(), heap.end(), older);
                     }
                 }
-                for (Mask m = e.held; m; m &= m - 1) unhold(id, __builtin_ctzll(m));
-                if (e.link & SPLIT) split_.erase(e.key);
-                e.held = 0;
-                e.link &= NO_PARENT;
-                --blocks_;
-                settle_node(id);
             }
-            dropped += take;
+            dropped += taken;
         }
     }
 
+    // Every holder of node ``id`` lets it go (the eviction of one block).
+    void drop_node(uint32_t id) {
+        Node& e = nodes_.at(id);
+        for (int t = 0; t < NTIERS; ++t) {
+            for (Mask m = tier_mask(e, t); m; m &= m - 1) {
+                --counts_[__builtin_ctzll(m)][t];
+                if (t == SHARED) --shared_total_;
+            }
+        }
+        for (Mask m = e.held; m; m &= m - 1) unhold(id, __builtin_ctzll(m));
+        if (e.link & SPLIT) split_.erase(e.key);
+        e.held = 0;
+        e.link &= NO_PARENT;
+        --blocks_;
+        settle_node(id);
+    }
+
+    void log_hold(int slot, uint64_t key) {
+        if (log_full_ & bit(slot)) return;
+        if (log_[slot].size() >= LOG_CAP) {
+            log_full_ |= bit(slot);
+            std::vector<uint64_t>().swap(log_[slot]);
+            return;
+        }
+        log_[slot].push_back(key);
+    }
+
+    static constexpr size_t LOG_CAP = 8192;  // keys a slot logs (64 KB) before clears scan
+
     uint64_t max_blocks_;
     int64_t bisect_min_;
+    std::vector<uint64_t> log_[MAX_SLOTS];  // keys each slot began to hold since its clear
+    Mask log_full_ = 0;                     // slots past LOG_CAP: their clear scans
+    int64_t spec_marks_[MAX_SLOTS] = {};    // predictions each slot has in spec_
     uint32_t tick_ = 0;
     Mask live_ = 0, holey_ = 0;
     int64_t counts_[MAX_SLOTS][NTIERS];

@@ -84,6 +84,13 @@ struct SeqDecision {
     int status = SEQ_OK;
     bool has_expected = true;
     int64_t expected = 0;
+    bool past_max = false;  // expected is 2**63: after a seq of INT64_MAX (Python's ints go on)
+
+    // Expect the seq after ``seq`` (no signed overflow at INT64_MAX: UBSan, session 16).
+    void expect_after(int64_t seq) {
+        past_max = seq == INT64_MAX;
+        expected = past_max ? seq : seq + 1;
+    }
     bool apply = false;       // apply the batch's events, then ``commit``
     bool reset = false;       // the worker's state was cleared first (a restart)
     bool restarted = false;   // count a restart
@@ -140,16 +147,21 @@ class SeqRules {
             d.status = SEQ_RESTART;
         } else if (seq <= *last) {
             d.status = SEQ_DUPLICATE;
-            d.expected = *last + 1;
+            d.expect_after(*last);
             return d;
-        } else if (seq != *last + 1) {
-            return gap(w, *last + 1, d);
+        } else if (!follows(*last, seq)) {
+            gap(w, 0, d);
+            d.expect_after(*last);
+            return d;
         }
         if (epoch.has) w.epoch = epoch;
-        d.expected = seq + 1;
+        d.expect_after(seq);
         d.apply = true;
         return d;
     }
+
+    // ``seq`` is the one after ``last``.
+    static bool follows(int64_t last, int64_t seq) { return last != INT64_MAX && seq == last + 1; }
 
     static void commit(SeqState& w, int64_t rank, int64_t seq) {
         w.last.set(rank, seq);
@@ -163,7 +175,7 @@ class SeqRules {
         const int64_t* last = w.last.find(rank);
         if (last && seq <= *last && (!epoch.has || epoch == w.epoch)) {
             d.status = SEQ_DUPLICATE;
-            d.expected = *last + 1;
+            d.expect_after(*last);
             return d;
         }
         w.in_sync = false;
@@ -204,7 +216,7 @@ class SeqRules {
         const int64_t* last = w.last.find(rank);
         if (epoch == w.epoch && last) {
             d.status = SEQ_DUPLICATE;
-            d.expected = *last + 1;
+            d.expect_after(*last);
             return d;
         }
         d.restarted = w.epoch.has && epoch != w.epoch;
