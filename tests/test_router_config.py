@@ -188,6 +188,7 @@ tokenize_threads tokenize_queue tokenize_timeout forward_token_ids prefix_cache_
 derive_session_key processes tokenize_processes
 admission queue_size queue_timeout engine_queue engine_max_inflight reserve_share
 priority_starve_after priority_starve_share tenant_header expected_output_tokens
+migrate_max
 """.split()  # noqa: SIM905
 FLAG_NAMES = """
 --host --port --nats-url --block-size --policy --tokenizer --admin-token --subject-prefix
