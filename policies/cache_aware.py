@@ -342,7 +342,11 @@ class CacheAware(Policy):
         ``fade``, shrinks with the holder's queue beyond the pool's mean (issue 31): by
         ``1 - excess / saving``, gone once the excess reaches the prefill the hit saves.
         The mean, not the shortest queue: a pool queued evenly keeps its hits, which are
-        its capacity; only a holder busier than the pool is a bottleneck to leave."""
+        its capacity; only a holder busier than the pool is a bottleneck to leave. Only
+        for a session's request where sessions are long (``_long_sessions``): its later
+        turns follow it, so leaving moves their load too; a request that comes alone
+        (Mooncake's derived sessions, 1.1-1.3 requests) relieves the holder of nothing
+        after it, and its copy is the pool's cost alone."""
         best_hit, cacheable = est.best_hit, est.cacheable
         if not best_hit:
             return 0.0
@@ -351,7 +355,7 @@ class CacheAware(Policy):
         share = min(best_hit, cacheable) / cacheable if cacheable else 0.0
         per_block = self.recompute_weight * (1.0 + self.recompute_share * share) * bs * ppt
         matches, queues = est.matches, est.queues
-        if per_block and self.fade:
+        if per_block and self.fade and request.session_key and self._long_sessions():
             saving = min(best_hit, cacheable) * bs * ppt
             held = min(q for q, m in zip(queues, matches, strict=True) if m.total == best_hit)
             excess = held - sum(queues) / len(queues)
