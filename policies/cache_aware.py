@@ -11,8 +11,9 @@ the same constants)::
 Affinity and balance are one trade-off in one unit: a hit saves its tokens' prefill, a
 queue costs its tokens' prefill. The recompute charge (``recompute_weight``, raised by the
 holder's share of the prompt, ``recompute_share``) is the pool's side: a copy is computed
-once more and evicts other prefixes. It fades with the best holder's queue beyond the
-pool's mean (``fade``) and is gone once that excess reaches the prefill the hit saves:
+once more and evicts other prefixes. For a session's request (sessions long: its later
+turns follow it) it fades with the best holder's queue beyond the pool's mean (``fade``)
+and is gone once that excess reaches the prefill the hit saves:
 while the holder is no busier than the pool, a copy only costs the pool; once it is the
 bottleneck, a hit is worth its saved prefill against the extra queueing delay and no
 more. Without the fade, at weight ``8 * (1 + 4 * share)``, ~37 for a chat session
