@@ -11,8 +11,9 @@ the same constants)::
 Affinity and balance are one trade-off in one unit: a hit saves its tokens' prefill, a
 queue costs its tokens' prefill. The recompute charge (``recompute_weight``, raised by the
 holder's share of the prompt, ``recompute_share``) is the pool's side: a copy is computed
-once more and evicts other prefixes. It fades with the best holder's queue beyond the
-pool's mean (``fade``) and is gone once that excess reaches the prefill the hit saves:
+once more and evicts other prefixes. For a session's request (sessions long: its later
+turns follow it) it fades with the best holder's queue beyond the pool's mean (``fade``)
+and is gone once that excess reaches the prefill the hit saves:
 while the holder is no busier than the pool, a copy only costs the pool; once it is the
 bottleneck, a hit is worth its saved prefill against the extra queueing delay and no
 more. Without the fade, at weight ``8 * (1 + 4 * share)``, ~37 for a chat session
@@ -342,7 +343,11 @@ class CacheAware(Policy):
         ``fade``, shrinks with the holder's queue beyond the pool's mean (issue 31): by
         ``1 - excess / saving``, gone once the excess reaches the prefill the hit saves.
         The mean, not the shortest queue: a pool queued evenly keeps its hits, which are
-        its capacity; only a holder busier than the pool is a bottleneck to leave."""
+        its capacity; only a holder busier than the pool is a bottleneck to leave. Only
+        for a session's request where sessions are long (``_long_sessions``): its later
+        turns follow it, so leaving moves their load too; a request that comes alone
+        (Mooncake's derived sessions, 1.1-1.3 requests) relieves the holder of nothing
+        after it, and its copy is the pool's cost alone."""
         best_hit, cacheable = est.best_hit, est.cacheable
         if not best_hit:
             return 0.0
@@ -351,7 +356,7 @@ class CacheAware(Policy):
         share = min(best_hit, cacheable) / cacheable if cacheable else 0.0
         per_block = self.recompute_weight * (1.0 + self.recompute_share * share) * bs * ppt
         matches, queues = est.matches, est.queues
-        if per_block and self.fade:
+        if per_block and self.fade and request.session_key and self._long_sessions():
             saving = min(best_hit, cacheable) * bs * ppt
             held = min(q for q, m in zip(queues, matches, strict=True) if m.total == best_hit)
             excess = held - sum(queues) / len(queues)

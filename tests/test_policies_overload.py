@@ -71,21 +71,26 @@ def test_a_session_still_returns_to_its_context() -> None:
 
 
 def _two_workers(holder_queue_tokens: int) -> dict[str, dict[str, float]]:
-    """A 64-block prompt whose 48 leading blocks ``w0`` holds behind a queue of
-    ``holder_queue_tokens`` prompt tokens; ``w1`` holds nothing and idles."""
-    hashes = _chain("ctx", 64)
-    r = RouteRequest("r", "m", 64 * BS, hashes, BS)
+    """A session's turn, a 64-block prompt whose 48 leading blocks ``w0`` holds behind a
+    queue of ``holder_queue_tokens`` prompt tokens; ``w1`` holds nothing and idles. The
+    session's 4 earlier turns make sessions long (the fade's condition)."""
+    policy = make_policy("cache_aware", random.Random(0))
+    for turn in range(4):
+        earlier = RouteRequest(f"t{turn}", "m", 8 * BS, _chain(("t", turn), 8), BS, "s")
+        chosen = policy.select(earlier, [WorkerView("w0"), WorkerView("w1")]).worker_id
+        policy.on_finish(earlier, chosen)
+    r = RouteRequest("r", "m", 64 * BS, _chain("ctx", 64), BS, "s")
     w0 = WorkerView("w0", match=TierMatch(48, 48, 48, 48), inflight_requests=1,
                     inflight_prefill_tokens=holder_queue_tokens)  # fmt: skip
-    w1 = WorkerView("w1")
-    return make_policy("cache_aware", random.Random(0)).select(r, [w0, w1]).scores
+    return policy.select(r, [w0, WorkerView("w1")]).scores
 
 
 def test_the_recompute_charge_fades_as_the_holder_queues() -> None:
     """Issue 31: a hit is worth its saved prefill against the extra queueing delay. The
     charge for recomputing what ``w0`` holds is whole while ``w0`` queues no more than
     the pool's mean, smaller as its queue grows, and gone once its excess over the mean
-    reaches the prefill the hit saves (48 blocks of 16 tokens, 38.4 ms)."""
+    reaches the prefill the hit saves (48 blocks of 16 tokens, 38.4 ms). Only for a
+    session's request where sessions are long: a request that comes alone keeps it."""
     full = _two_workers(0)["w1"]["recompute_ms"]
     assert full > 1000  # weight 8 x (1 + 4 x 0.75 share) x 38.4 ms
     part = _two_workers(400)  # w0 waits ~26 ms, the mean ~13: about a third of it gone
@@ -93,6 +98,11 @@ def test_the_recompute_charge_fades_as_the_holder_queues() -> None:
     gone = _two_workers(4000)  # ~206 ms queued: excess ~100 ms over the mean
     assert gone["w1"]["recompute_ms"] == 0
     assert gone["w0"]["queue_ms"] - gone["w1"]["queue_ms"] > 38.4
+    alone = RouteRequest("a", "m", 64 * BS, _chain("ctx", 64), BS)
+    w0 = WorkerView("w0", match=TierMatch(48, 48, 48, 48), inflight_requests=1,
+                    inflight_prefill_tokens=4000)  # fmt: skip
+    scores = make_policy("cache_aware", random.Random(0)).select(alone, [w0, WorkerView("w1")])
+    assert scores.scores["w1"]["recompute_ms"] == full
 
 
 def test_no_collapse_on_chat_with_short_think_times(tmp_path: Path) -> None:
