@@ -1,0 +1,25 @@
+"""cache-router as the Endpoint Picker (EPP) of a Gateway API inference gateway.
+
+``cache-router serve --epp-port PORT`` adds a gRPC listener speaking Envoy's
+``envoy.service.ext_proc.v3.ExternalProcessor`` as the gateway-api-inference-extension's
+Endpoint Picker protocol specifies (``router.epp.protocol``): the gateway carries the
+bytes, the router only decides, with the proxy's own decision path
+(``router.epp.picker``). The HTTP port keeps ``/health``, ``/metrics``, ``/admin`` and
+the proxy itself, so one deployment can serve both.
+
+grpcio, grpcio-health-checking and xds-protos (Envoy's generated protos) are the ``epp``
+extra, imported only when an EPP port is configured.
+"""
+
+from __future__ import annotations
+
+
+def extra_missing() -> str | None:
+    """Why the EPP cannot run here (its extra not installed), or None."""
+    try:
+        import envoy.service.ext_proc.v3.external_processor_pb2_grpc  # noqa: F401
+        import grpc  # noqa: F401
+        import grpc_health.v1.health  # noqa: F401
+    except ImportError:
+        return "the endpoint picker needs grpcio and xds-protos: pip install 'cache-router[epp]'"
+    return None
