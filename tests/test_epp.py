@@ -264,10 +264,14 @@ async def test_health_service(make_stack, closing):
         r = await stub.Check(health_pb2.HealthCheckRequest(service=name))
         return int(r.status)
 
+    async def serving_now() -> bool:
+        return await status("readiness") == serving
+
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, 2
     assert await status("liveness") == serving
     assert await status("readiness") == not_serving
     assert await status("envoy.service.ext_proc.v3.ExternalProcessor") == not_serving
-    ready["now"] = True
-    await server.refresh()
+    ready["now"] = True  # followed within a second
+    await until(serving_now, what="ready")
     assert await status("readiness") == serving
+    assert await status("envoy.service.ext_proc.v3.ExternalProcessor") == serving

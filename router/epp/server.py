@@ -29,6 +29,7 @@ exactly what the proxy would have answered. The gRPC health service answers
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+READY_INTERVAL = 1.0  # seconds between readiness updates (the discovery's first lists)
 
 
 class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -197,12 +199,20 @@ class EppServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port(_address(host, port))
         self.ready = ready  # None: ready once started
+        self._watch: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await self.server.start()
         await self.health.set("liveness", SERVING)
         await self.refresh()
+        if self.ready is not None:
+            self._watch = asyncio.create_task(self._follow(), name="epp readiness")
         log.info("endpoint picker (ext_proc) on port %d", self.port)
+
+    async def _follow(self) -> None:
+        while True:
+            await asyncio.sleep(READY_INTERVAL)
+            await self.refresh()
 
     async def refresh(self) -> None:
         """Readiness (and the processor's service) from ``ready``: the engines listed."""
@@ -211,6 +221,8 @@ class EppServer:
             await self.health.set(name, status)
 
     async def stop(self, grace: float = 5.0) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
 
