@@ -1,0 +1,171 @@
+"""The router's CPU per request as the proxy against its CPU per decision as the EPP.
+
+One ``cache-router serve --epp-port`` process in front of bench/proxy.py's canned engine
+answers the same chat requests two ways, in turn: over HTTP as the proxy (it reads the
+body, decides, forwards, relays the answer) and over gRPC as a gateway's Endpoint
+Picker (``router/epp``: the gateway's side is played here with Envoy's own protos: the
+request headers and body in ``FULL_DUPLEX_STREAMED`` mode, the picker's answer read
+back, then the response phase with the engine's canned answer, as Envoy sends it; the
+bytes never go to the engine, which is the gateway's work). CPU is the router process
+tree's, from /proc, over each phase.
+
+    python bench/epp.py [--requests 3000] [--concurrency 16] [--rounds 3]
+
+Prints one JSON object; never asserts (issue 34: behind Envoy only the decision remains).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from proxy import (  # noqa: E402
+    _COMPLETION,
+    _drive,
+    _requests,
+    median_of,
+    process,
+    run_engine,
+    tree_cpu_seconds,
+    wait_http,
+)
+
+from router.natsd import free_ports  # noqa: E402
+
+
+async def _drive_epp(port: int, bodies: list[bytes], concurrency: int) -> dict[str, float]:
+    """Whole ext_proc conversations, ``concurrency`` at a time on one channel."""
+    import grpc
+    from envoy.config.core.v3 import base_pb2
+    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+    duplex = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+
+    def headers(pairs: dict[str, str], end: bool = False) -> object:
+        values = [base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
+        return ep.HttpHeaders(headers=base_pb2.HeaderMap(headers=values), end_of_stream=end)
+
+    answer_head = headers({":status": "200", "content-type": "application/json"})
+    latencies: list[float] = []
+    errors = 0
+    queue = iter(bodies)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = ep_grpc.ExternalProcessorStub(channel)
+
+        async def worker() -> None:
+            nonlocal errors
+            for body in queue:
+                t0 = time.perf_counter()
+                call = stub.Process()
+                first = ep.ProcessingRequest(request_headers=headers(
+                    {":method": "POST", ":path": "/v1/chat/completions",
+                     "content-type": "application/json"}))  # fmt: skip
+                first.protocol_config.request_body_mode = duplex
+                first.protocol_config.response_body_mode = duplex
+                await call.write(first)
+                await call.write(ep.ProcessingRequest(
+                    request_body=ep.HttpBody(body=body, end_of_stream=True)))  # fmt: skip
+                routed = await call.read()
+                if routed.HasField("immediate_response"):
+                    errors += 1
+                    call.cancel()
+                    continue
+                while True:  # the body, sent back
+                    out = await call.read()
+                    if out.request_body.response.body_mutation.streamed_response.end_of_stream:
+                        break
+                await call.write(ep.ProcessingRequest(response_headers=answer_head))
+                await call.read()
+                await call.write(ep.ProcessingRequest(
+                    response_body=ep.HttpBody(body=_COMPLETION, end_of_stream=True)))  # fmt: skip
+                await call.read()
+                await call.done_writing()
+                latencies.append(time.perf_counter() - t0)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    latencies.sort()
+    return {
+        "requests": len(latencies),
+        "errors": errors,
+        "requests_per_s": len(latencies) / wall,
+        "p50_ms": latencies[len(latencies) // 2] * 1000,
+        "p99_ms": latencies[int(len(latencies) * 0.99)] * 1000,
+    }
+
+
+def _bodies(raw_requests: list[bytes]) -> list[bytes]:
+    return [r.partition(b"\r\n\r\n")[2] for r in raw_requests]
+
+
+def measure(pid: int, http_port: int, epp_port: int, args: argparse.Namespace) -> dict[str, object]:
+    out: dict[str, object] = {}
+    warm = _requests(http_port, 300)
+    asyncio.run(_drive(http_port, warm, 8))
+    asyncio.run(_drive_epp(epp_port, _bodies(warm), 8))
+    for name in ("proxy", "epp"):
+        requests = _requests(http_port, args.requests)
+        cpu0 = tree_cpu_seconds(pid)
+        if name == "proxy":
+            load = asyncio.run(_drive(http_port, requests, args.concurrency))
+        else:
+            load = asyncio.run(_drive_epp(epp_port, _bodies(requests), args.concurrency))
+        cpu = tree_cpu_seconds(pid) - cpu0
+        out[name] = {**load, "cpu_us_per_request": cpu / max(1, load["requests"]) * 1e6}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=3000)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3, help="medians over rounds")
+    ap.add_argument("--policy", default="cache_aware")
+    ap.add_argument("--engine", type=int, help=argparse.SUPPRESS)  # internal: run the engine
+    args = ap.parse_args()
+    if args.engine:
+        run_engine(args.engine)
+        return
+    engine_port, http_port, epp_port = free_ports(3)
+    runs: dict[str, list[dict[str, float]]] = {"proxy": [], "epp": []}
+    with process([sys.executable, str(ROOT / "bench" / "proxy.py"), "--engine", str(engine_port)]):
+        wait_http(engine_port, "/health")
+        cmd = [
+            sys.executable, "-m", "router.cli", "serve", "--port", str(http_port),
+            "--epp-port", str(epp_port), "--worker", f"w0=http://127.0.0.1:{engine_port}",
+            "--policy", args.policy, "--log-level", "error",
+        ]  # fmt: skip
+        with process(cmd) as router:
+            wait_http(http_port, "/health")
+            for _ in range(args.rounds):
+                result = measure(router.pid, http_port, epp_port, args)
+                for name in runs:
+                    runs[name].append(result[name])  # type: ignore[arg-type]
+    proxy, epp = median_of(runs["proxy"]), median_of(runs["epp"])
+    print(json.dumps({
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "rounds": args.rounds,
+        "policy": args.policy,
+        "cpu_count": os.cpu_count(),
+        "load_average_1m": os.getloadavg()[0],
+        "proxy": proxy,
+        "epp": epp,
+        "epp_cpu_over_proxy": epp["cpu_us_per_request"] / proxy["cpu_us_per_request"],
+    }, indent=2))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
