@@ -12,7 +12,7 @@ import sys
 import time
 import urllib.request
 
-from router.natsd import free_ports
+from sim.mock.natsd import free_ports
 
 
 def wait_ok(url: str, timeout: float = 60.0) -> None:

@@ -1,7 +1,7 @@
 """Engine load from its Prometheus ``/metrics`` text, for ``kv.load.<worker_id>``.
 
 The router scrapes the same text when no report arrives, so both read it with one
-parser (``router.load.parse_engine_metrics``): one engine, one set of numbers.
+parser (``router.workers.load.parse_engine_metrics``): one engine, one set of numbers.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 
 from index import wire
-from router.load import parse_engine_metrics
+from router.workers.load import parse_engine_metrics
 
 
 @dataclass(slots=True, frozen=True)

@@ -8,7 +8,7 @@ another task scrapes ``/metrics`` into load reports. Nothing here raises out of 
 failed publishes and unreachable engines are counted and logged.
 
 Batches go out as plain NATS publishes; the JetStream stream on ``<prefix>.events.>``
-(``router.jetstream``), which the agent creates when missing, keeps them for routers
+(``router.events.jetstream``), which the agent creates when missing, keeps them for routers
 that start later. No publish waits for a stream ack: a batch the stream misses is
 replayed to the router that notices the ``Kv-Seq`` gap, so an ack would only slow the
 engine's event path (and a server without JetStream works the same).
@@ -57,10 +57,10 @@ from index.wire import (
     Subjects,
     worker_id_error,
 )
-from router.bus import nats_options, subscriptions_in_place
-from router.jetstream import StreamSpec
-from router.jetstream import ensure_stream as ensure_event_stream
-from router.ratelog import RateLimitedLog
+from router.events.bus import nats_options, subscriptions_in_place
+from router.events.jetstream import StreamSpec
+from router.events.jetstream import ensure_stream as ensure_event_stream
+from router.observe.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 bad_input = RateLimitedLog(log)  # what peers send: one line per 10 s, with a count
@@ -80,7 +80,7 @@ class AgentConfig:
     topic: str = ""
     replay_timeout: float = 1.0  # seconds without a reply before a replay gives up
     connect_warn_after: float = 10.0  # seconds unconnected to the engine's PUB before a warning
-    # NATS credentials and TLS, as the router's config has them (router.bus.nats_options)
+    # NATS credentials and TLS, as the router's config has them (router.events.bus.nats_options)
     nats_user: str | None = None
     nats_password: str | None = None
     nats_token: str | None = None

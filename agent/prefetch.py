@@ -19,7 +19,7 @@ import httpx
 import orjson
 
 from index.codec import hash_from_json
-from router.ratelog import RateLimitedLog
+from router.observe.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 bad_input = RateLimitedLog(log)  # hints come from NATS: one line per 10 s, with a count

@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import orjson
 
 from index.capacity import Sampling
-from router.capacity import CapacityWatch
 from router.config import RouterConfig
-from router.workers import WorkerRegistry
+from router.observe.capacity import CapacityWatch
+from router.workers.registry import WorkerRegistry
 from sim.forecast import forecast
 from sim.simulator import SimConfig
 from sim.traces import load_trace

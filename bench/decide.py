@@ -4,7 +4,7 @@ A ``RouterState`` built from a config the way the tests build one (no NATS, fore
 off), one short chat prepared once (36 blocks), each worker holding a random prefix of
 it, an engine load report each and a flight on every other one. Timed, in microseconds
 a call, best of ``--repeat`` rounds of ``--calls``: ``for_model`` + ``decide`` +
-``hit_blocks`` (what ``router.proxy`` runs per request after hashing), and its parts:
+``hit_blocks`` (what ``router.forward.proxy`` runs per request after hashing), and its parts:
 ``views``, the index's ``match_tiers`` (and its native core's call alone), the policy's
 ``select``, ``for_model``, ``hit_blocks``. ``--baseline DIR`` also runs the checkout in
 DIR, alternating rounds with this one in subprocesses, so noise hits both alike.
@@ -47,10 +47,10 @@ def measure(calls: int, repeat: int) -> dict[str, dict[str, float]]:
 
 def parts(n: int) -> dict[str, Callable[[], object]]:
     """The timed calls over a router of ``n`` workers set up as the docstring says."""
-    from router.app import RouterState
     from router.config import RouterConfig, WorkerSpec
-    from router.load import EngineLoad
-    from router.routing import hit_blocks
+    from router.http.app import RouterState
+    from router.routing.decide import hit_blocks
+    from router.workers.load import EngineLoad
 
     specs = [WorkerSpec(f"w{i}", f"http://127.0.0.1:{9000 + i}", model="m") for i in range(n)]
     st = RouterState(RouterConfig(workers=specs, forecast_tracked=0))

@@ -49,8 +49,8 @@ from load import MODEL, complete, processes, request, serve_counted, wait_ready
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from router.natsd import EmbeddedNats, free_ports  # noqa: E402
-from router.upstream import ConnectFailed, Upstream, UpstreamError  # noqa: E402
+from router.forward.upstream import ConnectFailed, Upstream, UpstreamError  # noqa: E402
+from sim.mock.natsd import EmbeddedNats, free_ports  # noqa: E402
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -70,8 +70,8 @@ END = 38.0
 
 
 async def serve_engine(args: argparse.Namespace) -> None:
-    from sim.mock_engine import MockEngine, MockEngineConfig
-    from sim.mock_scheduler import Timing
+    from sim.mock.engine import MockEngine, MockEngineConfig
+    from sim.mock.scheduler import Timing
 
     cfg = MockEngineConfig(
         port=args.engine_port,

@@ -25,13 +25,13 @@ the bottleneck); ``direct`` is the engine alone. Phases, all printed as one JSON
 - ``idle_cpu_ms_per_s``: what the router burns with no request (health checks, load
   scrapes); it is inside every per-request CPU figure, amortized over the requests;
 - ``cache_router_no_forecast_no_prefix_cache``: that with ``prefix_cache_mb = 0`` too, to
-  show what the conversation prefix cache (router/prefix_cache.py) saves (``ratios``:
+  show what the conversation prefix cache (router/tokens/prefix_cache.py) saves (``ratios``:
   ``multi_turn_cpu_prefix_cache_on_over_off``);
 - ``cache_router_no_forecast``: cache-router with ``forecast_tracked = 0``, to show what
   the online capacity forecast (index/capacity.py: native stacks on a thread of its own,
-  router/capacity.py) costs per request.
+  router/observe/capacity.py) costs per request.
 - ``cache_router_2_processes`` (``--processes N``, default 2; 1: not run): cache-router
-  with ``--processes N`` (router/processes.py: N routers on the port with SO_REUSEPORT,
+  with ``--processes N`` (router/http/processes.py: N routers on the port with SO_REUSEPORT,
   replicas over a nats-server the bench starts); its CPU is every process's, summed, and
   ``requests_by_process_*`` is how the kernel spread the 32 connections.
 
@@ -77,7 +77,7 @@ from proxy import (  # puts ROOT on sys.path for router.*
     wait_http,
 )
 
-from router.natsd import EmbeddedNats, free_ports
+from sim.mock.natsd import EmbeddedNats, free_ports
 
 LENGTHS = (100, 2048, 8192, 32768, 131072)
 CHATML = (
@@ -431,7 +431,7 @@ def commands(
         ],
     }  # fmt: skip
     if nats_url is not None:
-        # several router processes on the port (router/processes.py), replicas over NATS
+        # several router processes on the port (router/http/processes.py), replicas over NATS
         out[f"cache_router_{processes}_processes"] = [
             *out["cache_router"], "--processes", str(processes), "--nats-url", nats_url,
         ]  # fmt: skip

@@ -57,7 +57,7 @@ from index import (  # noqa: E402
     PrefixIndex,
     encode,
 )
-from index.backend import NativePrefixIndex  # noqa: E402
+from index.backend import NativePrefixIndex, make_ingest  # noqa: E402
 
 # The index under test (--index): the native core when built, else the Python one.
 INDEX: type = NativePrefixIndex or PrefixIndex
@@ -336,7 +336,7 @@ def bench_hash(reps: int) -> dict[str, Any]:
 
 
 def ingest_ours(batches: list[tuple[str, int, bytes]]) -> tuple[float, EventIngest]:
-    ingest = EventIngest(INDEX(), BlockHasher(BLOCK))
+    ingest = make_ingest(INDEX(), BlockHasher(BLOCK))
     apply = ingest.apply
     t0 = time.perf_counter()
     for worker, seq, payload in batches:

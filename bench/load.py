@@ -1,6 +1,6 @@
 """Bounded load through router replicas: requests/s, latency percentiles, nothing lost.
 
-Spawns ``--engines`` mock engines (``sim.mock_engine`` at ``--speed``, each wrapped so
+Spawns ``--engines`` mock engines (``sim.mock.engine`` at ``--speed``, each wrapped so
 it counts the ``x-request-id`` of every completion it serves and echoes it back in
 ``x-echo-request-id``) and ``--replicas`` routers (``cache-router serve``) in front of
 all of them, then sends ``--requests`` completions over ``--concurrency`` keep-alive
@@ -41,8 +41,8 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from router.natsd import free_ports  # noqa: E402
-from router.upstream import Upstream, UpstreamError  # noqa: E402
+from router.forward.upstream import Upstream, UpstreamError  # noqa: E402
+from sim.mock.natsd import free_ports  # noqa: E402
 
 MODEL = "load-model"
 SYSTEM = "You are a terse assistant in a load test; every answer is short. " * 4
@@ -92,8 +92,8 @@ class IdCounter:
 
 
 async def serve_engine(port: int, worker_id: str, speed: float) -> None:
-    from sim.mock_engine import MockEngine, MockEngineConfig
-    from sim.mock_scheduler import Timing
+    from sim.mock.engine import MockEngine, MockEngineConfig
+    from sim.mock.scheduler import Timing
 
     cfg = MockEngineConfig(
         port=port,

@@ -35,7 +35,7 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from router.natsd import free_ports  # noqa: E402
+from sim.mock.natsd import free_ports  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 SYSTEM = "You are a helpful assistant that answers briefly and precisely. " * 12

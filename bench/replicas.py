@@ -32,14 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from index.codec import BlockStored, EventBatch, encode
 from index.wire import EPOCH_HEADER, SEQ_HEADER, Subjects
-from router.bus import Bus
 from router.config import RouterConfig, WorkerSpec
-from router.events import EventSync
-from router.feed import EventFeed
-from router.jetstream import StreamSpec
-from router.natsd import EmbeddedNats
-from router.replicas import ReplicaShare
-from router.workers import WorkerRegistry
+from router.events.bus import Bus
+from router.events.consumer import EventSync
+from router.events.feed import EventFeed
+from router.events.jetstream import StreamSpec
+from router.events.replicas import ReplicaShare
+from router.workers.registry import WorkerRegistry
+from sim.mock.natsd import EmbeddedNats
 
 BS = 16
 

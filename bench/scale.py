@@ -9,7 +9,7 @@ Prints one JSON object (never asserts). Sections:
   ``encode_batch``, which the router uses).
 - ``multi_turn``: a ChatML conversation growing to 32K tokens (``--tokenizer`` with
   ``<|im_start|>``/``<|im_end|>`` added as special tokens), CPU per turn of the router's
-  chat tokenization (segment cache, router/tokenize.py) against ``encode`` of the
+  chat tokenization (segment cache, router/tokens/tokenize.py) against ``encode`` of the
   whole rendered text, and the two checked equal.
 - ``ingest``: KV-event ingest alone, ``EventIngest.apply`` on msgpack vLLM batches
   (16 blocks of 16 tokens each) with the Python and the native index, the native one
@@ -72,8 +72,8 @@ _ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "bench"]
 sys.path.insert(0, str(_ROOT))
 
-from index import BlockHasher, BlockStored, EventBatch, EventIngest, PrefixIndex, encode  # noqa: E402
-from index.backend import NativePrefixIndex  # noqa: E402
+from index import BlockHasher, BlockStored, EventBatch, PrefixIndex, encode  # noqa: E402
+from index.backend import NativePrefixIndex, make_ingest  # noqa: E402
 
 os.environ.setdefault("DYN_LOG", "error")
 try:
@@ -85,7 +85,7 @@ BLOCK = 16
 EVENT_BLOCKS = 16
 VOCAB = 32_000
 LENGTHS = (2048, 8192, 32768, 131072)
-RUN = 64  # batches per native call in the ``native_runs`` ingest (router/ingest_thread.py)
+RUN = 64  # batches per native call in the ``native_runs`` ingest (router/events/ingest_thread.py)
 ENGINE_HASHES = "u64"  # --engine-hashes: u64, or sha256 (a default vLLM's bytes hashes)
 PIN = False  # --nats-pin: the router (and prober) on CPU 0, nats-server and publisher on CPU 1
 
@@ -175,9 +175,9 @@ def ingest_ours(
     index_cls: type, batches: list[tuple[str, int, bytes]], run: int = 1, names: bool = True
 ) -> tuple[float, Any]:
     """``apply`` batch by batch (``run`` 1), or ``apply_many`` in runs of ``run`` (the
-    router's live path: router/ingest_thread.py hands queued batches over in runs).
+    router's live path: router/events/ingest_thread.py hands queued batches over in runs).
     ``names``: keep the engines' bytes names (a router whose policies send prefetch hints)."""
-    ingest = EventIngest(index_cls(), BlockHasher(BLOCK), keep_names=names)
+    ingest = make_ingest(index_cls(), BlockHasher(BLOCK), keep_names=names)
     apply = ingest.apply
     lost = 0
     if run > 1:
@@ -325,7 +325,7 @@ def bench_under_ingest(rate: float, seconds: float, workers: int) -> dict[str, A
     data = stores(pairs, workers, chain, 3)
     batches = our_batches(data, chain)
     warm, live = batches[:64], batches[64:]
-    ingest = EventIngest(NativePrefixIndex(), BlockHasher(BLOCK))
+    ingest = make_ingest(NativePrefixIndex(), BlockHasher(BLOCK))
     for w, s, p in warm:
         ingest.apply(w, s, p)
     hasher = BlockHasher(BLOCK)
@@ -439,18 +439,18 @@ async def router_side(
     JetStream reader) -> ``EventSync.on_event`` on the event loop -> ``IngestThread``
     -> the native ingest, with its slow-consumer and gap handling; with ``reader``
     "native" (core NATS) the native reader's thread reads and applies the in-order
-    batches itself (``router.native_events``). A request here is
+    batches itself (``router.events.native_reader``). A request here is
     its index part on the same loop: an arrival from another process (a pipe, woken
     like a socket) -> ``match_tiers`` of an 8K-token prompt held by worker 0; its time
     runs from the arrival to the match's end, so a loop busy with events shows in it.
     """
     import asyncio
 
-    from router.bus import Bus
     from router.config import RouterConfig, WorkerSpec
-    from router.events import EventSync, last_seq
-    from router.feed import EventFeed
-    from router.workers import WorkerRegistry
+    from router.events.bus import Bus
+    from router.events.consumer import EventSync, last_seq
+    from router.events.feed import EventFeed
+    from router.workers.registry import WorkerRegistry
 
     warm = 64
     registry = WorkerRegistry(RouterConfig(block_size=BLOCK))
@@ -617,11 +617,11 @@ def bench_nats(
     rates: list[float], seconds: float, workers: int, readers: list[str], transports: list[str]
 ) -> list[dict[str, Any]]:
     """The router's own event path, core NATS and JetStream, each with each of
-    ``readers`` (JetStream's native reader: after the hand-off, router/feed.py) one after
+    ``readers`` (JetStream's native reader: after the hand-off, router/events/feed.py) one after
     the other at each rate, for ratios side by side."""
     import asyncio
 
-    from router.natsd import EmbeddedNats
+    from sim.mock.natsd import EmbeddedNats
 
     if NativePrefixIndex is None:
         return []
@@ -744,7 +744,7 @@ def bench_multi_turn(path: str | None, target: int = 32768, turn: int = 1024) ->
 
     from tokenizers import AddedToken, Tokenizer
 
-    from router.tokenize import HFTokenizer
+    from router.tokens.tokenize import HFTokenizer
 
     if path is None:
         return {"skipped": "no --tokenizer"}

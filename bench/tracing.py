@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from proxy import ROOT, measure, median_of, process, wait_http  # puts ROOT on sys.path
 
-from router.natsd import free_port
+from sim.mock.natsd import free_port
 
 
 @contextlib.contextmanager

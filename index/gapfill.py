@@ -3,8 +3,7 @@
 Its subject says ``replay`` and so do its counters (``replay_requests``...): contracts
 older than the word's other uses. In the code "gap fill" is this, "trace replay" is
 ``sim.trace_replay`` (``cache-router replay``) and "engine replay" the engine's own ZMQ
-replay socket that the agent reads (``agent.engine_zmq``). ``index.replay`` is this
-module's old path, kept for code that imports it.
+replay socket that the agent reads (``agent.engine_zmq``).
 
 A router that detects a gap asks ``<prefix>.replay.<worker_id>`` with a JSON request
 ``{"from_seq": N}``. The agent answers with a *stream* of msgpack messages to the

@@ -17,7 +17,7 @@ every key an engine mixes into its block hashes. One canonical form serves both:
   block start)``, as vLLM keys its hash blocks; an event block of k > 1 router blocks
   carries its items per event block, renumbered per router block
   (``index.media.router_block_keys``). A request is hashed only up to its first item
-  the router cannot identify (``hashable_tokens``; ``router.media``) and never claims a
+  the router cannot identify (``hashable_tokens``; ``router.tokens.media``) and never claims a
   hit past it.
 
 An event whose adapter is named only by ``lora_id`` (older engines) gets a root no

@@ -20,9 +20,8 @@ from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING
 
-from index.backend import NativePrefixIndex
 from index.codec import (
     AllBlocksCleared,
     BlockRemoved,
@@ -38,6 +37,9 @@ from index.hashing import BlockHasher, event_extras, lora_id_root
 from index.media import MediaRegistry
 from index.prefix_index import TIERS, PrefixIndex, Tier
 from index.wire import EPOCH_START_SEQ
+
+if TYPE_CHECKING:
+    from index.native_index import NativePrefixIndex
 
 _TIER_OF_MEDIUM: dict[str | None, Tier] = {
     None: "gpu",
@@ -113,22 +115,10 @@ class EventIngest:
     """Applies event batches from many workers to one ``PrefixIndex``.
 
     This class is the reference: plain Python, sequence rules and per-block work alike.
-    Given a ``NativePrefixIndex`` it builds ``index.native_ingest.NativeEventIngest``
-    instead, the same rules in native code (the ingest tests run against both).
+    ``index.native_ingest.NativeEventIngest`` is the same rules in native code, for a
+    ``NativePrefixIndex``; ``index.backend.make_ingest`` picks the one that fits an index
+    (the ingest tests run against both).
     """
-
-    def __new__(
-        cls, index: PrefixIndex | NativePrefixIndex, *args: Any, **kwargs: Any
-    ) -> EventIngest:
-        if (
-            cls is EventIngest
-            and NativePrefixIndex is not None
-            and isinstance(index, NativePrefixIndex)
-        ):
-            from index.native_ingest import NativeEventIngest
-
-            return super().__new__(NativeEventIngest)
-        return super().__new__(cls)
 
     def __init__(
         self,

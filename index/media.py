@@ -6,14 +6,14 @@ names the item in the extra keys of every block the run touches, as ``(identifie
 item start - block start)``. A ``BlockStored`` whose blocks carry such a key shows the
 run: it starts at that offset and is the pad token repeated. ``MediaRegistry`` keeps
 identifier -> run, so a later request with the same item (same identifier) is hashed
-through it (``router.media.expand``) instead of stopping there.
+through it (``router.tokens.media.expand``) instead of stopping there.
 
 The router hashes per router block, keying each with the items it overlaps, offsets
 from that block's start (vLLM's ``get_request_block_hasher`` does the same per hash
 block); but a ``BlockStored`` whose block is k > 1 router blocks (an engine block size
 k times the router's, or vLLM's coarser KV group) carries the keys ``cache_full_blocks``
 computes per *event* block, offsets from the event block's start. ``router_block_keys``
-renumbers them per router block as the request side (``router.media.block_keys``) keys
+renumbers them per router block as the request side (``router.tokens.media.block_keys``) keys
 them, an item ending where its placeholder run ends (the run ``MediaRegistry`` learns),
 so both sides key the same item alike.
 """

@@ -161,7 +161,7 @@ class NativeEventIngest(EventIngest):
             return self._decoded(worker_id, seq, payload, dp_rank, epoch)
         core, slot = self.index.locate(worker_id)
         out: Outcome = core.ingest(slot, dp_rank, seq, epoch, payload, self._limit())
-        return self._outcome(worker_id, seq, payload, dp_rank, epoch, out)
+        return self.outcome(worker_id, seq, payload, dp_rank, epoch, out)
 
     def apply_many(self, batches: Sequence[Batch]) -> list[IngestResult]:
         """``apply`` for each batch in order, a run of them per native call: the Python
@@ -189,11 +189,11 @@ class NativeEventIngest(EventIngest):
                 self.batches_applied += 1
                 results.append(IngestResult(SeqStatus.OK, out[1], out[2]))
             w, seq, payload, rank, epoch = batches[i + len(outs) - 1]
-            results.append(self._outcome(w, seq, payload, rank, epoch, outs[-1]))
+            results.append(self.outcome(w, seq, payload, rank, epoch, outs[-1]))
             i += len(outs)
         return results
 
-    def _outcome(
+    def outcome(
         self,
         worker_id: str,
         seq: int,

@@ -15,7 +15,7 @@ Subjects, under a prefix (``kv`` unless configured):
 ``<prefix>.prefetch.<worker>``  router ->   ``PrefetchHintMessage`` JSON
 ``<prefix>.blocks.<worker>``    agent ->    ``{"block_hashes": [...]}`` request,
                                             ``{"token_ids": [...]}`` answer
-``<prefix>.route.<replica>``    router ->   replica load and marks (``router.replicas``,
+``<prefix>.route.<replica>``    router ->   replica load and marks (``router.events.replicas``,
                                             msgpack ``[ROUTE_VERSION, ...]``)
 ==============================  ==========  ======================================
 """
@@ -100,7 +100,7 @@ class Subjects:
         return f"{self.prefix}.route.*"
 
     def responses(self, replica: str) -> str:
-        """Response ids and the worker that stored each (``router.affinity``)."""
+        """Response ids and the worker that stored each (``router.routing.affinity``)."""
         return f"{self.prefix}.responses.{replica}"
 
     @property

@@ -123,7 +123,7 @@ class Policy(ABC):
     @property
     def sends_hints(self) -> bool:
         """Whether ``select`` may give a prefetch hint: the router keeps the engines' own
-        block names, which only hints read, when some policy does (router/app.py)."""
+        block names, which only hints read, when some policy does (router/http/app.py)."""
         return False
 
     @abstractmethod

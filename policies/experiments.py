@@ -177,7 +177,7 @@ class Experiment:
     @property
     def sends_hints(self) -> bool:
         """Whether any arm's policy may give a prefetch hint that is sent: a mixed pool's
-        or a prefill pool's (router/pd.py sends no decode-side hint)."""
+        or a prefill pool's (router/pd/exchange.py sends no decode-side hint)."""
         sides = (self._policies, self._prefill)
         return any(p.sends_hints for side in sides for p in side.values())
 

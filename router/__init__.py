@@ -1,23 +1,21 @@
 """The router process: an OpenAI-compatible proxy that routes on the prefix index.
 
-Request path: ``guard`` (connections) -> ``edge`` (headers, keys) -> ``proxy`` (the hot
-path) -> ``routing`` (parse -> ``tokenize`` -> hashes -> match -> policy) -> ``upstream``
-(engine connections). Event path: ``bus`` (NATS) -> ``feed`` / ``stream_reader``
-(JetStream) -> ``events`` (gap fill over ``kv.replay``, load reports) -> ``index``.
+Request path: ``http`` (guard, edge checks, the app) -> ``forward`` (the proxy) ->
+``routing`` (parse -> ``tokens`` -> hashes -> match -> policy) -> ``forward.upstream``
+(engine connections), or ``pd`` for a disaggregated pool. Event path: ``events`` (NATS,
+JetStream, the native reader, gap fill, ingest) -> ``index``.
 
-    app, serve, cli     the ASGI app and its lifecycle; ``cache-router serve``; the CLI
-    config              every setting: TOML < env < flags, typed and validated
-    proxy, upstream     the hot path and its keep-alive engine client
-    routing, gateway    the decision for one request; the same over cluster routers
-    tokenize            request body -> the token ids the engine will see
-    pools, workers      workers sharing a block size; the registry, health, draining
-    load                per-worker in-flight load and engine reports
-    edge, guard, auth   what a request must pass; connection limits; bearer tokens
-    errors, asgi        the OpenAI error shape and the closed set of codes; ASGI types
-    bus, events, feed   NATS; KV events and gap fill; where events come from
-    jetstream, stream_reader   the event stream and its ordered reader
-    hints, replicas     prefetch hints; load and marks shared between replicas
-    discovery           engines found by DNS
-    admin, metrics, openapi, tracing, capacity, ratelog   operating it
-    natsd, demo         an embedded nats-server; ``cache-router demo``
+    http       the ASGI app and its lifecycle, ``cache-router serve``, guards, errors
+    admin      the admin API under ``/admin/``
+    forward    one routed request to its engine and back (proxy, relay, upstream, hints)
+    pd         prefill/decode disaggregation on the wire
+    routing    the decision for one request; session keys; the API shapes
+    tokens     request body -> token ids: the tokenizer, its pool, the prefix cache, media
+    workers    the registry, health, load, DP ranks, LoRA, pools, discovery
+    events     NATS, JetStream, the native reader, gap fill, the ingest thread, replicas
+    observe    metrics, tracing, the hit audit, the capacity forecast, doctor, rate logs
+    config     every setting: declared once, TOML < env < flags, checked
+    cli        ``cache-router``: one verb per module, imported only when used
+
+Imports point one way (tests/test_import_rules.py): nothing here imports ``sim``.
 """

@@ -17,16 +17,19 @@ import sys
 from collections.abc import AsyncIterator
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("router.serve", "run the router (OpenAI-compatible proxy)"),
+    "serve": ("router.http.serve", "run the router (OpenAI-compatible proxy)"),
     "replay": ("sim.trace_replay", "replay a request trace through the simulator, per policy"),
     "gen-trace": ("sim.gen_trace", "write a seeded agent-shaped trace (chat, agent loops)"),
     "forecast": ("sim.forecast", "how much cache each tier needs: hit rate vs size on a trace"),
     "tune": ("sim.tune", "search cache_aware's parameters and the host tier size on a trace"),
-    "mock-engine": ("sim.mock_engine", "run a mock vLLM-like engine"),
+    "mock-engine": ("sim.mock.engine", "run a mock vLLM-like engine"),
     "agent": ("agent.main", "run the node agent: engine ZMQ events -> NATS"),
-    "doctor": ("router.doctor", "check a running deployment: events, block size, tokenizer, hits"),
-    "demo": ("router.demo", "run the whole stack on an embedded default and compare policies"),
-    "streams": ("router.jetstream", "create the KV event stream or change its limits"),
+    "doctor": (
+        "router.observe.doctor",
+        "check a running deployment: events, block size, tokenizer, hits",
+    ),
+    "demo": ("sim.demo", "run the whole stack on an embedded default and compare policies"),
+    "streams": ("router.events.jetstream", "create the KV event stream or change its limits"),
 }
 
 # Command -> (the extra that installs what it needs, modules it needs beyond the core).

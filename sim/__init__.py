@@ -4,10 +4,12 @@
 simulator, per policy), not the gap-fill protocol nor an engine's replay socket.
 
     simulator, batch_engine, cache, request   discrete-event replay of a trace
+    hybrid, pd                                a hybrid model's extra groups; PD pools
     trace_replay, report                      ``cache-router replay``; per-policy numbers
+    forecast, tune                            ``cache-router forecast`` / ``tune``
     traces, synth, gen_trace                  trace formats; synthetic traces
     workload                                  a multi-turn chat workload over any OpenAI endpoint
-    mock_engine                               ``cache-router mock-engine``: one vLLM-like server
-    mock_openai, mock_responses, mock_pooling its HTTP API, shaped like vLLM's
-    mock_scheduler, mock_text, mock_publisher its scheduler, text, and ZMQ KV events
+    demo                                      ``cache-router demo``: the whole stack on one machine
+    mock/                                     the mock engine (``cache-router mock-engine``) and
+                                              the embedded nats-server demos and tests run on
 """

@@ -30,15 +30,15 @@ from typing import Any
 
 import numpy as np
 
+from index.backend import make_ingest
 from index.hashing import BlockHasher, cacheable_blocks
-from index.ingest import EventIngest
 from index.prefix_index import PrefixIndex
 from policies import WorkerView, make_prefill_policy
 from policies.base import NO_MATCH
 from policies.cost_model import uncached_tokens
 from policies.pd import DECODE_POLICIES, PdDecision, choose, make_decode_policy
 from policies.registry import POLICY_NAMES
-from router.load import RunningPrefills
+from router.workers.load import RunningPrefills
 from sim.batch_engine import BatchEngine
 from sim.cache import PrefixCache
 from sim.report import PolicyReport
@@ -100,7 +100,7 @@ class PdSimulation(Simulation):
         self._heap = []
         self._tick = itertools.count()
         self.index = PrefixIndex(clock=lambda: self.now / 1000.0)
-        self.ingest = EventIngest(self.index, BlockHasher(trace.block_size))
+        self.ingest = make_ingest(self.index, BlockHasher(trace.block_size))
         n_p, n_d = config.prefill_workers, config.workers
         self.ids = [f"p{i}" for i in range(n_p)] + [f"d{i}" for i in range(n_d)]
         self.slot = {wid: i for i, wid in enumerate(self.ids)}

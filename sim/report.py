@@ -3,17 +3,44 @@
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import orjson
 
 if TYPE_CHECKING:
-    from sim.simulator import Simulation
+    from policies import EngineCosts
+    from policies.base import Policy
+    from sim.batch_engine import BatchEngine
+    from sim.request import SimRequest
 
 PolicyReport = dict[str, Any]
+
+
+class Simulation(Protocol):
+    """What a report reads of a finished run (``sim.simulator.Simulation`` has it)."""
+
+    @property
+    def costs(self) -> EngineCosts: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def policy(self) -> Policy: ...
+    @property
+    def engines(self) -> Sequence[BatchEngine]: ...
+    @property
+    def requests(self) -> Sequence[SimRequest]: ...
+    @property
+    def routed(self) -> Sequence[int]: ...
+    @property
+    def route_us(self) -> Sequence[float]: ...
+    @property
+    def num_rejected(self) -> int: ...
+    @property
+    def counters(self) -> Counter[str]: ...
 
 
 def _ratio(values: Sequence[float]) -> float:

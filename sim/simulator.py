@@ -32,16 +32,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from index.backend import make_ingest
 from index.codec import Event, EventBatch, encode
 from index.groups import clip_matches, parse_groups
 from index.hashing import BlockHasher, cacheable_blocks
-from index.ingest import EventIngest, SeqStatus
+from index.ingest import SeqStatus
 from index.prefix_index import PrefixIndex
 from policies import EngineCosts, PrefetchHint, WorkerView, make_policy
 from policies.base import NO_MATCH, expected_hit_blocks
 from policies.cost_model import uncached_tokens
-from router.dp import target_id
-from router.load import RunningPrefills
+from router.workers.dp import target_id
+from router.workers.load import RunningPrefills
 from sim.batch_engine import BatchEngine
 from sim.cache import PrefixCache
 from sim.report import PolicyReport, summarize
@@ -102,7 +103,7 @@ class Simulation:
         self._heap: list[tuple[float, int, Callable[..., None], tuple[object, ...]]] = []
         self._tick = itertools.count()
         self.index = PrefixIndex(clock=lambda: self.now / 1000.0)
-        self.ingest = EventIngest(self.index, BlockHasher(trace.block_size))
+        self.ingest = make_ingest(self.index, BlockHasher(trace.block_size))
         groups = parse_groups(config.kv_groups)
         if groups and groups[0].kind != "full":
             raise ValueError("kv_groups: group 0 of the simulated engines is full attention")
@@ -186,7 +187,7 @@ class Simulation:
 
     # -- router side --------------------------------------------------------------------
     def _views(self, hashes: list[int]) -> list[WorkerView]:
-        """One view per routing target, as ``router.routing.Router.views`` builds them."""
+        """One view per routing target, as ``router.routing.decide.Router.views`` builds them."""
         matches = self.index.match_tiers(hashes)
         groups = self.ingest.group_specs()
         if groups is not None and matches:

@@ -13,7 +13,7 @@ import pytest
 from stack import DoubleStack
 from tokenizer_files import byte_bpe, hf, spm  # noqa: F401  (fixtures)
 
-from router.natsd import EmbeddedNats
+from sim.mock.natsd import EmbeddedNats
 
 
 @pytest.fixture(scope="module")

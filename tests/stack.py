@@ -10,7 +10,7 @@
   tokenizes with the router's tokenizer classes, as a real engine uses the model's.
 - ``DoubleStack`` (fixture ``make_stack`` in conftest.py): engine doubles behind one
   router, in-process.
-- ``MockStack`` and ``Replica``: mock engines (``sim.mock_engine``, KV events over ZMQ;
+- ``MockStack`` and ``Replica``: mock engines (``sim.mock.engine``, KV events over ZMQ;
   ``mock_engine_config`` for any engine shape) behind real node agents, which create the
   event stream, and router replicas serving HTTP in-process, for every test of the whole
   event path (replicas, capacity, NATS faults, LoRA, media, hybrid models); ``hits`` reads
@@ -47,14 +47,14 @@ from agent.node import AgentConfig, NodeAgent
 from index.codec import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, encode
 from index.gapfill import GapFillMessage, GapFillRequest
 from index.wire import DEFAULT_PREFIX, EPOCH_HEADER, SEQ_HEADER, Subjects
-from router.app import RouterApp
-from router.bus import subscriptions_in_place
 from router.config import RouterConfig, WorkerSpec
-from router.dp import target_id
-from router.events import last_seq
-from router.tokenize import FallbackTokenizer, Tokenizer
-from sim.mock_engine import MockEngine, MockEngineConfig, Rank
-from sim.mock_scheduler import Timing
+from router.events.bus import subscriptions_in_place
+from router.events.consumer import last_seq
+from router.http.app import RouterApp
+from router.tokens.tokenize import FallbackTokenizer, Tokenizer
+from router.workers.dp import target_id
+from sim.mock.engine import MockEngine, MockEngineConfig, Rank
+from sim.mock.scheduler import Timing
 
 ENGINE_SEED = 0x5EED  # engine hashes are not the router's: different function and seed
 
@@ -549,7 +549,7 @@ async def mock_engine_agent(
     cfg: MockEngineConfig, nats_url: str, **kw: Any
 ) -> tuple[MockEngine, list[NodeAgent]]:
     """A started mock engine and its started node agents: one per DP rank, named as the
-    router names the rank (``router.dp.target_id``) and reading that rank's event and
+    router names the rank (``router.workers.dp.target_id``) and reading that rank's event and
     replay endpoints, or one for an engine without ranks (``kw``: AgentConfig fields for
     each agent). What started is stopped again if a later start fails."""
     engine = await MockEngine(cfg).start()

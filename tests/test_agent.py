@@ -25,16 +25,17 @@ from stack import until as wait_until
 
 from agent.node import AgentConfig, NodeAgent
 from index import codec
+from index.backend import make_ingest
 from index.codec import BlockStored, EventBatch, decode, encode
 from index.gapfill import GapFillMessage, GapFillRequest
 from index.hashing import BlockHasher
-from index.ingest import EventIngest, SeqStatus
+from index.ingest import SeqStatus
 from index.prefix_index import PrefixIndex
-from router.natsd import EmbeddedNats, free_port, free_ports
-from sim.mock_engine import MockEngine, MockEngineConfig
-from sim.mock_publisher import KvEventPublisher, wire_hash
-from sim.mock_scheduler import Timing
-from sim.mock_text import MockText
+from sim.mock.engine import MockEngine, MockEngineConfig
+from sim.mock.natsd import EmbeddedNats, free_port, free_ports
+from sim.mock.publisher import KvEventPublisher, wire_hash
+from sim.mock.scheduler import Timing
+from sim.mock.text import MockText
 
 BS = 4
 FAST = Timing(speed=200.0)
@@ -79,7 +80,7 @@ class RouterSide:
         self.nc = nc
         self.worker = worker
         self.hasher = BlockHasher(BS)
-        self.ingest = EventIngest(PrefixIndex(), self.hasher)
+        self.ingest = make_ingest(PrefixIndex(), self.hasher)
         self.drop = set(drop or ())  # seqs to lose on purpose
         self.epochs: list[str] = []
         self.replays: list[tuple[int, bool]] = []  # (from_seq, answered by a dump)

@@ -17,6 +17,7 @@ from agent.engine_zmq import END_SEQ, parse_live, parse_replay
 from agent.load import parse_load
 from agent.mirror import EngineMirror
 from agent.ring import RingBuffer
+from index.backend import make_ingest
 from index.codec import (
     AllBlocksCleared,
     BlockRemoved,
@@ -145,7 +146,7 @@ def test_replay_batches_then_dump_once_the_ring_moved_on() -> None:
     assert msgs[-1].dump and msgs[-1].seq == 3 and msgs[-1].epoch == core.epoch
     # A router that loads the dump knows exactly what one that saw every batch knows.
     hasher = BlockHasher(BS)
-    live, dumped = EventIngest(PrefixIndex(), hasher), EventIngest(PrefixIndex(), hasher)
+    live, dumped = make_ingest(PrefixIndex(), hasher), make_ingest(PrefixIndex(), hasher)
     for seq, p in enumerate(payloads):
         live.apply("w", seq, p)
     apply_replay(dumped, "w", msgs)
@@ -192,11 +193,11 @@ def test_dump_keeps_extra_keys_salts_and_loras() -> None:
     ]  # fmt: skip
     payloads = [batch(e, as_map=True) for e in events]  # maps: SGLang's cache_salt
     core = AgentCore(1)
-    live = EventIngest(PrefixIndex(), hasher)
+    live = make_ingest(PrefixIndex(), hasher)
     for seq, p in enumerate(payloads):
         core.accept(seq, p)
         live.apply("w", seq, p)
-    dumped = EventIngest(PrefixIndex(), hasher)
+    dumped = make_ingest(PrefixIndex(), hasher)
     apply_replay(dumped, "w", core.gap_fill(0))
     assert dumped.engine_blocks("w") == live.engine_blocks("w")
     assert len(set(live.engine_blocks("w").values())) == 7  # salt and LoRA changed hashes
@@ -222,7 +223,7 @@ def test_mirror_and_dump_track_the_engine_cache(
     cache = PrefixCache(BS, gpu_blocks=12, host_blocks=host)
     core = AgentCore(ring)
     hasher = BlockHasher(BS)
-    live = EventIngest(PrefixIndex(), hasher)
+    live = make_ingest(PrefixIndex(), hasher)
     prompts: list[list[int]] = []
     seq = 0
     for i, (family, blocks, extra) in enumerate(ops):
@@ -240,7 +241,7 @@ def test_mirror_and_dump_track_the_engine_cache(
             seq += 1
         assert core.mirror.hashes("GPU") == cache.gpu_hashes()
         assert core.mirror.hashes("CPU") == cache.host_hashes()
-    dumped = EventIngest(PrefixIndex(), hasher)
+    dumped = make_ingest(PrefixIndex(), hasher)
     msgs = core.gap_fill(0)
     assert msgs[-1].dump == (seq > ring)  # batches while the ring still has seq 0
     apply_replay(dumped, "w", msgs)

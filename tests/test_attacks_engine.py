@@ -21,11 +21,11 @@ import httpx
 import pytest
 from stack import Served, until
 
-from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
-from router.demo import wait_healthy
-from router.natsd import free_port
-from router.upstream import ConnectFailed, Upstream, UpstreamError
+from router.forward.upstream import ConnectFailed, Upstream, UpstreamError
+from router.http.app import RouterApp
+from sim.demo import wait_healthy
+from sim.mock.natsd import free_port
 
 RESPONSE = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-type: text/plain\r\n\r\nok"
 

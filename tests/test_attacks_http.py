@@ -1,5 +1,5 @@
 """Hostile HTTP clients against a real ``cache-router serve`` process (uvicorn, httptools
-behind ``router.guard``): slowloris in its forms, header floods, upgrades, descriptor
+behind ``router.http.guard``): slowloris in its forms, header floods, upgrades, descriptor
 exhaustion. Each case is what issue 10 found hanging or growing; every wait is bounded.
 """
 
@@ -20,8 +20,8 @@ import orjson
 import pytest
 from stack import EngineDouble
 
-from router.demo import wait_healthy
-from router.natsd import free_port
+from sim.demo import wait_healthy
+from sim.mock.natsd import free_port
 
 HEADER_TIMEOUT = 1.0
 FD_LIMIT = 256  # the issue's router: 260 idle connections used to lock everyone out

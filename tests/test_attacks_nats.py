@@ -20,8 +20,8 @@ from index.codec import AllBlocksCleared, BlockStored, EventBatch, encode
 from policies.base import MAX_ENGINE_COUNT, RouteRequest, WorkerView
 from policies.registry import POLICY_NAMES, make_policy
 from router.config import ConfigError, load_config
-from router.load import parse_load_report
-from router.natsd import EmbeddedNats
+from router.workers.load import parse_load_report
+from sim.mock.natsd import EmbeddedNats
 
 # -- load reports ------------------------------------------------------------------------
 

@@ -12,10 +12,10 @@ import httpx
 import uvicorn
 from stack import EngineDouble, until
 
-from router.app import RouterApp
-from router.coalesce import CoalescingTransport
 from router.config import RouterConfig, WorkerSpec
-from router.serve import server_config
+from router.http.app import RouterApp
+from router.http.coalesce import CoalescingTransport
+from router.http.serve import server_config
 
 
 class Counted:
@@ -87,7 +87,7 @@ async def test_close_sends_what_is_held_and_abort_drops_it():
 
 
 async def test_a_routed_answer_leaves_the_router_in_one_write():
-    """Under the router's own uvicorn settings (router.serve): the second request on a
+    """Under the router's own uvicorn settings (router.http.serve): the second request on a
     keep-alive connection is answered, status line to last body byte, by one write."""
     engine = await EngineDouble("w0").start()
     try:

@@ -15,10 +15,10 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from stack import Served
 
-from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
-from sim.mock_engine import MockEngine, MockEngineConfig
-from sim.mock_scheduler import Timing
+from router.http.app import RouterApp
+from sim.mock.engine import MockEngine, MockEngineConfig
+from sim.mock.scheduler import Timing
 
 DASHBOARD = Path(__file__).parent.parent / "dashboards" / "cache-router.json"
 SUFFIXES = {

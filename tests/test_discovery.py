@@ -18,13 +18,13 @@ import pytest
 from dns_server import DnsServer
 from stack import Served, until
 
-from router.app import RouterApp
 from router.config import ConfigError, DiscoverySpec, RouterConfig, discovery_spec, load_config
-from router.discovery import DnsDiscovery, Endpoint
-from router.serve import add_arguments, config_from_args
-from router.workers import WorkerRegistry
-from sim.mock_engine import MockEngine, MockEngineConfig
-from sim.mock_scheduler import Timing
+from router.http.app import RouterApp
+from router.http.serve import add_arguments, config_from_args
+from router.workers.discovery import DnsDiscovery, Endpoint
+from router.workers.registry import WorkerRegistry
+from sim.mock.engine import MockEngine, MockEngineConfig
+from sim.mock.scheduler import Timing
 
 MODEL = "mock-model"
 

@@ -1,4 +1,4 @@
-"""Data-parallel ranks (router/dp.py): indexed, matched and routed per (worker, rank).
+"""Data-parallel ranks (router/workers/dp.py): indexed, matched and routed per (worker, rank).
 
 The end-to-end tests run the real stack: one mock engine with two ranks (each its own
 cache and ZMQ publisher, like vLLM's DP engine cores), one node agent per rank, NATS,
@@ -17,13 +17,13 @@ import pytest
 from stack import BS, MODEL, EngineStack, hits, mock_engine_config, until
 
 from policies.base import RouteRequest
-from router.app import RouterState
 from router.config import ConfigError, RouterConfig, WorkerSpec, worker_spec
-from router.dp import DP_HEADER, forward_rank, split_target, target_id, target_ids
-from router.events import last_seq
-from router.load import EngineLoad
-from router.workers import WorkerRegistry
-from sim.mock_engine import MockEngine, offset_endpoint
+from router.events.consumer import last_seq
+from router.http.app import RouterState
+from router.workers.dp import DP_HEADER, forward_rank, split_target, target_id, target_ids
+from router.workers.load import EngineLoad
+from router.workers.registry import WorkerRegistry
+from sim.mock.engine import MockEngine, offset_endpoint
 
 AUTH = {"authorization": "Bearer t"}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}

@@ -1,4 +1,4 @@
-"""Long texts encoded in other processes (router/offload.py ``EncodeProcesses``) give
+"""Long texts encoded in other processes (router/tokens/pool.py ``EncodeProcesses``) give
 exactly the ids the router's own tokenizer gives, through the tokenizer's segments and
 the conversation prefix cache, and a lost or stopped process loses no request: the
 router encodes the text itself."""
@@ -15,9 +15,9 @@ from tokenizer_files import CHATML, _write
 from tokenizers import Tokenizer
 
 from index.hashing import BlockHasher, request_block_hashes
-from router.offload import EncodeProcesses
-from router.prefix_cache import PrefixCache
-from router.tokenize import HFTokenizer
+from router.tokens.pool import EncodeProcesses
+from router.tokens.prefix_cache import PrefixCache
+from router.tokens.tokenize import HFTokenizer
 
 TEXTS = [
     "<|im_start|>user\nwhich engine holds 数字 🙂 e\u0301?<|im_end|>\n",
@@ -123,7 +123,7 @@ def test_an_encode_process_leaves_with_its_killed_router(spm: Tokenizer, tmp_pat
     path = HFTokenizer(_write(tmp_path, spm, CHATML)).path
     script = (
         "import sys, time\n"
-        "from router.offload import EncodeProcesses\n"
+        "from router.tokens.pool import EncodeProcesses\n"
         "p = EncodeProcesses(1, timeout=60.0, min_chars=0)\n"
         "assert p.encode(sys.argv[1], ['which engine holds it']) is not None\n"
         "print(*p._pool._processes, flush=True)\n"
@@ -155,7 +155,7 @@ def test_a_text_is_encoded_on_one_core_unless_the_user_says_otherwise(
     spm: Tokenizer, tmp_path, monkeypatch: pytest.MonkeyPatch, preset: str | None, after: str
 ) -> None:
     """Loading the router's tokenizer turns the tokenizer's own workers off (they spin
-    after each call, beside the event loop: router/tokenize.py), for the encode
+    after each call, beside the event loop: router/tokens/tokenize.py), for the encode
     processes too, which inherit it; a value the user set stays."""
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", preset or "")  # restored after the test
     if preset is None:

@@ -11,16 +11,16 @@ import pytest
 
 from agent.core import AgentCore
 from agent.prefetch import check_hint
+from index.backend import make_ingest
 from index.codec import BlockRemoved, BlockStored, EventBatch, decode, encode, hash_from_json
 from index.hashing import BlockHasher
-from index.ingest import EventIngest
 from index.prefix_index import PrefixIndex
 from policies.base import PrefetchHint, RouteRequest
 from policies.experiments import Arm
-from router.app import RouterState
 from router.config import RouterConfig, WorkerSpec
-from router.hints import hint_message
-from router.pools import Pool
+from router.forward.hints import hint_message
+from router.http.app import RouterState
+from router.workers.pools import Pool
 
 BS = 4
 
@@ -43,13 +43,13 @@ def test_dump_and_replay_of_sha256_hashes_rebuild_the_same_router_view() -> None
     ]
     core = AgentCore(1)  # a one-batch ring: a replay from 0 must be a dump
     hasher = BlockHasher(BS)
-    live = EventIngest(PrefixIndex(), hasher)
+    live = make_ingest(PrefixIndex(), hasher)
     for seq, p in enumerate(batches):
         core.accept(seq, p)
         live.apply("w", seq, p)
     msgs = core.gap_fill(0)
     assert msgs[-1].kind == "end" and msgs[-1].dump
-    dumped = EventIngest(PrefixIndex(), hasher)
+    dumped = make_ingest(PrefixIndex(), hasher)
     chunks = [decode(m.payload) for m in msgs if m.kind == "dump"]
     dumped.load_dump("w", msgs[-1].seq, chunks, epoch=msgs[-1].epoch)
     assert dumped.engine_blocks("w") == live.engine_blocks("w")
@@ -86,7 +86,7 @@ NATS = {"nats_url": "nats://127.0.0.1:4222"}  # never dialled: the state is only
         ({**NATS, "policy": "round_robin"}, False),
         ({**NATS, "arms": [Arm("a", "round_robin"), Arm("b", "cache_aware")]}, True),
         ({**NATS, "arms": [Arm("a", "round_robin"), Arm("b", "least_load")]}, False),
-        # a decode-side policy's hint is never sent (router/pd.py)
+        # a decode-side policy's hint is never sent (router/pd/exchange.py)
         ({**NATS, "arms": [Arm("a", "round_robin", decode_policy="cache_aware")]}, False),
     ],
 )

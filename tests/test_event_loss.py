@@ -18,7 +18,7 @@ from test_faults_events import Feed, feed
 
 from index.backend import NATIVE
 from index.wire import EPOCH_HEADER, SEQ_HEADER
-from router.ingest_thread import IngestThread
+from router.events.ingest_thread import IngestThread
 
 __all__ = ["feed"]  # the fixture, shared
 
@@ -191,8 +191,8 @@ async def test_live_batches_let_the_loop_run_between_them() -> None:
     ``on_event`` yields every ``YIELD_EVERY`` messages, so a request that arrives behind
     a socket read's worth of batches waits for a few of them, not for all."""
     from router.config import RouterConfig
-    from router.events import YIELD_EVERY, EventSync
-    from router.workers import WorkerRegistry
+    from router.events.consumer import YIELD_EVERY, EventSync
+    from router.workers.registry import WorkerRegistry
 
     events = EventSync(WorkerRegistry(RouterConfig()))
     seen: list[int] = []

@@ -11,13 +11,13 @@ import msgpack
 import orjson
 import pytest
 
+from index.backend import make_ingest
 from index.hashing import BlockHasher, cacheable_blocks, request_block_hashes
-from index.ingest import EventIngest
 from index.prefix_index import PrefixIndex
 from policies.cost_model import uncached_tokens
-from router.app import RouterApp
 from router.config import ModelSpec, RouterConfig, WorkerSpec
-from router.tokenize import FallbackTokenizer
+from router.http.app import RouterApp
+from router.tokens.tokenize import FallbackTokenizer
 
 BS = 4
 TOKENS = list(range(100, 100 + 5 * BS))  # five full blocks
@@ -71,7 +71,7 @@ def vllm_extra(lora: str | None, salt: str | None, n: int) -> list | None:
 
 
 def ingest_hashes(*events: dict) -> list[int]:
-    ingest = EventIngest(PrefixIndex(), BlockHasher(BS))
+    ingest = make_ingest(PrefixIndex(), BlockHasher(BS))
     result = ingest.apply("w", 0, payload(*events))
     assert result.applied == len(events) and not result.errors
     blocks = ingest.engine_blocks("w")

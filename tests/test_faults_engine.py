@@ -23,11 +23,11 @@ import pytest
 from stack import Served, until
 
 from agent.node import AgentConfig, NodeAgent
-from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
-from router.demo import wait_healthy
-from router.events import last_seq
-from router.natsd import free_ports
+from router.events.consumer import last_seq
+from router.http.app import RouterApp
+from sim.demo import wait_healthy
+from sim.mock.natsd import free_ports
 
 MODEL = "mock-model"
 BS = 16

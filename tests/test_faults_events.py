@@ -21,8 +21,8 @@ from nats.aio.client import Client
 from stack import EngineDouble, Served, until
 
 from index.codec import BlockStored
-from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
+from router.http.app import RouterApp
 
 AUTH = {"authorization": "Bearer t"}
 SILENT = 1 << 30  # the double publishes nothing live: the test delivers its batches

@@ -21,8 +21,8 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis import GenerationMode
 
-from router.demo import wait_healthy
-from router.natsd import free_ports
+from sim.demo import wait_healthy
+from sim.mock.natsd import free_ports
 
 MODEL = "mock-model"
 EXAMPLES = 15

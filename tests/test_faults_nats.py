@@ -8,7 +8,7 @@ routers reconnect, ask the agents for what they missed and end with the index th
 engines really have, the same as a replica started afresh. With nats-py reading the
 events (``events_reader = "python"``) they read the stream again first (from where they
 were, or from the start of the new stream); the native reader, which took the live
-events over once the stream was read (router/feed.py), reads none of it again.
+events over once the stream was read (router/events/feed.py), reads none of it again.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import nats
 import pytest
 from stack import MockStack, Replica, index_blocks, matches, prompt, send, until
 
-from router.natsd import EmbeddedNats
+from sim.mock.natsd import EmbeddedNats
 
 
 @pytest.mark.parametrize("reader", ["native", "python"])

@@ -1,4 +1,4 @@
-"""The request field rules (router/fields.py): the hot path's checks and the schemas
+"""The request field rules (router/http/fields.py): the hot path's checks and the schemas
 ``/openapi.json`` publishes come from one table, and agree on every value tried."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 
-from router import fields
 from router.config import RouterConfig
-from router.edge import Edge, sampling_limits
-from router.errors import ApiError
-from router.fields import FieldRule, check_fields, limit_rules, properties
-from router.openapi import completion_paths
+from router.http import fields
+from router.http.edge import Edge, sampling_limits
+from router.http.errors import ApiError
+from router.http.fields import FieldRule, check_fields, limit_rules, properties
+from router.http.openapi import completion_paths
 
 LIMITS = limit_rules(sampling_limits(RouterConfig(max_n=4, max_tokens=100, max_top_logprobs=5)))
 TABLES = {"chat": fields.CHAT, "completion": fields.COMPLETION, "limits": LIMITS}

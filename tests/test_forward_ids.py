@@ -14,11 +14,11 @@ import pytest
 from stack import Served
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
-from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec, load_config
-from router.tokenize import FallbackTokenizer, HFTokenizer
-from sim.mock_engine import MockEngine, MockEngineConfig
-from sim.mock_scheduler import Timing
+from router.http.app import RouterApp
+from router.tokens.tokenize import FallbackTokenizer, HFTokenizer
+from sim.mock.engine import MockEngine, MockEngineConfig
+from sim.mock.scheduler import Timing
 
 PROMPT = "the cache holds every block of the prompt so the next turn starts there"
 

@@ -22,12 +22,12 @@ import pytest
 import yaml
 from stack import EngineDouble, Served, until
 
-from router.app import RouterApp
 from router.config import ConfigError, RouterConfig, WorkerSpec, load_config
-from router.demo import wait_healthy
-from router.natsd import free_port
-from sim.mock_engine import MockEngine, MockEngineConfig
-from sim.mock_scheduler import Timing
+from router.http.app import RouterApp
+from sim.demo import wait_healthy
+from sim.mock.engine import MockEngine, MockEngineConfig
+from sim.mock.natsd import free_port
+from sim.mock.scheduler import Timing
 
 MODEL = "mock-model"
 TOKEN = "gw-admin"

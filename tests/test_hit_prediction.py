@@ -15,10 +15,10 @@ import httpx
 import pytest
 from stack import BS, MODEL, MockStack, Replica, index_blocks, until
 
-from router.audit import MIN_SAMPLES, HitAudit
 from router.config import WorkerSpec
-from sim.mock_engine import MockEngine, MockEngineConfig
-from sim.mock_scheduler import Timing
+from router.observe.audit import MIN_SAMPLES, HitAudit
+from sim.mock.engine import MockEngine, MockEngineConfig
+from sim.mock.scheduler import Timing
 
 AUTH = {"authorization": "Bearer t"}
 
@@ -126,7 +126,7 @@ async def test_a_worker_without_events_is_flagged_in_admin_and_metrics(
 async def test_doctor_names_what_is_wrong(half_blind: tuple[MockStack, Replica]) -> None:
     """With one healthy worker and one whose events never arrive, the doctor passes the
     first and fails the second, in text and JSON, with exit status 1."""
-    from router.doctor import Check, diagnose, render
+    from router.observe.doctor import Check, diagnose, render
 
     mocks, replica = half_blind
     async with httpx.AsyncClient(timeout=10) as http:

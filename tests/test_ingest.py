@@ -15,14 +15,13 @@ from index import (
     BlockRemoved,
     BlockStored,
     EventBatch,
-    EventIngest,
     PrefixIndex,
     SeqStatus,
     decode,
     encode,
     extra_key_bytes,
 )
-from index.backend import IMPLEMENTATIONS
+from index.backend import IMPLEMENTATIONS, make_ingest
 from index.wire import EPOCH_START_SEQ
 
 # Every test runs against the Python index and the native one (when built): with the
@@ -120,7 +119,7 @@ def held(index: PrefixIndex, worker: str, hashes: set[int]) -> bool:
 def test_index_mirrors_the_engine_cache(Index, ops: list) -> None:
     eng = run_engine(ops)
     hasher, index = BlockHasher(B), Index()
-    ingest = EventIngest(index, hasher)
+    ingest = make_ingest(index, hasher)
     for seq, payload in enumerate(eng.log):
         assert ingest.apply("w", seq, payload).status in (SeqStatus.OK,)
     expected = eng.router_hashes(hasher)
@@ -137,7 +136,7 @@ def test_faulty_delivery_with_replay_converges(Index, ops: list, data: st.DataOb
     n = len(eng.log)
     deliveries = data.draw(st.lists(st.integers(0, max(n - 1, 0)), max_size=2 * n)) if n else []
     hasher, index = BlockHasher(B), Index()
-    ingest = EventIngest(index, hasher)
+    ingest = make_ingest(index, hasher)
     replays = 0
     for seq in [*deliveries, n - 1] if n else []:
         result = ingest.apply("w", seq, eng.log[seq])
@@ -164,7 +163,7 @@ def test_workers_past_64_ingest_and_replay_like_the_first(
     hasher, index = BlockHasher(B), Index()
     for i in range(130):
         index.add_worker(f"w{i}")
-    ingest = EventIngest(index, hasher)
+    ingest = make_ingest(index, hasher)
     pick = st.sampled_from([w for w, e in engines.items() if e.log])
     steps = (
         data.draw(st.lists(st.tuples(pick, st.integers(0, 30)), max_size=40))
@@ -191,7 +190,7 @@ def test_workers_past_64_ingest_and_replay_like_the_first(
 def test_duplicate_batch_changes_nothing(Index) -> None:
     eng = Engine()
     eng.store(list(range(8)))
-    ingest = EventIngest(Index(), BlockHasher(B))
+    ingest = make_ingest(Index(), BlockHasher(B))
     assert ingest.apply("w", 0, eng.log[0]).status is SeqStatus.OK
     assert ingest.apply("w", 0, eng.log[0]).status is SeqStatus.DUPLICATE
     assert ingest.duplicates == 1 and ingest.events_applied == 1
@@ -201,7 +200,7 @@ def test_gap_is_not_applied_and_marks_out_of_sync(Index) -> None:
     eng = Engine()
     eng.store(list(range(8)))
     eng.store([9] * 8)
-    ingest = EventIngest(Index(), BlockHasher(B))
+    ingest = make_ingest(Index(), BlockHasher(B))
     ingest.apply("w", 0, eng.log[0])
     eng.store([7] * 8)
     result = ingest.apply("w", 2, eng.log[2])
@@ -217,14 +216,14 @@ def test_joining_mid_stream_asks_for_history_from_zero(Index) -> None:
     eng = Engine()
     for i in range(3):
         eng.store([i] * 8)
-    ingest = EventIngest(Index(), BlockHasher(B))
+    ingest = make_ingest(Index(), BlockHasher(B))
     result = ingest.apply("w", 2, eng.log[2])
     assert result.status is SeqStatus.GAP and result.expected_seq == 0
 
 
 def test_restart_by_seq_zero_or_new_epoch_clears_the_worker(Index) -> None:
     hasher, index = BlockHasher(B), Index()
-    ingest = EventIngest(index, hasher)
+    ingest = make_ingest(index, hasher)
     old = Engine()
     old.store(list(range(8)))
     old.store([5] * 8)
@@ -246,7 +245,7 @@ def test_restart_by_seq_zero_or_new_epoch_clears_the_worker(Index) -> None:
 
 def test_dump_replaces_state_and_reports_newer_batches_missing(Index) -> None:
     hasher, index = BlockHasher(B), Index()
-    ingest = EventIngest(index, hasher)
+    ingest = make_ingest(index, hasher)
     eng = Engine()
     for i in range(4):
         eng.store([i] * 8)
@@ -265,7 +264,7 @@ def test_dump_replaces_state_and_reports_newer_batches_missing(Index) -> None:
 
 
 def test_malformed_batch_is_counted_and_asks_for_replay(Index) -> None:
-    ingest = EventIngest(Index(), BlockHasher(B))
+    ingest = make_ingest(Index(), BlockHasher(B))
     result = ingest.apply("w", 0, b"\x93garbage")
     assert result.status is SeqStatus.MALFORMED and result.expected_seq == 0
     assert ingest.errors["malformed_batch"] == 1 and not ingest.in_sync("w")
@@ -273,7 +272,7 @@ def test_malformed_batch_is_counted_and_asks_for_replay(Index) -> None:
 
 def test_bad_events_are_counted_by_kind(Index) -> None:
     hasher, index = BlockHasher(B), Index()
-    ingest = EventIngest(index, hasher)
+    ingest = make_ingest(index, hasher)
     events = [
         BlockStored([1], None, list(range(6)), 6),  # wrong block size (not a multiple)
         BlockStored([2, 3], None, list(range(4)), B),  # token count
@@ -295,7 +294,7 @@ def test_bad_events_are_counted_by_kind(Index) -> None:
 
 def test_tiers_lora_and_extra_keys_follow_the_request_side_hashes(Index) -> None:
     hasher, index = BlockHasher(B), Index()
-    ingest = EventIngest(index, hasher)
+    ingest = make_ingest(index, hasher)
     toks = list(range(8))
     events = [
         BlockStored([1, 2], None, toks, B, medium="GPU"),
@@ -315,7 +314,7 @@ def test_tiers_lora_and_extra_keys_follow_the_request_side_hashes(Index) -> None
 
 def test_sglang_bigram_pairs_match_a_bigram_hasher(Index) -> None:
     hasher, index = BlockHasher(B, bigram=True), Index()
-    ingest = EventIngest(index, hasher)
+    ingest = make_ingest(index, hasher)
     pairs = [[t, t + 1] for t in range(8)]
     payload = msgpack.packb(
         [
@@ -338,7 +337,7 @@ def test_sglang_bigram_pairs_match_a_bigram_hasher(Index) -> None:
 
 
 def test_garbage_never_escapes_the_ingest_loop(Index) -> None:
-    ingest = EventIngest(Index(), BlockHasher(B))
+    ingest = make_ingest(Index(), BlockHasher(B))
     for seq, junk in enumerate([b"", b"\xff" * 9, msgpack.packb([1, [[None]], 0]), b"[]"]):
         ingest.apply("w", seq, junk)
     assert sum(ingest.errors.values()) >= 3
@@ -346,7 +345,7 @@ def test_garbage_never_escapes_the_ingest_loop(Index) -> None:
 
 def test_with_epochs_a_late_seq_zero_is_a_duplicate_not_a_restart(Index) -> None:
     hasher, index = BlockHasher(B), Index()
-    ingest = EventIngest(index, hasher)
+    ingest = make_ingest(index, hasher)
     eng = Engine()
     eng.store(list(range(8)))
     eng.store([5] * 8)
@@ -358,7 +357,7 @@ def test_with_epochs_a_late_seq_zero_is_a_duplicate_not_a_restart(Index) -> None
 
 def test_new_epoch_mid_stream_clears_and_asks_for_history(Index) -> None:
     hasher, index = BlockHasher(B), Index()
-    ingest = EventIngest(index, hasher)
+    ingest = make_ingest(index, hasher)
     eng = Engine()
     for i in range(3):
         eng.store([i] * 8)
@@ -372,7 +371,7 @@ def test_new_epoch_mid_stream_clears_and_asks_for_history(Index) -> None:
 
 
 def test_an_epoch_start_clears_the_worker_and_expects_seq_0(Index) -> None:
-    ingest = EventIngest(Index(), BlockHasher(4))
+    ingest = make_ingest(Index(), BlockHasher(4))
     stored = encode(EventBatch(0.0, [BlockStored([1], None, [1, 2, 3, 4], 4)]))
     clear = encode(EventBatch(0.0, [AllBlocksCleared()]))
     assert ingest.apply("w", 0, stored, epoch="a").status is SeqStatus.OK
@@ -385,7 +384,7 @@ def test_an_epoch_start_clears_the_worker_and_expects_seq_0(Index) -> None:
     assert ingest.apply("w", 0, stored, epoch="b").status is SeqStatus.OK
     assert ingest.engine_blocks("w") and ingest.in_sync("w")
     # a router that never saw the worker takes the marker as the start of its stream
-    fresh = EventIngest(Index(), BlockHasher(4))
+    fresh = make_ingest(Index(), BlockHasher(4))
     assert fresh.apply("v", EPOCH_START_SEQ, clear, epoch="c").status is SeqStatus.RESTART
     assert fresh.in_sync("v") and fresh.apply("v", 0, stored, epoch="c").status is SeqStatus.OK
 
@@ -393,7 +392,7 @@ def test_an_epoch_start_clears_the_worker_and_expects_seq_0(Index) -> None:
 def test_blocks_a_multiple_of_the_block_size_are_split_and_removed_whole(Index) -> None:
     """vLLM 0.33 reports a coarser KV group's blocks (k router blocks, one hash each)."""
     hasher, index = BlockHasher(B), Index()
-    ingest = EventIngest(index, hasher)
+    ingest = make_ingest(index, hasher)
     toks = list(range(4 * B))
     events = [
         BlockStored([10], None, toks[: 2 * B], 2 * B, medium="GPU"),
@@ -410,7 +409,7 @@ def test_blocks_a_multiple_of_the_block_size_are_split_and_removed_whole(Index) 
 def test_remote_locality_is_the_shared_tier(Index) -> None:
     """vLLM 0.33's ``locality: "REMOTE"``: held in a store other nodes reach."""
     hasher, index = BlockHasher(B), Index()
-    ingest = EventIngest(index, hasher)
+    ingest = make_ingest(index, hasher)
     toks = list(range(2 * B))
     stored = {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
               "token_ids": toks, "block_size": B, "lora_id": None, "medium": "CPU",

@@ -24,7 +24,7 @@ from index import (
     PrefixIndex,
     encode,
 )
-from index.backend import NATIVE, NativePrefixIndex
+from index.backend import NATIVE, NativePrefixIndex, make_ingest
 from index.codec import EngineHash
 
 pytestmark = pytest.mark.skipif(not NATIVE, reason="native core not built")
@@ -164,8 +164,8 @@ def test_native_ingest_equals_the_reference(
     eng, log = batches(forms, script, as_map)
     hasher = BlockHasher(B)
     py_index, nat_index = PrefixIndex(), NativePrefixIndex()
-    py = EventIngest(py_index, hasher, keep_names=names)
-    nat = EventIngest(nat_index, hasher, keep_names=names)
+    py = make_ingest(py_index, hasher, keep_names=names)
+    nat = make_ingest(nat_index, hasher, keep_names=names)
     assert type(nat).__name__ == "NativeEventIngest"
     sends: list[tuple[int, bytes]] = []
     for seq, payload in enumerate(log):
@@ -194,7 +194,7 @@ def test_out_of_sync_names_every_worker_in_sync_is_false_for() -> None:
     candidate: both ingests name the same workers, over two native groups (a core's
     mask per 64 workers), and a removed worker's slot comes back in sync."""
     for index in (PrefixIndex(), NativePrefixIndex()):
-        ingest = EventIngest(index, BlockHasher(B))
+        ingest = make_ingest(index, BlockHasher(B))
         names = [f"w{i}" for i in range(70)]
         for name in names:
             index.add_worker(name)
@@ -214,7 +214,7 @@ def test_a_sha256_hash_comes_back_as_the_engines_bytes() -> None:
     prefetch hint's lookup, gone once the engine removes the block."""
     hasher = BlockHasher(B)
     index = NativePrefixIndex()
-    ingest = EventIngest(index, hasher)
+    ingest = make_ingest(index, hasher)
     eng = Engine(["sha256"])
     tokens = list(range(3 * B))
     stored = eng.store(tokens, "GPU")
@@ -239,7 +239,7 @@ def test_names_not_kept_stop_a_hint_at_the_first_block_named_by_bytes() -> None:
     on under blocks stored without them."""
     hasher = BlockHasher(B)
     index = NativePrefixIndex()
-    ingest = EventIngest(index, hasher, keep_names=False)
+    ingest = make_ingest(index, hasher, keep_names=False)
     eng = Engine(["u64", "u64", "sha256", "u64"])
     tokens = list(range(4 * B))
     stored = eng.store(tokens, "GPU")

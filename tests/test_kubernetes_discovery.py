@@ -1,4 +1,4 @@
-"""Engines from the Kubernetes API (router/kubernetes.py), against a stand-in API server.
+"""Engines from the Kubernetes API (router/workers/kubernetes.py), against a stand-in API server.
 
 The real API server cannot run here: ``kube_api.StandInApiServer`` serves the pods
 list/watch protocol (HTTPS, a bearer token, resource versions, bookmarks, selectors
@@ -19,9 +19,9 @@ import pytest
 from kube_api import StandInApiServer, pod
 from stack import EngineDouble, Served, until
 
-from router.app import RouterApp
 from router.config import RouterConfig
-from router.kubernetes import KubernetesDiscovery, KubernetesSpec
+from router.http.app import RouterApp
+from router.workers.kubernetes import KubernetesDiscovery, KubernetesSpec
 
 NS = "llm"
 TOKEN = "sa-token"
@@ -163,7 +163,7 @@ async def test_bookmarks_move_the_version_and_pages_are_followed(cluster, tmp_pa
     for i in range(7):  # pods of another app: their events never reach this watch
         api.create(pod(f"x{i}", {"app": "x"}))
     discovery = await cluster.route(tmp_path)
-    import router.kubernetes as k8s
+    import router.workers.kubernetes as k8s
 
     assert k8s.PAGE >= 3
     source = discovery.sources[0]
@@ -174,7 +174,7 @@ async def test_bookmarks_move_the_version_and_pages_are_followed(cluster, tmp_pa
 
 
 async def test_paged_list(cluster, tmp_path, monkeypatch):
-    import router.kubernetes as k8s
+    import router.workers.kubernetes as k8s
 
     monkeypatch.setattr(k8s, "PAGE", 2)
     for i in range(4):

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from index.backend import IMPLEMENTATIONS
+from index.backend import IMPLEMENTATIONS, make_ingest
 from index.groups import (
     GroupSpec,
     clip_matches,
@@ -112,11 +112,11 @@ def _stored(hashes: list[int], parent: int | None, first: int, group: int, **kw:
 @pytest.mark.parametrize("Index", IMPLEMENTATIONS)
 @pytest.mark.parametrize("as_map", [False, True])
 def test_group_events_land_under_their_own_keys(Index, as_map: bool) -> None:
-    from index import AllBlocksCleared, BlockHasher, BlockRemoved, EventBatch, EventIngest, encode
+    from index import AllBlocksCleared, BlockHasher, BlockRemoved, EventBatch, encode
 
     hasher = BlockHasher(B)
     index = Index()
-    ingest = EventIngest(index, hasher)
+    ingest = make_ingest(index, hasher)
     full = {"kv_cache_spec_kind": "full_attention"}
     mamba = {"kv_cache_spec_kind": "mamba"}
     # the engine names blocks alike in every group (same block size): 101.. for blocks 0..
@@ -160,15 +160,15 @@ def test_group_events_land_under_their_own_keys(Index, as_map: bool) -> None:
 
 @pytest.mark.parametrize("Index", IMPLEMENTATIONS)
 def test_groups_of_no_known_kind_are_still_dropped(Index) -> None:
-    from index import BlockHasher, EventBatch, EventIngest, encode
+    from index import BlockHasher, EventBatch, encode
 
-    ingest = EventIngest(Index(), BlockHasher(B))
+    ingest = make_ingest(Index(), BlockHasher(B))
     events = [_stored([1], None, 0, 0), _stored([1], None, 0, 1)]  # no kinds named
     result = ingest.apply("w", 0, encode(EventBatch(0.0, events, 0)))
     assert result.applied == 1 and result.errors == {"other_kv_group": 1}
     assert ingest.group_specs() is None
     # declared groups (the kv_groups setting) give the same events their rule
-    declared = EventIngest(Index(), BlockHasher(B))
+    declared = make_ingest(Index(), BlockHasher(B))
     declared.declare_groups(parse_groups("full,sliding_window:5"))
     result = declared.apply("w", 0, encode(EventBatch(0.0, events, 0)))
     assert result.applied == 2 and not result.errors

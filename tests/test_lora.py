@@ -1,4 +1,4 @@
-"""LoRA adapters (router/lora.py): requests for an adapter go only to engines that have
+"""LoRA adapters (router/workers/lora.py): requests for an adapter go only to engines that have
 it loaded, hit there in the adapter's own prefix space, and never count base-model blocks.
 
 End to end: two mock engines (one serving an adapter) -> agents -> NATS -> the router."""
@@ -12,8 +12,8 @@ import pytest
 from stack import BS, MODEL, MockStack, Replica, hits, mock_engine_config, until
 
 from router.config import ModelSpec, RouterConfig, WorkerSpec
-from router.lora import LoraSlots, parse_lora_info
-from router.workers import WorkerRegistry
+from router.workers.lora import LoraSlots, parse_lora_info
+from router.workers.registry import WorkerRegistry
 
 AUTH = {"authorization": "Bearer t"}
 ADAPTER = "sql-lora"

@@ -1,5 +1,5 @@
 """Multimodal keys when an engine block is k > 1 router blocks: the request side keys an
-item per router block (``router.media.block_keys``), the engine's ``BlockStored`` per
+item per router block (``router.tokens.media.block_keys``), the engine's ``BlockStored`` per
 engine block (vLLM's ``cache_full_blocks``); the event side renumbers them
 (``index.media.router_block_keys``) so both hash alike, for every k. End to end with the
 mock engine at block 16k behind a router at 16, and as a property against a plain
@@ -18,12 +18,12 @@ from hypothesis import strategies as st
 from stack import BS, MockStack, Replica, mock_engine_config
 from test_multimodal import _send, chat, image
 
+from index.backend import make_ingest
 from index.hashing import BlockHasher, request_block_hashes
-from index.ingest import EventIngest
 from index.prefix_index import PrefixIndex
-from router.media import as_ints, block_keys, expand, media_identifier
-from router.tokenize import FallbackTokenizer
-from sim.mock_engine import placeholder_run
+from router.tokens.media import as_ints, block_keys, expand, media_identifier
+from router.tokens.tokenize import FallbackTokenizer
+from sim.mock.engine import placeholder_run
 
 
 def reference_keys(
@@ -40,7 +40,7 @@ def reference_keys(
 
 
 def _ingests() -> list[Any]:
-    out = [pytest.param(lambda: EventIngest(PrefixIndex(), BlockHasher(BS)), id="python")]
+    out = [pytest.param(lambda: make_ingest(PrefixIndex(), BlockHasher(BS)), id="python")]
     try:
         from index.native_index import NativePrefixIndex
         from index.native_ingest import NativeEventIngest

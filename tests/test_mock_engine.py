@@ -18,12 +18,12 @@ from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 from stack import until
 
+from index.backend import make_ingest
 from index.codec import BlockRemoved, BlockStored, decode
 from index.hashing import BlockHasher
-from index.ingest import EventIngest
 from index.prefix_index import PrefixIndex
-from sim.mock_engine import MockEngine, MockEngineConfig
-from sim.mock_scheduler import Timing
+from sim.mock.engine import MockEngine, MockEngineConfig
+from sim.mock.scheduler import Timing
 
 BS = 4
 FAST = Timing(speed=200.0)
@@ -159,7 +159,7 @@ async def test_events_rebuild_the_cache_in_the_index_through_evictions() -> None
         tap = EventTap(engine.zmq_endpoint or "")
         await tap.settle(engine)
         hasher = BlockHasher(BS)
-        ingest = EventIngest(PrefixIndex(), hasher)
+        ingest = make_ingest(PrefixIndex(), hasher)
         prompts = [f"topic {i}: " + "lorem ipsum dolor sit amet " * 6 for i in range(6)]
         async with httpx.AsyncClient(base_url=engine.url) as http:
             cached = []

@@ -1,4 +1,4 @@
-"""Multimodal prompts (router/media.py, index/media.py): the router never matches past an
+"""Multimodal prompts (router/tokens/media.py, index/media.py): the router never matches past an
 item it cannot identify, and matches through one it can (the same image bytes again in a
 later turn). End to end with the mock engine, which expands items and keys their blocks
 as vLLM does."""
@@ -15,9 +15,9 @@ from stack import BS, MODEL, MockStack, Replica, mock_engine_config, until
 
 from index.hashing import BlockHasher, request_block_hashes
 from index.media import MediaRegistry
-from router.media import as_ints, block_keys, expand, media_identifier
-from router.tokenize import FallbackTokenizer
-from sim.mock_engine import MEDIA_PAD, placeholder_run
+from router.tokens.media import as_ints, block_keys, expand, media_identifier
+from router.tokens.tokenize import FallbackTokenizer
+from sim.mock.engine import MEDIA_PAD, placeholder_run
 
 SYSTEM = "You describe pictures for a catalogue, precisely and in few words. " * 3
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from index import BlockHasher
-from index.backend import IMPLEMENTATIONS, NATIVE
+from index.backend import IMPLEMENTATIONS, NATIVE, make_ingest
 from index.prefix_index import PrefixIndex
 
 native = pytest.importorskip("index._native") if NATIVE else None
@@ -244,11 +244,10 @@ def event_batches(draw: st.DrawFn) -> list[bytes]:
 @settings(max_examples=150, deadline=None)
 @given(event_batches(), st.sampled_from([None, None, 6]))
 def test_native_ingest_equals_the_python_ingest(payloads: list[bytes], quota: int | None) -> None:
-    from index import EventIngest
     from index.native_index import NativePrefixIndex
 
     ingests = [
-        EventIngest(make(), BlockHasher(4), max_worker_blocks=quota)
+        make_ingest(make(), BlockHasher(4), max_worker_blocks=quota)
         for make in (PrefixIndex, NativePrefixIndex)
     ]
     seen: set[int] = set()  # router hashes ever named, stale ones too
@@ -281,11 +280,10 @@ def test_native_ingest_equals_the_python_ingest(payloads: list[bytes], quota: in
 def test_native_ingest_survives_damaged_payloads(
     payloads: list[bytes], data: st.DataObject
 ) -> None:
-    from index import EventIngest
     from index.native_index import NativePrefixIndex
 
-    py = EventIngest(PrefixIndex(), BlockHasher(4))
-    nat = EventIngest(NativePrefixIndex(), BlockHasher(4))
+    py = make_ingest(PrefixIndex(), BlockHasher(4))
+    nat = make_ingest(NativePrefixIndex(), BlockHasher(4))
     for seq, payload in enumerate(payloads):
         raw = bytearray(payload)
         for _ in range(data.draw(st.integers(0, 3))):
@@ -330,7 +328,7 @@ def test_ids_of_every_width_and_cut_payloads_decode_as_python_reads_them(
 ) -> None:
     """Token ids and hashes of every msgpack width, whole and with the payload cut ``cut``
     bytes short (the bulk reader's unchecked part ends 9 bytes a value before the end)."""
-    from index import BlockStored, EventBatch, EventIngest, encode
+    from index import BlockStored, EventBatch, encode
     from index.native_index import NativePrefixIndex
 
     event = BlockStored(
@@ -342,7 +340,7 @@ def test_ids_of_every_width_and_cut_payloads_decode_as_python_reads_them(
     )
     payload = encode(EventBatch(0.0, [event], None))
     payload = payload[: len(payload) - cut]
-    py, nat = (EventIngest(make(), BlockHasher(4)) for make in (PrefixIndex, NativePrefixIndex))
+    py, nat = (make_ingest(make(), BlockHasher(4)) for make in (PrefixIndex, NativePrefixIndex))
     assert nat.apply("w", 0, payload) == py.apply("w", 0, payload)
     assert nat.engine_blocks("w") == py.engine_blocks("w")
     assert nat.errors == py.errors
@@ -423,7 +421,6 @@ def test_ingest_many_equals_the_python_ingest_one_batch_at_a_time(data: st.DataO
     """``apply_many`` (runs of batches per native call, ending early at the first batch
     that is not a plain apply) against the reference applying them one by one: faulty
     seqs, epochs, dp ranks, workers on two cores (past 64), runs cut anywhere."""
-    from index import EventIngest
     from index.native_index import NativePrefixIndex
 
     workers = ["w1", "w2", "w69"]
@@ -440,10 +437,10 @@ def test_ingest_many_equals_the_python_ingest_one_batch_at_a_time(data: st.DataO
             max_size=40,
         )
     )
-    py = EventIngest(
+    py = make_ingest(
         PrefixIndex(), BlockHasher(4), max_worker_blocks=data.draw(st.sampled_from([None, 5]))
     )
-    nat = EventIngest(NativePrefixIndex(), BlockHasher(4), max_worker_blocks=py.max_worker_blocks)
+    nat = make_ingest(NativePrefixIndex(), BlockHasher(4), max_worker_blocks=py.max_worker_blocks)
     for i in range(70):
         for ing in (py, nat):
             ing.index.add_worker(f"w{i}")

@@ -15,7 +15,7 @@ and stored again, a tail moved from GPU to CPU, a clear and a new chain), and ev
 intermediate state of a batch is one no batch boundary of that worker has in its window.
 
 The Python index is not run this way: the router applies its batches on the event loop,
-never beside a match (router/events.py applies on the ingest thread only when
+never beside a match (router/events/consumer.py applies on the ingest thread only when
 ``ingest.native``).
 """
 
@@ -37,13 +37,12 @@ from index import (
     BlockRemoved,
     BlockStored,
     EventBatch,
-    EventIngest,
     PrefixIndex,
     SeqStatus,
     TierMatch,
     encode,
 )
-from index.backend import NATIVE, NativePrefixIndex
+from index.backend import NATIVE, NativePrefixIndex, make_ingest
 from index.codec import Event
 from index.ingest import Batch
 
@@ -159,7 +158,7 @@ def reference(
     batches: list[Batch], queries: Mapping[str | None, Sequence[int]]
 ) -> dict[str, list[State]]:
     """Per worker, its match after each whole number of its batches (0: none yet)."""
-    ingest = EventIngest(PrefixIndex(), BlockHasher(B))
+    ingest = make_ingest(PrefixIndex(), BlockHasher(B))
     add_workers(ingest.index)
     lora = dict(WORKERS)
     states: dict[str, list[State]] = {name: [None] for name, _ in WORKERS}
@@ -186,7 +185,7 @@ def test_a_match_beside_the_ingest_thread_never_sees_half_a_batch(seed: int) -> 
 
     index = NativePrefixIndex()
     add_workers(index)
-    ingest = EventIngest(index, hasher)
+    ingest = make_ingest(index, hasher)
     # [batches applied in full, batches handed to the native call]: the window a match
     # that read the first before it and the second after it must fall in
     progress = [0, 0]

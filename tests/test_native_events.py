@@ -1,4 +1,4 @@
-"""The native KV-event reader (router/native_events.py, index/native/nats_reader.hpp)
+"""The native KV-event reader (router/events/native_reader.py, index/native/nats_reader.hpp)
 against a real nats-server: it gives the index the Python path gives on the same
 batches (gaps, reorders, duplicates, garbage), and it never loses a batch silently: a
 dropped message, a restarted server or a full queue marks the worker out of sync at
@@ -25,11 +25,12 @@ from index import _native
 from index.backend import NATIVE
 from index.codec import BlockStored
 from index.ingest import SeqStatus
-from router import admin, native_events
-from router.app import RouterApp
+from router.admin import api as admin
 from router.config import ConfigError, RouterConfig, WorkerSpec, validate
-from router.jetstream import StreamSpec, ensure_stream
-from router.natsd import EmbeddedNats, free_port
+from router.events import native_reader as native_events
+from router.events.jetstream import StreamSpec, ensure_stream
+from router.http.app import RouterApp
+from sim.mock.natsd import EmbeddedNats, free_port
 
 pytestmark = pytest.mark.skipif(
     not NATIVE or not hasattr(_native, "EventReader"), reason="no native event reader built"
@@ -334,7 +335,7 @@ async def test_framing_headers_garbage_and_oversized_messages(nats_url: str) -> 
 
 def test_native_is_refused_where_it_cannot_read() -> None:
     base = {"nats_url": "nats://127.0.0.1:4222", "events_reader": "native"}
-    # the stream is read by nats-py up to date, then the reader takes over (router.feed)
+    # the stream is read by nats-py up to date, then the reader takes over (router.events.feed)
     validate(RouterConfig(**base, events_transport="jetstream"))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="events_reader = native: it speaks no tls://"):
         validate(RouterConfig(**{**base, "nats_url": "tls://127.0.0.1:4222"}))  # type: ignore[arg-type]
@@ -345,8 +346,8 @@ def test_native_is_refused_where_it_cannot_read() -> None:
 def test_a_new_route_gives_the_pools_other_routes_the_new_quota() -> None:
     """The per-worker quota is the pool's bound over its workers with a slot: once a
     worker added later is routed, the routes already there do not keep the larger one."""
-    from router.events import EventSync
-    from router.workers import WorkerRegistry
+    from router.events.consumer import EventSync
+    from router.workers.registry import WorkerRegistry
 
     cfg = RouterConfig(
         nats_url="nats://127.0.0.1:1",
@@ -377,7 +378,7 @@ async def test_the_stream_hands_the_live_events_to_the_reader_and_loses_none(
 ) -> None:
     """With JetStream (the default transport where the server has it) nats-py reads the
     stream up to date, then the native reader takes the live events over
-    (router/feed.py). Batches published before the router starts and all through the
+    (router/events/feed.py). Batches published before the router starts and all through the
     hand-off arrive once each and in order: no gap, and with no agent to answer a replay
     the index still ends as the engine's; the reader applies the later ones itself."""
     engine = await EngineDouble("w0", capacity=400, ring=10_000).start()  # no replays

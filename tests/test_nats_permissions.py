@@ -16,9 +16,9 @@ from stack import Served, until
 
 from index.codec import BlockStored, EventBatch, encode
 from index.gapfill import GapFillMessage
-from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
-from router.natsd import EmbeddedNats
+from router.http.app import RouterApp
+from sim.mock.natsd import EmbeddedNats
 
 CONF = Path(__file__).resolve().parent.parent / "deploy" / "nats.conf"
 AGENT0 = {"user": "agent-engine-0", "password": "agent-0-demo-secret"}

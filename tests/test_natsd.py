@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import nats
 
-from router.natsd import EmbeddedNats
+from sim.mock.natsd import EmbeddedNats
 
 
 async def test_pub_sub_and_jetstream(nats_server: EmbeddedNats) -> None:

@@ -12,10 +12,10 @@ import httpx
 import pytest
 from stack import EngineDouble, Served, until
 
-from router.app import RouterApp
 from router.config import ConfigError, RouterConfig, WorkerSpec, load_config
-from router.errors import ApiError
-from router.offload import TokenizePool
+from router.http.app import RouterApp
+from router.http.errors import ApiError
+from router.tokens.pool import TokenizePool
 
 
 def _blocker() -> tuple[threading.Event, list[str], Callable[[str], str]]:

@@ -10,10 +10,10 @@ import openai
 import pytest
 from stack import Served
 
-from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
-from sim.mock_engine import MockEngine, MockEngineConfig
-from sim.mock_scheduler import Timing
+from router.http.app import RouterApp
+from sim.mock.engine import MockEngine, MockEngineConfig
+from sim.mock.scheduler import Timing
 
 MODEL = "mock-model"
 
@@ -122,7 +122,7 @@ async def test_a_dead_engine_is_skipped_and_none_left_is_a_503():
 
 
 def test_every_raw_route_is_in_the_openapi_document():
-    from router.openapi import completion_paths
+    from router.http.openapi import completion_paths
 
     cfg = RouterConfig()
     paths = completion_paths(cfg)

@@ -6,10 +6,10 @@ import argparse
 
 import pytest
 
-from router import serve
-from router.app import make_experiment
 from router.config import ConfigError, RouterConfig, WorkerSpec, load_config
-from router.workers import WorkerRegistry
+from router.http import serve
+from router.http.app import make_experiment
+from router.workers.registry import WorkerRegistry
 
 PD_TOML = """
 pd_protocol = "sglang"

@@ -21,9 +21,9 @@ import pytest
 from stack import BS, MODEL, EngineStack, mock_engine_config, until
 
 from router.config import RouterConfig, WorkerSpec
-from router.pd import bootstrap_room
-from sim.mock_engine import MockEngine, MockEngineConfig
-from sim.mock_scheduler import Timing
+from router.pd.exchange import bootstrap_room
+from sim.mock.engine import MockEngine, MockEngineConfig
+from sim.mock.scheduler import Timing
 
 PROMPT = "Ranks of a disaggregated pool each keep their own KV cache; route to one. " * 6
 FIELD = {"vllm": "header", "sglang": "routed_dp_rank"}

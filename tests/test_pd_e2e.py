@@ -25,8 +25,8 @@ from stack import BS, MODEL, EngineStack, mock_engine_config, until
 
 from policies.experiments import Arm, Experiment
 from router.config import RouterConfig, WorkerSpec
-from router.natsd import free_port
-from sim.mock_scheduler import Timing
+from sim.mock.natsd import free_port
+from sim.mock.scheduler import Timing
 
 AUTH = {"authorization": "Bearer t"}
 SYSTEM = "You are the assistant of a disaggregated cache-aware router test; be brief. " * 4

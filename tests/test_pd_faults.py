@@ -1,8 +1,8 @@
 """Disaggregated pools whose engines fail mid-way, end to end: mock prefill and decode
-engines (``sim.mock_engine.Fault``) behind node agents on a real NATS, the router in
+engines (``sim.mock.engine.Fault``) behind node agents on a real NATS, the router in
 front, real HTTP (the stack is test_pd_e2e's).
 
-What router/pd.py promises (its module docstring): a prefill that fails before the decode
+What router/pd/exchange.py promises (its module docstring): a prefill that fails before the decode
 engine produced anything is retried on another prefill engine without duplicated decode
 work, a refusal (4xx) reaches the client as the engine sent it, retries that run out are
 a clear error, and a decode stream cut mid-way ends with an error event.
@@ -18,7 +18,7 @@ import pytest
 from stack import MODEL
 from test_pd_e2e import PdStack, messages, metrics, pd_stack
 
-from sim.mock_engine import Fault
+from sim.mock.engine import Fault
 
 PREFILLS = ("p0", "p1")
 DECODES = ("d0", "d1")

@@ -10,9 +10,9 @@ import time
 import httpx
 import pytest
 
-from sim.mock_engine import MockEngine, MockEngineConfig
-from sim.mock_pd import PdSide
-from sim.mock_scheduler import Timing
+from sim.mock.engine import MockEngine, MockEngineConfig
+from sim.mock.pd import PdSide
+from sim.mock.scheduler import Timing
 
 ROOM = 1234567
 

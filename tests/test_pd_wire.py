@@ -9,7 +9,7 @@ from unittest.mock import patch
 import orjson
 import pytest
 
-from router.pd import (
+from router.pd.exchange import (
     _TpotClock,
     sglang_body,
     transfer_params,
@@ -63,7 +63,7 @@ def _tpot_of(bodies: list[tuple[float, bytes]]) -> _TpotClock:
 
     async def run() -> None:
         for at, body in bodies:
-            with patch("router.pd.time.perf_counter", return_value=at):
+            with patch("router.pd.exchange.time.perf_counter", return_value=at):
                 await clock.send({"type": "http.response.body", "body": body})
 
     asyncio.run(run())

@@ -24,7 +24,7 @@ from policies.cost_model import (
     queue_tokens,
     uncached_tokens,
 )
-from router.routing import hit_blocks
+from router.routing.decide import hit_blocks
 
 BS = 16
 SCORE_KEYS = (

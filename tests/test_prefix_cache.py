@@ -1,4 +1,4 @@
-"""The conversation prefix cache (router/prefix_cache.py) gives exactly full encoding.
+"""The conversation prefix cache (router/tokens/prefix_cache.py) gives exactly full encoding.
 
 Random conversations (unicode, whitespace runs, special-token text inside messages) go
 turn by turn through one cache, with forks from earlier turns and edited messages; every
@@ -18,8 +18,8 @@ from tokenizer_files import CHATML, _write
 from tokenizers import Tokenizer
 
 from index.hashing import BlockHasher, RouterHash, request_block_hashes
-from router.prefix_cache import MAX_PROBES, PrefixCache, cuts_from_end
-from router.tokenize import HFTokenizer, _segments
+from router.tokens.prefix_cache import MAX_PROBES, PrefixCache, cuts_from_end
+from router.tokens.tokenize import HFTokenizer, _segments
 
 
 def tokens_and_hashes(
@@ -233,8 +233,8 @@ async def test_the_router_serves_turn_two_from_the_cache_and_matches_the_engine(
     import httpx
     from stack import EngineDouble, Served, until
 
-    from router.app import RouterApp
     from router.config import RouterConfig, WorkerSpec
+    from router.http.app import RouterApp
 
     folder = _write(tmp_path / "tok", request.getfixturevalue("spm"), CHATML)
     tok = HFTokenizer(folder)

@@ -1,4 +1,4 @@
-"""``cache-router serve --processes N`` (router/processes.py): N routers on one port,
+"""``cache-router serve --processes N`` (router/http/processes.py): N routers on one port,
 replicas over a real nats-server; restarts, shutdown, /metrics, refused admin changes."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import httpx
 import pytest
 from stack import EngineDouble, until
 
-from router import processes, serve
 from router.config import ConfigError, load_config
-from router.natsd import free_port
-from router.processes import Child, ProcessesApp, merge_metrics
+from router.http import processes, serve
+from router.http.processes import Child, ProcessesApp, merge_metrics
+from sim.mock.natsd import free_port
 
 ADMIN = {"authorization": "Bearer admin-secret"}
 

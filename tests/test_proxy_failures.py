@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from router.proxy import SEND_FAILURES, send_failure
-from router.upstream import ConnectFailed, UpstreamError, UpstreamTimeout
+from router.forward.relay import SEND_FAILURES, send_failure
+from router.forward.upstream import ConnectFailed, UpstreamError, UpstreamTimeout
 
 
 def test_each_send_failure_maps_to_its_row() -> None:

@@ -1,5 +1,5 @@
 """An engine restarted on the same ``ipc://`` endpoint, unseen by health checks, that
-publishes nothing in its new life: the real router (``router.events.EventSync``, not a
+publishes nothing in its new life: the real router (``router.events.consumer.EventSync``, not a
 test double) must drop the old life's blocks at once, as vLLM's restart in
 tests/real_engines showed it did not.
 
@@ -21,10 +21,10 @@ from stack import Served, until
 
 from agent.node import AgentConfig, NodeAgent
 from index.codec import BlockStored
-from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
-from router.natsd import free_port
-from sim.mock_publisher import KvEventPublisher
+from router.http.app import RouterApp
+from sim.mock.natsd import free_port
+from sim.mock.publisher import KvEventPublisher
 
 BS = 4
 
@@ -93,8 +93,8 @@ sys.path.insert(0, "tests")
 from stack import until
 from agent.node import AgentConfig, NodeAgent
 from index.codec import BlockStored
-from router.natsd import free_port
-from sim.mock_publisher import KvEventPublisher
+from sim.mock.natsd import free_port
+from sim.mock.publisher import KvEventPublisher
 
 async def main(nats_url, tmp):
     endpoint, replay = f"ipc://{tmp}/engine.events", f"tcp://127.0.0.1:{free_port()}"

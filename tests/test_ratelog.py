@@ -8,7 +8,7 @@ import time
 import pytest
 
 from agent.prefetch import PrefetchForwarder
-from router.ratelog import RateLimitedLog, RateLimitFilter
+from router.observe.ratelog import RateLimitedLog, RateLimitFilter
 
 
 def test_a_flood_of_the_same_line_is_one_line_and_then_a_count(caplog) -> None:

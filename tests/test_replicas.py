@@ -21,9 +21,9 @@ from stack import EngineDouble, MockStack, Replica, index_blocks, matches, promp
 
 from router.cli import main as cli_main
 from router.config import ConfigError, RouterConfig, WorkerSpec, load_config
-from router.jetstream import StreamSpec, apply_stream
-from router.natsd import EmbeddedNats
-from router.replicas import pack_hashes
+from router.events.jetstream import StreamSpec, apply_stream
+from router.events.replicas import pack_hashes
+from sim.mock.natsd import EmbeddedNats
 
 
 @pytest.fixture

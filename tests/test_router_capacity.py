@@ -15,7 +15,7 @@ from stack import MODEL, MockStack, Replica, prompt, send, until
 from test_reuse import LruReference
 
 from router.config import RouterConfig
-from router.tokenize import num_tokens
+from router.tokens.tokenize import num_tokens
 
 AUTH = {"authorization": "Bearer t"}
 
@@ -98,7 +98,7 @@ async def test_admin_capacity_is_the_lru_of_the_routed_requests(stack) -> None:
 
 
 def test_forecast_can_be_turned_off() -> None:
-    from router.app import RouterApp
+    from router.http.app import RouterApp
 
     app = RouterApp(RouterConfig(forecast_tracked=0))
     assert app.state.capacity is None
@@ -106,9 +106,9 @@ def test_forecast_can_be_turned_off() -> None:
 
 def test_full_queue_drops_and_counts() -> None:
     from index.capacity import Sampling
-    from router.capacity import CapacityWatch
     from router.config import ConfigError, validate
-    from router.workers import WorkerRegistry
+    from router.observe.capacity import CapacityWatch
+    from router.workers.registry import WorkerRegistry
 
     cfg = RouterConfig()
     watch = CapacityWatch(WorkerRegistry(cfg), Sampling(), queue_max=2)
@@ -124,9 +124,9 @@ def test_full_queue_drops_and_counts() -> None:
 def test_queue_is_bounded_in_blocks_too() -> None:
     """Long prompts fill the queue's block budget before its request count."""
     from index.capacity import Sampling
-    from router.capacity import CapacityCollector, CapacityWatch
-    from router.metrics import RouterMetrics
-    from router.workers import WorkerRegistry
+    from router.observe.capacity import CapacityCollector, CapacityWatch
+    from router.observe.metrics import RouterMetrics
+    from router.workers.registry import WorkerRegistry
 
     watch = CapacityWatch(WorkerRegistry(RouterConfig()), Sampling(), queue_max_blocks=10)
     for n in (4, 4, 4, 2):  # the third would hold 12 hashes: dropped; the fourth fits
@@ -150,8 +150,8 @@ async def test_a_bad_entry_does_not_stop_the_analysis() -> None:
     import asyncio
 
     from index.capacity import Sampling
-    from router.capacity import CapacityWatch
-    from router.workers import WorkerRegistry
+    from router.observe.capacity import CapacityWatch
+    from router.workers.registry import WorkerRegistry
 
     watch = CapacityWatch(WorkerRegistry(RouterConfig()), Sampling())
     task = asyncio.create_task(watch.run())
@@ -169,8 +169,8 @@ def test_a_bad_entry_is_counted_and_the_drain_goes_on() -> None:
     """A request whose analysis raises was lost from every count, so a reader waiting
     for ``analysed + errors`` to reach what it recorded (bench/capacity.py) waited for good."""
     from index.capacity import Sampling
-    from router.capacity import CapacityWatch
-    from router.workers import WorkerRegistry
+    from router.observe.capacity import CapacityWatch
+    from router.workers.registry import WorkerRegistry
 
     watch = CapacityWatch(WorkerRegistry(RouterConfig()), Sampling())
     watch.record(MODEL, 16, "w0", [1, 2], 40)
@@ -189,8 +189,8 @@ async def test_the_analysis_runs_off_the_event_loop_while_reports_are_read() -> 
     import threading
 
     from index.capacity import Sampling
-    from router.capacity import CapacityWatch
-    from router.workers import WorkerRegistry
+    from router.observe.capacity import CapacityWatch
+    from router.workers.registry import WorkerRegistry
 
     watch = CapacityWatch(WorkerRegistry(RouterConfig()), Sampling(max_tracked=512))
     threads: set[str] = set()

@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from router import serve
 from router.config import ConfigError, load_config
+from router.http import serve
 
 TOML = """
 port = 9000

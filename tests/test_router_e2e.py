@@ -17,8 +17,8 @@ import pytest
 from stack import ADMIN_TOKEN, DoubleStack, EngineDouble, Served, until
 
 from policies.experiments import Arm
-from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
+from router.http.app import RouterApp
 
 TOKEN = ADMIN_TOKEN
 SYSTEM = "You are a careful assistant. " * 8  # shared by every conversation

@@ -11,9 +11,9 @@ import time
 import httpx
 from stack import EngineDouble, Served, until
 
-from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
-from router.natsd import EmbeddedNats, free_port
+from router.http.app import RouterApp
+from sim.mock.natsd import EmbeddedNats, free_port
 
 
 async def test_nats_outage_routing_goes_on_and_the_index_catches_up():

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.load import (
+from router.workers.load import (
     EngineLoad,
     RunningPrefills,
     WorkerLoad,

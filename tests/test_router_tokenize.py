@@ -11,10 +11,10 @@ from stack import EngineDouble, Served, until
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from index.hashing import BlockHasher
-from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
-from router.errors import ApiError
-from router.tokenize import ChatTemplate, FallbackTokenizer, HFTokenizer, TokenizerSet
+from router.http.app import RouterApp
+from router.http.errors import ApiError
+from router.tokens.tokenize import ChatTemplate, FallbackTokenizer, HFTokenizer, TokenizerSet
 
 SENTENCES = [
     "the quick brown fox jumps over the lazy dog",

@@ -26,10 +26,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from router.app import RouterApp
-from router.bus import nats_options
 from router.config import ConfigError, RouterConfig, WorkerSpec, load_config
-from router.natsd import EmbeddedNats
+from router.events.bus import nats_options
+from router.http.app import RouterApp
+from sim.mock.natsd import EmbeddedNats
 
 
 @pytest.fixture
@@ -315,7 +315,7 @@ async def test_agent_takes_the_same_nats_credentials() -> None:
     from agent import main as agent_main
     from agent.node import NodeAgent
     from index.codec import BlockStored
-    from sim.mock_publisher import KvEventPublisher
+    from sim.mock.publisher import KvEventPublisher
 
     server = nats_process("--user", "agent", "--pass", "s3cret")
     engine = KvEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import orjson
 
-from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
-from router.session_key import PREFIX, derive, opening
+from router.http.app import RouterApp
+from router.routing.session_key import PREFIX, derive, opening
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 40}
 FIRST = {"role": "user", "content": "Plan a three-day trip to Kyoto."}

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from index.backend import make_ingest
 from index.codec import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, encode
 from index.hashing import BlockHasher
-from index.ingest import EventIngest
 from index.prefix_index import PrefixIndex
 from sim.cache import CacheFullError, PrefixCache, engine_block_hashes
 
@@ -253,7 +253,7 @@ def test_events_through_codec_and_ingest_match_the_cache() -> None:
     cache = PrefixCache(BS, 10, host_blocks=6, seed=7)
     index = PrefixIndex()
     hasher = BlockHasher(BS)
-    ingest = EventIngest(index, hasher)
+    ingest = make_ingest(index, hasher)
     seq = 0
     prompts = [prompt(f % 3, 6 + 4 * f) for f in range(8)]
     for n, tokens in enumerate(prompts):

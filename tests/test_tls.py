@@ -1,4 +1,4 @@
-"""TLS on the listener (router/tls.py): a certificate renewed in place is served to new
+"""TLS on the listener (router/http/tls.py): a certificate renewed in place is served to new
 connections without a restart; a broken renewal keeps the old one; mutual TLS."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import trustme
 import uvicorn
 
-from router.tls import ReloadingTls
+from router.http.tls import ReloadingTls
 
 
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:

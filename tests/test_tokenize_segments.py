@@ -1,4 +1,4 @@
-"""Chats encoded by segments (router/tokenize.py ``SegmentCache``) equal full encoding.
+"""Chats encoded by segments (router/tokens/tokenize.py ``SegmentCache``) equal full encoding.
 
 A conversation grows turn by turn through one tokenizer, so later turns take their
 earlier segments from the cache; every turn's ids must equal ``encode`` of the whole
@@ -12,7 +12,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.tokenize import HFTokenizer, SegmentCache
+from router.tokens.tokenize import HFTokenizer, SegmentCache
 
 PIECES = [*"ab cxyz\n\t.,?!'", "数字", "🙂", "ü", "  ", "<s>", "</s>", "[INST]", "<|im_end|>"]
 text = st.lists(st.sampled_from(PIECES), max_size=30).map("".join)

@@ -14,11 +14,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 from stack import MODEL, MockStack, Served, until
 
-from router.app import RouterApp
 from router.config import ConfigError, RouterConfig, WorkerSpec
-from router.tracing import Tracing
-from sim.mock_engine import MockEngine, MockEngineConfig
-from sim.mock_scheduler import Timing
+from router.http.app import RouterApp
+from router.observe.tracing import Tracing
+from sim.mock.engine import MockEngine, MockEngineConfig
+from sim.mock.scheduler import Timing
 
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"
@@ -185,7 +185,7 @@ def test_tracing_config_reads_otel_variables(monkeypatch):
 def test_the_router_runs_without_the_tracing_extra():
     code = (
         "import sys; sys.modules['opentelemetry.sdk'] = None\n"
-        "from router.app import RouterApp\n"
+        "from router.http.app import RouterApp\n"
         "from router.config import ConfigError, RouterConfig\n"
         "RouterApp(RouterConfig())\n"
         "try:\n"

@@ -25,18 +25,6 @@ def test_headers_are_the_documented_names() -> None:
     assert (SEQ_HEADER, EPOCH_HEADER, DP_RANK_HEADER) == ("Kv-Seq", "Kv-Epoch", "Kv-Dp-Rank")
 
 
-def test_the_old_module_paths_still_import() -> None:
-    """``replay`` was three things; the modules are named apart now, the old paths stay."""
-    from index import gapfill, replay
-    from sim import replay as sim_replay
-    from sim import trace_replay
-
-    assert replay.ReplayRequest is gapfill.GapFillRequest
-    assert replay.ReplayMessage is gapfill.GapFillMessage
-    assert sim_replay.replay_trace is trace_replay.replay_trace
-    assert sim_replay.run is trace_replay.run
-
-
 def test_a_gap_fill_end_with_a_non_string_epoch_is_refused() -> None:
     """The epoch keys the ingest's engine life (the native one takes only a string):
     anyone who can publish on NATS could send another type."""

@@ -8,9 +8,9 @@ import json
 
 from index.prefix_index import TierMatch
 from policies.base import NO_MATCH, WorkerView
-from router.app import RouterState
 from router.config import RouterConfig, WorkerSpec
-from router.load import EngineLoad
+from router.http.app import RouterState
+from router.workers.load import EngineLoad
 
 LOAD = {
     "inflight_requests": 2,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 
-from router.tokenize import HFTokenizer
+from router.tokens.tokenize import HFTokenizer
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "

@@ -10,7 +10,7 @@ response phase of the ``ext_proc`` stream (``Routed.response_headers`` /
 (a gateway configured to send no response phase still frees the flight then).
 
 Requests the proxy would not tokenize go as its passthrough sends them: endpoints it
-routes on load (``router.passthrough.PATHS``, and any other path with a body) to the
+routes on load (``router.forward.passthrough.PATHS``, and any other path with a body) to the
 least-loaded engine of the body's model, a request without a body (``GET /v1/models``)
 to the least-loaded engine of all.
 """
@@ -23,17 +23,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from router.dp import DP_HEADER, forward_rank
-from router.errors import ApiError
-from router.load import WAITING, Flight
-from router.passthrough import Passthrough, least_loaded
-from router.proxy import _CACHED, HEAD_BYTES, HIT_HEADER, Proxy, ProxyDeps
-from router.routing import Kind, Prepared, hit_blocks
+from router.forward.passthrough import Passthrough, least_loaded
+from router.forward.proxy import _CACHED, HEAD_BYTES, HIT_HEADER, Proxy
+from router.forward.relay import ProxyDeps
+from router.http.errors import ApiError
+from router.routing.decide import Kind, Prepared, hit_blocks
+from router.workers.dp import DP_HEADER, forward_rank
+from router.workers.load import WAITING, Flight
 
 if TYPE_CHECKING:
     from policies.base import Policy, RouteRequest
-    from router.metrics import Series
-    from router.workers import Worker
+    from router.observe.metrics import Series
+    from router.workers.registry import Worker
 
 KINDS: dict[str, Kind] = {
     "/v1/chat/completions": "chat",

@@ -40,8 +40,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from router.epp import protocol as pr
 from router.epp.picker import Picker, Routed
-from router.errors import ApiError
-from router.proxy import ProxyDeps
+from router.forward.relay import ProxyDeps
+from router.http.errors import ApiError
 
 log = logging.getLogger(__name__)
 

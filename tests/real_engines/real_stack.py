@@ -16,10 +16,10 @@ from stack import Served, until
 from vllm_engine import BLOCK, MODEL, Engine
 
 from agent.node import AgentConfig, NodeAgent
-from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
-from router.events import last_seq
-from router.tokenize import HFTokenizer
+from router.events.consumer import last_seq
+from router.http.app import RouterApp
+from router.tokens.tokenize import HFTokenizer
 
 
 @dataclass

@@ -3,7 +3,7 @@ two KV caches. One agent per rank (its events on port P+rank), the router indexi
 routing per (engine, rank) target and naming the rank in vLLM's ``X-data-parallel-rank``
 header. Per request: predicted hit tokens equal vLLM's ``cached_tokens``.
 
-The router reads core NATS here, so the native event reader (``router.native_events``)
+The router reads core NATS here, so the native event reader (``router.events.native_reader``)
 applies the live batches itself, vLLM's default bytes (sha256) block hashes included; the
 other real-engine tests read the JetStream stream."""
 
@@ -18,7 +18,7 @@ from stack import until
 from vllm_engine import MODEL, Engine
 
 from router.config import WorkerSpec
-from router.dp import target_id
+from router.workers.dp import target_id
 
 
 @pytest.mark.timeout(900)  # a cold start of two engine cores on 2 cores

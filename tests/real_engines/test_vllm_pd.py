@@ -24,8 +24,8 @@ import pytest
 from stack import Served
 from vllm_engine import BLOCK, MODEL, Engine, engine_python, running
 
-from router.app import RouterApp
 from router.config import RouterConfig, WorkerSpec
+from router.http.app import RouterApp
 
 PROMPT = " ".join(f"word{i}" for i in range(150))  # about 490 tokens: 15 whole blocks
 

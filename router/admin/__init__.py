@@ -1,0 +1,1 @@
+"""The admin API under ``/admin/``, behind its bearer token: workers, index, explain."""

@@ -1,0 +1,353 @@
+"""The hot path: a raw ASGI handler that routes one OpenAI request and streams it through.
+
+It sits in front of FastAPI (``router.http.app``) so a completion pays for no framework
+routing, middleware or models: read the body, decide, send the bytes unchanged with
+keep-alive engine connections (``router.forward.upstream``), and pass the engine's status,
+headers and body chunks back as they come. While waiting and streaming, a watcher task listens
+for the client going away and cancels the request, which closes the upstream
+connection so the engine stops working for nobody.
+
+Retries happen only when nothing reached an engine (connect refused or timed out), on
+the next-best worker, at most ``connect_retries`` times; a request an engine may have
+started is never replayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from router.forward.relay import (
+    CLUSTER_UNAVAILABLE,
+    REQ_DROP,
+    ClientGone,
+    Exchange,
+    Failure,
+    ProxyDeps,
+    read_body,
+    send_error,
+    send_failure,
+)
+from router.forward.upstream import Response, UpstreamError
+from router.http.asgi import Receive, Scope, Send
+from router.http.errors import ApiError, sse_error
+from router.observe.metrics import Series
+from router.observe.tracing import Trace, now_ns
+from router.routing.decide import Kind, Prepared, hit_blocks
+from router.workers.dp import forward_rank
+from router.workers.load import WAITING, Flight
+
+if TYPE_CHECKING:
+    from policies.base import Decision
+    from router.workers.registry import Worker
+
+log = logging.getLogger(__name__)
+
+_RESP_DROP = frozenset(
+    (b"connection", b"keep-alive", b"transfer-encoding", b"date", b"server", b"trailer")
+)
+_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+HEAD_BYTES = 8192  # of a Responses answer kept to find its id (the first event holds it)
+
+
+HIT_HEADER = b"x-cache-router-hit-tokens"  # prompt tokens the router predicted cached
+
+
+class Proxy:
+    """ASGI app for one endpoint (``/v1/chat/completions`` or ``/v1/completions``)."""
+
+    def __init__(self, deps: ProxyDeps, kind: Kind, path: str) -> None:
+        self.deps = deps
+        self.kind = kind
+        self.path = path
+        # a gateway's workers are clusters; their routers name the engine themselves
+        name = b"x-cache-router-cluster" if deps.cfg.gateway else b"x-cache-router-worker"
+        self.worker_header = name
+        # the client's credentials are for this router, not for every engine behind it
+        auth = () if deps.cfg.forward_authorization else (b"authorization",)
+        self.drop = REQ_DROP | frozenset(auth)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        st = self.deps
+        task = asyncio.current_task()
+        assert task is not None
+        ex = Exchange(task, send)
+        tracing = st.tracing
+        trace = None if tracing is None else tracing.begin("POST", self.path, scope["headers"])
+        error: str | None = None
+        try:
+            await self._handle(scope, receive, ex, trace)
+        except ClientGone:
+            error = "client gone"
+            return
+        except ApiError as err:
+            st.metrics.error("-", "-", err.code)
+            if trace is not None:
+                trace.status, error = err.status, err.code
+            if not ex.started:
+                ex.done = True
+                # the body of a refused upload may still be arriving: do not wait for it
+                await send_error(send, err, close=err.status in (408, 413))
+        except asyncio.CancelledError:
+            if not ex.gone:
+                raise
+            task.uncancel()
+            st.metrics.error("-", "-", "client_disconnect")
+            error = "client disconnect"
+        except Exception:  # a bug must still answer in the OpenAI shape, and be seen
+            error = "internal"
+            log.exception("request failed inside the router")
+            st.metrics.error("-", "-", "internal")
+            if ex.started:
+                raise
+            ex.done = True
+            await send_error(send, ApiError(500, "internal router error", "internal_error"))
+        finally:
+            ex.stop()
+            if trace is not None:
+                trace.end(error)
+
+    async def _handle(
+        self, scope: Scope, receive: Receive, ex: Exchange, trace: Trace | None
+    ) -> None:
+        """Read, decide, forward; errors are answered by ``__call__``."""
+        st = self.deps
+        raw = await read_body(scope, receive, st.cfg.max_body_bytes, st.cfg.body_timeout)
+        wanted: dict[str, str] = {}
+        for key, value in scope["headers"]:
+            if key in (b"x-session-id", b"x-request-id"):
+                wanted[key.decode()] = value.decode("latin-1")
+        t0 = 0 if trace is None else now_ns()
+        parsed = st.router.parse(self.kind, raw, wanted)
+        st.edge.check_sampling(parsed.body)
+        if trace is not None:
+            trace.span("parse", t0, now_ns(), {"gen_ai.request.model": parsed.model})
+        prep = await st.router.prepare(parsed, len(raw), trace)
+        ex.watch(receive)
+        if st.pd is not None and st.pd.disaggregated(prep):  # prefill and decode engines
+            await st.pd.forward(self, scope, raw, prep, ex)
+            return
+        await self._forward(scope, raw, prep, ex, trace)
+
+    async def _forward(
+        self, scope: Scope, raw: bytes, prep: Prepared, ex: Exchange, trace: Trace | None
+    ) -> None:
+        st = self.deps
+        req = prep.request
+        arm = prep.arm
+        headers = [(k, v) for k, v in scope["headers"] if k not in self.drop]
+        if not any(k == b"x-request-id" for k, _ in headers):
+            headers.append((b"x-request-id", req.request_id.encode()))
+        out_raw, out_body = prep.engine_body(raw)
+        exclude: set[str] = set()
+        while True:
+            decision, views = st.router.decide(prep, exclude, trace)
+            tid = decision.worker_id  # the worker, or one of its DP ranks (router/workers/dp.py)
+            found = st.registry.target(tid)
+            worker, rank = found if found is not None else (st.registry.get(tid), None)
+            if worker is None:  # removed between the views and now
+                exclude.add(tid)
+                continue
+            hit = hit_blocks(views, decision) * req.block_size
+            prefetched = await self.hint(decision, prep)
+            flight = worker.rank_load(rank).begin(max(0, req.num_tokens - hit))
+            failure: Failure | None = None
+            error: UpstreamError | None = None
+            sent, body = forward_rank(headers, out_raw, out_body, rank, worker.dp_field)
+            if trace is not None:
+                sent = [h for h in headers if h[0] not in (b"traceparent", b"tracestate")]
+                parent = trace.begin_upstream(worker.id, worker.url, self.path)
+                sent.append((b"traceparent", parent))
+                t_send = now_ns()
+            try:
+                resp = await st.upstream.send(
+                    worker.url, self.path, sent, body, st.cfg.request_timeout
+                )
+            except UpstreamError as exc:
+                failure, error = send_failure(exc), exc
+            except BaseException:
+                flight.finish()
+                raise
+            else:
+                if resp.status == 503 and st.cfg.gateway:
+                    resp.close()
+                    failure = CLUSTER_UNAVAILABLE
+            if failure is None:
+                break
+            if trace is not None:
+                trace.end_upstream(failure.reason)
+            flight.finish()
+            self.failed(worker, failure, error, arm, exclude)
+        if trace is not None:
+            t_head = now_ns()
+            trace.upstream_step("upstream connect", t_send, resp.written_ns)
+            trace.upstream_step("first byte", resp.written_ns, t_head)
+            trace.status = resp.status
+            trace.attrs(worker=tid, arm=arm, prompt_tokens=req.num_tokens,
+                        routed_hit_tokens=hit, reason=decision.reason)  # fmt: skip
+        try:
+            st.router.predict(prep, tid)
+            series = st.metrics.series(arm, tid)
+            series.requests.inc()
+            series.prompt_tokens.inc(req.num_tokens)
+            series.routed_hit_tokens.inc(hit)
+            st.audit.routed(tid, req.block_hashes[0] if req.block_hashes else None)
+            if st.capacity is not None and req.block_hashes:
+                st.capacity.record(
+                    req.model, req.block_size, tid, req.block_hashes, req.num_tokens,
+                    prefetched,
+                )  # fmt: skip
+            remember = None
+            if self.kind == "responses" and prep.parsed.body.get("store") is not False:
+                remember = st.affinity.remembers(worker.id)
+            policy = st.experiment.policy_for(arm)
+
+            def first_token(ms: float) -> None:
+                policy.on_first_token(req, tid, ms)
+
+            await self.stream(
+                ex, resp, tid, flight, series, arm, hit, remember, first_token=first_token
+            )
+        finally:
+            resp.close()
+            flight.finish()
+            if trace is not None:
+                trace.upstream_step("stream end", t_head, now_ns())
+                trace.end_upstream(None if resp.complete else "stream cut", resp.status)
+            st.experiment.policy_for(arm).on_finish(req, tid)
+
+    async def hint(self, decision: Decision | None, prep: Prepared) -> int:
+        """Publish the decision's prefetch hint, if it carries one; the blocks it pulls
+        into the decision's worker (0: none). Sent before the request (and by router.pd.exchange
+        before a prefill), so that the blocks land while it waits in the engine's queue:
+        a whole answer's headers, and a prefill's, come only once the prompt is computed,
+        and a hint published after them named blocks the engine had just computed
+        (tests/test_router_e2e.py, tests/test_pd_e2e.py)."""
+        if decision is None or decision.prefetch is None:
+            return 0
+        hint = decision.prefetch
+        if not await self.deps.hints.publish(hint, prep.request, prep.pool):
+            return 0
+        self.deps.metrics.prefetch_hints.labels(prep.arm, hint.target_worker).inc()
+        return hint.blocks if hint.target_worker == decision.worker_id else 0
+
+    def failed(
+        self,
+        worker: Worker,
+        failure: Failure,
+        error: UpstreamError | None,
+        arm: str,
+        exclude: set[str],
+    ) -> None:
+        """Count a send that failed; raise the client's error unless another worker may
+        take the request (then ``worker`` is in ``exclude``)."""
+        st = self.deps
+        st.registry.request_failed(worker, failure.reason)
+        if failure.suspect:
+            st.registry.suspect(worker)
+        st.metrics.error(arm, worker.id, failure.kind)
+        if failure.retry:
+            exclude.add(worker.id)
+        if not failure.retry or len(exclude) > st.cfg.connect_retries:
+            message = failure.message if failure.message is not None else str(error)
+            raise ApiError(failure.status, message, failure.code) from error
+        st.metrics.retries.labels(worker.id).inc()
+
+    async def stream(
+        self,
+        ex: Exchange,
+        resp: Response,
+        worker_id: str,
+        flight: Flight,
+        series: Series | None,
+        arm: str,
+        hit: int,
+        remember: Callable[[bytes], None] | None = None,
+        prefilled_remotely: bool = False,
+        first_token: Callable[[float], None] | None = None,
+    ) -> None:
+        """Send the engine's answer on; ``remember`` gets the body's first bytes (a
+        response id is in them) once the answer is complete. A decode engine that
+        received the prompt's KV from a prefill engine (``prefilled_remotely``) reports it
+        as cached: its ``cached_tokens`` are no prefix hits (``router.pd.exchange`` counts the
+        prefill engine's). ``first_token`` gets the time to first token in ms, for a
+        streamed answer (a whole body's first byte is no TTFT)."""
+        st = self.deps
+        send = ex.send
+        found = st.registry.target(worker_id)  # ``worker_id``: the target (router/workers/dp.py)
+        worker = found[0] if found is not None else st.registry.get(worker_id)
+        status = resp.status
+        if worker is not None:
+            if status >= 500:
+                st.registry.request_failed(worker, f"status {status}")
+            else:
+                st.registry.request_succeeded(worker)
+        if status >= 400:
+            st.metrics.error(arm, worker_id, f"engine_{status}")
+        out = [(k, v) for k, v in resp.headers if k.lower() not in _RESP_DROP]
+        out.append((self.worker_header, worker_id.encode()))
+        if not st.cfg.gateway:  # what the index predicted; compare usage.cached_tokens
+            out.append((HIT_HEADER, str(hit).encode()))
+        start = {"type": "http.response.start", "status": status, "headers": out}
+        sse = (resp.header(b"content-type") or b"").startswith(b"text/event-stream")
+        if sse:  # a stream's head goes now; a whole answer's with its first bytes, so
+            ex.started = True  # both leave in one write (router.http.coalesce)
+            await send(start)
+        cached = None
+        tail = b""
+        head = b""
+        try:
+            async for chunk in resp.chunks(st.cfg.request_timeout):
+                if flight.state is WAITING:
+                    elapsed = time.perf_counter() - ex.t0
+                    if series is not None:
+                        series.ttft.observe(elapsed)
+                    if sse and first_token is not None and status < 400:
+                        first_token(elapsed * 1000.0)
+                    flight.first_byte()
+                if remember is not None and len(head) < HEAD_BYTES:
+                    head += chunk
+                window = tail + chunk  # '"cached_tokens": 12' may be cut between chunks
+                if b"cached_tokens" in window:
+                    numbers = _CACHED.findall(window)
+                    if numbers:
+                        cached = int(numbers[-1])
+                tail = chunk[-32:]
+                if resp.drained:  # the last chunk: end the response with it
+                    ex.done = True
+                if not ex.started:
+                    ex.started = True
+                    await send(start)
+                await send({"type": "http.response.body", "body": chunk, "more_body": not ex.done})
+        except UpstreamError as exc:
+            st.metrics.error(arm, worker_id, "upstream_broken")
+            if worker is not None:
+                st.registry.request_failed(worker, "broken stream")
+                st.registry.suspect(worker)
+            if not sse:
+                if not ex.started:  # the status the engine sent, then the cut, as before
+                    ex.started = True
+                    await send(start)
+                raise  # abort the connection: the client must not take a cut body as whole
+            ex.done = True
+            await send(
+                {"type": "http.response.body", "body": sse_error(str(exc), "upstream_broken")}
+            )
+            return
+        if not ex.done:
+            ex.done = True
+            if not ex.started:  # an empty body
+                ex.started = True
+                await send(start)
+            await send({"type": "http.response.body", "body": b""})
+        if not prefilled_remotely:
+            if cached is not None and series is not None:
+                series.hit_tokens.inc(cached)
+            if series is not None and status < 400 and not st.cfg.gateway:
+                st.audit.record(worker_id, hit, cached)
+        if remember is not None and status < 400:
+            remember(head)

@@ -1,0 +1,1 @@
+"""Operating it: metrics, tracing, the hit audit, the capacity forecast, doctor, rate logs."""

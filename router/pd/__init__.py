@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation on the wire: one request, two engines, two protocols."""

@@ -1,0 +1,41 @@
+"""Gateway mode: the same router with cluster routers as its workers.
+
+A region gateway sends each session to one cluster (``session_affinity``: bounded-load
+consistent hashing on the session key) and lets the cluster's own router pick the
+engine. It needs no tokenizer, index or NATS: the policies it may run
+(``config.GATEWAY_POLICIES``) read only sessions and in-flight counts, so ``prepare``
+skips tokenizing and hashing and the request costs one dict lookup more than a parse.
+Cluster health is the cluster router's ``/health`` (503 when it has no usable engine).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from policies.base import RouteRequest
+from router.routing.decide import Parsed, Prepared, Router, max_tokens
+
+if TYPE_CHECKING:
+    from router.observe.tracing import Trace
+
+# Rough bytes per prompt token: the in-flight size a load-only policy may weigh.
+_BYTES_PER_TOKEN = 4
+
+
+class GatewayRouter(Router):
+    """A ``Router`` whose requests carry no tokens or block hashes."""
+
+    async def prepare(
+        self, parsed: Parsed, size_hint: int, trace: Trace | None = None
+    ) -> Prepared:
+        workers = self.workers_for(parsed.model)
+        request = RouteRequest(
+            request_id=parsed.request_id,
+            model=parsed.model,
+            num_tokens=size_hint // _BYTES_PER_TOKEN,
+            block_hashes=[],
+            block_size=workers[0].pool.block_size,
+            session_key=parsed.session_key,
+            max_tokens=max_tokens(parsed.body),
+        )
+        return self.prepared(parsed, workers, request)

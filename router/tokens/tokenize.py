@@ -1,0 +1,497 @@
+"""The tokenizer stage: a request body -> the token ids the engine will see.
+
+Cache-aware routing needs the router's block hashes to equal the ones it recomputes
+from the engine's ``BlockStored.token_ids``, so the prompt must become exactly the
+engine's tokens:
+
+- completions: ``prompt`` text is encoded with special tokens (vLLM's default for
+  ``/v1/completions``); a prompt given as token ids is used as is;
+- chat: ``messages`` are rendered with the model's chat template from
+  ``tokenizer_config.json`` (or ``chat_template.jinja``) in a sandboxed jinja2
+  environment set up like transformers' ``apply_chat_template`` (trim_blocks,
+  lstrip_blocks, loopcontrols, ``tojson``, ``raise_exception``, ``strftime_now``), then
+  encoded without special tokens (vLLM's chat default; the template adds them).
+
+Fallback without a tokenizer (``FallbackTokenizer``): the prompt's UTF-8 bytes, zero
+padded to a multiple of 4, read as little-endian u32 token ids, i.e. one "token" per
+4 bytes (close to real token counts). Identical text prefixes give identical token
+prefixes, so routing by prefix still works for anything that tokenizes the same way
+(the mock engine imports this class); against a real engine hashes will not match
+its events, which is why the router warns at start-up. Chat messages are rendered
+first by ``FallbackChat``: ``<|role|>\ncontent\n`` per message, then
+``<|assistant|>\n`` when a generation prompt is wanted (also used for a HF tokenizer
+that has no chat template).
+
+Chat text is encoded by segments (``SegmentCache``): the rendered text is cut before
+each special token the template writes (``<|im_start|>``, ``<s>``, ``[INST]``...), each
+segment encoded once and kept (LRU, bounded in tokens), so a multi-turn or agent
+request encodes only what its previous turns did not, and the segments it does encode
+go to ``encode_batch_fast`` together, which releases the GIL (``encode`` holds it: 362 ms
+for 174K tokens during which no request moved) and computes no offsets (40 % less CPU
+than ``encode_batch``: 34 vs 57-64 ms at 32K tokens).
+
+Encoding by segments is exact because HF tokenizers split added tokens out before
+normalizing and pre-tokenizing: ``encode(a + t + b) == encode(a) + encode(t + b)``
+for a special token ``t`` (not normalized, not stripping left). Each tokenizer's
+candidate tokens are checked on sample text at load; the hypothesis tests in
+tests/test_tokenize_segments.py hold it against full encoding on real templates and
+Llama's SentencePiece model.
+
+One request's segments are encoded on one core: ``TOKENIZERS_PARALLELISM`` defaults to
+false in a process that loads a tokenizer here, and in the encode processes it starts
+(a value the user set is kept). The library's rayon workers spin after each call, and a
+router spreads its requests over cores already (the tokenize threads, the encode
+processes): ~1K tokens cost 0.94 ms of CPU serially against 1.34 ms with the workers,
+whose spinning also ran beside the event loop. A cold 8K-token chat alone on an idle
+machine waits longer (6.7 ms against 4.7) for 26 % less CPU. BENCHMARKS.md session 15
+has the router's numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from itertools import pairwise
+from pathlib import Path
+from typing import Any, TypeAlias
+
+import orjson
+from jinja2 import Template, TemplateError, nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.parser import Parser
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFRustTokenizer
+from xxhash import xxh3_128_intdigest
+
+from router.http.errors import ApiError
+from router.tokens.pool import EncodeProcesses
+
+log = logging.getLogger(__name__)
+
+# bytes: packed little-endian u32 (the fallback's form); array('I'): a cached chat's
+TokenIds: TypeAlias = "list[int] | bytes | array[int]"
+
+
+def num_tokens(tokens: TokenIds) -> int:
+    return len(tokens) // 4 if isinstance(tokens, bytes) else len(tokens)
+
+
+def text_of_content(content: Any) -> str:
+    """A message's content as text: strings as is, parts joined (non-text parts as JSON)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for part in content:
+            if isinstance(part, Mapping) and part.get("type") == "text":
+                out.append(str(part.get("text", "")))
+            else:
+                out.append(orjson.dumps(part, option=orjson.OPT_SORT_KEYS).decode())
+        return "".join(out)
+    return "" if content is None else str(content)
+
+
+# Stands in for a chat's first non-text part when ``hashable_tokens`` finds its position.
+MEDIA_MARK = "\ue000cache-router-media\ue000"
+
+
+def _media_cut(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The body with its first non-text content part replaced by ``MEDIA_MARK`` and
+    everything after it dropped; None when all content is text."""
+    messages = body.get("messages") or []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, Mapping) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if isinstance(part, Mapping) and part.get("type") == "text":
+                continue
+            head = [*content[:j], {"type": "text", "text": MEDIA_MARK}]
+            return {**body, "messages": [*messages[:i], {**m, "content": head}]}
+    return None
+
+
+def has_media(body: Mapping[str, Any]) -> bool:
+    """Whether a chat body has a non-text content part (see ``hashable_tokens``)."""
+    return _media_cut(body) is not None
+
+
+class _GenerationTag(Extension):
+    """transformers' ``{% generation %}`` block: renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body).set_lineno(lineno)
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, sort_keys: bool = False
+) -> str:
+    # transformers' filter is json.dumps: orjson spaces differently, changing tokens
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, sort_keys=sort_keys)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+_ENV = _environment()
+
+
+def _generation_prompt(body: Mapping[str, Any], kwargs: Mapping[str, Any]) -> bool:
+    if body.get("continue_final_message"):
+        return False
+    return bool(kwargs.get("add_generation_prompt", body.get("add_generation_prompt", True)))
+
+
+class ChatTemplate:
+    """A compiled chat template plus the special tokens it may reference."""
+
+    def __init__(self, source: str, special: Mapping[str, str] | None = None) -> None:
+        self.template: Template = _ENV.from_string(source)
+        self.special = dict(special or {})
+        # ``Template.render`` copies the template's globals, a ChainMap over the
+        # environment's, into each render's context, twice: a short chat's render took
+        # 7.9-8.7 us with it, 3.0 without. Flattened once here (``_ENV``'s globals never
+        # change after set-up).
+        self.globals = dict(self.template.globals)
+
+    def render(self, body: Mapping[str, Any]) -> str:
+        kwargs = dict(body.get("chat_template_kwargs") or {})
+        kwargs["add_generation_prompt"] = _generation_prompt(body, kwargs)
+        for key in ("tools", "documents"):
+            if body.get(key) is not None:
+                kwargs.setdefault(key, body[key])
+        template = self.template
+        env = template.environment
+        try:
+            # what ``template.render(messages=..., **special, **kwargs)`` does (a key
+            # given twice is still a TypeError), with the globals merged from a dict
+            given = dict(messages=body["messages"], **self.special, **kwargs)
+            ctx = env.context_class(
+                env, {**self.globals, **given}, template.name, template.blocks,
+                globals=self.globals,
+            )  # fmt: skip
+            return env.concat(template.root_render_func(ctx))
+        except Exception as exc:  # a template may raise anything on odd input
+            raise ApiError(400, f"chat template failed: {exc}", "chat_template_error") from exc
+
+
+class FallbackChat:
+    """The fallback rendering (see the module docstring), in plain Python: it runs per
+    request on the hot path, where a jinja2 render would cost more than all routing."""
+
+    def render(self, body: Mapping[str, Any]) -> str:
+        parts = [
+            f"<|{m.get('role')}|>\n{text_of_content(m.get('content'))}\n" for m in body["messages"]
+        ]
+        if _generation_prompt(body, body.get("chat_template_kwargs") or {}):
+            parts.append("<|assistant|>\n")
+        return "".join(parts)
+
+
+class Tokenizer:
+    """Turns request bodies into token ids; subclasses say how text becomes ids."""
+
+    name = "tokenizer"
+    chat_template: ChatTemplate | FallbackChat
+
+    def encode(self, text: str, add_special_tokens: bool) -> TokenIds:
+        raise NotImplementedError
+
+    def chat(self, body: Mapping[str, Any]) -> tuple[TokenIds, str]:
+        """Token ids and rendered text of a chat body (``messages`` already validated)."""
+        text = self.chat_template.render(body)
+        return self.encode(text, bool(body.get("add_special_tokens", False))), text
+
+    def hashable_tokens(self, body: Mapping[str, Any]) -> int | None:
+        """How many leading tokens of a chat body the router can key as the engine does.
+
+        None when every content part is text. Otherwise the engine mixes the first
+        image/audio/video item's content hash (which only it can compute) into every
+        block from the item's placeholder on: the tokens rendered before that item, less
+        one (a token may merge across the cut), are all the router may hash.
+        """
+        cut = _media_cut(body)
+        if cut is None:
+            return None
+        text = self.chat_template.render(cut)
+        end = text.find(MEDIA_MARK)
+        if end < 0:  # the template dropped the item: nothing after it is certain either
+            end = len(text)
+        prefix = self.encode(text[:end], bool(body.get("add_special_tokens", False)))
+        return max(num_tokens(prefix) - 1, 0)
+
+    def completion(
+        self, prompt: Any, add_special_tokens: bool = True
+    ) -> tuple[TokenIds, str | None]:
+        """Token ids of a completions ``prompt`` (text, ids, or a batch: its first item)."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.encode(prompt, add_special_tokens), prompt
+        return list(prompt), None
+
+
+class FallbackTokenizer(Tokenizer):
+    """Stable pseudo-tokens from UTF-8 bytes; see the module docstring."""
+
+    name = "fallback"
+
+    def __init__(self) -> None:
+        self.chat_template = FallbackChat()
+
+    def encode(self, text: str, add_special_tokens: bool) -> bytes:
+        data = text.encode("utf-8", "surrogatepass")
+        pad = -len(data) % 4
+        return data + b"\0" * pad if pad else data
+
+
+class SegmentCache:
+    """Token ids of chat text segments by content, least recently used dropped first.
+
+    Bounded in tokens (``max_tokens``, 4 bytes each as ``array('I')``) and thread-safe:
+    the router encodes on its thread pool. Keys are the 128-bit XXH3 of the segment.
+    """
+
+    def __init__(self, max_tokens: int = 1 << 22) -> None:
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self.hits = 0
+        self.misses = 0
+        self._lru: OrderedDict[int, array[int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: int) -> array[int] | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: list[int]) -> list[array[int] | None]:
+        """Each key's ids (None: not cached), under one lock: a short chat has ~15
+        segments, and a lock and a call per segment were a third of its lookup."""
+        out: list[array[int] | None] = []
+        lru = self._lru
+        with self._lock:
+            for key in keys:
+                ids = lru.get(key)
+                if ids is not None:
+                    lru.move_to_end(key)
+                out.append(ids)
+            missed = out.count(None)
+            self.misses += missed
+            self.hits += len(keys) - missed
+        return out
+
+    def put(self, key: int, ids: array[int]) -> None:
+        if len(ids) > self.max_tokens:
+            return
+        with self._lock:
+            old = self._lru.pop(key, None)
+            if old is not None:
+                self.tokens -= len(old)
+            self._lru[key] = ids
+            self.tokens += len(ids)
+            while self.tokens > self.max_tokens:
+                _, gone = self._lru.popitem(last=False)
+                self.tokens -= len(gone)
+
+
+# Text around each candidate token when checking that it splits the encoding cleanly.
+_PROBES = ("Hello world", " leading space", "\ntwo\nlines ", "数字 🙂", "", " ", "a")
+
+
+def _cut_tokens(tok: HFRustTokenizer, template: str, special: Mapping[str, str]) -> list[str]:
+    """The special tokens the chat text may be cut before: written by the template,
+    matched as is (not normalized, no left strip), and proven on ``_PROBES``."""
+    out = []
+    added_tokens = list(tok.get_added_tokens_decoder().values())
+    for added in added_tokens:
+        t = added.content
+        if not t or not added.special or added.normalized or added.lstrip or added.single_word:
+            continue
+        if t not in template and t not in special.values():
+            continue
+        # an added token with t's first character past its own first could match across
+        # the cut (leftmost-longest), taking t's place in the full text: no probe finds it
+        if any(t[0] in other.content[1:] for other in added_tokens):
+            log.info("tokenizer: an added token could overlap %r; chats are not cut there", t)
+            continue
+        ok = all(
+            tok.encode(a + t + b, add_special_tokens=False).ids
+            == tok.encode(a, add_special_tokens=False).ids
+            + tok.encode(t + b, add_special_tokens=False).ids
+            for a in _PROBES
+            for b in _PROBES
+        )
+        if ok:
+            out.append(t)
+        else:
+            log.info(
+                "tokenizer: %r does not split the encoding cleanly; chats are not cut there", t
+            )
+    return out
+
+
+def _segments(text: str, cuts: list[str]) -> list[str]:
+    """``text`` cut before every occurrence of a token in ``cuts``."""
+    starts = set()
+    for t in cuts:
+        i = text.find(t, 1)
+        while i > 0:
+            starts.add(i)
+            i = text.find(t, i + 1)
+    if not starts:
+        return [text]
+    bounds = [0, *sorted(starts), len(text)]
+    return [text[a:b] for a, b in pairwise(bounds)]
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizer.json`` with its ``tokenizer_config.json`` chat template."""
+
+    name = "hf"
+
+    def __init__(self, path: str | Path, processes: EncodeProcesses | None = None) -> None:
+        path = Path(path)
+        folder = path if path.is_dir() else path.parent
+        file = path / "tokenizer.json" if path.is_dir() else path
+        self.path = str(file)
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # see the module docstring
+        self._tok = HFRustTokenizer.from_file(str(file))
+        config: dict[str, Any] = {}
+        if (folder / "tokenizer_config.json").exists():
+            config = orjson.loads((folder / "tokenizer_config.json").read_bytes())
+        special = {
+            key: _token_text(config.get(key))
+            for key in ("bos_token", "eos_token", "unk_token", "pad_token")
+            if config.get(key) is not None
+        }
+        source = _template_source(config.get("chat_template"))
+        if source is None and (folder / "chat_template.jinja").exists():
+            source = (folder / "chat_template.jinja").read_text()
+        self.has_template = source is not None
+        self.chat_template = ChatTemplate(source, special) if source else FallbackChat()
+        self.cuts = _cut_tokens(self._tok, source or "", special)
+        self.cut_bytes = [t.encode() for t in self.cuts]
+        self.segments = SegmentCache()
+        self.processes = processes  # where long texts are encoded (None: here)
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int] | array[int]:
+        procs = self.processes
+        if procs is not None and len(text) >= procs.min_chars:
+            # long: in an encode process, as chat segments are (``_encode_texts``); a
+            # completion's ids list built here would hold the GIL (~5 ms at 128K tokens)
+            return self._encode_texts([text], add_special_tokens)[0]
+        # encode_batch_fast releases the GIL (encode does not), so other requests keep
+        # moving, and skips the offsets no one reads: 34 ms instead of 57 for 32K tokens
+        return self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def chat(self, body: Mapping[str, Any]) -> tuple[TokenIds, str]:
+        text = self.chat_template.render(body)
+        if body.get("add_special_tokens") or not self.cuts:
+            # a post-processor's tokens (BOS, EOS) belong to the whole text, not a segment
+            return self.encode(text, bool(body.get("add_special_tokens", False))), text
+        return self.encode_segments(text), text
+
+    def encode_segments(self, text: str) -> list[int]:
+        """``encode(text, False)`` by segments, each encoded once (see the module
+        docstring); the ones not cached go to one ``encode_batch_fast`` call."""
+        return self.segment_ids([text])[0].tolist()
+
+    def segment_ids(self, texts: Sequence[str]) -> list[array[int]]:
+        """``encode_segments`` of each text as an ``array('I')`` (a 32K-item list costs
+        ~1 ms to build, more than the rest of a cached chat's tokenizing). The segments
+        of all texts not cached go to one ``encode_batch_fast`` call: each call costs
+        ~25 us of set-up, a fifth of a short chat's encoding."""
+        parts: list[str] = []
+        owner: list[int] = []
+        for n, text in enumerate(texts):
+            for part in _segments(text, self.cuts):
+                parts.append(part)
+                owner.append(n)
+        keys = [xxh3_128_intdigest(p.encode("utf-8", "surrogatepass")) for p in parts]
+        found = self.segments.get_many(keys)
+        missing = [i for i, ids in enumerate(found) if ids is None]
+        if missing:
+            encoded = self._encode_texts([parts[i] for i in missing])
+            for i, fresh in zip(missing, encoded, strict=True):
+                found[i] = fresh
+                self.segments.put(keys[i], fresh)
+        out = [array("I") for _ in texts]
+        for n, ids in zip(owner, found, strict=True):
+            assert ids is not None  # every missing segment was encoded just above
+            out[n].extend(ids)
+        return out
+
+    def _encode_texts(self, texts: list[str], add_special_tokens: bool = False) -> list[array[int]]:
+        """``encode_batch_fast(texts)`` as arrays; long ones in an encode process when
+        there is one (``router.tokens.pool.EncodeProcesses``)."""
+        procs = self.processes
+        if procs is not None and sum(map(len, texts)) >= procs.min_chars:
+            ids = procs.encode(self.path, texts, add_special_tokens)
+            if ids is not None:
+                return ids
+        encoded = self._tok.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+        return [array("I", e.ids) for e in encoded]
+
+
+def _token_text(value: Any) -> str:
+    """tokenizer_config special tokens are strings or AddedToken dicts."""
+    return value.get("content", "") if isinstance(value, Mapping) else str(value)
+
+
+def _template_source(value: Any) -> str | None:
+    """``chat_template`` is a string or a list of named templates ("default" wins)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
+        return named.get("default") or next(iter(named.values()), None)
+    return None
+
+
+class TokenizerSet:
+    """One tokenizer per model, loaded once; the fallback where none is configured."""
+
+    def __init__(
+        self, path_for: Callable[[str], str | None], processes: EncodeProcesses | None = None
+    ) -> None:
+        self._path_for = path_for
+        self.processes = processes  # given to each HF tokenizer
+        self._by_path: dict[str, Tokenizer] = {}
+        self._by_model: dict[str, Tokenizer] = {}
+        self.fallback = FallbackTokenizer()
+
+    def get(self, model: str) -> Tokenizer:
+        tok = self._by_model.get(model)
+        if tok is not None:
+            return tok
+        path = self._path_for(model)
+        if path is None:
+            tok = self.fallback
+        else:
+            tok = self._by_path.get(path)
+            if tok is None:
+                tok = self._by_path[path] = HFTokenizer(path, self.processes)
+                if not tok.has_template:
+                    log.warning("tokenizer %s has no chat template; using the fallback one", path)
+        self._by_model[model] = tok
+        return tok

@@ -1,0 +1,275 @@
+"""Per-worker load: what this router has in flight, plus what the engine reports.
+
+The router's own counters move at once (a burst of requests sees each other), while
+engine numbers arrive late (``kv.load.<worker>`` reports or ``/metrics`` scrapes) but
+include traffic from other routers; policies get both.
+
+In-flight prefill tokens are the uncached prompt tokens of requests still waiting for
+their first byte: that is the queue a new request would wait behind. They stay counted
+whole until the first byte, but the oldest of them has been computing for a while: an
+engine prefills its queue first come, first served, so ``RunningPrefills`` keeps this
+router's flights per worker in arrival order and says how long the oldest has run (since
+it was sent, or since the one before it left, whichever is later). The policy turns that
+time into tokens at its own cost model (``policies.cost_model.computed_tokens``): a
+prefix holder whose long prompt is nearly done no longer looks as busy as when it began
+(issue 15: on conversation seed 2 a holder showed 93,389 tokens with 11,469 left to
+compute, and the request left a 424-of-429-block match for an idle engine).
+
+With router replicas (``router.events.replicas``) the counters also hold what the peers have
+in flight on the worker; ``own()`` is this router's part, the one it tells its peers.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from policies.base import MAX_ENGINE_COUNT
+
+
+@dataclass(slots=True)
+class EngineLoad:
+    running: int | None = None
+    waiting: int | None = None
+    kv_usage: float | None = None
+
+
+class RunningPrefills:
+    """One engine's prefills in flight, oldest first, and how long the oldest has run.
+
+    Plain and synchronous, in the caller's clock (the router's monotonic milliseconds,
+    the simulator's virtual ones): the router and both simulators count with it. Only the
+    oldest is discounted, since an engine works through its queue in order; the later
+    ones have not started, or barely.
+    """
+
+    __slots__ = ("_flights", "_head_since")
+
+    def __init__(self) -> None:
+        self._flights: dict[object, tuple[int, float]] = {}  # key -> (tokens, sent at)
+        self._head_since = -math.inf  # when the previous oldest left
+
+    def __len__(self) -> int:
+        return len(self._flights)
+
+    def add(self, key: object, tokens: int, now: float) -> None:
+        self._flights[key] = (tokens, now)
+
+    def remove(self, key: object, now: float) -> None:
+        """The flight's prefill is over (first token, an error, a cancel); once the oldest
+        leaves, the next one starts computing now at the earliest."""
+        flights = self._flights
+        if key not in flights:
+            return
+        if next(iter(flights)) is key:
+            self._head_since = now
+        del flights[key]
+
+    def oldest(self, now: float) -> tuple[int, float]:
+        """``(tokens, running time)`` of the oldest flight; ``(0, 0.0)`` with none."""
+        flights = self._flights
+        if not flights:
+            return 0, 0.0
+        tokens, sent = next(iter(flights.values()))
+        began = sent if sent > self._head_since else self._head_since
+        return tokens, (now - began if now > began else 0.0)
+
+
+class WorkerLoad:
+    """Load counters of one worker; mutated only on the event loop."""
+
+    __slots__ = (
+        "decode_streams",
+        "engine",
+        "engine_seen",
+        "inflight_prefill_tokens",
+        "inflight_requests",
+        "peer_decode_streams",
+        "peer_prefill_tokens",
+        "peer_requests",
+        "prefills",
+    )
+
+    def __init__(self) -> None:
+        self.inflight_requests = 0
+        self.inflight_prefill_tokens = 0
+        self.decode_streams = 0
+        self.engine = EngineLoad()
+        self.engine_seen = float("-inf")  # monotonic time of the last engine report
+        # the peers' part of the three counters above
+        self.peer_requests = 0
+        self.peer_prefill_tokens = 0
+        self.peer_decode_streams = 0
+        # this router's own flights waiting for their first byte (the peers' are counts
+        # only): when the oldest was sent, in monotonic ms
+        self.prefills = RunningPrefills()
+
+    def begin(self, prefill_tokens: int, now: float | None = None) -> Flight:
+        self.inflight_requests += 1
+        self.inflight_prefill_tokens += prefill_tokens
+        flight = Flight(self, prefill_tokens)
+        if prefill_tokens > 0:  # a passthrough's unknown prompt neither waits nor discounts
+            self.prefills.add(flight, prefill_tokens, _now_ms() if now is None else now)
+        return flight
+
+    def own(self) -> tuple[int, int, int]:
+        """This router's in-flight requests, prefill tokens and decode streams."""
+        return (
+            self.inflight_requests - self.peer_requests,
+            self.inflight_prefill_tokens - self.peer_prefill_tokens,
+            self.decode_streams - self.peer_decode_streams,
+        )
+
+    def add_peer(self, requests: int, prefill_tokens: int, decode_streams: int) -> None:
+        """Count load a peer replica routed here (negative numbers take it back)."""
+        self.inflight_requests += requests
+        self.inflight_prefill_tokens += prefill_tokens
+        self.decode_streams += decode_streams
+        self.peer_requests += requests
+        self.peer_prefill_tokens += prefill_tokens
+        self.peer_decode_streams += decode_streams
+
+    def report(self, engine: EngineLoad, now: float | None = None) -> None:
+        self.engine = engine
+        self.engine_seen = time.monotonic() if now is None else now
+
+    def engine_fresh(self, stale_after: float, now: float | None = None) -> EngineLoad | None:
+        """The engine's numbers if reported within ``stale_after`` seconds, else None."""
+        now = time.monotonic() if now is None else now
+        return self.engine if now - self.engine_seen <= stale_after else None
+
+    def snapshot(self) -> dict[str, Any]:
+        e = self.engine
+        return {
+            "inflight_requests": self.inflight_requests,
+            "inflight_prefill_tokens": self.inflight_prefill_tokens,
+            "decode_streams": self.decode_streams,
+            "peer_requests": self.peer_requests,
+            "peer_prefill_tokens": self.peer_prefill_tokens,
+            "engine_running": e.running,
+            "engine_waiting": e.waiting,
+            "kv_usage": e.kv_usage,
+        }
+
+
+class FlightState(enum.IntEnum):
+    WAITING = 0  # for the first byte: its prompt counts as in-flight prefill
+    DECODING = 1  # counts as a decode stream
+    FINISHED = 2
+
+
+# Module names: the hot path tests the state once per chunk, a global is the cheapest read.
+WAITING, DECODING, FINISHED = FlightState
+
+
+class Flight:
+    """One request's share of a worker's load; each transition happens at most once."""
+
+    __slots__ = ("load", "prefill", "state")
+
+    def __init__(self, load: WorkerLoad, prefill: int) -> None:
+        self.load = load
+        self.prefill = prefill
+        self.state = WAITING
+
+    def first_byte(self) -> None:
+        if self.state is WAITING:
+            self.load.inflight_prefill_tokens -= self.prefill
+            self.load.prefills.remove(self, _now_ms())
+            self.load.decode_streams += 1
+            self.state = DECODING
+
+    def finish(self) -> None:
+        if self.state is WAITING:
+            self.load.inflight_prefill_tokens -= self.prefill
+            self.load.prefills.remove(self, _now_ms())
+        elif self.state is DECODING:
+            self.load.decode_streams -= 1
+        else:
+            return
+        self.load.inflight_requests -= 1
+        self.state = FINISHED
+
+
+def _now_ms() -> float:
+    return time.monotonic() * 1000.0
+
+
+def parse_load_report(data: bytes) -> EngineLoad:
+    """A ``kv.load.<worker>`` JSON report ``{running, waiting, kv_usage, ts}``.
+
+    Anyone who may publish on ``kv.load.*`` writes these numbers into every routing
+    decision, so each is checked: finite, not negative, counts at most
+    ``MAX_ENGINE_COUNT``, usage at most 1 (a forged ``waiting: 1e308`` used to overflow
+    the policy's float math and turn every request into a 500). ``ValueError`` otherwise.
+    """
+    obj = orjson.loads(data)
+    if not isinstance(obj, dict):
+        raise ValueError("load report is not a JSON object")
+    _num(obj.get("ts"), "ts", math.inf)  # unused, but a report with a bad one is not trusted
+    return EngineLoad(
+        running=_count(obj.get("running"), "running"),
+        waiting=_count(obj.get("waiting"), "waiting"),
+        kv_usage=_num(obj.get("kv_usage"), "kv_usage", 1.0),
+    )
+
+
+def _num(value: Any, name: str, high: float) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"load report {name} is not a number: {value!r}")
+    if not 0 <= value <= high:  # NaN fails this too
+        raise ValueError(f"load report {name} {value!r} is outside [0, {high:g}]")
+    return float(value)
+
+
+def _count(value: Any, name: str) -> int | None:
+    number = _num(value, name, MAX_ENGINE_COUNT)
+    return None if number is None else int(number)
+
+
+# Prometheus names (newest vLLM, older vLLM, SGLang); the first present in a scrape wins.
+# The node agent (``agent.load``) reads the same gauges for its load reports.
+RUNNING_GAUGES = ("vllm:num_requests_running", "sglang:num_running_reqs")
+WAITING_GAUGES = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+KV_USAGE_GAUGES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+
+
+def parse_engine_metrics(text: str) -> EngineLoad:
+    """Engine load from a Prometheus text scrape of a vLLM or SGLang ``/metrics``.
+
+    Counts are summed over series (one per DP engine); KV usage is the highest series,
+    since the fullest rank is the one that queues.
+    """
+    values: dict[str, list[float]] = {}
+    wanted = set(RUNNING_GAUGES + WAITING_GAUGES + KV_USAGE_GAUGES)
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
+        if name_end < 0 or line[:name_end] not in wanted:
+            continue
+        fields = line.rsplit("}", 1)[-1].split() if "{" in line else line.split()[1:]
+        try:
+            value = float(fields[0])
+        except (IndexError, ValueError):
+            continue
+        if 0 <= value <= MAX_ENGINE_COUNT:  # NaN, inf, negatives: not a load
+            values.setdefault(line[:name_end], []).append(value)
+
+    def first(names: tuple[str, ...]) -> list[float] | None:
+        return next((values[n] for n in names if n in values), None)
+
+    running, waiting = first(RUNNING_GAUGES), first(WAITING_GAUGES)
+    usage = first(KV_USAGE_GAUGES)
+    return EngineLoad(
+        running=None if running is None else min(int(sum(running)), MAX_ENGINE_COUNT),
+        waiting=None if waiting is None else min(int(sum(waiting)), MAX_ENGINE_COUNT),
+        kv_usage=None if usage is None else min(max(usage), 1.0),
+    )

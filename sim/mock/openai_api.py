@@ -1,0 +1,153 @@
+"""OpenAI request parsing and response bodies shaped like vLLM's (chat and completions).
+
+Streaming chunks follow vLLM: the first chat chunk carries ``role``, each token its own
+chunk, the last token's chunk the ``finish_reason``; with ``stream_options.include_usage``
+a final chunk with ``"choices": []`` and ``usage`` comes before ``data: [DONE]``.
+``usage.prompt_tokens_details.cached_tokens`` is always filled in (vLLM needs
+``--enable-prompt-tokens-details`` for it; the mock behaves as if it were given).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from router.http.errors import ApiError
+
+Kind = Literal["chat", "completion"]
+
+
+@dataclass(slots=True)
+class Params:
+    """What the mock engine takes from a request body (everything else is ignored)."""
+
+    kind: Kind
+    model: str
+    max_tokens: int | None
+    ignore_eos: bool
+    stream: bool
+    include_usage: bool
+    request_id: str
+    created: int
+
+
+def _int_field(body: Mapping[str, Any], *names: str) -> int | None:
+    for name in names:
+        value = body.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ApiError(400, f"{name} must be a positive integer", "invalid_value", name)
+        return value
+    return None
+
+
+def parse_params(kind: Kind, body: Any, served_model: str) -> Params:
+    """Validate the fields the mock acts on; ApiError (OpenAI error body) when wrong."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object", "invalid_body")
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "messages must be a non-empty list", "invalid_value", "messages")
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise ApiError(400, "each message needs a role", "invalid_value", "messages")
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
+            if len(prompt) != 1:
+                raise ApiError(400, "the mock engine takes one prompt", "invalid_value", "prompt")
+            prompt = prompt[0]
+        ok_ids = isinstance(prompt, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32 for t in prompt
+        )
+        if not (isinstance(prompt, str) and prompt) and not (ok_ids and prompt):
+            raise ApiError(400, "prompt must be text or token ids", "invalid_value", "prompt")
+    model = body.get("model")
+    if model is not None and model != served_model:
+        raise ApiError(404, f"The model `{model}` does not exist.", "model_not_found", "model")
+    n = body.get("n", 1)
+    if n != 1:
+        raise ApiError(400, "the mock engine supports n=1 only", "invalid_value", "n")
+    options = body.get("stream_options") or {}
+    return Params(
+        kind=kind,
+        model=served_model,
+        max_tokens=_int_field(body, "max_completion_tokens", "max_tokens"),
+        ignore_eos=bool(body.get("ignore_eos", False)),
+        stream=bool(body.get("stream", False)),
+        include_usage=isinstance(options, dict) and bool(options.get("include_usage")),
+        request_id=("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex,
+        created=int(time.time()),
+    )
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def _envelope(p: Params, chunk: bool) -> dict[str, Any]:
+    if p.kind == "chat":
+        obj = "chat.completion.chunk" if chunk else "chat.completion"
+    else:
+        obj = "text_completion"
+    return {"id": p.request_id, "object": obj, "created": p.created, "model": p.model}
+
+
+def full_response(p: Params, text: str, finish: str, use: dict[str, Any]) -> dict[str, Any]:
+    if p.kind == "chat":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text, "tool_calls": []},
+            "logprobs": None,
+            "finish_reason": finish,
+            "stop_reason": None,
+        }
+    else:
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": finish,
+            "stop_reason": None,
+        }
+    return {**_envelope(p, False), "choices": [choice], "usage": use}
+
+
+def sse(obj: Mapping[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def role_chunk(p: Params) -> bytes:
+    """vLLM's first chat chunk: the role and empty content."""
+    delta = {"role": "assistant", "content": ""}
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+    return sse({**_envelope(p, True), "choices": [choice]})
+
+
+def token_chunk(p: Params, piece: str, finish: str | None) -> bytes:
+    if p.kind == "chat":
+        choice: dict[str, Any] = {"index": 0, "delta": {"content": piece}, "logprobs": None}
+    else:
+        choice = {"index": 0, "text": piece, "logprobs": None}
+    choice["finish_reason"] = finish
+    if finish is not None:
+        choice["stop_reason"] = None
+    return sse({**_envelope(p, True), "choices": [choice]})
+
+
+def usage_chunk(p: Params, use: dict[str, Any]) -> bytes:
+    return sse({**_envelope(p, True), "choices": [], "usage": use})
