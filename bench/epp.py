@@ -39,7 +39,7 @@ from proxy import (  # noqa: E402
     wait_http,
 )
 
-from router.natsd import free_ports  # noqa: E402
+from sim.mock.natsd import free_ports  # noqa: E402
 
 
 async def _drive_epp(port: int, bodies: list[bytes], concurrency: int) -> dict[str, float]:

@@ -10,7 +10,6 @@ changes the cluster and then checks that routing followed: which engines get req
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -19,9 +18,9 @@ import pytest
 from kube_api import StandInApiServer, pod
 from stack import EngineDouble, Served, until
 
-from router.config import RouterConfig
+from router.config import KubernetesSpec, RouterConfig
 from router.http.app import RouterApp
-from router.workers.kubernetes import KubernetesDiscovery, KubernetesSpec
+from router.workers.kubernetes import KubernetesDiscovery
 
 NS = "llm"
 TOKEN = "sa-token"
@@ -36,7 +35,7 @@ class Cluster:
         self.app: RouterApp | None = None
         self.served: Served | None = None
         self.discovery: KubernetesDiscovery | None = None
-        self.task: asyncio.Task[None] | None = None
+        self.settings: dict[str, Any] = {}
         self.http = httpx.AsyncClient(timeout=10)
 
     def pod(self, name: str, labels: dict[str, str] | None = None, **kw: Any) -> dict[str, Any]:
@@ -45,15 +44,16 @@ class Cluster:
         return pod(name, {"app": "vllm"} if labels is None else labels, annotations=notes, **kw)
 
     async def route(self, tmp_path: Any, **spec: Any) -> KubernetesDiscovery:
+        """The router, configured with one ``[[kubernetes]]`` source, serving."""
         token, ca = self.api.write_credentials(tmp_path)
-        cfg = RouterConfig(block_size=4, health_interval=0.2, drain_timeout=5.0)
-        self.app = RouterApp(cfg)
-        self.served = await Served(self.app).start()
         k8s = KubernetesSpec(**{"selector": "app=vllm", "namespace": NS, "model": "m",
                                 "api_server": self.api.url, "token_file": token,
                                 "ca_file": ca, "interval": 0.1, **spec})  # fmt: skip
-        self.discovery = KubernetesDiscovery(k8s, self.app.state.registry, cfg.drain_timeout)
-        self.task = asyncio.create_task(self.discovery.run(self.app.state.client))
+        cfg = RouterConfig(block_size=4, health_interval=0.2, drain_timeout=5.0, kubernetes=[k8s],
+                           **self.settings)  # fmt: skip
+        self.app = RouterApp(cfg)
+        self.served = await Served(self.app).start()
+        (self.discovery,) = self.app.state.discovery
         await until(lambda: self.discovery.synced, what="listed")
         return self.discovery
 
@@ -75,9 +75,6 @@ class Cluster:
         return seen
 
     async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
         if self.served is not None:
             await self.served.stop()
         await self.http.aclose()
@@ -214,3 +211,59 @@ async def test_the_api_refusing_or_away_keeps_the_pool(cluster, tmp_path):
     api.token = TOKEN
     api.create(cluster.pod("w1"))
     await until(lambda: cluster.usable() == {"w0", "w1"}, what="back in step")
+
+
+async def test_the_endpoint_picker_is_ready_once_the_pods_are_listed(cluster, tmp_path):
+    """``epp_port`` and ``[[kubernetes]]`` together, from the config: the EPP is ready once
+    the pods are listed (its readiness follows ``synced``), and routes to them."""
+    from epp_gateway import Gateway
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from sim.mock.natsd import free_ports
+
+    (port,) = free_ports(1)
+    cluster.settings = {"epp_port": port}
+    cluster.api.create(cluster.pod("w0"))
+    await cluster.route(tmp_path)
+    gw = Gateway(port)
+    try:
+        stub = health_pb2_grpc.HealthStub(gw.channel)
+
+        async def ready() -> bool:
+            r = await stub.Check(health_pb2.HealthCheckRequest(service="readiness"))
+            return r.status == health_pb2.HealthCheckResponse.SERVING
+
+        await until(ready, what="the picker ready")
+        await until(lambda: cluster.usable() == {"w0"}, what="w0 up")
+        ex = await gw.send("/v1/completions", b'{"model": "m", "prompt": "hi"}')
+        assert ex.worker == "w0" and ex.status == 200
+        assert ex.endpoint == f"127.0.0.1:{cluster.engines['w0'].served.port}"
+    finally:
+        await gw.close()
+
+
+def test_the_source_from_a_flag_a_table_and_the_checks(tmp_path):
+    from router.config import ConfigError, load_config
+
+    cfg = load_config(env={}, extra_discovery=[
+        "k8s://llm?selector=app%3Dvllm,tier%21%3Dcanary&model=m&port=9000&interval=1",
+        "dns://engines.llm.svc:8000",
+    ])  # fmt: skip
+    (k8s,) = cfg.kubernetes
+    assert (k8s.namespace, k8s.selector, k8s.model, k8s.port) == ("llm", "app=vllm,tier!=canary",
+                                                                   "m", 9000)  # fmt: skip
+    assert k8s.interval == 1.0 and len(cfg.discovery) == 1
+    toml = tmp_path / "r.toml"
+    toml.write_text('[[kubernetes]]\nprefill_selector = "role=p"\ndecode_selector = "role=d"\n')
+    (k8s,) = load_config(toml, env={}).kubernetes
+    assert (k8s.selector, k8s.namespace) == ("", None)  # the pod's own namespace
+    for bad, why in [
+        ("k8s://llm", "a selector"),
+        ("k8s://llm?selector=a%3Db&prefill_selector=r%3Dp", "go together"),
+        ("k8s://LLM?selector=a", "not a namespace"),
+        ("k8s://llm?selector=a&port=0", "out of range"),
+        ("k8s://llm?selector=a&nope=1", "unknown kubernetes keys"),
+        ("k8s://llm?selector=a;rm", "not a label selector"),
+    ]:
+        with pytest.raises(ConfigError, match=why):
+            load_config(env={}, extra_discovery=[bad])

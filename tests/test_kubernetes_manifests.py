@@ -145,7 +145,7 @@ def router_toml() -> dict[str, Any]:
 
 def test_the_router_config_is_one_the_router_loads_and_matches_the_cluster(tmp_path):
     from router.config import ENV_PREFIX, SCALARS, load_config
-    from router.serve import add_arguments
+    from router.http.serve import add_arguments
 
     text = one("ConfigMap", "cache-router-config")["data"]["router.toml"]
     (tmp_path / "router.toml").write_text(text)

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import trustme
 import uvicorn
+from stack import until
 
 from router.http.tls import ReloadingTls
 
@@ -40,7 +41,7 @@ class Listener:
         self.port = self.sock.getsockname()[1]
         config = uvicorn.Config(
             app, log_level="warning", lifespan="off",
-            ssl_context_factory=lambda _cfg, _default: tls.context,
+            ssl_context_factory=tls.factory,
         )  # fmt: skip
         self.server = uvicorn.Server(config)
 
@@ -81,23 +82,15 @@ async def test_a_renewed_certificate_reaches_new_connections(tmp_path):
     ca = trustme.CA()
     first, second = ca.issue_cert("127.0.0.1"), ca.issue_cert("127.0.0.1")
     tls = ReloadingTls(*write(first, tmp_path), interval=0.05)
-    watcher = asyncio.create_task(tls.run())
-    try:
-        async with Listener(tls) as listener:
-            assert await serial(listener.port, ca) == serial_of(first)
-            write(second, tmp_path)
-            await asyncio.sleep(0.3)
-            assert tls.reloads == 1
-            assert await serial(listener.port, ca) == serial_of(second)
-            # a renewal whose key does not match its certificate: the last good pair serves
-            (tmp_path / "tls.crt").write_bytes(
-                ca.issue_cert("127.0.0.1").cert_chain_pems[0].bytes()
-            )
-            await asyncio.sleep(0.3)
-            assert tls.failures == 1
-            assert await serial(listener.port, ca) == serial_of(second)
-    finally:
-        watcher.cancel()
+    async with Listener(tls) as listener:
+        assert await serial(listener.port, ca) == serial_of(first)
+        write(second, tmp_path)
+        await until(lambda: tls.reloads == 1, what="the renewal loaded")
+        assert await serial(listener.port, ca) == serial_of(second)
+        # a renewal whose key does not match its certificate: the last good pair serves
+        (tmp_path / "tls.crt").write_bytes(ca.issue_cert("127.0.0.1").cert_chain_pems[0].bytes())
+        await until(lambda: tls.failures == 1, what="the broken pair refused")
+        assert await serial(listener.port, ca) == serial_of(second)
 
 
 async def test_mutual_tls_refuses_a_client_without_a_certificate(tmp_path):
@@ -108,3 +101,24 @@ async def test_mutual_tls_refuses_a_client_without_a_certificate(tmp_path):
         assert await serial(listener.port, ca, ca.issue_cert("client@example.com")) > 0
         with pytest.raises((ssl.SSLError, ConnectionError, asyncio.IncompleteReadError)):
             await serial(listener.port, ca)
+
+
+def test_the_flags_make_the_listener_https(tmp_path):
+    import argparse
+
+    from router.config import ConfigError
+    from router.http import serve
+
+    ca = trustme.CA()
+    crt, key = write(ca.issue_cert("127.0.0.1"), tmp_path)
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(["--tls-cert", crt, "--tls-key", key])
+    cfg = serve.config_from_args(args, env={})
+    assert (cfg.tls_cert, cfg.tls_key) == (crt, key)
+    config = serve.server_config(app, cfg)
+    assert config.is_ssl and config.ssl_context_factory is not None
+    with pytest.raises(ConfigError, match="tls_key and tls_client_ca need tls_cert"):
+        serve.config_from_args(parser.parse_args(["--tls-key", key]), env={})
+    with pytest.raises(ConfigError, match="no such file"):
+        serve.config_from_args(parser.parse_args(["--tls-cert", str(tmp_path / "no")]), env={})

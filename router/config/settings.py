@@ -82,6 +82,7 @@ EventsReader = Literal["auto", "native", "python"]
 Role = Literal["mixed", "prefill", "decode"]
 ROLES: tuple[str, ...] = typing.get_args(Role)
 PdProtocol = Literal["vllm", "sglang"]
+EppBodyMode = Literal["full_duplex_streamed", "buffered"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +120,32 @@ class DiscoverySpec:
     block_size: int | None = None
     interval: float = 5.0  # seconds between resolutions
     nameserver: str | None = None  # HOST or HOST:PORT; None: the system's resolv.conf
+
+
+@dataclass(frozen=True, slots=True)
+class KubernetesSpec:
+    """Pods of one namespace by label selector, watched (``router.workers.kubernetes``).
+
+    ``prefill_selector`` and ``decode_selector`` find a disaggregated pool's two roles
+    (``selector`` then finds mixed engines, and may be empty). Every engine found gets
+    ``model``, ``pool`` and ``block_size`` like a ``[[workers]]`` entry; a pod's
+    ``cache-router.io/*`` annotations may say its own worker id, port, DP size, model.
+    """
+
+    selector: str = ""
+    namespace: str | None = None  # None: the service account's
+    prefill_selector: str = ""
+    decode_selector: str = ""
+    port: int = 8000  # the engines' port, unless a pod's annotation says
+    scheme: str = "http"
+    model: str | None = None
+    pool: str = DEFAULT_POOL
+    block_size: int | None = None
+    api_server: str | None = None  # None: https://$KUBERNETES_SERVICE_HOST:$..._PORT
+    token_file: str | None = None  # None: the service account's
+    ca_file: str | None = None  # None: the service account's (with api_server unset)
+    watch_timeout: float = 300.0  # seconds a watch is asked to last
+    interval: float = 2.0  # seconds between reaps, and a failed call's retry
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +201,12 @@ class HttpSettings:
     idle_timeout: float = setting(5.0, _DURATION)  # an idle keep-alive client connection
     max_connections: int | None = setting(None, Range(1, 1 << 20))  # None: from the fd limit
     drain_timeout: float = setting(30.0, _SECONDS)  # graceful shutdown: in-flight requests' time
+    # TLS on the listener (router.http.tls): read again when the files change (renewals)
+    tls_cert: str | None = setting(
+        None, flag="TLS certificate chain (PEM) for the listener, reloaded when it changes"
+    )
+    tls_key: str | None = setting(None, flag="the TLS certificate's private key (PEM)")
+    tls_client_ca: str | None = setting(None)  # clients must show a certificate it signed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -360,11 +393,28 @@ class ObserveSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EppSettings:
+    """The Endpoint Picker of a Gateway API inference gateway (``router.epp``): Envoy's
+    ``ext_proc`` over gRPC, beside the HTTP listener."""
+
+    epp_port: int | None = setting(
+        None,
+        Range(1, 65_535),
+        flag="gRPC port of the Endpoint Picker (Envoy ext_proc) for a Gateway API "
+        "inference gateway (off without it)",
+    )
+    # the request body mode of a gateway that does not say its own (Envoy before 1.34);
+    # GIE's gateways run full_duplex_streamed
+    epp_body_mode: EppBodyMode = setting("full_duplex_streamed")
+
+
+@dataclass(frozen=True, kw_only=True)
 class FleetSettings:
-    """The engines: listed, or found behind DNS names."""
+    """The engines: listed, or found behind DNS names or from the Kubernetes API."""
 
     workers: list[WorkerSpec] = table(list)
     discovery: list[DiscoverySpec] = table(list)  # DNS names of engines
+    kubernetes: list[KubernetesSpec] = table(list)  # pods by label selector
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -380,6 +430,7 @@ class RouterConfig(
     NatsSettings,
     ReplicaSettings,
     ObserveSettings,
+    EppSettings,
     FleetSettings,
 ):
     """Every setting; built once by ``load_config`` (or directly, in tests), then read-only.
@@ -547,7 +598,7 @@ def worker_spec(raw: Any, where: str) -> WorkerSpec:
     kv_groups = raw.get("kv_groups", "")
     try:
         if not isinstance(kv_groups, str):
-            raise ValueError("kv_groups must be a string like \"full,sliding_window:4096\"")
+            raise ValueError('kv_groups must be a string like "full,sliding_window:4096"')
         parse_groups(kv_groups)
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
@@ -604,6 +655,12 @@ def _discovery(value: Any, where: str) -> list[DiscoverySpec]:
     return [discovery_spec(d, f"{where} discovery[{i}]") for i, d in enumerate(value)]
 
 
+def _kubernetes(value: Any, where: str) -> list[KubernetesSpec]:
+    if not isinstance(value, list):
+        raise ConfigError(f"{where}: kubernetes must be an array (strings or tables)")
+    return [kubernetes_spec(k, f"{where} kubernetes[{i}]") for i, k in enumerate(value)]
+
+
 def _api_keys(value: Any, where: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(k, str) and k for k in value):
         raise ConfigError(f"{where}: api_keys must be a list of non-empty strings")
@@ -618,6 +675,7 @@ TABLE_PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "models": _models,
     "arms": _arms,
     "discovery": _discovery,
+    "kubernetes": _kubernetes,
     "api_keys": _api_keys,
 }
 
@@ -653,7 +711,8 @@ def load_config(
 
     ``overrides`` are flag values (None means "not given"); ``extra_workers`` are
     ``ID=URL`` strings added after the file's workers (a repeated id replaces one);
-    ``extra_discovery`` are ``--discover`` strings added after the file's and env's.
+    ``extra_discovery`` are ``--discover`` strings added after the file's and env's
+    (``k8s://`` ones are Kubernetes sources, the others DNS names).
     A gateway whose policy no layer names gets ``session_affinity``, its natural one.
     """
     values: dict[str, Any] = {}
@@ -674,11 +733,16 @@ def load_config(
     keys = [k.strip() for k in env.get(ENV_PREFIX + "API_KEYS", "").split(",") if k.strip()]
     if keys:
         values["api_keys"] = keys
-    found = [d for d in env.get(ENV_PREFIX + "DISCOVER", "").split(",") if d.strip()]
-    found += extra_discovery or []
+    found = [d.strip() for d in env.get(ENV_PREFIX + "DISCOVER", "").split(",") if d.strip()]
+    found += [d.strip() for d in extra_discovery or []]
+    pods = [d for d in found if d.startswith(K8S_SCHEME)]  # the Kubernetes API's
     values["discovery"] = [
         *values.get("discovery", []),
-        *(discovery_spec(d.strip(), "discover") for d in found),
+        *(discovery_spec(d, "discover") for d in found if d not in pods),
+    ]
+    values["kubernetes"] = [
+        *values.get("kubernetes", []),
+        *(kubernetes_spec(d, "discover") for d in pods),
     ]
     for name, value in (overrides or {}).items():
         if value is not None:
@@ -730,6 +794,14 @@ def validate(cfg: RouterConfig) -> None:
             raise ConfigError(f"{name}: no such file {path}")
     if (cfg.nats_tls_cert is None) != (cfg.nats_tls_key is None):
         raise ConfigError("nats_tls_cert and nats_tls_key go together")
+    for name in ("tls_cert", "tls_key", "tls_client_ca"):
+        path = getattr(cfg, name)
+        if path is not None and not Path(path).is_file():
+            raise ConfigError(f"{name}: no such file {path}")
+    if cfg.tls_cert is None and (cfg.tls_key is not None or cfg.tls_client_ca is not None):
+        raise ConfigError("tls_key and tls_client_ca need tls_cert")
+    if cfg.epp_port is not None and cfg.epp_port == cfg.port:
+        raise ConfigError(f"epp_port {cfg.epp_port} is the HTTP port: the EPP needs its own")
     names = [a.name for a in cfg.arms]
     if len(names) != len(set(names)):
         raise ConfigError("experiment arm names must be unique")
@@ -897,3 +969,71 @@ def _discovery_url(text: str, where: str) -> dict[str, Any]:
     for key, value in parse_qsl(url.query, keep_blank_values=True):
         table[key] = value
     return table
+
+
+K8S_SCHEME = "k8s://"
+_KUBERNETES_KEYS = frozenset(f.name for f in dataclasses.fields(KubernetesSpec))
+_SELECTOR = re.compile(r"[A-Za-z0-9_./=!,() -]*")  # a label selector's characters
+
+
+def kubernetes_spec(raw: Any, where: str) -> KubernetesSpec:
+    """A Kubernetes source from a TOML table or the string form (flag, env, TOML array):
+    ``k8s://NAMESPACE?selector=app%3Dvllm&model=M&port=8000&...`` (``k8s://`` alone:
+    the pod's own namespace), every key of ``KubernetesSpec`` as a query parameter."""
+    if isinstance(raw, str):
+        url = urlsplit(raw)
+        if not raw.startswith(K8S_SCHEME):
+            raise ConfigError(f"{where}: {raw!r}: expected k8s://NAMESPACE?selector=...")
+        table: dict[str, Any] = dict(parse_qsl(url.query, keep_blank_values=True))
+        if url.netloc:
+            table["namespace"] = url.netloc
+    elif isinstance(raw, Mapping):
+        table = dict(raw)
+    else:
+        raise ConfigError(f"{where}: a kubernetes source is a string or a table")
+    unknown = set(table) - _KUBERNETES_KEYS
+    if unknown:
+        raise ConfigError(f"{where}: unknown kubernetes keys {sorted(unknown)}")
+    fields: dict[str, Any] = {}
+    try:
+        for key, value in table.items():
+            if value is None:
+                continue
+            if key in ("port", "block_size"):
+                if isinstance(value, bool | float):
+                    raise ValueError(f"{key} must be an integer")
+                value = int(value)
+            elif key in ("interval", "watch_timeout"):
+                value = float(value)
+            else:
+                value = str(value)
+            fields[key] = value
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+    spec = KubernetesSpec(**fields)
+    selectors = (spec.selector, spec.prefill_selector, spec.decode_selector)
+    if not any(selectors):
+        raise ConfigError(f"{where}: a selector (or prefill_selector and decode_selector)")
+    if bool(spec.prefill_selector) != bool(spec.decode_selector):
+        raise ConfigError(f"{where}: prefill_selector and decode_selector go together")
+    for text in selectors:
+        if not _SELECTOR.fullmatch(text):
+            raise ConfigError(f"{where}: {text!r} is not a label selector")
+    if spec.namespace is not None and not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?",
+                                                       spec.namespace):  # fmt: skip
+        raise ConfigError(f"{where}: namespace {spec.namespace!r} is not a namespace name")
+    if not 0 < spec.port < 65536:
+        raise ConfigError(f"{where}: port {spec.port} is out of range")
+    if spec.scheme not in ("http", "https"):
+        raise ConfigError(f"{where}: scheme must be http or https")
+    if spec.block_size is not None and spec.block_size <= 0:
+        raise ConfigError(f"{where}: block_size must be positive")
+    if not 0 < spec.interval <= MAX_DISCOVERY_INTERVAL:
+        raise ConfigError(f"{where}: interval must be in (0, {MAX_DISCOVERY_INTERVAL:g}] s")
+    if not 1 <= spec.watch_timeout <= MAX_DISCOVERY_INTERVAL:
+        raise ConfigError(f"{where}: watch_timeout must be in [1, {MAX_DISCOVERY_INTERVAL:g}] s")
+    for name in ("token_file", "ca_file"):
+        path = getattr(spec, name)
+        if path is not None and not Path(path).is_file():
+            raise ConfigError(f"{where}: {name}: no such file {path}")
+    return spec

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
@@ -42,6 +42,9 @@ from router.epp import protocol as pr
 from router.epp.picker import Picker, Routed
 from router.forward.relay import ProxyDeps
 from router.http.errors import ApiError
+
+if TYPE_CHECKING:
+    from router.config import EppSettings
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +235,20 @@ class EppServer:
             "streams": self.processor.streams,
             "refused": self.processor.refused,
         }
+
+
+async def start_picker(
+    cfg: EppSettings, host: str, deps: ProxyDeps, sources: Sequence[object]
+) -> EppServer:
+    """The EPP serving on ``cfg.epp_port``; ready once every discovery source that can
+    say so (``synced``: the Kubernetes API's) has listed its engines."""
+
+    def ready() -> bool:
+        return all(getattr(s, "synced", True) for s in sources)
+
+    server = EppServer(deps, host, cfg.epp_port or 0, cfg.epp_body_mode, ready)
+    await server.start()
+    return server
 
 
 def _address(host: str, port: int) -> str:

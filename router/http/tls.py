@@ -3,18 +3,19 @@
 Certificates in a cluster are short-lived (cert-manager renews them into the Secret a
 pod mounts, and the kubelet swaps the files in place), so a listener that read them once
 would serve an expired certificate weeks later, or need a restart for each renewal.
-``ReloadingTls`` owns the one ``SSLContext`` uvicorn serves with and loads the chain
-into it again when the certificate's or the key's file changes (checked every
-``interval`` seconds: two ``stat`` calls). OpenSSL copies the certificate into each
-connection when it is accepted, so connections already open keep theirs and every new
-handshake gets the new one. A pair that fails to load (a half-written renewal, a key
-that does not match) keeps the previous one serving, and is tried again at the next
-change.
+``ReloadingTls`` owns the one ``SSLContext`` uvicorn serves with (``factory``) and loads
+the chain into it again when the certificate's or the key's file changes (checked every
+``interval`` seconds on the server's loop: two ``stat`` calls). OpenSSL copies the
+certificate into each connection when it is accepted, so connections already open keep
+theirs and every new handshake gets the new one. A pair that fails to load (a
+half-written renewal, a key that does not match) keeps the previous one serving, and is
+tried again at the next change.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import ssl
@@ -43,6 +44,7 @@ class ReloadingTls:
         self.stamp = self._stamp()
         self.reloads = 0
         self.failures = 0
+        self._timer: asyncio.TimerHandle | None = None
 
     def _stamp(self) -> tuple[int, ...]:
         out: list[int] = []
@@ -76,8 +78,17 @@ class ReloadingTls:
         log.info("tls: certificate %s loaded again", self.cert)
         return True
 
-    async def run(self) -> None:
-        """Check every ``interval`` seconds, for ever."""
-        while True:
-            await asyncio.sleep(self.interval)
-            self.check()
+    def factory(self, _config: object, _default: object) -> ssl.SSLContext:
+        """uvicorn's ``ssl_context_factory``: this context, its files then checked every
+        ``interval`` on the server's loop (uvicorn builds the context in it)."""
+        if self._timer is None:
+            with contextlib.suppress(RuntimeError):  # no loop: nothing to follow with
+                self._next(asyncio.get_running_loop())
+        return self.context
+
+    def _next(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = loop.call_later(self.interval, self._tick, loop)
+
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.check()
+        self._next(loop)

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import orjson
 
-from router.config import DEFAULT_POOL, Role, WorkerSpec
+from router.config import ConfigError, KubernetesSpec, Role, WorkerSpec
 from router.workers.discovery import _token, _url
 
 if TYPE_CHECKING:
@@ -62,28 +62,6 @@ SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 ANNOTATION = "cache-router.io/"
 PAGE = 500  # pods a list page holds
 MAX_PODS = 4096  # per source: a runaway selector must not flood the registry
-
-
-@dataclass(frozen=True, slots=True)
-class KubernetesSpec:
-    """Pods of one namespace by label selector; ``prefill_selector`` and
-    ``decode_selector`` make a disaggregated pool's two roles (``selector`` then
-    finds mixed engines, and may be empty)."""
-
-    selector: str = ""
-    namespace: str | None = None  # None: the service account's
-    prefill_selector: str = ""
-    decode_selector: str = ""
-    port: int = 8000  # the engines' port, unless a pod's annotation says
-    scheme: str = "http"
-    model: str | None = None
-    pool: str = DEFAULT_POOL
-    block_size: int | None = None
-    api_server: str | None = None  # None: https://$KUBERNETES_SERVICE_HOST:$..._PORT
-    token_file: str | None = None  # None: the service account's
-    ca_file: str | None = None  # None: the service account's
-    watch_timeout: float = 300.0  # seconds a watch is asked to last
-    interval: float = 2.0  # seconds between reaps, and a failed call's retry
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,6 +373,17 @@ class KubernetesDiscovery:
             "draining": sorted(self.gone_since),
             "failures": self.failures,
         }
+
+
+def kubernetes_sources(
+    specs: list[KubernetesSpec], registry: WorkerRegistry, drain_timeout: float
+) -> list[KubernetesDiscovery]:
+    """The configured ``[[kubernetes]]`` sources (``ConfigError`` outside a pod without
+    ``api_server``)."""
+    try:
+        return [KubernetesDiscovery(spec, registry, drain_timeout) for spec in specs]
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _read(path: Path) -> str | None:
