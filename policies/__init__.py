@@ -4,7 +4,7 @@ Plain synchronous code: a policy sees ``RouteRequest`` and ``WorkerView``s and r
 ``Decision``; it imports only ``index``.
 
     base                the interface and the plain data it sees
-    registry            policy names -> classes (the config's ``policy`` strings)
+    registry            policy names -> classes, built-in or plugins (entry points)
     selection           helpers every policy shares (healthy candidates, fair minimum)
     cost_model          engine timing constants and the TTFT estimate
     cache_aware         the default: lowest estimated TTFT, with prefetch hints
@@ -17,7 +17,13 @@ Plain synchronous code: a policy sees ``RouteRequest`` and ``WorkerView``s and r
 
 from .base import Decision, NoWorkerError, Policy, PrefetchHint, RouteRequest, WorkerView
 from .cost_model import EngineCosts
-from .registry import POLICY_NAMES, make_policy, make_prefill_policy, policy_params
+from .registry import (
+    POLICY_NAMES,
+    known_policies,
+    make_policy,
+    make_prefill_policy,
+    policy_params,
+)
 
 __all__ = [
     "POLICY_NAMES",
@@ -28,6 +34,7 @@ __all__ = [
     "PrefetchHint",
     "RouteRequest",
     "WorkerView",
+    "known_policies",
     "make_policy",
     "make_prefill_policy",
     "policy_params",

@@ -3,6 +3,25 @@
 A policy is synchronous, deterministic given its ``random.Random`` and does no I/O: the
 router and the simulator build ``WorkerView``s from the index and their load trackers,
 call ``select`` and act on the ``Decision``.
+
+The interface, for a policy of one's own (docs/policies.md; an installed package makes it
+available by name through the ``cache_router.policies`` entry points, ``policies.registry``):
+
+- ``name``: the class attribute ``--policy`` / ``policy = ...`` / an arm's ``policy`` takes.
+- ``__init__(self, rng=None, *, param=default, ...)``: its tunable parameters, keyword-only
+  with defaults; ``policy_params`` (and an arm's ``params``) set them by name, and an
+  unknown one is refused at start. Call ``super().__init__(rng)``; draw randomness only
+  from ``self.rng``, so a seeded run (the simulator's) is repeatable.
+- ``select(request, workers) -> Decision``: one call per request on the event loop, so it
+  must be quick (``cache_aware``'s is ~1.3-1.5 us a candidate, BENCHMARKS.md) and must
+  not block. ``workers`` are the candidates serving the request's model; skip unhealthy ones,
+  raise ``NoWorkerError`` when none is left (the client gets a 503). The ``Decision``
+  names one ``worker_id`` of ``workers``, optionally a ``PrefetchHint`` (then override
+  ``sends_hints``), per-worker ``scores`` (``/admin/explain`` shows them; ``hit_blocks``
+  there is counted as the expected cache hit) and a ``reason``.
+- ``on_first_token`` / ``on_finish``: optional feedback, for a policy that learns.
+- ``prefill_params``: optional, the parameters it takes on a disaggregated pool's
+  prefill engines.
 """
 
 from __future__ import annotations

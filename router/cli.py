@@ -33,9 +33,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 # Command -> (the extra that installs what it needs, modules it needs beyond the core).
+# A verb whose module imports one of these at load says so instead of a traceback, even
+# for --help (tests/test_cli.py runs every verb's --help without the extras).
 EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "demo": ("demo", ("openai",)),
     "replay": ("sim", ("numpy",)),
+    "gen-trace": ("sim", ("numpy",)),
     "forecast": ("sim", ("numpy",)),
     "tune": ("sim", ("numpy",)),
 }

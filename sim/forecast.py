@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from index.capacity import CapacityForecast, Sampling, Tiers
-from policies import POLICY_NAMES, Decision, Policy, RouteRequest, WorkerView
+from policies import Decision, Policy, RouteRequest, WorkerView, known_policies
 from sim.report import write_json
 from sim.simulator import SimConfig, Simulation
 from sim.traces import Trace, TraceError, add_trace_arguments, trace_from
@@ -32,7 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--l1-blocks", type=int, default=_DEFAULTS.l1_blocks, help="GPU pages")
     parser.add_argument("--l2-blocks", type=int, default=0, help="host pages (0: none)")
     parser.add_argument(
-        "--policy", choices=POLICY_NAMES, help="also route with the simulator: per-worker curves"
+        "--policy",
+        choices=known_policies(),
+        help="also route with the simulator: per-worker curves",
     )
     parser.add_argument(
         "--tracked",

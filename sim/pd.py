@@ -37,7 +37,7 @@ from policies import WorkerView, make_prefill_policy
 from policies.base import NO_MATCH
 from policies.cost_model import uncached_tokens
 from policies.pd import DECODE_POLICIES, PdDecision, choose, make_decode_policy
-from policies.registry import POLICY_NAMES
+from policies.registry import known_policies
 from router.workers.load import RunningPrefills
 from sim.batch_engine import BatchEngine
 from sim.cache import PrefixCache
@@ -62,9 +62,9 @@ def parse_rule(rule: str) -> tuple[str, str]:
     """``(prefill policy, decode policy)`` of a rule; ValueError naming what is unknown."""
     spec = PD_RULES.get(rule, rule)
     prefill, plus, decode = spec.partition("+")
-    if not plus or prefill not in POLICY_NAMES or decode not in DECODE_POLICIES:
+    if not plus or prefill not in known_policies() or decode not in DECODE_POLICIES:
         raise ValueError(
-            f"PD rule {rule!r}: expected PREFILL+DECODE (prefill: {', '.join(POLICY_NAMES)}; "
+            f"PD rule {rule!r}: expected PREFILL+DECODE (prefill: {', '.join(known_policies())}; "
             f"decode: {', '.join(DECODE_POLICIES)}) or one of {', '.join(PD_RULES)}"
         )
     return prefill, decode

@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 
 from index.groups import parse_groups
-from policies import POLICY_NAMES, EngineCosts
+from policies import POLICY_NAMES, EngineCosts, known_policies
 from sim.pd import PD_RULES, PdSimulation, parse_rule
 from sim.report import PolicyReport, write_json
 from sim.simulator import SimConfig, Simulation
@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policies",
         default=None,
-        help=f"comma-separated, from: {', '.join(POLICY_NAMES)} (default: all)",
+        help=f"comma-separated, from: {', '.join(POLICY_NAMES)} or a plugin's (default: all)",
     )
     parser.add_argument("--l1-blocks", type=int, default=_DEFAULTS.l1_blocks, help="GPU pages")
     parser.add_argument("--l2-blocks", type=int, default=0, help="host pages (0: none)")
@@ -184,9 +184,9 @@ def _check(args: argparse.Namespace) -> list[str] | str:
     else:
         text = args.policies if args.policies is not None else ",".join(POLICY_NAMES)
         policies = [p.strip() for p in text.split(",") if p.strip()]
-        unknown = [p for p in policies if p not in POLICY_NAMES]
+        unknown = [p for p in policies if p not in known_policies()]
         if not policies or unknown:
-            return f"unknown policy {unknown or text!r}; known: {', '.join(POLICY_NAMES)}"
+            return f"unknown policy {unknown or text!r}; known: {', '.join(known_policies())}"
     if not policies:
         return "no policy to run"
     if args.workers < 1:

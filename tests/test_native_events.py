@@ -25,7 +25,7 @@ from index import _native
 from index.backend import NATIVE
 from index.codec import BlockStored
 from index.ingest import SeqStatus
-from router.admin import api as admin
+from router.admin import index as admin_index
 from router.config import ConfigError, RouterConfig, WorkerSpec, validate
 from router.events import native_reader as native_events
 from router.events.jetstream import StreamSpec, ensure_stream
@@ -224,7 +224,7 @@ async def test_a_full_queue_marks_the_worker_out_of_sync_then_resyncs(
         await until(lambda: events.counts["lost_native_dropped"] >= 1, what="drop counted")
         await until(feed.index_is_engine, timeout=15, what="resynced from the agent")
         assert feed.app.state.feed.native.stats()["dropped"] >= 1
-        reader = admin._reader(feed.app.state.feed)  # what /admin/index shows under "nats"
+        reader = admin_index.reader(feed.app.state.feed)  # what /admin/index shows under "nats"
         assert reader["kind"] == "native" and reader["dropped"] >= 1
     finally:
         await nc.close()
@@ -414,7 +414,7 @@ async def test_the_stream_hands_the_live_events_to_the_reader_and_loses_none(
         assert engine.seq > 40 and counts["native_handoffs"] == 1
         assert counts["stream_caught_up"] >= 1 and app.state.feed.reader.pending == 0
         assert counts[SeqStatus.GAP] == 0 and not [k for k in counts if k.startswith("lost")]
-        assert admin._reader(app.state.feed)["kind"] == "native"
+        assert admin_index.reader(app.state.feed)["kind"] == "native"
     finally:
         stop.set()
         await publisher

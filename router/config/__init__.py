@@ -1,20 +1,37 @@
 """Every setting: declared once, typed and bounded; loaded TOML < env < flags; checked.
 
 ``router.config`` is the import path users script against, so it re-exports the public
-names; the declarations and their loading live in ``router.config.settings``.
+names of its parts: ``settings`` (the declarations: sections, defaults, bounds, flags),
+``load`` (the layers), ``parsers`` (workers, discovery sources and the other tables),
+``checks`` (what must hold across settings), ``docs`` (docs/configuration.md from them).
 """
 
+from router.config.checks import (
+    check_range,
+    native_reader_problem,
+    pool_roles_error,
+    role_error,
+    validate,
+)
+from router.config.load import load_config
+from router.config.parsers import (
+    MAX_DISCOVERY_INTERVAL,
+    TABLE_PARSERS,
+    check_worker,
+    discovery_spec,
+    kubernetes_spec,
+    parse_worker,
+    worker_spec,
+)
 from router.config.settings import (
     DEFAULT_POOL,
     ENV_PREFIX,
     FLAGS,
     GATEWAY_POLICIES,
-    MAX_DISCOVERY_INTERVAL,
     RANGES,
     ROLES,
     SCALARS,
     SECTIONS,
-    TABLE_PARSERS,
     TABLES,
     ConfigError,
     DiscoverySpec,
@@ -42,19 +59,8 @@ from router.config.settings import (
     Transport,
     UpstreamSettings,
     WorkerSpec,
-    check_range,
-    check_worker,
-    discovery_spec,
-    kubernetes_spec,
-    load_config,
-    native_reader_problem,
-    parse_worker,
-    pool_roles_error,
-    role_error,
     setting,
     table,
-    validate,
-    worker_spec,
 )
 
 __all__ = [

@@ -44,22 +44,14 @@ Example ``router.toml``::
 from __future__ import annotations
 
 import dataclasses
-import os
-import re
-import tomllib
 import typing
-from collections.abc import Callable, Mapping
-from collections.abc import Set as AbstractSet
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypeVar
-from urllib.parse import parse_qsl, urlsplit
 
-from index.backend import NATIVE
-from index.groups import parse_groups
-from index.wire import DEFAULT_PREFIX, worker_id_error
-from policies.experiments import Arm, parse_arm
-from router.workers.dp import DP_FIELDS, MAX_DP_SIZE, DpField
+from index.wire import DEFAULT_PREFIX
+from policies.experiments import Arm
+from router.workers.dp import DpField
 
 ENV_PREFIX = "CACHE_ROUTER_"
 DEFAULT_POOL = "default"
@@ -87,12 +79,12 @@ EppBodyMode = Literal["full_duplex_streamed", "buffered"]
 
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
-    id: str
-    url: str
+    id: str  # its name in metrics, events (the agent's worker_id) and the admin API
+    url: str  # the engine's http(s) origin
     model: str | None = None  # None: learnt from the engine's /v1/models
-    pool: str = DEFAULT_POOL
+    pool: str = DEFAULT_POOL  # workers sharing a block size and an index
     block_size: int | None = None  # None: the router's block_size
-    role: Role = "mixed"
+    role: Role = "mixed"  # or one side of a disaggregated pool: prefill, decode
     bootstrap_port: int | None = None  # SGLang prefill engines; None: pd_bootstrap_port
     dp_size: int = 1  # data-parallel ranks, each its own KV cache (router/workers/dp.py)
     dp_field: DpField = "header"  # how the chosen rank reaches the engine
@@ -111,13 +103,13 @@ class DiscoverySpec:
     ``model``, ``pool`` and ``block_size`` like a ``[[workers]]`` entry.
     """
 
-    name: str
+    name: str  # the DNS name
     record: str = "a"  # "a" (A + AAAA) or "srv"
     port: int = 8000  # the engines' port for A/AAAA records (SRV records carry their own)
-    scheme: str = "http"
-    model: str | None = None
-    pool: str = DEFAULT_POOL
-    block_size: int | None = None
+    scheme: str = "http"  # or https
+    model: str | None = None  # as a [[workers]] entry's
+    pool: str = DEFAULT_POOL  # as a [[workers]] entry's
+    block_size: int | None = None  # as a [[workers]] entry's
     interval: float = 5.0  # seconds between resolutions
     nameserver: str | None = None  # HOST or HOST:PORT; None: the system's resolv.conf
 
@@ -192,8 +184,8 @@ class HttpSettings:
 
     host: str = setting("127.0.0.1", flag="listen address (default 127.0.0.1)")
     port: int = setting(8000, Range(1, 65_535), flag="listen port (default 8000)")
-    max_body_bytes: int = setting(8 * 1024 * 1024, Range(0, 1 << 34, low_open=True))
-    max_header_count: int = setting(100, _COUNT)
+    max_body_bytes: int = setting(8 * 1024 * 1024, Range(0, 1 << 34, low_open=True))  # a body
+    max_header_count: int = setting(100, _COUNT)  # headers in one request
     # all request header names and values together
     max_header_bytes: int = setting(32 * 1024, Range(0, 1 << 30, low_open=True))
     body_timeout: float = setting(30.0, _DURATION)  # seconds a client may take to send a body
@@ -245,8 +237,8 @@ class UpstreamSettings:
 class HealthSettings:
     """The health checker and the engines' load reports."""
 
-    health_interval: float = setting(2.0, _DURATION)
-    health_timeout: float = setting(1.0, _DURATION)
+    health_interval: float = setting(2.0, _DURATION)  # seconds between a worker's checks
+    health_timeout: float = setting(1.0, _DURATION)  # a check's wait for its answer
     unhealthy_after: int = setting(2, _COUNT)  # consecutive failed checks before a worker is down
     healthy_after: int = setting(1, _COUNT)  # consecutive good checks before it is back
     load_stale_after: float = setting(5.0, _DURATION)  # older engine load is ignored (and scraped)
@@ -260,13 +252,14 @@ class RoutingSettings:
         16, Range(0, 1 << 16, low_open=True), flag="engine KV block size in tokens (16)"
     )
     policy: str = setting("cache_aware", flag="routing policy (default cache_aware)")
-    policy_params: dict[str, Any] = table(dict)
+    policy_params: dict[str, Any] = table(dict)  # the policy's keyword parameters
     experiment: str = setting("default")  # the salt of the arms' request split
     arms: list[Arm] = table(list)  # A/B arms; empty: one, ``policy``
     predict_ttl: float = setting(0.0, _SECONDS)  # a routed prefix counts as cached; 0: off
     # no x-session-id or user: the session key is a hash of the conversation's opening
     # (system messages and the first user message; router.routing.session_key)
     derive_session_key: bool = setting(True)
+    # blocks a pool's index holds; past it the least recently matched go. None: no bound
     max_index_blocks: int | None = setting(None, Range(1, 1 << 40))
     gateway: bool = setting(
         False,
@@ -306,7 +299,7 @@ class TokenizerSettings:
     tokenizer: str | None = setting(
         None, flag="tokenizer.json or its directory, for every model"
     )  # the default for models without their own
-    models: dict[str, ModelSpec] = table(dict)
+    models: dict[str, ModelSpec] = table(dict)  # per model: its tokenizer or base model
     # text left to encode (after the conversation prefix cache) over this goes to the pool
     offload_chars: int = setting(4096, Range(0, 1 << 34))
     tokenize_threads: int = setting(2, Range(1, 256))  # the thread pool's threads
@@ -344,13 +337,13 @@ class NatsSettings:
         None, flag="NATS for KV events; omit to route on load alone"
     )  # None: no KV events, route on load alone
     subject_prefix: str = setting(DEFAULT_PREFIX, flag="NATS subject prefix (default kv)")
-    nats_user: str | None = setting(None)
-    nats_password: str | None = setting(None)
-    nats_token: str | None = setting(None)
+    nats_user: str | None = setting(None)  # user and password auth, with nats_password
+    nats_password: str | None = setting(None)  # with nats_user
+    nats_token: str | None = setting(None)  # token auth
     nats_credentials: str | None = setting(None)  # a .creds file (JWT + nkey seed; needs nkeys)
     nats_tls_ca: str | None = setting(None)  # CA bundle; a tls:// url or any nats_tls_*: TLS on
     nats_tls_cert: str | None = setting(None)  # client certificate (mutual TLS), with nats_tls_key
-    nats_tls_key: str | None = setting(None)
+    nats_tls_key: str | None = setting(None)  # the client certificate's key
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -412,7 +405,7 @@ class EppSettings:
 class FleetSettings:
     """The engines: listed, or found behind DNS names or from the Kubernetes API."""
 
-    workers: list[WorkerSpec] = table(list)
+    workers: list[WorkerSpec] = table(list)  # the engines, by id and url
     discovery: list[DiscoverySpec] = table(list)  # DNS names of engines
     kubernetes: list[KubernetesSpec] = table(list)  # pods by label selector
 
@@ -445,16 +438,6 @@ class RouterConfig(
 
 
 SECTIONS: tuple[type, ...] = RouterConfig.__bases__
-
-
-def _model_spec(spec: Any, where: str) -> ModelSpec:
-    spec = spec or {}
-    if not isinstance(spec, Mapping):
-        raise ConfigError(f"{where} must be a table")
-    for key in ("tokenizer", "base"):
-        if spec.get(key) is not None and not isinstance(spec[key], str):
-            raise ConfigError(f"{where}.{key} must be a string")
-    return ModelSpec(tokenizer=spec.get("tokenizer"), base=spec.get("base"))
 
 
 class Scalar(NamedTuple):
@@ -493,547 +476,3 @@ FLAGS: tuple[tuple[str, str], ...] = tuple(
     for f in dataclasses.fields(section)
     if f.metadata.get("flag")
 )
-
-
-def check_worker(spec: WorkerSpec, where: str) -> WorkerSpec:
-    """``spec`` if its id is subject-safe and its url a plain http(s) origin."""
-    problem = worker_id_error(spec.id)
-    if problem is not None:
-        raise ConfigError(f"{where}: {problem}")
-    try:
-        url = urlsplit(spec.url)
-        url.port  # noqa: B018 - raises ValueError on a port that is not a number
-    except ValueError as exc:
-        raise ConfigError(f"{where}: worker {spec.id}: bad url {spec.url!r}: {exc}") from exc
-    if url.scheme not in ("http", "https") or not url.hostname:
-        raise ConfigError(
-            f"{where}: worker {spec.id}: url must be http:// or https:// with a host, "
-            f"not {spec.url[:80]!r}"
-        )
-    if url.username is not None or url.query or url.fragment:
-        raise ConfigError(
-            f"{where}: worker {spec.id}: url must not carry credentials, a query or a fragment"
-        )
-    return spec
-
-
-def parse_worker(text: str) -> WorkerSpec:
-    """``ID=URL`` or ``ROLE:ID=URL`` (the ``--worker`` flag and ``CACHE_ROUTER_WORKERS``
-    entries); ROLE is prefill, decode or mixed (a worker id cannot hold a ``:``)."""
-    wid, sep, url = text.partition("=")
-    role, colon, name = wid.partition(":")
-    if not colon:
-        role, name = "mixed", wid
-    if not sep or not name.strip() or not url.strip():
-        raise ConfigError(f"worker {text!r}: expected ID=URL or ROLE:ID=URL")
-    role = role.strip()
-    if role not in ROLES:
-        raise ConfigError(f"worker {text!r}: role must be {', '.join(ROLES)}, not {role!r}")
-    spec = WorkerSpec(id=name.strip(), url=url.strip().rstrip("/"), role=role)  # type: ignore[arg-type]
-    return check_worker(spec, "--worker")
-
-
-def _coerce(name: str, value: Any) -> Any:
-    """``value`` (from TOML, env text or a flag) as the type of setting ``name``."""
-    scalar = SCALARS[name]
-    if value is None or (isinstance(value, str) and value == "" and scalar.optional):
-        if not scalar.optional:
-            raise ConfigError(f"{name} cannot be empty")
-        return None
-    try:
-        if scalar.kind is bool:
-            return _bool(value)
-        if scalar.kind is int:
-            if isinstance(value, bool):
-                raise ValueError("bool")
-            return int(value)
-        if scalar.kind is float:
-            return float(value)
-        text = str(value)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{name}: {value!r} is not a valid {scalar.kind.__name__}") from exc
-    if scalar.choices and text not in scalar.choices:
-        raise ConfigError(f"{name} must be {' or '.join(scalar.choices)}, not {text!r}")
-    return text
-
-
-def _bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(value)
-
-
-def worker_spec(raw: Any, where: str) -> WorkerSpec:
-    """A worker from a TOML table or an admin API body."""
-    if not isinstance(raw, Mapping) or not raw.get("id") or not raw.get("url"):
-        raise ConfigError(f"{where}: a worker needs id and url")
-    unknown = set(raw) - {
-        "id", "url", "model", "pool", "block_size", "role", "bootstrap_port", "dp_size",
-        "dp_field", "kv_groups",
-    }  # fmt: skip
-    if unknown:
-        raise ConfigError(f"{where}: unknown worker keys {sorted(unknown)}")
-    block = raw.get("block_size")
-    if block is not None and (not isinstance(block, int) or block <= 0):
-        raise ConfigError(f"{where}: block_size must be a positive int")
-    role = raw.get("role", "mixed")
-    if role not in ROLES:
-        raise ConfigError(f"{where}: role must be {', '.join(ROLES)}, not {role!r}")
-    port = raw.get("bootstrap_port")
-    if port is not None and (
-        not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536
-    ):
-        raise ConfigError(f"{where}: bootstrap_port must be a port number (1-65535)")
-    dp_size = raw.get("dp_size", 1)
-    if not isinstance(dp_size, int) or isinstance(dp_size, bool) or not 1 <= dp_size <= MAX_DP_SIZE:
-        raise ConfigError(f"{where}: dp_size must be an int in [1, {MAX_DP_SIZE}]")
-    dp_field = raw.get("dp_field", "header")
-    if dp_field not in DP_FIELDS:
-        raise ConfigError(f"{where}: dp_field must be {' or '.join(DP_FIELDS)}, not {dp_field!r}")
-    kv_groups = raw.get("kv_groups", "")
-    try:
-        if not isinstance(kv_groups, str):
-            raise ValueError('kv_groups must be a string like "full,sliding_window:4096"')
-        parse_groups(kv_groups)
-    except ValueError as exc:
-        raise ConfigError(f"{where}: {exc}") from exc
-    for key in ("id", "url"):
-        if not isinstance(raw[key], str):
-            raise ConfigError(f"{where}: worker {key} must be a string")
-    spec = WorkerSpec(
-        id=raw["id"],
-        url=raw["url"].rstrip("/"),
-        model=raw.get("model"),
-        pool=str(raw.get("pool") or DEFAULT_POOL),
-        block_size=block,
-        role=role,
-        bootstrap_port=port,
-        dp_size=dp_size,
-        dp_field=dp_field,
-        kv_groups=kv_groups,
-    )
-    return check_worker(spec, where)
-
-
-def _params(key: str) -> Callable[[Any, str], dict[str, Any]]:
-    """The parser of a policy parameters table (``policy_params``, ``prefill_params``)."""
-
-    def parse(value: Any, where: str) -> dict[str, Any]:
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{where}: {key} must be a table")
-        return dict(value)
-
-    return parse
-
-
-def _workers(value: Any, where: str) -> list[WorkerSpec]:
-    if not isinstance(value, list):
-        raise ConfigError(f"{where}: workers must be an array of tables")
-    return [worker_spec(w, f"{where} workers[{i}]") for i, w in enumerate(value)]
-
-
-def _models(value: Any, where: str) -> dict[str, ModelSpec]:
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{where}: models must be a table of tables")
-    return {name: _model_spec(spec, f"{where} models.{name}") for name, spec in value.items()}
-
-
-def _arms(value: Any, where: str) -> list[Arm]:
-    if not isinstance(value, list):
-        raise ConfigError(f"{where}: arms must be an array of tables")
-    return [_arm_spec(a, f"{where} arms[{i}]") for i, a in enumerate(value)]
-
-
-def _discovery(value: Any, where: str) -> list[DiscoverySpec]:
-    if not isinstance(value, list):
-        raise ConfigError(f"{where}: discovery must be an array (strings or tables)")
-    return [discovery_spec(d, f"{where} discovery[{i}]") for i, d in enumerate(value)]
-
-
-def _kubernetes(value: Any, where: str) -> list[KubernetesSpec]:
-    if not isinstance(value, list):
-        raise ConfigError(f"{where}: kubernetes must be an array (strings or tables)")
-    return [kubernetes_spec(k, f"{where} kubernetes[{i}]") for i, k in enumerate(value)]
-
-
-def _api_keys(value: Any, where: str) -> list[str]:
-    if not isinstance(value, list) or not all(isinstance(k, str) and k for k in value):
-        raise ConfigError(f"{where}: api_keys must be a list of non-empty strings")
-    return list(value)
-
-
-# How each table setting is read from TOML (``where`` names the file in errors).
-TABLE_PARSERS: dict[str, Callable[[Any, str], Any]] = {
-    "policy_params": _params("policy_params"),
-    "prefill_params": _params("prefill_params"),
-    "workers": _workers,
-    "models": _models,
-    "arms": _arms,
-    "discovery": _discovery,
-    "kubernetes": _kubernetes,
-    "api_keys": _api_keys,
-}
-
-
-def _from_toml(data: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """The settings a TOML document sets, converted and checked one by one."""
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if key in SCALARS:
-            out[key] = _coerce(key, value)
-        elif key in TABLE_PARSERS:
-            out[key] = TABLE_PARSERS[key](value, where)
-        else:
-            raise ConfigError(f"{where}: unknown setting {key!r}")
-    return out
-
-
-def _arm_spec(raw: Any, where: str) -> Arm:
-    try:
-        return parse_arm(raw, where)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def load_config(
-    path: str | Path | None = None,
-    env: Mapping[str, str] | None = None,
-    overrides: Mapping[str, Any] | None = None,
-    extra_workers: list[str] | None = None,
-    extra_discovery: list[str] | None = None,
-) -> RouterConfig:
-    """Build the config: defaults, then the TOML file, env ``CACHE_ROUTER_*``, ``overrides``.
-
-    ``overrides`` are flag values (None means "not given"); ``extra_workers`` are
-    ``ID=URL`` strings added after the file's workers (a repeated id replaces one);
-    ``extra_discovery`` are ``--discover`` strings added after the file's and env's
-    (``k8s://`` ones are Kubernetes sources, the others DNS names).
-    A gateway whose policy no layer names gets ``session_affinity``, its natural one.
-    """
-    values: dict[str, Any] = {}
-    if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except OSError as exc:
-            raise ConfigError(f"cannot read config {path}: {exc}") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: {exc}") from exc
-        values.update(_from_toml(data, str(path)))
-    env = os.environ if env is None else env
-    for name in SCALARS:
-        key = ENV_PREFIX + name.upper()
-        if key in env:
-            values[name] = _coerce(name, env[key])
-    workers = [w for w in env.get(ENV_PREFIX + "WORKERS", "").split(",") if w.strip()]
-    keys = [k.strip() for k in env.get(ENV_PREFIX + "API_KEYS", "").split(",") if k.strip()]
-    if keys:
-        values["api_keys"] = keys
-    found = [d.strip() for d in env.get(ENV_PREFIX + "DISCOVER", "").split(",") if d.strip()]
-    found += [d.strip() for d in extra_discovery or []]
-    pods = [d for d in found if d.startswith(K8S_SCHEME)]  # the Kubernetes API's
-    values["discovery"] = [
-        *values.get("discovery", []),
-        *(discovery_spec(d, "discover") for d in found if d not in pods),
-    ]
-    values["kubernetes"] = [
-        *values.get("kubernetes", []),
-        *(kubernetes_spec(d, "discover") for d in pods),
-    ]
-    for name, value in (overrides or {}).items():
-        if value is not None:
-            values[name] = _coerce(name, value)
-    if values.get("gateway") and "policy" not in values:
-        values["policy"] = "session_affinity"
-    by_id = {w.id: w for w in values.get("workers", [])}
-    for text in [*workers, *(extra_workers or [])]:
-        spec = parse_worker(text)
-        by_id[spec.id] = spec
-    values["workers"] = list(by_id.values())
-    cfg = RouterConfig(**values)
-    validate(cfg)
-    return cfg
-
-
-def validate(cfg: RouterConfig) -> None:
-    """Reject settings that cannot work, with the reason, before anything starts."""
-    for name, bounds in RANGES.items():
-        check_range(name, getattr(cfg, name), bounds)
-    for name, scalar in SCALARS.items():
-        value = getattr(cfg, name)
-        if scalar.choices and value not in scalar.choices:
-            raise ConfigError(f"{name} must be {' or '.join(scalar.choices)}, not {value!r}")
-    for w in cfg.workers:
-        check_worker(w, "workers")
-    pool_of: dict[str, str] = {}
-    block_of: dict[str, int] = {}
-    for w in cfg.workers:
-        if w.model is not None and pool_of.setdefault(w.model, w.pool) != w.pool:
-            raise ConfigError(f"model {w.model} is served by pools {pool_of[w.model]} and {w.pool}")
-        size = w.block_size or cfg.block_size
-        if block_of.setdefault(w.pool, size) != size:
-            raise ConfigError(f"pool {w.pool} mixes block sizes {block_of[w.pool]} and {size}")
-    _validate_roles(cfg)
-    if cfg.gateway:
-        policies = {cfg.policy, *(a.policy for a in cfg.arms)} if cfg.arms else {cfg.policy}
-        index_bound = sorted(policies - GATEWAY_POLICIES)
-        if index_bound:
-            raise ConfigError(
-                f"gateway mode does not tokenize or index prompts; policy {index_bound} needs "
-                f"them: use one of {', '.join(sorted(GATEWAY_POLICIES))}"
-            )
-        if cfg.nats_url:
-            raise ConfigError("gateway mode takes no nats_url: it routes on sessions and load")
-    for name in ("nats_credentials", "nats_tls_ca", "nats_tls_cert", "nats_tls_key"):
-        path = getattr(cfg, name)
-        if path is not None and not Path(path).is_file():
-            raise ConfigError(f"{name}: no such file {path}")
-    if (cfg.nats_tls_cert is None) != (cfg.nats_tls_key is None):
-        raise ConfigError("nats_tls_cert and nats_tls_key go together")
-    for name in ("tls_cert", "tls_key", "tls_client_ca"):
-        path = getattr(cfg, name)
-        if path is not None and not Path(path).is_file():
-            raise ConfigError(f"{name}: no such file {path}")
-    if cfg.tls_cert is None and (cfg.tls_key is not None or cfg.tls_client_ca is not None):
-        raise ConfigError("tls_key and tls_client_ca need tls_cert")
-    if cfg.epp_port is not None and cfg.epp_port == cfg.port:
-        raise ConfigError(f"epp_port {cfg.epp_port} is the HTTP port: the EPP needs its own")
-    names = [a.name for a in cfg.arms]
-    if len(names) != len(set(names)):
-        raise ConfigError("experiment arm names must be unique")
-    _validate_replicas(cfg)
-
-
-def pool_roles_error(pool: str, roles: AbstractSet[str]) -> str | None:
-    """Why a pool with workers of ``roles`` cannot work, or None: a pool is mixed or
-    disaggregated (prefill and decode engines), never both, since a mixed engine takes
-    neither side's wire protocol."""
-    if "mixed" in roles and len(roles) > 1:
-        return f"pool {pool} mixes mixed workers with {'/'.join(sorted(roles - {'mixed'}))} ones"
-    return None
-
-
-def role_error(spec: WorkerSpec, protocol: PdProtocol) -> str | None:
-    """Why a worker's role cannot be served: an SGLang prefill or decode engine with DP
-    ranks reads its rank from the body (``routed_dp_rank``), never from vLLM's header, so
-    a rank sent there would be lost and the index would match against the wrong cache."""
-    sglang = protocol == "sglang" and spec.role != "mixed"
-    if sglang and spec.dp_size > 1 and spec.dp_field == "header":
-        return (
-            f"worker {spec.id}: an SGLang {spec.role} worker with dp_size > 1 takes "
-            'dp_field = "routed_dp_rank" (or "data_parallel_rank", its older name)'
-        )
-    return None
-
-
-def _validate_roles(cfg: RouterConfig) -> None:
-    roles: dict[str, set[str]] = {}
-    for w in cfg.workers:
-        roles.setdefault(w.pool, set()).add(w.role)
-        if (error := role_error(w, cfg.pd_protocol)) is not None:
-            raise ConfigError(error)
-    for pool, found in roles.items():
-        error = pool_roles_error(pool, found)
-        if error is None and found == {"prefill"}:
-            error = f"pool {pool} has prefill workers but no decode worker to answer"
-        if error is not None:
-            raise ConfigError(error)
-    if cfg.gateway and any(w.role != "mixed" for w in cfg.workers):
-        raise ConfigError("gateway mode routes to clusters: workers cannot have roles")
-
-
-def check_range(name: str, value: float | None, bounds: Range) -> None:
-    """ConfigError unless ``value`` (None: unset) lies within ``bounds``."""
-    if value is None:
-        return
-    low, high, low_open = bounds
-    if low_open and not value > low:  # NaN fails here too
-        raise ConfigError(f"{name} must be positive, not {value!r}")
-    if not low <= value:
-        raise ConfigError(f"{name} must be at least {low:g}, not {value!r}")
-    if not value <= high:
-        raise ConfigError(f"{name} must be at most {high:g}, not {value!r}")
-
-
-def native_reader_problem(cfg: RouterConfig) -> str | None:
-    """Why the native event reader cannot read this config's events (None: it can). It
-    speaks plain core NATS with no auth, user/password or a token; TLS and credentials
-    files stay with nats-py. With the JetStream stream it takes the live events over once
-    nats-py read the stream up to date (router.events.feed)."""
-    if not NATIVE:
-        return "the native core is not built (pip install -e . builds it)"
-    from index import _native  # built: NATIVE
-
-    if not hasattr(_native, "EventReader"):  # a build from before the reader
-        return "the native core was built without it: rebuild (pip install -e .)"
-    if not cfg.nats_url:
-        return "it needs nats_url"
-    if cfg.nats_credentials is not None:
-        return "it cannot sign with a credentials file (nkeys): leave it to nats-py"
-    if cfg.nats_tls_ca or cfg.nats_tls_cert:
-        return "it speaks no TLS: leave it to nats-py"
-    for url in cfg.nats_url.split(","):
-        parts = urlsplit(url.strip())
-        if parts.scheme not in ("nats", ""):
-            return f"it speaks no {parts.scheme}:// (plain nats:// only)"
-    return None
-
-
-def _validate_replicas(cfg: RouterConfig) -> None:
-    if not re.fullmatch(r"[A-Za-z0-9_-]+", cfg.events_stream):
-        raise ConfigError(f"events_stream {cfg.events_stream!r}: letters, digits, - and _ only")
-    if cfg.replica_id is not None and not re.fullmatch(r"[A-Za-z0-9_-]+", cfg.replica_id):
-        raise ConfigError(f"replica_id {cfg.replica_id!r}: letters, digits, - and _ only")
-    if cfg.events_reader == "native" and (problem := native_reader_problem(cfg)) is not None:
-        raise ConfigError(f"events_reader = native: {problem}")
-    if cfg.processes > 1 and not cfg.nats_url:
-        raise ConfigError(
-            f"processes = {cfg.processes} needs nats_url: without NATS each process would "
-            "route on its own load and index, blind to the others"
-        )
-    if cfg.processes > 1 and cfg.share_interval <= 0:
-        raise ConfigError(
-            f"processes = {cfg.processes} needs share_interval > 0: the processes share "
-            "their in-flight load over NATS"
-        )
-
-
-_DISCOVERY_KEYS = frozenset(f.name for f in dataclasses.fields(DiscoverySpec))
-MAX_DISCOVERY_INTERVAL = 3600.0
-
-
-def discovery_spec(raw: Any, where: str) -> DiscoverySpec:
-    """A discovery source from a TOML table or the string form (flag, env, TOML array):
-
-    ``dns://NAME:PORT?model=M&pool=P&block_size=B&interval=S&nameserver=H:P&scheme=https``
-    for A/AAAA records, ``srv://NAME?...`` for SRV records.
-    """
-    if isinstance(raw, str):
-        table = _discovery_url(raw, where)
-    elif isinstance(raw, Mapping):
-        table = dict(raw)
-    else:
-        raise ConfigError(f"{where}: a discovery source is a string or a table")
-    unknown = set(table) - _DISCOVERY_KEYS
-    if unknown:
-        raise ConfigError(f"{where}: unknown discovery keys {sorted(unknown)}")
-    name = table.get("name")
-    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,253}", name):
-        raise ConfigError(f"{where}: name must be a DNS name, not {name!r}")
-    fields: dict[str, Any] = {"name": name.rstrip(".")}
-    try:
-        for key in sorted(_DISCOVERY_KEYS - {"name"}):
-            value = table.get(key)
-            if value is None:
-                continue
-            if key in ("port", "block_size"):
-                if isinstance(value, bool | float):
-                    raise ValueError(f"{key} must be an integer")
-                value = int(value)
-            elif key == "interval":
-                value = float(value)
-            else:
-                value = str(value)
-            fields[key] = value
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: {exc}") from exc
-    spec = DiscoverySpec(**fields)
-    if spec.record not in ("a", "srv"):
-        raise ConfigError(f"{where}: record must be a (A/AAAA) or srv, not {spec.record!r}")
-    if not 0 < spec.port < 65536:
-        raise ConfigError(f"{where}: port {spec.port} is out of range")
-    if spec.scheme not in ("http", "https"):
-        raise ConfigError(f"{where}: scheme must be http or https")
-    if spec.block_size is not None and spec.block_size <= 0:
-        raise ConfigError(f"{where}: block_size must be positive")
-    if not 0 < spec.interval <= MAX_DISCOVERY_INTERVAL:
-        raise ConfigError(f"{where}: interval must be in (0, {MAX_DISCOVERY_INTERVAL:g}] s")
-    return spec
-
-
-def _discovery_url(text: str, where: str) -> dict[str, Any]:
-    url = urlsplit(text)
-    record = {"dns": "a", "srv": "srv"}.get(url.scheme)
-    if record is None or not url.hostname:
-        raise ConfigError(f"{where}: {text!r}: expected dns://NAME:PORT or srv://NAME")
-    table: dict[str, Any] = {"name": url.hostname, "record": record}
-    try:
-        if url.port is not None:
-            table["port"] = url.port
-    except ValueError as exc:
-        raise ConfigError(f"{where}: {text!r}: {exc}") from exc
-    for key, value in parse_qsl(url.query, keep_blank_values=True):
-        table[key] = value
-    return table
-
-
-K8S_SCHEME = "k8s://"
-_KUBERNETES_KEYS = frozenset(f.name for f in dataclasses.fields(KubernetesSpec))
-_SELECTOR = re.compile(r"[A-Za-z0-9_./=!,() -]*")  # a label selector's characters
-
-
-def kubernetes_spec(raw: Any, where: str) -> KubernetesSpec:
-    """A Kubernetes source from a TOML table or the string form (flag, env, TOML array):
-    ``k8s://NAMESPACE?selector=app%3Dvllm&model=M&port=8000&...`` (``k8s://`` alone:
-    the pod's own namespace), every key of ``KubernetesSpec`` as a query parameter."""
-    if isinstance(raw, str):
-        url = urlsplit(raw)
-        if not raw.startswith(K8S_SCHEME):
-            raise ConfigError(f"{where}: {raw!r}: expected k8s://NAMESPACE?selector=...")
-        table: dict[str, Any] = dict(parse_qsl(url.query, keep_blank_values=True))
-        if url.netloc:
-            table["namespace"] = url.netloc
-    elif isinstance(raw, Mapping):
-        table = dict(raw)
-    else:
-        raise ConfigError(f"{where}: a kubernetes source is a string or a table")
-    unknown = set(table) - _KUBERNETES_KEYS
-    if unknown:
-        raise ConfigError(f"{where}: unknown kubernetes keys {sorted(unknown)}")
-    fields: dict[str, Any] = {}
-    try:
-        for key, value in table.items():
-            if value is None:
-                continue
-            if key in ("port", "block_size"):
-                if isinstance(value, bool | float):
-                    raise ValueError(f"{key} must be an integer")
-                value = int(value)
-            elif key in ("interval", "watch_timeout"):
-                value = float(value)
-            else:
-                value = str(value)
-            fields[key] = value
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: {exc}") from exc
-    spec = KubernetesSpec(**fields)
-    selectors = (spec.selector, spec.prefill_selector, spec.decode_selector)
-    if not any(selectors):
-        raise ConfigError(f"{where}: a selector (or prefill_selector and decode_selector)")
-    if bool(spec.prefill_selector) != bool(spec.decode_selector):
-        raise ConfigError(f"{where}: prefill_selector and decode_selector go together")
-    for text in selectors:
-        if not _SELECTOR.fullmatch(text):
-            raise ConfigError(f"{where}: {text!r} is not a label selector")
-    if spec.namespace is not None and not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?",
-                                                       spec.namespace):  # fmt: skip
-        raise ConfigError(f"{where}: namespace {spec.namespace!r} is not a namespace name")
-    if not 0 < spec.port < 65536:
-        raise ConfigError(f"{where}: port {spec.port} is out of range")
-    if spec.scheme not in ("http", "https"):
-        raise ConfigError(f"{where}: scheme must be http or https")
-    if spec.block_size is not None and spec.block_size <= 0:
-        raise ConfigError(f"{where}: block_size must be positive")
-    if not 0 < spec.interval <= MAX_DISCOVERY_INTERVAL:
-        raise ConfigError(f"{where}: interval must be in (0, {MAX_DISCOVERY_INTERVAL:g}] s")
-    if not 1 <= spec.watch_timeout <= MAX_DISCOVERY_INTERVAL:
-        raise ConfigError(f"{where}: watch_timeout must be in [1, {MAX_DISCOVERY_INTERVAL:g}] s")
-    for name in ("token_file", "ca_file"):
-        path = getattr(spec, name)
-        if path is not None and not Path(path).is_file():
-            raise ConfigError(f"{where}: {name}: no such file {path}")
-    return spec

@@ -33,7 +33,7 @@ from router.forward.relay import (
     send_failure,
 )
 from router.forward.upstream import Response, UpstreamError
-from router.http.asgi import Receive, Scope, Send
+from router.http.asgi import Message, Receive, Scope, Send
 from router.http.errors import ApiError, sse_error
 from router.observe.metrics import Series
 from router.observe.tracing import Trace, now_ns
@@ -275,75 +275,41 @@ class Proxy:
         received the prompt's KV from a prefill engine (``prefilled_remotely``) reports it
         as cached: its ``cached_tokens`` are no prefix hits (``router.pd.exchange`` counts the
         prefill engine's). ``first_token`` gets the time to first token in ms, for a
-        streamed answer (a whole body's first byte is no TTFT)."""
-        st = self.deps
-        send = ex.send
-        found = st.registry.target(worker_id)  # ``worker_id``: the target (router/workers/dp.py)
-        worker = found[0] if found is not None else st.registry.get(worker_id)
+        streamed answer (a whole body's first byte is no TTFT).
+
+        The steps: the status counts for the worker (``_settle``), the head is built
+        (``_head``) and a stream's goes at once, the body is relayed chunk by chunk
+        (``_send_body``), a cut is answered (``_broken``), the hits are counted."""
         status = resp.status
-        if worker is not None:
-            if status >= 500:
-                st.registry.request_failed(worker, f"status {status}")
-            else:
-                st.registry.request_succeeded(worker)
-        if status >= 400:
-            st.metrics.error(arm, worker_id, f"engine_{status}")
-        out = [(k, v) for k, v in resp.headers if k.lower() not in _RESP_DROP]
-        out.append((self.worker_header, worker_id.encode()))
-        if not st.cfg.gateway:  # what the index predicted; compare usage.cached_tokens
-            out.append((HIT_HEADER, str(hit).encode()))
-        start = {"type": "http.response.start", "status": status, "headers": out}
+        worker = self._settle(worker_id, status, arm)
+        start = self._head(resp, worker_id, hit)
         sse = (resp.header(b"content-type") or b"").startswith(b"text/event-stream")
         if sse:  # a stream's head goes now; a whole answer's with its first bytes, so
             ex.started = True  # both leave in one write (router.http.coalesce)
-            await send(start)
-        cached = None
-        tail = b""
-        head = b""
+            await ex.send(start)
+        on_first = first_token if sse and status < 400 else None
         try:
-            async for chunk in resp.chunks(st.cfg.request_timeout):
-                if flight.state is WAITING:
-                    elapsed = time.perf_counter() - ex.t0
-                    if series is not None:
-                        series.ttft.observe(elapsed)
-                    if sse and first_token is not None and status < 400:
-                        first_token(elapsed * 1000.0)
-                    flight.first_byte()
-                if remember is not None and len(head) < HEAD_BYTES:
-                    head += chunk
-                window = tail + chunk  # '"cached_tokens": 12' may be cut between chunks
-                if b"cached_tokens" in window:
-                    numbers = _CACHED.findall(window)
-                    if numbers:
-                        cached = int(numbers[-1])
-                tail = chunk[-32:]
-                if resp.drained:  # the last chunk: end the response with it
-                    ex.done = True
-                if not ex.started:
-                    ex.started = True
-                    await send(start)
-                await send({"type": "http.response.body", "body": chunk, "more_body": not ex.done})
+            cached, head = await self._send_body(
+                ex, resp, start, flight, series, on_first, remember is not None
+            )
         except UpstreamError as exc:
-            st.metrics.error(arm, worker_id, "upstream_broken")
-            if worker is not None:
-                st.registry.request_failed(worker, "broken stream")
-                st.registry.suspect(worker)
+            self._broken(worker, worker_id, arm)
             if not sse:
                 if not ex.started:  # the status the engine sent, then the cut, as before
                     ex.started = True
-                    await send(start)
+                    await ex.send(start)
                 raise  # abort the connection: the client must not take a cut body as whole
             ex.done = True
-            await send(
-                {"type": "http.response.body", "body": sse_error(str(exc), "upstream_broken")}
-            )
+            body = sse_error(str(exc), "upstream_broken")
+            await ex.send({"type": "http.response.body", "body": body})
             return
         if not ex.done:
             ex.done = True
             if not ex.started:  # an empty body
                 ex.started = True
-                await send(start)
-            await send({"type": "http.response.body", "body": b""})
+                await ex.send(start)
+            await ex.send({"type": "http.response.body", "body": b""})
+        st = self.deps
         if not prefilled_remotely:
             if cached is not None and series is not None:
                 series.hit_tokens.inc(cached)
@@ -351,3 +317,76 @@ class Proxy:
                 st.audit.record(worker_id, hit, cached)
         if remember is not None and status < 400:
             remember(head)
+
+    def _settle(self, worker_id: str, status: int, arm: str) -> Worker | None:
+        """The engine's status counts for its worker's health (a 5xx as a failure) and, as
+        an error, in the metrics; the worker (``worker_id``: the target, router/workers/dp.py)."""
+        st = self.deps
+        found = st.registry.target(worker_id)
+        worker = found[0] if found is not None else st.registry.get(worker_id)
+        if worker is not None:
+            if status >= 500:
+                st.registry.request_failed(worker, f"status {status}")
+            else:
+                st.registry.request_succeeded(worker)
+        if status >= 400:
+            st.metrics.error(arm, worker_id, f"engine_{status}")
+        return worker
+
+    def _head(self, resp: Response, worker_id: str, hit: int) -> Message:
+        """The client's response head: the engine's status and end-to-end headers, the
+        worker that answered and the prompt tokens the index predicted cached."""
+        out = [(k, v) for k, v in resp.headers if k.lower() not in _RESP_DROP]
+        out.append((self.worker_header, worker_id.encode()))
+        if not self.deps.cfg.gateway:  # what the index predicted; compare usage.cached_tokens
+            out.append((HIT_HEADER, str(hit).encode()))
+        return {"type": "http.response.start", "status": resp.status, "headers": out}
+
+    async def _send_body(
+        self,
+        ex: Exchange,
+        resp: Response,
+        start: Message,
+        flight: Flight,
+        series: Series | None,
+        first_token: Callable[[float], None] | None,
+        keep_head: bool,
+    ) -> tuple[int | None, bytes]:
+        """The body's chunks to the client as they come (the head with the first, when it
+        has not gone yet); the last ``cached_tokens`` the body reported, and its first
+        ``HEAD_BYTES`` when ``keep_head``. The first chunk is the time to first token."""
+        send = ex.send
+        cached = None
+        tail = b""
+        head = b""
+        async for chunk in resp.chunks(self.deps.cfg.request_timeout):
+            if flight.state is WAITING:
+                elapsed = time.perf_counter() - ex.t0
+                if series is not None:
+                    series.ttft.observe(elapsed)
+                if first_token is not None:
+                    first_token(elapsed * 1000.0)
+                flight.first_byte()
+            if keep_head and len(head) < HEAD_BYTES:
+                head += chunk
+            window = tail + chunk  # '"cached_tokens": 12' may be cut between chunks
+            if b"cached_tokens" in window:
+                numbers = _CACHED.findall(window)
+                if numbers:
+                    cached = int(numbers[-1])
+            tail = chunk[-32:]
+            if resp.drained:  # the last chunk: end the response with it
+                ex.done = True
+            if not ex.started:
+                ex.started = True
+                await send(start)
+            await send({"type": "http.response.body", "body": chunk, "more_body": not ex.done})
+        return cached, head
+
+    def _broken(self, worker: Worker | None, worker_id: str, arm: str) -> None:
+        """The engine's answer broke off: counted, and the worker is probed now."""
+        st = self.deps
+        st.metrics.error(arm, worker_id, "upstream_broken")
+        if worker is not None:
+            st.registry.request_failed(worker, "broken stream")
+            st.registry.suspect(worker)

@@ -25,7 +25,8 @@ from starlette.exceptions import HTTPException
 
 from index.capacity import Sampling
 from policies.experiments import Arm, Experiment
-from router.admin.api import AdminDeps, admin_router
+from router.admin.api import admin_router
+from router.admin.common import AdminDeps
 from router.config import ConfigError, PdSettings, RouterConfig
 from router.events.bus import Bus, nats_options
 from router.events.consumer import EventSync
