@@ -275,3 +275,22 @@ async def test_health_service(make_stack, closing):
     await until(serving_now, what="ready")
     assert await status("readiness") == serving
     assert await status("envoy.service.ext_proc.v3.ExternalProcessor") == serving
+
+
+async def test_a_disaggregated_pool_is_left_to_the_proxy(closing):
+    """Prefill/decode pools take two engines a request, which one endpoint cannot say:
+    the picker refuses them (501) rather than send the prompt to one side only."""
+    from router.config import RouterConfig, WorkerSpec
+    from router.http.app import RouterApp
+
+    cfg = RouterConfig(block_size=4, workers=[
+        WorkerSpec("p0", "http://127.0.0.1:9", model="m", role="prefill"),
+        WorkerSpec("d0", "http://127.0.0.1:10", model="m", role="decode"),
+    ])  # fmt: skip
+    app = RouterApp(cfg)
+    server = EppServer(app.state.proxy_deps(), "127.0.0.1", 0)
+    await server.start()
+    gw = Gateway(server.port)
+    closing += [server, gw]
+    ex = await gw.send("/v1/completions", orjson.dumps({"model": "m", "prompt": "hi"}))
+    assert ex.immediate.status.code == 501 and ex.error()["code"] == "invalid_request"
