@@ -42,8 +42,12 @@ from proxy import (  # noqa: E402
 from sim.mock.natsd import free_ports  # noqa: E402
 
 
-async def _drive_epp(port: int, bodies: list[bytes], concurrency: int) -> dict[str, float]:
-    """Whole ext_proc conversations, ``concurrency`` at a time on one channel."""
+async def _drive_epp(
+    port: int, bodies: list[bytes], concurrency: int, response: bool = True
+) -> dict[str, float]:
+    """Whole ext_proc conversations, ``concurrency`` at a time on one channel;
+    ``response``: the response phase too (a gateway whose response modes are SKIP/NONE
+    sends none: the stream ends with the request)."""
     import grpc
     from envoy.config.core.v3 import base_pb2
     from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -85,11 +89,13 @@ async def _drive_epp(port: int, bodies: list[bytes], concurrency: int) -> dict[s
                     out = await call.read()
                     if out.request_body.response.body_mutation.streamed_response.end_of_stream:
                         break
-                await call.write(ep.ProcessingRequest(response_headers=answer_head))
-                await call.read()
-                await call.write(ep.ProcessingRequest(
-                    response_body=ep.HttpBody(body=_COMPLETION, end_of_stream=True)))  # fmt: skip
-                await call.read()
+                if response:
+                    await call.write(ep.ProcessingRequest(response_headers=answer_head))
+                    await call.read()
+                    await call.write(ep.ProcessingRequest(
+                        response_body=ep.HttpBody(body=_COMPLETION, end_of_stream=True)
+                    ))  # fmt: skip
+                    await call.read()
                 await call.done_writing()
                 latencies.append(time.perf_counter() - t0)
 
@@ -115,13 +121,15 @@ def measure(pid: int, http_port: int, epp_port: int, args: argparse.Namespace) -
     warm = _requests(http_port, 300)
     asyncio.run(_drive(http_port, warm, 8))
     asyncio.run(_drive_epp(epp_port, _bodies(warm), 8))
-    for name in ("proxy", "epp"):
+    for name in ("proxy", "epp", "epp_request_only"):
         requests = _requests(http_port, args.requests)
         cpu0 = tree_cpu_seconds(pid)
         if name == "proxy":
             load = asyncio.run(_drive(http_port, requests, args.concurrency))
         else:
-            load = asyncio.run(_drive_epp(epp_port, _bodies(requests), args.concurrency))
+            full = name == "epp"
+            bodies = _bodies(requests)
+            load = asyncio.run(_drive_epp(epp_port, bodies, args.concurrency, full))
         cpu = tree_cpu_seconds(pid) - cpu0
         out[name] = {**load, "cpu_us_per_request": cpu / max(1, load["requests"]) * 1e6}
     return out
@@ -139,7 +147,7 @@ def main() -> None:
         run_engine(args.engine)
         return
     engine_port, http_port, epp_port = free_ports(3)
-    runs: dict[str, list[dict[str, float]]] = {"proxy": [], "epp": []}
+    runs: dict[str, list[dict[str, float]]] = {"proxy": [], "epp": [], "epp_request_only": []}
     with process([sys.executable, str(ROOT / "bench" / "proxy.py"), "--engine", str(engine_port)]):
         wait_http(engine_port, "/health")
         cmd = [
@@ -154,6 +162,7 @@ def main() -> None:
                 for name in runs:
                     runs[name].append(result[name])  # type: ignore[arg-type]
     proxy, epp = median_of(runs["proxy"]), median_of(runs["epp"])
+    bare = median_of(runs["epp_request_only"])
     print(json.dumps({
         "requests": args.requests,
         "concurrency": args.concurrency,
@@ -163,7 +172,10 @@ def main() -> None:
         "load_average_1m": os.getloadavg()[0],
         "proxy": proxy,
         "epp": epp,
+        "epp_request_only": bare,
         "epp_cpu_over_proxy": epp["cpu_us_per_request"] / proxy["cpu_us_per_request"],
+        "epp_request_only_cpu_over_proxy": bare["cpu_us_per_request"]
+        / proxy["cpu_us_per_request"],
     }, indent=2))  # fmt: skip
 
 
