@@ -3,11 +3,13 @@
 One ``cache-router serve --epp-port`` process in front of bench/proxy.py's canned engine
 answers the same chat requests two ways, in turn: over HTTP as the proxy (it reads the
 body, decides, forwards, relays the answer) and over gRPC as a gateway's Endpoint
-Picker (``router/epp``: the gateway's side is played here with Envoy's own protos: the
-request headers and body in ``FULL_DUPLEX_STREAMED`` mode, the picker's answer read
-back, then the response phase with the engine's canned answer, as Envoy sends it; the
-bytes never go to the engine, which is the gateway's work). CPU is the router process
-tree's, from /proc, over each phase.
+Picker (``router/epp``: the gateway's side is played here with the picker's own message
+classes, router/epp/messages.py, cheap enough not to crowd the router's cores; the tests
+play it with Envoy's packaged protos): the request headers and body in
+``FULL_DUPLEX_STREAMED`` mode, the picker's answer read back, then the response phase
+with the engine's canned answer, as Envoy sends it; the bytes never go to the engine,
+which is the gateway's work). CPU is the router process tree's, from /proc, over each
+phase.
 
     python bench/epp.py [--requests 3000] [--concurrency 16] [--rounds 3]
 
@@ -49,29 +51,31 @@ async def _drive_epp(
     ``response``: the response phase too (a gateway whose response modes are SKIP/NONE
     sends none: the stream ends with the request)."""
     import grpc
-    from envoy.config.core.v3 import base_pb2
-    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
-    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-    duplex = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+    from router.epp import messages as ep
+
+    duplex = ep.BODY_SEND_MODE["FULL_DUPLEX_STREAMED"]
 
     def headers(pairs: dict[str, str], end: bool = False) -> object:
-        values = [base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
-        return ep.HttpHeaders(headers=base_pb2.HeaderMap(headers=values), end_of_stream=end)
+        values = [ep.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
+        return ep.HttpHeaders(headers=ep.HeaderMap(headers=values), end_of_stream=end)
 
     answer_head = headers({":status": "200", "content-type": "application/json"})
     latencies: list[float] = []
     errors = 0
     queue = iter(bodies)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = ep_grpc.ExternalProcessorStub(channel)
+        process = channel.stream_stream(
+            "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
+            request_serializer=ep.ProcessingRequest.SerializeToString,
+            response_deserializer=ep.ProcessingResponse.FromString,
+        )
 
         async def worker() -> None:
             nonlocal errors
             for body in queue:
                 t0 = time.perf_counter()
-                call = stub.Process()
+                call = process()
                 first = ep.ProcessingRequest(request_headers=headers(
                     {":method": "POST", ":path": "/v1/chat/completions",
                      "content-type": "application/json"}))  # fmt: skip

@@ -1,4 +1,6 @@
-"""A gateway's side of the ``ext_proc`` stream, built from Envoy's own protos (xds-protos).
+"""A gateway's side of the ``ext_proc`` stream, built from Envoy's own protos as packaged
+(``envoy-data-plane``: all of them, generated apart from the picker's own declaration of
+the fields it uses in router/epp/messages.py, so the wire is checked both ways).
 
 ``Gateway.send`` plays what Envoy's ext_proc filter does for one HTTP request, in the
 order the filter sends it: the request headers (with ``protocol_config`` in the first
@@ -7,6 +9,9 @@ then it forwards the body the picker returned to the endpoint it named (httpx, t
 upstream the gateway would open), and plays the response phase: response headers,
 each body chunk as the engine sent it, every answer read back and its echoed chunk
 compared. A refusal ends the exchange with the immediate response.
+
+The messages are betterproto2's dataclasses (``bytes(msg)``, ``Msg.parse``), carried by
+grpcio as raw bytes on the service's method path.
 """
 
 from __future__ import annotations
@@ -14,28 +19,46 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import betterproto2
 import grpc
 import httpx
-from envoy.config.core.v3 import base_pb2
-from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-from google.protobuf import json_format, struct_pb2
+from envoy_data_plane.envoy.config.core import v3 as core
+from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
+    ProcessingModeBodySendMode as Mode,
+)
+from envoy_data_plane.envoy.service.ext_proc import v3 as ep
+from envoy_data_plane.google.protobuf import Struct
 
-Mode = processing_mode_pb2.ProcessingMode
 FULL_DUPLEX = Mode.FULL_DUPLEX_STREAMED
 BUFFERED = Mode.BUFFERED
+METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 
 
 def headers_msg(pairs: dict[str, str], end: bool = False) -> Any:
-    hm = base_pb2.HeaderMap(
-        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
+    hm = core.HeaderMap(
+        headers=[core.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]
     )
     return ep.HttpHeaders(headers=hm, end_of_stream=end)
 
 
 def set_headers(mutation: Any) -> dict[str, str]:
+    if mutation is None:
+        return {}
     return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+
+
+def which(answer: Any) -> str:
+    """The ``ProcessingResponse`` oneof that is set ("" for none)."""
+    return betterproto2.which_one_of(answer, "response")[0]  # type: ignore[no-any-return]
+
+
+def streamed(answer: Any, phase: str) -> Any:
+    """The ``streamed_response`` of a body answer (an empty one when absent)."""
+    body = getattr(answer, phase)
+    mutation = body.response.body_mutation if body and body.response else None
+    if mutation is None or mutation.streamed_response is None:
+        return ep.StreamedBodyResponse()
+    return mutation.streamed_response
 
 
 @dataclass
@@ -70,7 +93,9 @@ class Gateway:
 
     def __init__(self, port: int) -> None:
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        self.stub = ep_grpc.ExternalProcessorStub(self.channel)
+        self.process = self.channel.stream_stream(
+            METHOD, request_serializer=bytes, response_deserializer=ep.ProcessingResponse.parse
+        )
         self.http = httpx.AsyncClient(timeout=10)
 
     async def close(self) -> None:
@@ -91,7 +116,7 @@ class Gateway:
         config: bool = True,
     ) -> Exchange:
         response_mode = mode if response_mode is None else response_mode
-        call = self.stub.Process()
+        call = self.process()
         ex = Exchange()
         first = ep.ProcessingRequest(
             request_headers=headers_msg(
@@ -101,22 +126,22 @@ class Gateway:
             )
         )  # fmt: skip
         if config:
-            first.protocol_config.request_body_mode = mode
-            first.protocol_config.response_body_mode = response_mode
+            first.protocol_config = ep.ProtocolConfiguration(
+                request_body_mode=mode, response_body_mode=response_mode
+            )
         if subset is not None:
-            hint = struct_pb2.Struct()
-            hint.update({"x-gateway-destination-endpoint-subset": subset})
-            first.metadata_context.filter_metadata["envoy.lb.subset_hint"].CopyFrom(hint)
+            hint = Struct.from_dict({"x-gateway-destination-endpoint-subset": subset})
+            first.metadata_context = core.Metadata(filter_metadata={"envoy.lb.subset_hint": hint})
         await call.write(first)
         if body is None:
             await self._routed(call, ex, "request_headers")
         elif mode == BUFFERED:
             answer = await call.read()
             ex.answers.append(answer)
-            if answer.HasField("immediate_response"):
+            if which(answer) == "immediate_response":
                 ex.immediate = answer.immediate_response
                 return ex
-            assert answer.HasField("request_headers"), answer
+            assert which(answer) == "request_headers", answer
             await call.write(
                 ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))
             )
@@ -136,9 +161,9 @@ class Gateway:
                 while True:  # the body comes back in streamed chunks
                     answer = await call.read()
                     ex.answers.append(answer)
-                    streamed = answer.request_body.response.body_mutation.streamed_response
-                    ex.body += streamed.body
-                    if streamed.end_of_stream:
+                    chunk = streamed(answer, "request_body")
+                    ex.body += chunk.body
+                    if chunk.end_of_stream:
                         break
         if ex.immediate is not None or not forward:
             call.cancel()
@@ -150,17 +175,17 @@ class Gateway:
     async def _routed(self, call: Any, ex: Exchange, phase: str) -> None:
         answer = await call.read()
         ex.answers.append(answer)
-        if answer.HasField("immediate_response"):
+        if which(answer) == "immediate_response":
             ex.immediate = answer.immediate_response
             return
-        assert answer.WhichOneof("response") == phase, answer
+        assert which(answer) == phase, answer
         common = getattr(answer, phase).response
         ex.set = set_headers(common.header_mutation)
         ex.removed = list(common.header_mutation.remove_headers)
         ex.clear_route_cache = common.clear_route_cache
         ex.endpoint = ex.set["x-gateway-destination-endpoint"]
-        ex.metadata = json_format.MessageToDict(answer.dynamic_metadata)
-        if common.body_mutation.body:
+        ex.metadata = answer.dynamic_metadata.to_dict()
+        if common.body_mutation is not None and common.body_mutation.body:
             ex.body = common.body_mutation.body
 
     async def _respond(
@@ -176,7 +201,7 @@ class Gateway:
             head = {":status": str(r.status_code), **dict(r.headers)}
             await call.write(ep.ProcessingRequest(response_headers=headers_msg(head)))
             answer = await call.read()
-            assert answer.HasField("response_headers"), answer
+            assert which(answer) == "response_headers", answer
             ex.response_set = set_headers(answer.response_headers.response.header_mutation)
             chunks = [c async for c in r.aiter_raw()]
         chunks.append(b"")  # the end of the body, as its own message
@@ -189,14 +214,14 @@ class Gateway:
                 echoed = b""
                 while True:
                     answer = await call.read()
-                    streamed = answer.response_body.response.body_mutation.streamed_response
-                    echoed += streamed.body
+                    chunk = streamed(answer, "response_body")
+                    echoed += chunk.body
                     if len(echoed) >= len(piece):
-                        assert streamed.end_of_stream == end
+                        assert chunk.end_of_stream == end
                         break
                 assert echoed == piece
                 ex.response += echoed
             else:
                 answer = await call.read()
-                assert answer.HasField("response_body")
+                assert which(answer) == "response_body"
                 ex.response += piece

@@ -1,8 +1,8 @@
 """The endpoint picker (router/epp/) against a gateway built from Envoy's own protos.
 
 Engine doubles and the router run in-process as in test_router_e2e.py; the gateway's
-side of the ``ext_proc`` stream is ``epp_gateway.Gateway`` (xds-protos messages over a
-real gRPC channel), which forwards each request to the endpoint the picker names, as
+side of the ``ext_proc`` stream is ``epp_gateway.Gateway`` (envoy-data-plane's messages
+over a real gRPC channel), which forwards each request to the endpoint the picker names, as
 Envoy would, and plays the response phase back. The proxy on the same router answers
 the same requests, so its decisions and the picker's are compared on one index.
 """
@@ -15,8 +15,8 @@ from typing import Any
 import grpc
 import orjson
 import pytest
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from epp_gateway import BUFFERED, FULL_DUPLEX, Gateway, Mode, headers_msg
+from envoy_data_plane.envoy.service.ext_proc import v3 as ep
+from epp_gateway import BUFFERED, FULL_DUPLEX, Gateway, Mode, headers_msg, streamed, which
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stack import ADMIN_TOKEN, DoubleStack, until
 
@@ -138,10 +138,9 @@ async def test_the_answer_follows_the_protocol(make_stack, closing):
     # a body over one streamed chunk (62,000 bytes) comes back in several
     big = orjson.dumps({"model": "m", "prompt": "word " * 30_000, "max_tokens": 1})
     ex = await gw.send("/v1/completions", big, chunk=50_000)
-    chunks = [a for a in ex.answers if a.HasField("request_body")]
+    chunks = [a for a in ex.answers if which(a) == "request_body"]
     assert len(chunks) == 3 and ex.body == big
-    assert all(len(a.request_body.response.body_mutation.streamed_response.body) <= 62_000
-               for a in chunks)  # fmt: skip
+    assert all(len(streamed(a, "request_body").body) <= 62_000 for a in chunks)
 
 
 async def test_buffered_mode_routes_in_the_body_response(make_stack, closing):
@@ -210,9 +209,12 @@ async def test_a_request_without_body_and_the_unsupported_modes(make_stack, clos
     ex = await gw.send("/v1/models", None)
     assert ex.endpoint in {endpoint_of(stack, w) for w in ("w0", "w1")}
     assert ex.status == 200 and b'"m"' in ex.response
-    call = gw.stub.Process()
-    first = ep.ProcessingRequest(request_headers=ep.HttpHeaders())
-    first.protocol_config.request_body_mode = Mode.STREAMED  # the body would go before the pick
+    call = gw.process()
+    first = ep.ProcessingRequest(
+        request_headers=ep.HttpHeaders(),
+        # the body would go before the pick
+        protocol_config=ep.ProtocolConfiguration(request_body_mode=Mode.STREAMED),
+    )
     await call.write(first)
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await call.read()
@@ -236,10 +238,11 @@ async def test_load_and_accounting_follow_the_response_phase(make_stack, closing
     assert load.inflight_requests == 0 and load.inflight_prefill_tokens == 0
     # a gateway that drops the stream mid-request still frees the flight
     engine.gate = asyncio.Event()
-    call = gw.stub.Process()
-    first = ep.ProcessingRequest()
-    first.request_headers.CopyFrom(headers_msg({":method": "POST", ":path": "/v1/completions"}))
-    first.protocol_config.request_body_mode = FULL_DUPLEX
+    call = gw.process()
+    first = ep.ProcessingRequest(
+        request_headers=headers_msg({":method": "POST", ":path": "/v1/completions"}),
+        protocol_config=ep.ProtocolConfiguration(request_body_mode=FULL_DUPLEX),
+    )
     await call.write(first)
     await call.write(ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True)))
     await call.read()

@@ -7,8 +7,9 @@ bytes, the router only decides, with the proxy's own decision path
 (``router.epp.picker``). The HTTP port keeps ``/health``, ``/metrics``, ``/admin`` and
 the proxy itself, so one deployment can serve both.
 
-grpcio, grpcio-health-checking and xds-protos (Envoy's generated protos) are the ``epp``
-extra, imported only when an EPP port is configured.
+grpcio, grpcio-health-checking and protobuf (the messages are declared in
+``router.epp.messages``) are the ``epp`` extra, imported only when an EPP port is
+configured.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from __future__ import annotations
 def extra_missing() -> str | None:
     """Why the EPP cannot run here (its extra not installed), or None."""
     try:
-        import envoy.service.ext_proc.v3.external_processor_pb2_grpc  # noqa: F401
         import grpc  # noqa: F401
         import grpc_health.v1.health  # noqa: F401
+        from google.protobuf import message_factory  # noqa: F401
     except ImportError:
-        return "the endpoint picker needs grpcio and xds-protos: pip install 'cache-router[epp]'"
+        return "the endpoint picker needs grpcio and protobuf: pip install 'cache-router[epp]'"
     return None

@@ -21,8 +21,9 @@ v1.0.0) and the reference pickers (that repository's ``pkg/lwepp/handlers`` and
   chunks of at most 62,000 bytes (some Envoy builds cap a chunk at 64 KiB), the last
   one marked ``end_of_stream``.
 
-The generated messages come from the ``xds-protos`` package (Envoy's own protos), the
-service from ``grpcio``; both are the ``epp`` extra, imported only when the EPP runs.
+The messages are declared in ``router/epp/messages.py`` (the fields used, Envoy's
+numbers, protobuf's runtime), the service is ``grpcio``'s; both are the ``epp`` extra,
+imported only when the EPP runs.
 """
 
 from __future__ import annotations
@@ -30,11 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from envoy.config.core.v3 import base_pb2
-from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
+from router.epp import messages as ep
 
 DESTINATION_NAMESPACE = "envoy.lb"
 DESTINATION_KEY = "x-gateway-destination-endpoint"
@@ -44,11 +41,10 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"  # also a health service name
 CHUNK_BYTES = 62_000  # a streamed body chunk sent back (pkg/common/envoy/chunking.go)
 
-BodyMode = processing_mode_pb2.ProcessingMode.BodySendMode
-FULL_DUPLEX = BodyMode.Value("FULL_DUPLEX_STREAMED")
-BUFFERED = BodyMode.Value("BUFFERED")
-STREAMED = BodyMode.Value("STREAMED")
-NONE = BodyMode.Value("NONE")
+FULL_DUPLEX = ep.BODY_SEND_MODE["FULL_DUPLEX_STREAMED"]
+BUFFERED = ep.BODY_SEND_MODE["BUFFERED"]
+STREAMED = ep.BODY_SEND_MODE["STREAMED"]
+NONE = ep.BODY_SEND_MODE["NONE"]
 MODE_NAMES = {"full_duplex_streamed": FULL_DUPLEX, "buffered": BUFFERED}
 
 
@@ -98,15 +94,8 @@ def served_endpoint(request: Any) -> str | None:
 
 def _headers(pairs: Sequence[tuple[str, str]]) -> list[Any]:
     return [
-        base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=v.encode()))
-        for k, v in pairs
+        ep.HeaderValueOption(header=ep.HeaderValue(key=k, raw_value=v.encode())) for k, v in pairs
     ]
-
-
-def destination_metadata(endpoints: str) -> struct_pb2.Struct:
-    meta = struct_pb2.Struct()
-    meta.fields[DESTINATION_NAMESPACE].struct_value.fields[DESTINATION_KEY].string_value = endpoints
-    return meta
 
 
 def routed(
@@ -131,7 +120,9 @@ def routed(
     )
     if body is not None:
         common.body_mutation.body = body
-    out = ep.ProcessingResponse(dynamic_metadata=destination_metadata(endpoints))
+    out = ep.ProcessingResponse()
+    meta = out.dynamic_metadata.fields[DESTINATION_NAMESPACE].struct_value
+    meta.fields[DESTINATION_KEY].string_value = endpoints
     getattr(out, phase).response.CopyFrom(common)
     return out
 
@@ -176,7 +167,7 @@ def immediate(status: int, body: bytes, content_type: str = "application/json") 
     """The gateway answers the client itself with ``status`` and ``body``."""
     return ep.ProcessingResponse(
         immediate_response=ep.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=status),
+            status=ep.HttpStatus(code=status),
             headers=ep.HeaderMutation(set_headers=_headers([("content-type", content_type)])),
             body=body,
         )

@@ -35,9 +35,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from router.epp import messages
 from router.epp import protocol as pr
 from router.epp.picker import Picker, Routed
 from router.forward.relay import ProxyDeps
@@ -53,7 +53,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 READY_INTERVAL = 1.0  # seconds between readiness updates (the discovery's first lists)
 
 
-class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+class ExternalProcessor:
     """``envoy.service.ext_proc.v3.ExternalProcessor``, answered by ``Picker``."""
 
     def __init__(self, deps: ProxyDeps, default_mode: int) -> None:
@@ -201,7 +201,14 @@ class EppServer:
         self.processor = ExternalProcessor(deps, pr.MODE_NAMES[body_mode])
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server()
-        ep_grpc.add_ExternalProcessorServicer_to_server(self.processor, self.server)
+        process = grpc.stream_stream_rpc_method_handler(
+            self.processor.Process,
+            request_deserializer=messages.ProcessingRequest.FromString,
+            response_serializer=messages.ProcessingResponse.SerializeToString,
+        )
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(pr.SERVICE, {"Process": process}),)
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port(_address(host, port))
         self.ready = ready  # None: ready once started
