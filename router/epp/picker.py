@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from router.forward.passthrough import Passthrough, least_loaded
-from router.forward.proxy import _CACHED, HEAD_BYTES, HIT_HEADER, Proxy
+from router.forward.proxy import CACHED_TOKENS, HEAD_BYTES, HIT_HEADER, Proxy
 from router.forward.relay import ProxyDeps
 from router.http.errors import ApiError
 from router.routing.decide import Kind, Prepared, hit_blocks
@@ -115,7 +115,7 @@ class Routed:
             self.head += chunk
         window = self.tail + chunk  # '"cached_tokens": 12' may be cut between chunks
         if b"cached_tokens" in window:
-            numbers = _CACHED.findall(window)
+            numbers = CACHED_TOKENS.findall(window)
             if numbers:
                 self.cached = int(numbers[-1])
         self.tail = chunk[-32:]
