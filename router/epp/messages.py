@@ -14,7 +14,9 @@ Why not a package of generated protos: ``xds-protos`` ships its own old copy of
 ``opentelemetry/proto/...`` that overwrites ``opentelemetry-proto``'s files (the
 tracing extra's OTLP exporter then fails to import); ``envoy-data-plane``
 (betterproto2, pure Python) parses a headers message in ~200 us where upb takes ~1 us,
-several times the whole decision's cost.
+and a request is eight messages: ~1.5 ms more, as much as the whole EPP costs now. The
+classes here parse and build as fast as xds-protos' (the same upb runtime: 0.75 us a
+headers message, 5.5 us a routed answer, whose bytes are the same).
 """
 
 from __future__ import annotations
