@@ -297,3 +297,39 @@ async def test_a_disaggregated_pool_is_left_to_the_proxy(closing):
     closing += [server, gw]
     ex = await gw.send("/v1/completions", orjson.dumps({"model": "m", "prompt": "hi"}))
     assert ex.immediate.status.code == 501 and ex.error()["code"] == "invalid_request"
+
+
+def test_the_declared_messages_match_envoys_protos():
+    """Every field router/epp/messages.py declares has Envoy's name, number and kind
+    (envoy-data-plane's generated classes), trailers and all, not only those the
+    conversations above happen to send."""
+    import dataclasses
+
+    from envoy_data_plane.envoy.config.core import v3 as core
+    from envoy_data_plane.envoy.type import v3 as types
+
+    from router.epp import messages
+
+    modules = (ep, core, types)
+    for name, fields in messages.MESSAGES.items():
+        envoy = next(getattr(m, name) for m in modules if hasattr(m, name))
+        theirs = {
+            f.name: f.metadata["betterproto"]
+            for f in dataclasses.fields(envoy)
+            if "betterproto" in f.metadata
+        }
+        for field, number, kind, oneof in fields:
+            meta = theirs[field]
+            assert (meta.number, meta.group) == (number, oneof), (name, field)
+            assert meta.proto_type == _proto_type(kind), (name, field, meta.proto_type)
+    assert {m.name: m.value for m in Mode} == messages.BODY_SEND_MODE
+
+
+def _proto_type(kind: str) -> str:
+    """A messages.py field type as betterproto2 names its kind."""
+    kind = kind.strip("[]")
+    if kind in ("string", "bytes", "bool"):
+        return kind
+    if kind == "int32" or kind.startswith("enum:"):  # HttpStatus.code: an enum in Envoy
+        return "enum"
+    return "map" if kind.startswith("map:") else "message"
