@@ -61,6 +61,14 @@ def validate(cfg: RouterConfig) -> None:
             raise ConfigError(f"{name}: no such file {path}")
     if (cfg.nats_tls_cert is None) != (cfg.nats_tls_key is None):
         raise ConfigError("nats_tls_cert and nats_tls_key go together")
+    for name in ("tls_cert", "tls_key", "tls_client_ca"):
+        path = getattr(cfg, name)
+        if path is not None and not Path(path).is_file():
+            raise ConfigError(f"{name}: no such file {path}")
+    if cfg.tls_cert is None and (cfg.tls_key is not None or cfg.tls_client_ca is not None):
+        raise ConfigError("tls_key and tls_client_ca need tls_cert")
+    if cfg.epp_port is not None and cfg.epp_port == cfg.port:
+        raise ConfigError(f"epp_port {cfg.epp_port} is the HTTP port: the EPP needs its own")
     names = [a.name for a in cfg.arms]
     if len(names) != len(set(names)):
         raise ConfigError("experiment arm names must be unique")

@@ -116,9 +116,11 @@ def _type(name: str) -> str:
 
 TABLE_ENV = {"workers": "`CACHE_ROUTER_WORKERS` (`ID=URL,...`)",
              "api_keys": "`CACHE_ROUTER_API_KEYS` (comma-separated)",
-             "discovery": "`CACHE_ROUTER_DISCOVER` (comma-separated)"}  # fmt: skip
+             "discovery": "`CACHE_ROUTER_DISCOVER` (comma-separated)",
+             "kubernetes": "`CACHE_ROUTER_DISCOVER` (`k8s://...` entries)"}  # fmt: skip
 TABLE_FLAG = {"workers": "`--worker [ROLE:]ID=URL` (repeatable)",
-              "discovery": "`--discover dns://NAME:PORT|srv://NAME` (repeatable)"}  # fmt: skip
+              "discovery": "`--discover dns://NAME:PORT|srv://NAME` (repeatable)",
+              "kubernetes": "`--discover k8s://NAMESPACE?selector=...` (repeatable)"}  # fmt: skip
 
 
 def _row(section: type, f: dataclasses.Field[Any], lines: Lines, comments: Comments) -> str:

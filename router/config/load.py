@@ -15,7 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from router.config.checks import validate
-from router.config.parsers import TABLE_PARSERS, discovery_spec, parse_worker
+from router.config.parsers import (
+    K8S_SCHEME,
+    TABLE_PARSERS,
+    discovery_spec,
+    kubernetes_spec,
+    parse_worker,
+)
 from router.config.settings import ENV_PREFIX, SCALARS, ConfigError, RouterConfig
 
 
@@ -78,7 +84,8 @@ def load_config(
 
     ``overrides`` are flag values (None means "not given"); ``extra_workers`` are
     ``ID=URL`` strings added after the file's workers (a repeated id replaces one);
-    ``extra_discovery`` are ``--discover`` strings added after the file's and env's.
+    ``extra_discovery`` are ``--discover`` strings added after the file's and env's
+    (``k8s://`` ones are Kubernetes sources, the others DNS names).
     A gateway whose policy no layer names gets ``session_affinity``, its natural one.
     """
     values: dict[str, Any] = {}
@@ -99,11 +106,16 @@ def load_config(
     keys = [k.strip() for k in env.get(ENV_PREFIX + "API_KEYS", "").split(",") if k.strip()]
     if keys:
         values["api_keys"] = keys
-    found = [d for d in env.get(ENV_PREFIX + "DISCOVER", "").split(",") if d.strip()]
-    found += extra_discovery or []
+    found = [d.strip() for d in env.get(ENV_PREFIX + "DISCOVER", "").split(",") if d.strip()]
+    found += [d.strip() for d in extra_discovery or []]
+    pods = [d for d in found if d.startswith(K8S_SCHEME)]  # the Kubernetes API's
     values["discovery"] = [
         *values.get("discovery", []),
-        *(discovery_spec(d.strip(), "discover") for d in found),
+        *(discovery_spec(d, "discover") for d in found if d not in pods),
+    ]
+    values["kubernetes"] = [
+        *values.get("kubernetes", []),
+        *(kubernetes_spec(d, "discover") for d in pods),
     ]
     for name, value in (overrides or {}).items():
         if value is not None:

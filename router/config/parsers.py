@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
@@ -23,6 +24,7 @@ from router.config.settings import (
     ROLES,
     ConfigError,
     DiscoverySpec,
+    KubernetesSpec,
     ModelSpec,
     WorkerSpec,
 )
@@ -107,7 +109,7 @@ def worker_spec(raw: Any, where: str) -> WorkerSpec:
     kv_groups = raw.get("kv_groups", "")
     try:
         if not isinstance(kv_groups, str):
-            raise ValueError("kv_groups must be a string like \"full,sliding_window:4096\"")
+            raise ValueError('kv_groups must be a string like "full,sliding_window:4096"')
         parse_groups(kv_groups)
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
@@ -164,6 +166,12 @@ def _discovery(value: Any, where: str) -> list[DiscoverySpec]:
     return [discovery_spec(d, f"{where} discovery[{i}]") for i, d in enumerate(value)]
 
 
+def _kubernetes(value: Any, where: str) -> list[KubernetesSpec]:
+    if not isinstance(value, list):
+        raise ConfigError(f"{where}: kubernetes must be an array (strings or tables)")
+    return [kubernetes_spec(k, f"{where} kubernetes[{i}]") for i, k in enumerate(value)]
+
+
 def _api_keys(value: Any, where: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(k, str) and k for k in value):
         raise ConfigError(f"{where}: api_keys must be a list of non-empty strings")
@@ -217,6 +225,7 @@ TABLE_PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "models": _models,
     "arms": _arms,
     "discovery": _discovery,
+    "kubernetes": _kubernetes,
     "api_keys": _api_keys,
     "tenants": _tenants,
 }
@@ -298,3 +307,74 @@ def _discovery_url(text: str, where: str) -> dict[str, Any]:
     for key, value in parse_qsl(url.query, keep_blank_values=True):
         table[key] = value
     return table
+
+
+K8S_SCHEME = "k8s://"
+_KUBERNETES_KEYS = frozenset(f.name for f in dataclasses.fields(KubernetesSpec))
+_SELECTOR = re.compile(r"[A-Za-z0-9_./=!,() -]*")  # a label selector's characters
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def kubernetes_spec(raw: Any, where: str) -> KubernetesSpec:
+    """A Kubernetes source from a TOML table or the string form (flag, env, TOML array):
+    ``k8s://NAMESPACE?selector=app%3Dvllm&model=M&port=8000&...`` (``k8s://`` alone:
+    the pod's own namespace), every key of ``KubernetesSpec`` as a query parameter."""
+    if isinstance(raw, str):
+        if not raw.startswith(K8S_SCHEME):
+            raise ConfigError(f"{where}: {raw!r}: expected k8s://NAMESPACE?selector=...")
+        url = urlsplit(raw)
+        table: dict[str, Any] = dict(parse_qsl(url.query, keep_blank_values=True))
+        if url.netloc:
+            table["namespace"] = url.netloc
+    elif isinstance(raw, Mapping):
+        table = dict(raw)
+    else:
+        raise ConfigError(f"{where}: a kubernetes source is a string or a table")
+    unknown = set(table) - _KUBERNETES_KEYS
+    if unknown:
+        raise ConfigError(f"{where}: unknown kubernetes keys {sorted(unknown)}")
+    fields: dict[str, Any] = {}
+    try:
+        for key, value in table.items():
+            if value is None:
+                continue
+            if key in ("port", "block_size"):
+                if isinstance(value, bool | float):
+                    raise ValueError(f"{key} must be an integer")
+                value = int(value)
+            elif key in ("interval", "watch_timeout"):
+                value = float(value)
+            else:
+                value = str(value)
+            fields[key] = value
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+    return _checked_kubernetes(KubernetesSpec(**fields), where)
+
+
+def _checked_kubernetes(spec: KubernetesSpec, where: str) -> KubernetesSpec:
+    selectors = (spec.selector, spec.prefill_selector, spec.decode_selector)
+    if not any(selectors):
+        raise ConfigError(f"{where}: a selector (or prefill_selector and decode_selector)")
+    if bool(spec.prefill_selector) != bool(spec.decode_selector):
+        raise ConfigError(f"{where}: prefill_selector and decode_selector go together")
+    for text in selectors:
+        if not _SELECTOR.fullmatch(text):
+            raise ConfigError(f"{where}: {text!r} is not a label selector")
+    if spec.namespace is not None and not _NAMESPACE.fullmatch(spec.namespace):
+        raise ConfigError(f"{where}: namespace {spec.namespace!r} is not a namespace name")
+    if not 0 < spec.port < 65536:
+        raise ConfigError(f"{where}: port {spec.port} is out of range")
+    if spec.scheme not in ("http", "https"):
+        raise ConfigError(f"{where}: scheme must be http or https")
+    if spec.block_size is not None and spec.block_size <= 0:
+        raise ConfigError(f"{where}: block_size must be positive")
+    if not 0 < spec.interval <= MAX_DISCOVERY_INTERVAL:
+        raise ConfigError(f"{where}: interval must be in (0, {MAX_DISCOVERY_INTERVAL:g}] s")
+    if not 1 <= spec.watch_timeout <= MAX_DISCOVERY_INTERVAL:
+        raise ConfigError(f"{where}: watch_timeout must be in [1, {MAX_DISCOVERY_INTERVAL:g}] s")
+    for name in ("token_file", "ca_file"):
+        path = getattr(spec, name)
+        if path is not None and not Path(path).is_file():
+            raise ConfigError(f"{where}: {name}: no such file {path}")
+    return spec

@@ -75,6 +75,7 @@ EventsReader = Literal["auto", "native", "python"]
 Role = Literal["mixed", "prefill", "decode"]
 ROLES: tuple[str, ...] = typing.get_args(Role)
 PdProtocol = Literal["vllm", "sglang"]
+EppBodyMode = Literal["full_duplex_streamed", "buffered"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +113,32 @@ class DiscoverySpec:
     block_size: int | None = None  # as a [[workers]] entry's
     interval: float = 5.0  # seconds between resolutions
     nameserver: str | None = None  # HOST or HOST:PORT; None: the system's resolv.conf
+
+
+@dataclass(frozen=True, slots=True)
+class KubernetesSpec:
+    """Pods of one namespace by label selector, watched (``router.workers.kubernetes``).
+
+    ``prefill_selector`` and ``decode_selector`` find a disaggregated pool's two roles
+    (``selector`` then finds mixed engines, and may be empty). Every engine found gets
+    ``model``, ``pool`` and ``block_size`` like a ``[[workers]]`` entry; a pod's
+    ``cache-router.io/*`` annotations may say its own worker id, port, DP size, model.
+    """
+
+    selector: str = ""
+    namespace: str | None = None  # None: the service account's
+    prefill_selector: str = ""
+    decode_selector: str = ""
+    port: int = 8000  # the engines' port, unless a pod's annotation says
+    scheme: str = "http"
+    model: str | None = None
+    pool: str = DEFAULT_POOL
+    block_size: int | None = None
+    api_server: str | None = None  # None: https://$KUBERNETES_SERVICE_HOST:$..._PORT
+    token_file: str | None = None  # None: the service account's
+    ca_file: str | None = None  # None: the service account's (with api_server unset)
+    watch_timeout: float = 300.0  # seconds a watch is asked to last
+    interval: float = 2.0  # seconds between reaps, and a failed call's retry
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +194,12 @@ class HttpSettings:
     idle_timeout: float = setting(5.0, _DURATION)  # an idle keep-alive client connection
     max_connections: int | None = setting(None, Range(1, 1 << 20))  # None: from the fd limit
     drain_timeout: float = setting(30.0, _SECONDS)  # graceful shutdown: in-flight requests' time
+    # TLS on the listener (router.http.tls): read again when the files change (renewals)
+    tls_cert: str | None = setting(
+        None, flag="TLS certificate chain (PEM) for the listener, reloaded when it changes"
+    )
+    tls_key: str | None = setting(None, flag="the TLS certificate's private key (PEM)")
+    tls_client_ca: str | None = setting(None)  # clients must show a certificate it signed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -386,11 +419,28 @@ class OverloadSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EppSettings:
+    """The Endpoint Picker of a Gateway API inference gateway (``router.epp``): Envoy's
+    ``ext_proc`` over gRPC, beside the HTTP listener."""
+
+    epp_port: int | None = setting(
+        None,
+        Range(1, 65_535),
+        flag="gRPC port of the Endpoint Picker (Envoy ext_proc) for a Gateway API "
+        "inference gateway (off without it)",
+    )
+    # the request body mode of a gateway that does not say its own (Envoy before 1.34);
+    # GIE's gateways run full_duplex_streamed
+    epp_body_mode: EppBodyMode = setting("full_duplex_streamed")
+
+
+@dataclass(frozen=True, kw_only=True)
 class FleetSettings:
-    """The engines: listed, or found behind DNS names."""
+    """The engines: listed, or found behind DNS names or from the Kubernetes API."""
 
     workers: list[WorkerSpec] = table(list)  # the engines, by id and url
     discovery: list[DiscoverySpec] = table(list)  # DNS names of engines
+    kubernetes: list[KubernetesSpec] = table(list)  # pods by label selector
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -407,6 +457,7 @@ class RouterConfig(
     ReplicaSettings,
     ObserveSettings,
     OverloadSettings,
+    EppSettings,
     FleetSettings,
 ):
     """Every setting; built once by ``load_config`` (or directly, in tests), then read-only.
@@ -459,5 +510,3 @@ FLAGS: tuple[tuple[str, str], ...] = tuple(
     for f in dataclasses.fields(section)
     if f.metadata.get("flag")
 )
-
-

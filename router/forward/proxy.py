@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 _RESP_DROP = frozenset(
     (b"connection", b"keep-alive", b"transfer-encoding", b"date", b"server", b"trailer")
 )
-_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')  # usage; the EPP reads it too
 HEAD_BYTES = 8192  # of a Responses answer kept to find its id (the first event holds it)
 
 
@@ -461,7 +461,7 @@ class Proxy:
                 head += chunk
             window = tail + chunk  # '"cached_tokens": 12' may be cut between chunks
             if b"cached_tokens" in window:
-                numbers = _CACHED.findall(window)
+                numbers = CACHED_TOKENS.findall(window)
                 if numbers:
                     cached = int(numbers[-1])
             tail = chunk[-32:]

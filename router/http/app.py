@@ -70,15 +70,19 @@ def make_experiment(cfg: RouterConfig) -> Experiment:
 
 
 def discovery_sources(cfg: RouterConfig, registry: WorkerRegistry) -> list[Any]:
-    """The DNS discovery sources; dnspython is imported only when one is configured."""
+    """The DNS discovery sources (dnspython is imported only when one is configured) and
+    the Kubernetes API's (router.workers.kubernetes)."""
+    from router.workers.kubernetes import kubernetes_sources
+
+    pods = kubernetes_sources(cfg.kubernetes, registry, cfg.drain_timeout)
     if not cfg.discovery:
-        return []
+        return list(pods)
     from router.workers.discovery import DnsDiscovery, extra_missing
 
     missing = extra_missing()
     if missing is not None:
         raise ConfigError(missing)
-    return [DnsDiscovery(spec, registry, cfg.drain_timeout) for spec in cfg.discovery]
+    return [*(DnsDiscovery(spec, registry, cfg.drain_timeout) for spec in cfg.discovery), *pods]
 
 
 class RouterState:
@@ -157,6 +161,7 @@ class RouterState:
             self.metrics.add_collector(AdmissionCollector(self.gate))
         self.pd = PdRouter(cfg.section(PdSettings), self.proxy_deps())  # disaggregated pools
         self._tasks: list[asyncio.Task[Any]] = []
+        self.epp: Any = None  # the EPP's gRPC server (router.epp), when epp_port is set
 
     def proxy_deps(self) -> ProxyDeps:
         """The part of this state the hot path works with."""
@@ -233,6 +238,12 @@ class RouterState:
             self._tasks.append(asyncio.create_task(self.capacity.run(), name="capacity"))
         if self.gate is not None:
             self._tasks.append(asyncio.create_task(self.gate.run(), name="admission"))
+        if self.cfg.epp_port is not None:  # a Gateway API inference gateway's picker
+            from router.epp.server import start_picker
+
+            self.epp = await start_picker(
+                self.cfg, self.cfg.host, self.proxy_deps(), self.discovery
+            )
 
     def _resync_worker(self, worker: Worker) -> None:
         for tid in worker.targets:  # each DP rank is its own event source
@@ -274,6 +285,8 @@ class RouterState:
                 self.tokenizers.get(m)  # load now: a bad path fails at start, not mid-traffic
 
     async def stop(self) -> None:
+        if self.epp is not None:
+            await self.epp.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -128,4 +128,9 @@ def server_config(app: App, cfg: RouterConfig, **overrides: Any) -> uvicorn.Conf
         "backlog": 4096,
         **overrides,
     }
+    if cfg.tls_cert is not None:  # HTTPS, the files followed (router.http.tls)
+        from router.http.tls import ReloadingTls
+
+        tls = ReloadingTls(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+        settings["ssl_context_factory"] = tls.factory
     return uvicorn.Config(app, **settings)
