@@ -286,8 +286,9 @@ async def test_a_msg_line_past_the_readers_bound_is_skipped_not_a_disconnect(
     """A MSG line longer than max_control plus the framing (a server configured with a
     larger max_control_line) still says its size: the message is skipped, its worker
     named for a resync, and the connection and every other worker stay as they were."""
-    from index import _native
     from test_native_events import has, records
+
+    from index import _native
 
     port = int(nats_url.rsplit(":", 1)[1])
     r = _native.EventReader(
