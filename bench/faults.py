@@ -23,6 +23,20 @@ failed clearly (a hang past the client's timeout, a 200 with a cut or foreign bo
 
     flock /work/bench.lock nice -n 5 python bench/faults.py [--concurrency 16]
 
+``--migration``: what moving a broken stream costs (router.forward.migrate). Four mock
+engines (1x speed: 50 tokens/s per request, 10K prompt tokens/s) behind their agents and
+one router; eight conversations with long contexts, each cached on two engines (sent to
+them directly: their KV events tell the router); two streams per conversation through
+the router; the engine carrying the most streams is SIGKILLed once every stream has its
+first tokens. Per migrated stream: the gap the client saw (the longest pause between two
+tokens, the break's) and the extra prefill (the continuation's prompt tokens the new
+engine did not have cached: the original prompt plus the tokens sent, less its
+``cached_tokens``), once with the router's cache-aware choice of the new engine, once
+with ``random`` (the replay to any healthy engine other routers do). Every stream must
+complete with its full length.
+
+    flock /tmp/cpu-heavy.lock python bench/faults.py --migration
+
 Prints one JSON object; never asserts.
 """
 
@@ -40,6 +54,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, MutableMapping
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -327,6 +342,141 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# -- the migration's cost -------------------------------------------------------------------
+
+CONTEXT_TOKENS = 2000  # per conversation (the fallback tokenizer: 4 bytes a token)
+
+
+def context(c: int) -> str:
+    words = f"conversation {c:02d} keeps its own long context in the engines' caches. "
+    return (words * (4 * CONTEXT_TOKENS // len(words) + 1))[: 4 * CONTEXT_TOKENS]
+
+
+async def migration_round(stack: Stack) -> dict[str, Any]:
+    """One round on a running stack: warm, stream, kill the busiest engine, measure."""
+    import httpx
+
+    args = stack.args
+    engine_urls = [f"http://127.0.0.1:{p}" for p in stack.engine_ports]
+    router_url = f"http://127.0.0.1:{stack.router_ports[0]}"
+    n = len(engine_urls)
+    async with httpx.AsyncClient(timeout=120) as http:
+        for c in range(8):  # each context on two engines, sent to them directly
+            for e in (c % n, (c + 1) % n):
+                body = {"model": MODEL, "prompt": context(c), "max_tokens": 1}
+                (await http.post(engine_urls[e] + "/v1/completions", json=body)).raise_for_status()
+        await asyncio.sleep(1.0)  # their KV events reach the router
+        started = [asyncio.Event() for _ in range(16)]
+
+        async def stream(i: int) -> dict[str, Any]:
+            body = {
+                "model": MODEL, "prompt": context(i % 8) + f" question {i}:",
+                "max_tokens": args.max_tokens, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True},
+            }  # fmt: skip
+            times: list[float] = []
+            usage: dict[str, Any] = {}
+            done = 0
+            worker, error = "", None
+            try:
+                async with http.stream("POST", router_url + "/v1/completions", json=body) as resp:
+                    worker = resp.headers.get("x-cache-router-worker", "")
+                    async for line in resp.aiter_lines():
+                        if line == "data: [DONE]":
+                            done += 1
+                        elif line.startswith("data: {"):
+                            obj = orjson.loads(line[6:])
+                            usage = obj.get("usage") or usage
+                            if any(ch.get("text") for ch in obj.get("choices", [])):
+                                times.append(time.perf_counter())
+                                if len(times) == 5:
+                                    started[i].set()
+            except httpx.HTTPError as exc:  # counted: the stream did not complete
+                error = type(exc).__name__
+            started[i].set()
+            return {"worker": worker, "times": times, "usage": usage, "done": done, "error": error}
+
+        tasks = [asyncio.create_task(stream(i)) for i in range(16)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+        victim = await asyncio.to_thread(busiest, stack)
+        await asyncio.to_thread(stack.act, "kill", victim, 0.0)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+    moved = [r for r in results if r["worker"] == victim]
+    gaps, extra = [], []
+    for r in moved:
+        steps = [b - a for a, b in pairwise(r["times"])]
+        if not steps:
+            continue
+        at = max(range(len(steps)), key=steps.__getitem__)  # the break: the longest pause
+        gaps.append(steps[at])
+        prompt = int(r["usage"].get("prompt_tokens", 0))
+        cached = int((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+        extra.append(prompt + at + 1 - cached)  # the prompt and the tokens sent, less the hit
+    return {
+        "victim": victim,
+        "migrated_streams": len(moved),
+        "all_complete_full_length": all(
+            len(r["times"]) == args.max_tokens and r["done"] == 1 and r["error"] is None
+            for r in results
+        ),
+        "gap_ms": percentiles(gaps),
+        "extra_prefill_tokens": percentiles(extra, scale=1),
+        "extra_prefill_total": sum(extra),
+    }
+
+
+def run_migration(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {"engines": 4, "streams": 16, "max_tokens": args.max_tokens}
+    for policy in ("cache_aware", "random"):
+        with tempfile.TemporaryDirectory(prefix="migrate-") as tmp, processes() as procs:
+            args.engines = 4
+            stack = Stack(args, Path(tmp), procs)
+            try:
+                for i in range(4):
+                    stack.start(f"e{i}")
+                for i in range(4):
+                    wait_ready(stack.engine_ports[i], stack.live[f"e{i}"])
+                    stack.start(f"a{i}")
+                env = {**os.environ, "CACHE_ROUTER_POLICY": policy}
+                workers = [f"--worker=e{j}=http://127.0.0.1:{p}" for j, p in
+                           enumerate(stack.engine_ports)]  # fmt: skip
+                stack._spawn("r0", [
+                    sys.executable, "-m", "router.cli", "serve",
+                    "--port", str(stack.router_ports[0]), "--nats-url", stack.nats.url,
+                    "--admin-token", ADMIN, "--log-level", "warning", *workers,
+                ], {**env, "CACHE_ROUTER_HEALTH_INTERVAL": "0.5",
+                    "CACHE_ROUTER_HEALTH_TIMEOUT": "0.5"})  # fmt: skip
+                wait_ready(stack.router_ports[0], stack.live["r0"])
+                out[policy] = asyncio.run(migration_round(stack))
+            finally:
+                stack.nats.stop()
+    return out
+
+
+def busiest(stack: Stack) -> str:
+    """The engine running the most requests now (its /metrics)."""
+    counts = {}
+    for i, port in enumerate(stack.engine_ports):
+        status, body = http_get_auth(port, "/metrics")
+        running = 0.0
+        for line in body.decode().splitlines():
+            if line.startswith("vllm:num_requests_running"):
+                running = float(line.rsplit(" ", 1)[1])
+        counts[f"e{i}"] = running if status == 200 else -1
+    return max(counts, key=lambda k: counts[k])
+
+
+def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p99": None, "n": 0}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * scale, 1)
+
+    return {"p50": at(0.5), "p99": at(0.99), "n": len(ordered)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", type=int, default=16)
@@ -334,6 +484,7 @@ def main() -> None:
     ap.add_argument("--speed", type=float, default=200.0, help="mock engine speed factor")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=60.0, help="client wait per request")
+    ap.add_argument("--migration", action="store_true", help="the migration's cost instead")
     ap.add_argument("--engine-port", type=int, help=argparse.SUPPRESS)  # internal: engine
     ap.add_argument("--worker-id", default="e0", help=argparse.SUPPRESS)
     ap.add_argument("--zmq", help=argparse.SUPPRESS)
@@ -346,7 +497,12 @@ def main() -> None:
         uvloop.run(serve_engine(args))
         return
     with contextlib.suppress(KeyboardInterrupt):
-        print(json.dumps(run(args), indent=2))
+        if args.migration:
+            args.speed = 1.0 if args.speed == 200.0 else args.speed
+            args.max_tokens = 160 if args.max_tokens == 8 else args.max_tokens
+            print(json.dumps(run_migration(args), indent=2))
+        else:
+            print(json.dumps(run(args), indent=2))
 
 
 if __name__ == "__main__":

@@ -41,18 +41,36 @@ from index.wire import EPOCH_START_SEQ
 if TYPE_CHECKING:
     from index.native_index import NativePrefixIndex
 
+# Every medium the engines name in their ``kv_events`` (checked against their sources,
+# December 2026), by the tier a hit there costs; a name not here is counted as
+# ``unknown_medium`` and its event skipped, so a new one shows up in the counters.
+# - vLLM (``vllm/distributed/kv_events.py``): ``GPU``, ``CPU`` and ``STORAGE`` (the
+#   offloading connector's primary tier and its secondary, file-system tier;
+#   ``kv_offload``'s own specs name ``CPU``, ``Disk`` and ``FILE``); a block with
+#   ``locality: "REMOTE"`` is ``REMOTE`` whatever its medium (``index.codec``).
+# - SGLang (``srt/disaggregation/kv_events.py``, HiCache): ``GPU`` (L1), ``CPU_TIER1``
+#   (L2, host memory), ``CPU_TIER2`` (L3, its storage backend: file, 3FS, Mooncake);
+#   older builds named the host tier ``CPU_PINNED``.
+# - Dynamo's KVBM and other publishers: ``DEVICE``, ``HOST``, ``DISK``, ``NVME``,
+#   ``LOCAL_DISK``, ``SHARED``, ``EXTERNAL``, ``NETWORK``.
 _TIER_OF_MEDIUM: dict[str | None, Tier] = {
     None: "gpu",
     "GPU": "gpu",
+    "DEVICE": "gpu",
     "CPU": "cpu",
     "CPU_PINNED": "cpu",
+    "CPU_TIER1": "cpu",
     "HOST": "cpu",
     "DISK": "disk",
     "LOCAL_DISK": "disk",
+    "NVME": "disk",
+    "FILE": "disk",
     "STORAGE": "disk",
+    "CPU_TIER2": "disk",
     "SHARED": "shared",
     "REMOTE": "shared",
     "EXTERNAL": "shared",
+    "NETWORK": "shared",
 }
 _TIER_BIT: dict[Tier, int] = {"gpu": 1, "cpu": 2, "disk": 4, "shared": 8}
 _TIER_NUM = {name: pos for pos, name in enumerate(TIERS)}

@@ -46,7 +46,7 @@ from starlette.routing import Route
 from agent.node import AgentConfig, NodeAgent
 from index.codec import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, encode
 from index.gapfill import GapFillMessage, GapFillRequest
-from index.wire import DEFAULT_PREFIX, EPOCH_HEADER, SEQ_HEADER, Subjects
+from index.wire import DEFAULT_PREFIX, DP_RANK_HEADER, EPOCH_HEADER, SEQ_HEADER, Subjects
 from router.config import RouterConfig, WorkerSpec
 from router.events.bus import subscriptions_in_place
 from router.events.consumer import last_seq
@@ -148,6 +148,7 @@ class EngineDouble:
         self.parent: dict[int, int | None] = {}
         self.seq = -1
         self.epoch = f"{worker_id}-epoch-1"
+        self.dp_rank: int | None = None  # the rank its batches are stamped with (None: none)
         self.ring: list[tuple[int, bytes]] = []
         self.drop_next = 0  # batches to "lose" on the live subject (still kept for replay)
         self.requests: list[dict[str, Any]] = []
@@ -237,7 +238,7 @@ class EngineDouble:
 
     async def publish(self, events: list[Any]) -> None:
         self.seq += 1
-        payload = encode(EventBatch(time.time(), events, None))
+        payload = encode(EventBatch(time.time(), events, self.dp_rank))
         self.ring.append((self.seq, payload))
         del self.ring[: -self.ring_size]
         if self.nc is None:
@@ -246,6 +247,8 @@ class EngineDouble:
             self.drop_next -= 1
             return
         headers = {SEQ_HEADER: str(self.seq), EPOCH_HEADER: self.epoch}
+        if self.dp_rank is not None:  # as the agent names the rank its engine stamps
+            headers[DP_RANK_HEADER] = str(self.dp_rank)
         await self.nc.publish(self.subjects.events(self.worker_id), payload, headers=headers)
         await self.nc.flush()
 

@@ -144,11 +144,11 @@ async def test_requests_on_a_sigstopped_engine_fail_fast_or_go_elsewhere() -> No
             engines[0].proc.send_signal(signal.SIGCONT)
             await until(lambda: w0.healthy, timeout=10, what="w0 back")
             after = [await one() for _ in range(4)]
-        for status, code, took in results:
-            # w1's share is served; w0's fails as a timeout within seconds, not a reset
-            assert (status, code) in ((200, ""), (504, "upstream_timeout")), results
+        for status, _code, took in results:
+            # w1's share is served; w0's is failed there within seconds (stall_after) and
+            # sent to w1 (issue 32; before, a 504 upstream_timeout)
+            assert status == 200, results
             assert took < 8, results
-        assert any(s == 200 for s, _, _ in results)
         assert [s for s, _, _ in later] == [200] * 4
         assert [s for s, _, _ in after] == [200] * 4
     finally:

@@ -303,6 +303,85 @@ async def test_forged_dp_ranks_do_not_hold_a_worker_out_of_sync(nats_url, make_s
     assert len(ingest.last_seqs("w0")) <= ingest.max_ranks
 
 
+# Back in sync within this many seconds of the last forged batch read (router/events.py:
+# one replay round, ``replay_timeout`` 2 s + ``max_backoff`` 5 s, plus the agent's answer;
+# 0.05-0.5 s measured): generous, so that a loaded machine does not fail it.
+HEAL_BOUND = 10.0
+
+# How each of 2,000 forged batches names its rank and seq: ``(i) -> (rank, seq)``.
+RANK_FLOODS = {
+    # the issue's: every batch a new rank
+    "new_rank_each": lambda i: (1 + i, 5 + i % 7),
+    # 1,000 ranks opened with a seq 0 (applied: a new rank's first batch), then a gap in
+    # each: the worker stayed out of sync for good (no agent replays a rank it lacks)
+    "open_then_gap": lambda i: (1 + i % 1000, 0 if i < 1000 else 2),
+    # seq 0 on ranks 1..2000: 64 filled the ingest's rank table for good
+    "seq_zero": lambda i: (1 + i, 0),
+}
+
+
+def pool_exact(stack: DoubleStack, engine: EngineDouble) -> bool:
+    pool = stack.state.registry.get(engine.worker_id).pool
+    return set(pool.ingest.engine_blocks(engine.worker_id)) == set(engine.cache)
+
+
+@pytest.mark.parametrize("reader", ["native", "python"])
+@pytest.mark.parametrize("flood", list(RANK_FLOODS))
+async def test_a_forged_rank_flood_heals_within_the_bound(
+    nats_url, make_stack, reader: str, flood: str
+) -> None:
+    """Forged ``Kv-Dp-Rank`` floods on two workers' subjects: one that has published
+    (w0), one whose engine has published nothing yet (w1, whose first real batch used to
+    be refused once 64 forged ranks filled its table); a third (w2) is not attacked. Each
+    attacked worker is back in sync and exact within ``HEAL_BOUND`` once the flood
+    stops, w2 keeps applying its own batches all along, and no worker keeps more than
+    one rank's seq state."""
+    stack = await make_stack(3, nats_url, events_reader=reader)
+    w0, w1, w2 = stack.engines
+    await w0.admit(list(range(40)))
+    await until(lambda: pool_exact(stack, w0) and not stack.state.events._resync, 15)
+    nc = await nats.connect(nats_url)
+    try:
+        for i in range(2000):
+            rank, seq = RANK_FLOODS[flood](i)
+            await forge(nc, "w0", seq, [], w0.epoch, rank=rank)  # in the engine's life
+            await forge(nc, "w1", seq, [], None if i % 2 else w1.epoch, rank=rank)
+            if i % 500 == 0:  # the unattacked worker's own batches meanwhile
+                await w2.admit(list(range(1000 + i, 1040 + i)))
+        await nc.flush()
+    finally:
+        await nc.close()
+    counts = stack.state.events.counts
+    await until(lambda: counts["messages"] >= 4000 + 4, 30, what="the flood read")
+    for engine, tokens in ((w0, range(100, 140)), (w1, range(200, 240))):
+        took = await healed(stack, engine, list(tokens), timeout=HEAL_BOUND)
+        assert took < HEAL_BOUND
+    assert pool_exact(stack, w2) and stack.state.in_sync("w2", stack.state.registry.get("w2").pool)
+    ingest = stack.state.registry.get("w0").pool.ingest
+    for wid in ("w0", "w1", "w2"):
+        assert len(ingest.last_seqs(wid)) == 1, (wid, ingest.last_seqs(wid))
+    assert counts["foreign_rank"] >= 2 * 1990  # dropped before the ingest
+    assert ingest.errors["too_many_ranks"] == 0
+
+
+async def test_a_new_engine_life_on_another_rank_is_followed(nats_url, make_stack) -> None:
+    """The subject's rank is pinned, but an engine restarted with another DP layout (a new
+    life, a new rank in its batches) is followed: the agent names the new rank."""
+    stack = await make_stack(1, nats_url, events_transport="core")
+    engine = stack.engines[0]
+    await engine.admit(list(range(40)))
+    await until(lambda: pool_exact(stack, engine) and not stack.state.events._resync, 15)
+    engine.cache.clear()  # the engine restarts empty: a new epoch, seq from 0, rank 3
+    engine.parent.clear()
+    engine.ring.clear()
+    engine.seq = -1
+    engine.epoch = "w0-epoch-2"
+    engine.dp_rank = 3
+    await healed(stack, engine, list(range(500, 540)), timeout=HEAL_BOUND)
+    ingest = stack.state.registry.get("w0").pool.ingest
+    assert ingest.epoch("w0") == "w0-epoch-2" and set(ingest.last_seqs("w0")) == {3}
+
+
 async def test_forged_far_ahead_seqs_cost_one_dump_not_minutes(nats_url, make_stack) -> None:
     """20 batches with Kv-Seq 10^9+i set off a replay and a dump every 5-12 s for minutes."""
     stack = await make_stack(1, nats_url, events_transport="core")

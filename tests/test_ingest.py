@@ -312,6 +312,38 @@ def test_tiers_lora_and_extra_keys_follow_the_request_side_hashes(Index) -> None
     assert ingest.engine_hashes("w", hasher.hash_tokens(toks)) == [1, 2]
 
 
+# Each medium the engines' kv_events sources name (index/ingest.py), by tier.
+ENGINE_MEDIA = {
+    "gpu": ["GPU", "DEVICE", None],
+    "cpu": ["CPU", "CPU_PINNED", "CPU_TIER1", "HOST", "cpu_tier1"],
+    "disk": ["DISK", "Disk", "LOCAL_DISK", "NVME", "FILE", "STORAGE", "CPU_TIER2"],
+    "shared": ["SHARED", "REMOTE", "EXTERNAL", "NETWORK"],
+}
+
+
+@pytest.mark.parametrize("tier", list(ENGINE_MEDIA))
+def test_every_engine_medium_lands_in_its_tier(Index, tier: str) -> None:
+    """vLLM's offloading tiers and SGLang's HiCache tiers (``CPU_TIER1``, ``CPU_TIER2``)
+    fell into ``unknown_medium``: a hit there was invisible to the policy."""
+    hasher, index = BlockHasher(B), Index()
+    ingest = make_ingest(index, hasher)
+    media = ENGINE_MEDIA[tier]
+    prompts = [list(range(100 * i, 100 * i + 4)) for i in range(len(media) + 1)]
+    events = [
+        BlockStored([1000 + i], None, toks, B, medium=medium)
+        for i, (toks, medium) in enumerate(zip(prompts, [*media, "TAPE"], strict=True))
+    ]
+    result = ingest.apply("w", 0, encode(EventBatch(0.0, events, 0)))
+    assert result.applied == len(media)
+    assert result.errors == {"unknown_medium": 1}  # still counted, as before
+    # TierMatch is cumulative (gpu <= cpu <= disk <= total): 0 up to the tier, then 1
+    want = [int(i >= list(ENGINE_MEDIA).index(tier)) for i in range(4)]
+    for toks in prompts[:-1]:
+        tiers = index.match_tiers(hasher.hash_tokens(toks))["w"]
+        assert [tiers.gpu, tiers.cpu, tiers.disk, tiers.total] == want, (tier, tiers)
+    assert "w" not in index.match_tiers(hasher.hash_tokens(prompts[-1]))
+
+
 def test_sglang_bigram_pairs_match_a_bigram_hasher(Index) -> None:
     hasher, index = BlockHasher(B, bigram=True), Index()
     ingest = make_ingest(index, hasher)

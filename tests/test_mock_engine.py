@@ -331,3 +331,27 @@ async def test_hf_tokenizer_file(tmp_path: Path) -> None:
     assert r["usage"]["prompt_tokens"] == 5  # one id per word, as tokenizer.json says
     text = r["choices"][0]["text"]
     assert len(tok.encode(text).ids) == 6 and r["usage"]["completion_tokens"] == 6
+
+
+async def test_a_continued_final_message_is_continued_as_vllm_does(engine: MockEngine) -> None:
+    """vLLM's rules for ``continue_final_message``: not with a generation prompt (400);
+    with ``add_generation_prompt: false`` the prompt is the chat up to the partial answer's
+    last character, so its cached blocks are the original chat's plus the answer's."""
+    partial = {"role": "assistant", "content": "the cache holds"}
+    async with httpx.AsyncClient(base_url=engine.url) as http:
+        body = chat("What is a cache?")
+        grown = {**body, "messages": [*body["messages"], partial]}
+        r = await http.post("/v1/chat/completions", json={**grown, "continue_final_message": True})
+        assert r.status_code == 400 and "continue_final_message" in r.text
+        first = (await http.post("/v1/chat/completions", json=body)).json()
+        cont = {**grown, "continue_final_message": True, "add_generation_prompt": False}
+        r = await http.post("/v1/chat/completions", json=cont)
+        assert r.status_code == 200
+        usage = r.json()["usage"]
+        # the original prompt ended with the generation prompt the continuation renders too
+        assert (
+            usage["prompt_tokens"] >= first["usage"]["prompt_tokens"] + len("the cache holds") // 4
+        )
+        # every full block of the original chat is a prefix of the continuation's prompt
+        held = first["usage"]["prompt_tokens"] // BS * BS
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= held > 0

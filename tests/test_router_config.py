@@ -185,7 +185,7 @@ nats_tls_cert nats_tls_key nats_token nats_url nats_user offload_chars peer_ttl 
 predict_ttl replica_id request_timeout share_interval stall_after subject_prefix tokenizer
 tracing unhealthy_after pd_protocol pd_bootstrap_port pd_local_prefill_tokens decode_policy
 tokenize_threads tokenize_queue tokenize_timeout forward_token_ids prefix_cache_mb
-derive_session_key processes tokenize_processes
+derive_session_key processes tokenize_processes migrate_max
 admission queue_size queue_timeout engine_queue engine_max_inflight reserve_share
 priority_starve_after priority_starve_share tenant_header expected_output_tokens
 """.split()  # noqa: SIM905

@@ -234,3 +234,25 @@ async def test_a_cached_turn_encodes_its_new_text_on_the_loop_a_cold_one_on_the_
         assert refused.value.status == 503
     finally:
         app.state.tokenize_pool.shutdown()
+
+
+def test_a_continued_final_message_ends_the_prompt_as_vllm_renders_it():
+    """``continue_final_message`` (router.forward.migrate sends a broken stream's text so
+    far this way): the rendered chat ends with the final message's text, the template's
+    end-of-turn marker after it cut, no generation prompt (transformers' rule, vLLM's)."""
+    source = (
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    t = ChatTemplate(source)
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the cac"}]
+    body = {"messages": chat, "continue_final_message": True, "add_generation_prompt": False}
+    assert t.render(body) == "<|user|>hi<|end|>\n<|assistant|>the cac"
+    trailing = [chat[0], {"role": "assistant", "content": "the cache "}]  # kept as it came
+    assert t.render({**body, "messages": trailing}).endswith("<|assistant|>the cache ")
+    fallback = FallbackTokenizer().chat_template
+    assert fallback.render(body) == "<|user|>\nhi\n<|assistant|>\nthe cac"
+    missing = ChatTemplate("{% for m in messages %}{{ m.role }}{% endfor %}")
+    with pytest.raises(ApiError) as err:
+        missing.render(body)
+    assert err.value.status == 400

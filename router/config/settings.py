@@ -197,6 +197,10 @@ class UpstreamSettings:
     request_timeout: float = setting(600.0, _DURATION)  # for the engine's response headers
     stall_after: float = setting(5.0, _DURATION)  # a down engine this silent fails its requests
     connect_retries: int = setting(2, Range(0, 64))  # other workers tried when nothing reached one
+    # times one request moves to another engine when its engine breaks (0: never; a
+    # stream continues with its text so far, a whole answer is sent again:
+    # router.forward.migrate)
+    migrate_max: int = setting(2, Range(0, 16))
     breaker_failures: int = setting(3, _COUNT)  # consecutive failures that open the breaker
     breaker_cooldown: float = setting(5.0, _SECONDS)  # seconds before a half-open trial request
 

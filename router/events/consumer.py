@@ -18,6 +18,20 @@ resync queues behind the batches already on the thread, so their gaps are seen f
 Nothing is lost silently: a full ingest queue, a slow-consumer drop in the NATS client
 or a skip in the event stream marks the workers concerned out of sync at once and
 resyncs them; ``lag()`` is exported as a metric.
+
+One subject, one seq space. A worker's subject carries one agent's batches, which name
+one dp rank (the engine publisher's ``data_parallel_rank``; each DP rank is its own
+target and subject, ``router.dp``). The ingest keeps a seq space per rank it is given,
+so a header naming a new rank used to open a new space: 2,000 forged ``Kv-Dp-Rank``
+values with seq 0 filled the 64 the ingest allows (a worker whose first real batch came
+later was refused for good) and a later gap in one of them held the worker out of sync
+for good (no agent replays a rank it never had; issue 32). Now the router pins each
+subject to one rank (``_rank``): the first batch it takes pins it, the agent's replay
+(whose payloads carry the engine's own rank) confirms or corrects it, and a batch naming
+any other rank never reaches the ingest (``foreign_rank``). Forged ranks are then no
+more than forged seqs, which one replay round heals: a worker is back in sync one
+round after the last forged batch is read (``replay_timeout`` + ``max_backoff``, 7 s
+at the defaults; 0.1-0.5 s measured), and the flood costs a header parse a message.
 """
 
 from __future__ import annotations
@@ -61,6 +75,23 @@ _RETRY = (SeqStatus.GAP, SeqStatus.MALFORMED, SeqStatus.JUMP)
 _APPLIED = (SeqStatus.OK, SeqStatus.RESTART)
 _CLEAR = encode(EventBatch(0.0, [AllBlocksCleared()]))  # an epoch start's payload
 YIELD_EVERY = 8  # live messages between two yields to the loop (on_event)
+
+
+class _NoRank:
+    """An agent's answer that names no rank (nothing replayed or dumped)."""
+
+
+_NO_RANK = _NoRank()
+
+
+def _named_rank(batches: list[tuple[int, bytes]], dump: list[DecodedBatch]) -> int | _NoRank | None:
+    """The dp rank a replay answer's payloads are stamped with (the engine's own)."""
+    if dump:
+        return dump[0].dp_rank
+    try:
+        return decode(batches[0][1]).dp_rank if batches else _NO_RANK
+    except CodecError:
+        return _NO_RANK  # counted where it is applied
 
 
 def last_seq(ingest: EventIngest, worker_id: str) -> int | None:
@@ -114,9 +145,12 @@ class EventSync:
         self._nc: Client | None = None
         self._pending: dict[str, list[Live]] = {}
         self._resync: dict[str, asyncio.Task[None]] = {}
-        # The dp rank each worker's live batches name: replayed batches carry none, and
-        # ingest keeps one seq space per rank, so replays must land in the live one.
+        # The dp rank each worker's subject is pinned to (its one seq space: see the
+        # module's docstring); replayed batches carry no header, so they land in it too.
+        # Pinned by the first batch taken, confirmed (``_confirmed``) or corrected by
+        # what the agent's replay payloads name.
         self._rank: dict[str, int | None] = {}
+        self._confirmed: set[str] = set()
         self.subjects = Subjects(prefix)
         self._events_prefix = self.subjects.events("")
         self._load_prefix = self.subjects.load("")
@@ -293,6 +327,8 @@ class EventSync:
         except (KeyError, ValueError):
             self.counts["bad_headers"] += 1
             return
+        if not self._pinned(worker_id, live):
+            return
         if worker_id in self._resync:
             self._hold(worker_id, live)
             return
@@ -317,6 +353,40 @@ class EventSync:
                 self.lost(worker_id, "ingest_queue_full")
             return
         self._applied(worker_id, live, self._apply(ingest, worker_id, live))
+
+    def _pinned(self, worker_id: str, live: Live) -> bool:
+        """Whether a live batch belongs to the worker's seq space (its rank is the one
+        pinned); the first one pins it. A batch of another rank is dropped (forged, or
+        the pin came from a forged first batch): while the agent has not confirmed the
+        pin, it is asked for the last batch applied, whose payload names the real rank;
+        one of another engine life has the agent asked from seq 0.
+
+        A first batch without ``Kv-Epoch`` (agents always send one) is checked with the
+        agent at once: a forged seq 0 with no epoch, on a worker whose engine has
+        published nothing yet, passes every seq rule, and the engine's own seq 0 would
+        be dropped as its duplicate (with an epoch, the engine's first batch names
+        another life, which the agent confirms)."""
+        rank = live.dp_rank
+        if worker_id not in self._rank:
+            self._rank[worker_id] = rank
+            if live.epoch is None:
+                self._start_resync(worker_id, max(0, live.seq))
+            return True
+        if self._rank[worker_id] == rank:
+            return True
+        self.counts["foreign_rank"] += 1
+        worker = self.registry.source(worker_id)
+        if worker is None or worker_id in self._resync:
+            return False
+        ingest = worker.pool.ingest
+        if live.epoch is not None and live.epoch != ingest.epoch(worker_id):
+            # another engine life may publish another rank (an engine restarted with
+            # another DP layout): its agent names the rank of its payloads
+            self._start_resync(worker_id, 0)
+        elif worker_id not in self._confirmed:
+            last = ingest.last_seq(worker_id, self._rank[worker_id])
+            self._start_resync(worker_id, 0 if last is None else max(0, last))
+        return False
 
     def _ingest_thread(self) -> IngestThread:
         if self._thread is None:
@@ -380,7 +450,6 @@ class EventSync:
                 return
             result = self._apply(worker.pool.ingest, worker_id, live)
         if result.status in _APPLIED:
-            self._rank[worker_id] = live.dp_rank
             if self.native is not None and self.tracing is None:
                 worker = self.registry.source(worker_id)
                 if worker is not None:
@@ -455,11 +524,12 @@ class EventSync:
                 ingest.forget_unconfirmed(worker_id)
             pending = self._take_pending(worker_id)
             for i, live in enumerate(pending):
+                if live.dp_rank != self._rank.get(worker_id, live.dp_rank):
+                    self.counts["held_rank_dropped"] += 1  # the agent named another rank
+                    continue
                 if replied and self._forged(ingest, worker_id, live):
                     continue
                 result = self._apply(ingest, worker_id, live)
-                if result.status in _APPLIED:
-                    self._rank[worker_id] = live.dp_rank
                 if result.status in (SeqStatus.GAP, SeqStatus.MALFORMED):
                     from_seq = result.expected_seq or 0
                     rest = pending[i:] if result.status is SeqStatus.GAP else pending[i + 1 :]
@@ -510,6 +580,59 @@ class EventSync:
             and ingest.epoch(worker_id) not in (None, end.epoch)
         )
 
+    def _agent_rank(
+        self,
+        worker_id: str,
+        rank: int | None,
+        batches: list[tuple[int, bytes]],
+        dump: list[DecodedBatch],
+        end: GapFillMessage,
+    ) -> int | None:
+        """The rank the agent's answer names (its payloads are the engine's own, stamped
+        with its rank), pinned as the worker's seq space and confirmed. When that is not
+        the rank pinned so far (a forged batch pinned it first), the worker is reset (an
+        epoch start under the agent's rank clears every seq space and block) and rebuilt
+        from what the agent sends: this answer if it starts at seq 0 or is a dump, else
+        the next round's, asked from 0."""
+        named = _named_rank(batches, dump)
+        if isinstance(named, _NoRank):
+            return rank
+        self._confirmed.add(worker_id)
+        self._rank[worker_id] = named
+        worker = self.registry.source(worker_id)
+        if named != rank and worker is not None and worker.pool.ingest.last_seqs(worker_id):
+            self.counts["rank_repinned"] += 1
+            self._forget(worker.pool.ingest, worker_id, named, end.epoch)
+        return named
+
+    @staticmethod
+    def _ahead(ingest: EventIngest, worker_id: str, rank: int | None, end: GapFillMessage) -> bool:
+        """Whether the router applied batches past the agent's last (``end.seq``, -1 for
+        none) in the life the agent names (or in none: the batches named no epoch): the
+        agent saw every batch its engine published before it answered, so those were
+        forged (a seq 0 on a worker whose engine had published nothing yet passes every
+        seq rule)."""
+        last = ingest.last_seq(worker_id, rank)
+        return (
+            end.epoch is not None
+            and ingest.epoch(worker_id) in (None, end.epoch)
+            and last is not None
+            and last > end.seq
+        )
+
+    def _forget(
+        self, ingest: EventIngest, worker_id: str, rank: int | None, epoch: str | None
+    ) -> None:
+        """Clear all the router knows of a worker (its seq spaces and blocks), keeping
+        the engine life the agent named: the agent's batches from seq 0, or its dump,
+        rebuild it (the resync's next round asks from 0). ``load_dump`` keeps the highest
+        seq seen in the same life (batches newer than a dump still need a replay), here a
+        forged one that no replay would ever fill: an empty dump under a life of no name
+        first, then one under the agent's, leaves none."""
+        with self._apply_lock:
+            ingest.load_dump(worker_id, EPOCH_START_SEQ, [], dp_rank=rank, epoch="")
+            ingest.load_dump(worker_id, EPOCH_START_SEQ, [], dp_rank=rank, epoch=epoch)
+
     async def _gap_fill(self, worker_id: str, from_seq: int) -> bool:
         """Fetch and apply batches from ``from_seq`` (or a dump); False if no full answer."""
         nc = self._nc
@@ -518,10 +641,8 @@ class EventSync:
         if worker is None:
             return False
         ingest = worker.pool.ingest
-        # the rank of the batches applied so far (never set by one that was not: a forged
-        # Kv-Dp-Rank would send the replay to its rank); before any, the first held one's
-        held = self._pending.get(worker_id)
-        rank = self._rank.get(worker_id, held[0].dp_rank if held else None)
+        # the seq space the subject is pinned to; the answer's payloads may correct it
+        rank = self._rank.get(worker_id)
         self.counts["replay_requests"] += 1
         dump: list[DecodedBatch] = []
         dump_seq: int | None = None
@@ -548,7 +669,7 @@ class EventSync:
                         dump.append(decode(m.payload))
                         dump_seq = m.seq
                     else:
-                        self._rank[worker_id] = rank  # the seq space the agent just filled
+                        rank = self._agent_rank(worker_id, rank, batches, dump, m)
                         with self._apply_lock:
                             if self._new_empty_life(ingest, worker_id, m, batches):
                                 ingest.apply(
@@ -561,6 +682,9 @@ class EventSync:
                                 ingest.load_dump(worker_id, seq, dump, dp_rank=rank, epoch=m.epoch)
                         if m.dump:
                             self.counts["dumps_loaded"] += 1
+                        elif self._ahead(ingest, worker_id, rank, m):
+                            self.counts["ahead_of_agent"] += 1
+                            self._forget(ingest, worker_id, rank, m.epoch)
                         return True
             finally:
                 await sub.unsubscribe()

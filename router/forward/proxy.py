@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from router.admission.gate import waiter
+from router.forward.migrate import Cause, Leg, Migration, cause_of, refusal
 from router.forward.relay import (
     CLUSTER_UNAVAILABLE,
     REQ_DROP,
@@ -72,6 +73,8 @@ class Proxy:
         # the client's credentials are for this router, not for every engine behind it
         auth = () if deps.cfg.forward_authorization else (b"authorization",)
         self.drop = REQ_DROP | frozenset(auth)
+        # requests admission bound, until their first send (``open``), by ``id(prep)``
+        self.admitted: dict[int, Ticket] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         st = self.deps
@@ -136,38 +139,87 @@ class Proxy:
         if st.gate is None or prep.pinned is not None:  # a stored response has one engine
             await self._forward(scope, raw, prep, ex, trace)
             return
-        # admission (router.admission): held here while the engines are full, or shed
+        # admission (router.admission): held here while the engines are full, or shed;
+        # bound, its first send goes where admission routed it (``open``)
         ticket = await st.gate.enter(prep, scope["headers"])
+        self.admitted[id(prep)] = ticket
         try:
-            await self._forward(scope, raw, prep, ex, trace, ticket)
+            await self._forward(scope, raw, prep, ex, trace)
         finally:
+            self.admitted.pop(id(prep), None)
             st.gate.finish(ticket)
 
     async def _forward(
-        self,
-        scope: Scope,
-        raw: bytes,
-        prep: Prepared,
-        ex: Exchange,
-        trace: Trace | None,
-        ticket: Ticket | None = None,
+        self, scope: Scope, raw: bytes, prep: Prepared, ex: Exchange, trace: Trace | None
     ) -> None:
-        """Send to the engine the policy chooses (admission's choice, with a ``ticket``,
-        for the first try) and stream its answer back."""
         st = self.deps
-        bound = None if ticket is None else waiter(ticket)
-        req = prep.request
-        arm = prep.arm
         headers = [(k, v) for k, v in scope["headers"] if k not in self.drop]
         if not any(k == b"x-request-id" for k, _ in headers):
-            headers.append((b"x-request-id", req.request_id.encode()))
+            headers.append((b"x-request-id", prep.request.request_id.encode()))
+        why = refusal(prep.parsed, st.cfg.gateway) if st.cfg.migrate_max else "off"
+        if why is None:  # it moves to another engine if its engine breaks
+            await Migration(self, prep, headers, raw, ex, trace).run()
+            return
+        leg = await self.open(prep, headers, raw, set(), trace)
+        try:
+            remember = None
+            if self.kind == "responses" and prep.parsed.body.get("store") is not False:
+                remember = st.affinity.remembers(leg.worker.id)
+            await self.stream(
+                ex, leg.resp, leg.tid, leg.flight, leg.series, prep.arm, leg.hit, remember,
+                first_token=self.first_token(prep, leg.tid),
+            )  # fmt: skip
+        except UpstreamError:
+            st.metrics.not_migrated.labels(why).inc()
+            raise
+        else:
+            if not leg.resp.complete:  # a broken stream, ended with an error event
+                st.metrics.not_migrated.labels(why).inc()
+        finally:
+            self.close(leg, prep, trace)
+
+    def first_token(self, prep: Prepared, tid: str) -> Callable[[float], None]:
+        """The policy's time-to-first-token hook for a request on ``tid``."""
+        policy = self.deps.experiment.policy_for(prep.arm)
+        req = prep.request
+
+        def first_token(ms: float) -> None:
+            policy.on_first_token(req, tid, ms)
+
+        return first_token
+
+    async def open(
+        self,
+        prep: Prepared,
+        headers: list[tuple[bytes, bytes]],
+        raw: bytes,
+        exclude: set[str],
+        trace: Trace | None,
+        resend: Callable[[Cause], bool] | None = None,
+    ) -> Leg:
+        """Decide and send until an engine answers with its status and headers: the
+        next-best worker gets the request while nothing can have run on the last one
+        (``Failure.retry``), or while ``resend`` allows it (a migratable request: it may
+        have reached the engine, the engine broke before answering). ``ApiError`` when
+        no worker is left."""
+        st = self.deps
+        req = prep.request
+        arm = prep.arm
         out_raw, out_body = prep.engine_body(raw)
-        exclude: set[str] = set()
+        broke: UpstreamError | None = None  # an engine broke under it and it moved on
+        ticket = self.admitted.pop(id(prep), None)  # bound by admission (``_handle``)
+        bound = None if ticket is None else waiter(ticket)
         while True:
-            if bound is not None and bound.decision is not None:  # bound by admission
-                decision, views, bound = bound.decision, bound.views, None
-            else:
-                decision, views = st.router.decide(prep, exclude, trace)
+            try:
+                if bound is not None and bound.decision is not None:  # admission's choice
+                    decision, views, bound = bound.decision, bound.views, None
+                else:
+                    decision, views = st.router.decide(prep, exclude, trace)
+            except ApiError as err:
+                if broke is None:
+                    raise
+                st.metrics.not_migrated.labels("no_worker").inc()  # today's error
+                raise ApiError(502, str(broke), "upstream_error") from err
             tid = decision.worker_id  # the worker, or one of its DP ranks (router/workers/dp.py)
             found = st.registry.target(tid)
             worker, rank = found if found is not None else (st.registry.get(tid), None)
@@ -178,10 +230,11 @@ class Proxy:
             prefetched = await self.hint(decision, prep)
             flight = worker.rank_load(rank).begin(max(0, req.num_tokens - hit))
             if ticket is not None and st.gate is not None:
-                st.gate.started(ticket)
+                st.gate.started(ticket)  # its worker counts it now
             failure: Failure | None = None
             error: UpstreamError | None = None
             sent, body = forward_rank(headers, out_raw, out_body, rank, worker.dp_field)
+            t_send = 0
             if trace is not None:
                 sent = [h for h in headers if h[0] not in (b"traceparent", b"tracestate")]
                 parent = trace.begin_upstream(worker.id, worker.url, self.path)
@@ -205,7 +258,21 @@ class Proxy:
             if trace is not None:
                 trace.end_upstream(failure.reason)
             flight.finish()
+            # a migration (counted by ``resend``): the engine broke before it answered
+            if (
+                not failure.retry
+                and error is not None
+                and resend is not None
+                and resend(cause_of(error))
+            ):
+                st.registry.request_failed(worker, failure.reason)
+                st.registry.suspect(worker)
+                st.metrics.error(arm, worker.id, failure.kind)
+                exclude.add(worker.id)
+                broke = error
+                continue
             self.failed(worker, failure, error, arm, exclude)
+        t_head = 0
         if trace is not None:
             t_head = now_ns()
             trace.upstream_step("upstream connect", t_send, resp.written_ns)
@@ -213,36 +280,32 @@ class Proxy:
             trace.status = resp.status
             trace.attrs(worker=tid, arm=arm, prompt_tokens=req.num_tokens,
                         routed_hit_tokens=hit, reason=decision.reason)  # fmt: skip
+        leg = Leg(resp, worker, tid, hit, flight, st.metrics.series(arm, tid), t_head)
         try:
             st.router.predict(prep, tid)
-            series = st.metrics.series(arm, tid)
-            series.requests.inc()
-            series.prompt_tokens.inc(req.num_tokens)
-            series.routed_hit_tokens.inc(hit)
+            leg.series.requests.inc()
+            leg.series.prompt_tokens.inc(req.num_tokens)
+            leg.series.routed_hit_tokens.inc(hit)
             st.audit.routed(tid, req.block_hashes[0] if req.block_hashes else None)
             if st.capacity is not None and req.block_hashes:
                 st.capacity.record(
                     req.model, req.block_size, tid, req.block_hashes, req.num_tokens,
                     prefetched,
                 )  # fmt: skip
-            remember = None
-            if self.kind == "responses" and prep.parsed.body.get("store") is not False:
-                remember = st.affinity.remembers(worker.id)
-            policy = st.experiment.policy_for(arm)
+        except BaseException:
+            self.close(leg, prep, trace)
+            raise
+        return leg
 
-            def first_token(ms: float) -> None:
-                policy.on_first_token(req, tid, ms)
-
-            await self.stream(
-                ex, resp, tid, flight, series, arm, hit, remember, first_token=first_token
-            )
-        finally:
-            resp.close()
-            flight.finish()
-            if trace is not None:
-                trace.upstream_step("stream end", t_head, now_ns())
-                trace.end_upstream(None if resp.complete else "stream cut", resp.status)
-            st.experiment.policy_for(arm).on_finish(req, tid)
+    def close(self, leg: Leg, prep: Prepared, trace: Trace | None) -> None:
+        """Done with ``leg``: its connection (aborted unless read to the end), its
+        place in the worker's load, the policy's hook, the trace's span."""
+        leg.resp.close()
+        leg.flight.finish()
+        if trace is not None:
+            trace.upstream_step("stream end", leg.t_head, now_ns())
+            trace.end_upstream(None if leg.resp.complete else "stream cut", leg.resp.status)
+        self.deps.experiment.policy_for(prep.arm).on_finish(prep.request, leg.tid)
 
     async def hint(self, decision: Decision | None, prep: Prepared) -> int:
         """Publish the decision's prefetch hint, if it carries one; the blocks it pulls
@@ -306,7 +369,7 @@ class Proxy:
         (``_send_body``), a cut is answered (``_broken``), the hits are counted."""
         status = resp.status
         worker = self._settle(worker_id, status, arm)
-        start = self._head(resp, worker_id, hit)
+        start = self.head(resp, worker_id, hit)
         sse = (resp.header(b"content-type") or b"").startswith(b"text/event-stream")
         if sse:  # a stream's head goes now; a whole answer's with its first bytes, so
             ex.started = True  # both leave in one write (router.http.coalesce)
@@ -357,7 +420,7 @@ class Proxy:
             st.metrics.error(arm, worker_id, f"engine_{status}")
         return worker
 
-    def _head(self, resp: Response, worker_id: str, hit: int) -> Message:
+    def head(self, resp: Response, worker_id: str, hit: int) -> Message:
         """The client's response head: the engine's status and end-to-end headers, the
         worker that answered and the prompt tokens the index predicted cached."""
         out = [(k, v) for k, v in resp.headers if k.lower() not in _RESP_DROP]

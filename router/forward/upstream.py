@@ -27,10 +27,13 @@ Semantics the proxy relies on:
   new one; on a new connection (the engine was killed with the request queued) it is a
   ``ConnectFailed``: the proxy tries the next worker. An EOF is never retried: an engine
   killed after reading a request ends the connection with one too;
-- ``stalled(url)``: the health checker gave the engine up while requests wait for its
-  response headers; if the engine sent no byte on any connection for ``stall_after``
-  seconds (a hung process, not a slow one: a busy engine streams to somebody) they
-  fail now with ``UpstreamStalled`` instead of after ``request_timeout``.
+- ``stalled(url)``: the health checker gave the engine up while requests wait on it;
+  if the engine sent no byte on any connection for ``stall_after`` seconds (a hung
+  process, not a slow one: a busy engine streams to somebody) they fail now with
+  ``UpstreamStalled`` instead of after ``request_timeout``, and their connections are
+  closed (the engine aborts them when it wakes): one waiting for its response headers
+  (the proxy sends it to another engine: nothing reached the client) and one in the
+  middle of its body (a stream the proxy continues elsewhere, ``router.forward.migrate``).
 """
 
 from __future__ import annotations
@@ -152,6 +155,17 @@ class Response:
             if self.complete:
                 conn.release(self)
                 return
+            if self._error is not None:
+                raise self._error
+            await self._wait(timeout)
+
+    async def settle(self, timeout: float) -> None:
+        """Wait (each wait within ``timeout``) until the engine sent the whole body, which
+        stays to be read by ``chunks``; ``UpstreamError`` if it breaks first. Reading is
+        not paused meanwhile: a whole answer is held to be sent again elsewhere if its
+        engine breaks before its end (``router.forward.migrate``)."""
+        while not self.complete:
+            self._conn.resume()
             if self._error is not None:
                 raise self._error
             await self._wait(timeout)
@@ -383,15 +397,16 @@ class Upstream:
         return resp
 
     def stalled(self, base_url: str, stall_after: float) -> int:
-        """Fail the requests waiting for ``base_url``'s response headers if it has been
-        silent ``stall_after`` seconds (see the module docstring); how many failed."""
+        """Fail the requests waiting on ``base_url`` (for their headers or the rest of
+        their body) if it has been silent ``stall_after`` seconds (see the module
+        docstring); how many failed."""
         origin = self._origins.get(base_url)
         if origin is None or time.monotonic() - origin.heard < stall_after:
             return 0
         failed = 0
         for conn in list(origin.busy):
             resp = conn.response
-            if resp is not None and not resp._headers_done:
+            if resp is not None and not resp.complete:
                 conn._fail(UpstreamStalled("the engine stopped answering (health checks fail)"))
                 conn.abort()
                 failed += 1

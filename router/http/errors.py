@@ -45,6 +45,7 @@ ErrorCode = Literal[
 ErrorKind = Literal[
     "connect", "timeout", "upstream", "cluster_unavailable", "client_disconnect", "internal",
     "prefill_broken", "prefill_status",  # router.pd.exchange: retried on another prefill engine
+    "stall",  # a down engine silent past stall_after: the request goes to another one
 ]  # fmt: skip
 ERROR_CODES: frozenset[str] = frozenset(typing.get_args(ErrorCode))
 ERROR_KINDS: frozenset[str] = ERROR_CODES | frozenset(typing.get_args(ErrorKind))

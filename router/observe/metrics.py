@@ -72,6 +72,19 @@ class RouterMetrics:
         self.retries = Counter(
             "cache_router_retries", "Sends retried on another worker", ["worker"], registry=r
         )
+        self.migrations = Counter(
+            "cache_router_migrations",
+            "Requests moved to another engine after theirs broke (router.forward.migrate), "
+            "by cause: connection, status, stall, error_event",
+            ["cause"],
+            registry=r,
+        )
+        self.not_migrated = Counter(
+            "cache_router_not_migrated",
+            "Requests whose engine broke and that could not move to another one, by why",
+            ["reason"],
+            registry=r,
+        )
         self.passthrough = Counter(
             "cache_router_passthrough_requests",
             "Requests sent on without a cache-aware decision (embeddings, score, rerank, "

@@ -163,6 +163,29 @@ def _generation_prompt(body: Mapping[str, Any], kwargs: Mapping[str, Any]) -> bo
     return bool(kwargs.get("add_generation_prompt", body.get("add_generation_prompt", True)))
 
 
+def _continued(rendered: str, body: Mapping[str, Any]) -> str:
+    """``rendered`` cut right after the final message's text when the request continues
+    it (``continue_final_message``), as vLLM and SGLang render it (transformers'
+    ``apply_chat_template``): a template closes every message with its end-of-turn
+    marker, which must not follow the text the model goes on writing (the router's
+    migration sends a broken stream's text so far this way, router.forward.migrate)."""
+    messages = body.get("messages") or []
+    if not body.get("continue_final_message") or not messages:
+        return rendered
+    final = text_of_content(messages[-1].get("content")) if isinstance(messages[-1], dict) else ""
+    stripped = final.strip()
+    at = rendered.rfind(stripped) if stripped else -1
+    if at < 0:
+        raise ApiError(
+            400, "continue_final_message: the final message is not in the rendered chat",
+            "chat_template_error",
+        )  # fmt: skip
+    kept = final.lstrip()
+    # the template kept the text as it came (trailing spaces too), or trimmed it
+    end = at + len(kept) if rendered[at : at + len(kept)] == kept else at + len(stripped)
+    return rendered[:end]
+
+
 class ChatTemplate:
     """A compiled chat template plus the special tokens it may reference."""
 
@@ -191,9 +214,10 @@ class ChatTemplate:
                 env, {**self.globals, **given}, template.name, template.blocks,
                 globals=self.globals,
             )  # fmt: skip
-            return env.concat(template.root_render_func(ctx))
+            rendered = env.concat(template.root_render_func(ctx))
         except Exception as exc:  # a template may raise anything on odd input
             raise ApiError(400, f"chat template failed: {exc}", "chat_template_error") from exc
+        return _continued(rendered, body)
 
 
 class FallbackChat:
@@ -206,7 +230,7 @@ class FallbackChat:
         ]
         if _generation_prompt(body, body.get("chat_template_kwargs") or {}):
             parts.append("<|assistant|>\n")
-        return "".join(parts)
+        return _continued("".join(parts), body)
 
 
 class Tokenizer:

@@ -57,6 +57,15 @@ def parse_params(kind: Kind, body: Any, served_model: str) -> Params:
             raise ApiError(400, "messages must be a non-empty list", "invalid_value", "messages")
         if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise ApiError(400, "each message needs a role", "invalid_value", "messages")
+        # vLLM's check (its add_generation_prompt defaults to true, as here); the chat is
+        # rendered with the final message continued (router.tokens.tokenize._continued)
+        if body.get("continue_final_message") and body.get("add_generation_prompt", True):
+            raise ApiError(
+                400,
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                "invalid_value",
+                "continue_final_message",
+            )
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
