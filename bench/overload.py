@@ -256,7 +256,7 @@ def _router(procs: list[subprocess.Popen[bytes]], port: int, engines: list[int],
 def run(args: argparse.Namespace) -> dict[str, Any]:
     py = sys.executable
     quiet = {"cwd": ROOT, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    configs = [(p, False) for p in args.policies.split(",")]
+    configs = [(p, False) for p in args.policies.split(",") if p]
     configs += [(p, True) for p in args.admission_policies.split(",") if p]
     loads = [float(x) for x in args.loads.split(",")]
     results: list[dict[str, Any]] = []

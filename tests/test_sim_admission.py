@@ -30,9 +30,7 @@ def test_holding_at_the_router_keeps_the_queue_where_it_can_be_late_bound(tmp: P
     ~8 s at p90, for ~6 points of hit rate, none shed."""
     trace = _chat(tmp, speedup=2.0)
     off = Simulation(trace, "cache_aware", SimConfig(workers=4)).run()
-    on = Simulation(
-        trace, "cache_aware", SimConfig(workers=4, admission=AdmissionSettings())
-    ).run()
+    on = Simulation(trace, "cache_aware", SimConfig(workers=4, admission=AdmissionSettings())).run()
     assert off["ttft_p90_ms"] > 3 * on["ttft_p90_ms"]
     assert on["hit_rate"] >= off["hit_rate"] - 0.07
     assert on["shed"] == off["shed"] == 0

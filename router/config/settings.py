@@ -408,8 +408,8 @@ class OverloadSettings:
     engine_queue: int = setting(1, Range(0, 1 << 20))  # requests a full engine still gets
     engine_max_inflight: int | None = setting(None, _COUNT)  # a fixed engine limit; None: learnt
     # a share of a full engine's slots kept for tenants under their fair share and for
-    # urgent requests (priority < 0)
-    reserve_share: float = setting(0.1, Range(0, 0.9))
+    # urgent requests (priority < 0); 0: none, every slot works (docs/overload.md)
+    reserve_share: float = setting(0.0, Range(0, 0.9))
     priority_starve_after: float = setting(5.0, _DURATION)  # waited this long: its turn comes
     priority_starve_share: int = setting(8, Range(2, 1 << 20))  # one dispatch in this many then
     tenant_header: str = setting("x-tenant-id")  # names a request's tenant (after API keys)
