@@ -31,6 +31,7 @@ from router.http.errors import ApiError
 if TYPE_CHECKING:
     from policies.base import Decision, WorkerView
     from router.config import RouterConfig
+    from router.observe.tracing import Trace
     from router.routing.decide import Prepared, Router
     from router.workers.registry import WorkerRegistry
 
@@ -69,10 +70,11 @@ class ShedError(ApiError):
 class Waiter:
     """A ticket's request, and what binding it decided."""
 
-    __slots__ = ("decision", "error", "future", "prep", "started", "views")
+    __slots__ = ("decision", "error", "future", "prep", "started", "trace", "views")
 
-    def __init__(self, prep: Prepared) -> None:
+    def __init__(self, prep: Prepared, trace: Trace | None = None) -> None:
         self.prep = prep
+        self.trace = trace  # binding's match and decide spans go to the request's trace
         self.future: asyncio.Future[None] | None = None
         self.decision: Decision | None = None
         self.views: list[WorkerView] = []
@@ -145,7 +147,9 @@ class Gate:
             )  # fmt: skip
         return tenant, priority
 
-    def ticket(self, prep: Prepared, tenant: str, priority: int) -> Ticket:
+    def ticket(
+        self, prep: Prepared, tenant: str, priority: int, trace: Trace | None = None
+    ) -> Ticket:
         body = prep.parsed.body
         asked = body.get("max_completion_tokens") or body.get("max_tokens")
         output = asked if isinstance(asked, int) and asked > 0 else self.expected_output
@@ -155,7 +159,7 @@ class Gate:
         if self.core.queued or any(limit(t) is not None for t in candidates):
             saved = self._saved(prep)  # only a full pool binds late: nothing to pay before
         return Ticket(
-            tenant, priority, prep.request.num_tokens, output, candidates, saved, Waiter(prep)
+            tenant, priority, prep.request.num_tokens, output, candidates, saved, Waiter(prep, trace)
         )
 
     def _saved(self, prep: Prepared) -> dict[str, float]:
@@ -171,11 +175,16 @@ class Gate:
         return saved
 
     # -- a request's way through ---------------------------------------------------------
-    async def enter(self, prep: Prepared, headers: Iterable[tuple[bytes, bytes]]) -> Ticket:
+    async def enter(
+        self,
+        prep: Prepared,
+        headers: Iterable[tuple[bytes, bytes]],
+        trace: Trace | None = None,
+    ) -> Ticket:
         """Admit a request: its ticket once bound (``waiter(t).decision`` is where it
         goes); ``ShedError`` if it is shed, the routing error if it could not be placed."""
         tenant, priority = self.identify(headers, prep.parsed.body)
-        ticket = self.ticket(prep, tenant, priority)
+        ticket = self.ticket(prep, tenant, priority, trace)
         state = self.core.arrive(ticket)
         if state is State.QUEUED:
             w = waiter(ticket)
@@ -227,7 +236,7 @@ class Gate:
         w = waiter(ticket)
         exclude = frozenset(t for t in ticket.candidates if t not in allowed)
         try:
-            w.decision, w.views = self.router.decide(w.prep, exclude)
+            w.decision, w.views = self.router.decide(w.prep, exclude, w.trace)
         except ApiError as err:
             w.error = err
             self._wake(w)

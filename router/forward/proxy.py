@@ -138,7 +138,7 @@ class Proxy:
             await self._forward(scope, raw, prep, ex, trace)
             return
         # admission (router.admission): held here while the engines are full, or shed
-        ticket = await st.gate.enter(prep, scope["headers"])
+        ticket = await st.gate.enter(prep, scope["headers"], trace)
         try:
             await self._forward(scope, raw, prep, ex, trace, ticket)
         finally:
