@@ -158,9 +158,8 @@ class Gate:
         limit = self.core.capacity.limit
         if self.core.queued or any(limit(t) is not None for t in candidates):
             saved = self._saved(prep)  # only a full pool binds late: nothing to pay before
-        return Ticket(
-            tenant, priority, prep.request.num_tokens, output, candidates, saved, Waiter(prep, trace)
-        )
+        waiter = Waiter(prep, trace)
+        return Ticket(tenant, priority, prep.request.num_tokens, output, candidates, saved, waiter)
 
     def _saved(self, prep: Prepared) -> dict[str, float]:
         """Seconds of prefill each worker's cache saves the request."""
