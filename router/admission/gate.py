@@ -158,8 +158,8 @@ class Gate:
         limit = self.core.capacity.limit
         if self.core.queued or any(limit(t) is not None for t in candidates):
             saved = self._saved(prep)  # only a full pool binds late: nothing to pay before
-        waiter = Waiter(prep, trace)
-        return Ticket(tenant, priority, prep.request.num_tokens, output, candidates, saved, waiter)
+        held = Waiter(prep, trace)
+        return Ticket(tenant, priority, prep.request.num_tokens, output, candidates, saved, held)
 
     def _saved(self, prep: Prepared) -> dict[str, float]:
         """Seconds of prefill each worker's cache saves the request."""
