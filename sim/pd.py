@@ -133,6 +133,9 @@ class PdSimulation(Simulation):
         self.done = 0
         self.num_rejected = 0
         self.counters: Counter[str] = Counter()
+        if config.admission is not None:
+            raise ValueError("admission is simulated for pools of mixed engines only")
+        self.admission = None  # the mixed pool's hooks (sim.simulator) find it off
         # the prefill leg of each remote request: its SimRequest, and when the leg and
         # the transfer ended (per trace index)
         self.prefill_leg: dict[int, SimRequest] = {}
