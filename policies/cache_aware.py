@@ -268,6 +268,7 @@ class CacheAware(Policy):
                 total = own
             if m.cpu > m.gpu:
                 self._host_tier.add(w.worker_id)
+            held = total  # what the engine serves: the common prefix below only ranks
             if common > total and w.in_sync:
                 # every worker holds the common prefix after its first request: no affinity
                 m = TierMatch(max(m.gpu, common), max(m.cpu, common), max(m.disk, common), common)
@@ -320,7 +321,7 @@ class CacheAware(Policy):
                 "queue_ms": queue,
                 "prefill_ms": prefill,
                 "load_ms": load,
-                "hit_blocks": total,
+                "hit_blocks": held,
                 "prefetch_blocks": 0,
                 "recompute_ms": 0.0,
                 "prefetch_risk_ms": 0.0,
