@@ -53,13 +53,14 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import orjson
 
+from router.forward.relay import Relay
 from router.forward.upstream import Response, UpstreamError, UpstreamStalled
 from router.http.errors import ApiError, sse_error
 from router.workers.load import WAITING, Flight
 
 if TYPE_CHECKING:
     from router.admission.core import Ticket
-    from router.forward.relay import Exchange, ProxyDeps
+    from router.forward.relay import Exchange
     from router.http.asgi import Message
     from router.observe.metrics import Series
     from router.observe.tracing import Trace
@@ -396,11 +397,9 @@ class Leg:
     t_head: int = 0  # when its headers came (a trace's clock; 0: no trace)
 
 
-class Legs(Protocol):
-    """What a migration uses of the proxy that took the request (``Proxy`` has it)."""
-
-    @property
-    def deps(self) -> ProxyDeps: ...
+class Legs(Relay, Protocol):
+    """What a migration uses of the proxy that took the request (``Proxy`` has it):
+    the relay's methods, and its legs."""
 
     async def open(
         self,
@@ -418,20 +417,6 @@ class Legs(Protocol):
     def head(self, resp: Response, worker_id: str, hit: int) -> Message: ...
 
     def first_token(self, prep: Prepared, tid: str) -> Callable[[float], None]: ...
-
-    async def stream(
-        self,
-        ex: Exchange,
-        resp: Response,
-        worker_id: str,
-        flight: Flight,
-        series: Series | None,
-        arm: str,
-        hit: int,
-        remember: Callable[[bytes], None] | None = None,
-        prefilled_remotely: bool = False,
-        first_token: Callable[[float], None] | None = None,
-    ) -> None: ...
 
 
 class Migration:
