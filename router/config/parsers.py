@@ -282,14 +282,7 @@ def discovery_spec(raw: Any, where: str) -> DiscoverySpec:
     spec = DiscoverySpec(**fields)
     if spec.record not in ("a", "srv"):
         raise ConfigError(f"{where}: record must be a (A/AAAA) or srv, not {spec.record!r}")
-    if not 0 < spec.port < 65536:
-        raise ConfigError(f"{where}: port {spec.port} is out of range")
-    if spec.scheme not in ("http", "https"):
-        raise ConfigError(f"{where}: scheme must be http or https")
-    if spec.block_size is not None and spec.block_size <= 0:
-        raise ConfigError(f"{where}: block_size must be positive")
-    if not 0 < spec.interval <= MAX_DISCOVERY_INTERVAL:
-        raise ConfigError(f"{where}: interval must be in (0, {MAX_DISCOVERY_INTERVAL:g}] s")
+    _check_source(where, spec)
     return spec
 
 
@@ -363,6 +356,19 @@ def _checked_kubernetes(spec: KubernetesSpec, where: str) -> KubernetesSpec:
             raise ConfigError(f"{where}: {text!r} is not a label selector")
     if spec.namespace is not None and not _NAMESPACE.fullmatch(spec.namespace):
         raise ConfigError(f"{where}: namespace {spec.namespace!r} is not a namespace name")
+    _check_source(where, spec)
+    if not 1 <= spec.watch_timeout <= MAX_DISCOVERY_INTERVAL:
+        raise ConfigError(f"{where}: watch_timeout must be in [1, {MAX_DISCOVERY_INTERVAL:g}] s")
+    for name in ("token_file", "ca_file"):
+        path = getattr(spec, name)
+        if path is not None and not Path(path).is_file():
+            raise ConfigError(f"{where}: {name}: no such file {path}")
+    return spec
+
+
+def _check_source(where: str, spec: DiscoverySpec | KubernetesSpec) -> None:
+    """What every discovery source's engines need: a port, a scheme, a block size, an
+    interval within bounds."""
     if not 0 < spec.port < 65536:
         raise ConfigError(f"{where}: port {spec.port} is out of range")
     if spec.scheme not in ("http", "https"):
@@ -371,10 +377,3 @@ def _checked_kubernetes(spec: KubernetesSpec, where: str) -> KubernetesSpec:
         raise ConfigError(f"{where}: block_size must be positive")
     if not 0 < spec.interval <= MAX_DISCOVERY_INTERVAL:
         raise ConfigError(f"{where}: interval must be in (0, {MAX_DISCOVERY_INTERVAL:g}] s")
-    if not 1 <= spec.watch_timeout <= MAX_DISCOVERY_INTERVAL:
-        raise ConfigError(f"{where}: watch_timeout must be in [1, {MAX_DISCOVERY_INTERVAL:g}] s")
-    for name in ("token_file", "ca_file"):
-        path = getattr(spec, name)
-        if path is not None and not Path(path).is_file():
-            raise ConfigError(f"{where}: {name}: no such file {path}")
-    return spec

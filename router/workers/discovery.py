@@ -30,7 +30,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from router.config import DiscoverySpec, WorkerSpec
 
@@ -60,11 +60,11 @@ class Endpoint:
     url: str
 
 
-def _token(text: str) -> str:
+def worker_token(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "-", text).strip("-")[:100] or "engine"
 
 
-def _url(scheme: str, address: str, port: int) -> str:
+def endpoint_url(scheme: str, address: str, port: int) -> str:
     host = f"[{address}]" if ":" in address else address
     return f"{scheme}://{host}:{port}"
 
@@ -107,15 +107,18 @@ class DnsDiscovery:
                 addresses = await self._addresses(target)
                 if addresses is None:
                     return None  # half an answer would drain the engines not looked up
-                wid = _token(f"{_label(target)}-{rr.port}")
-                found.update(Endpoint(wid, _url(spec.scheme, a, rr.port)) for a in addresses[:1])
+                wid = worker_token(f"{_label(target)}-{rr.port}")
+                url = endpoint_url(spec.scheme, addresses[0], rr.port) if addresses else None
+                if url is not None:
+                    found.add(Endpoint(wid, url))
             return found
         addresses = await self._addresses(spec.name)
         if addresses is None:
             return None
         label = _label(spec.name)
+        port, scheme = spec.port, spec.scheme
         return {
-            Endpoint(_token(f"{label}-{a}-{spec.port}"), _url(spec.scheme, a, spec.port))
+            Endpoint(worker_token(f"{label}-{a}-{port}"), endpoint_url(scheme, a, port))
             for a in addresses[:MAX_ENDPOINTS]
         }
 
@@ -202,16 +205,8 @@ class DnsDiscovery:
         log.info("discovery %s: found %s at %s", spec.name, ep.worker_id, ep.url)
 
     def _reap(self, now: float) -> None:
-        """Remove drained workers whose requests are done (or who took too long)."""
-        for wid, since in list(self.gone_since.items()):
-            worker = self.registry.get(wid)
-            if worker is not None:
-                if worker.load.inflight_requests and now - since <= self.drain_timeout:
-                    continue
-                self.registry.remove(wid)
-                log.info("discovery %s: removed %s", self.spec.name, wid)
-            del self.gone_since[wid]
-            self.owned.pop(wid, None)
+        for wid in reap(self.registry, self.gone_since, self.owned, self.drain_timeout, now):
+            log.info("discovery %s: removed %s", self.spec.name, wid)
 
     async def run(self, client: httpx.AsyncClient) -> None:
         """Resolve every ``interval`` seconds, forever."""
@@ -231,6 +226,32 @@ class DnsDiscovery:
             "resolutions": self.resolutions,
             "failures": self.failures,
         }
+
+
+T = TypeVar("T")
+
+
+def reap(
+    registry: WorkerRegistry,
+    gone_since: dict[str, float],
+    owned: dict[str, T],
+    drain_timeout: float,
+    now: float,
+) -> list[str]:
+    """Remove the drained workers (``gone_since``: when each left) whose requests are done
+    or who took longer than ``drain_timeout``; the ids removed from the registry. Every
+    discovery backend drains a worker that left the same way."""
+    removed = []
+    for wid, since in list(gone_since.items()):
+        worker = registry.get(wid)
+        if worker is not None:
+            if worker.load.inflight_requests and now - since <= drain_timeout:
+                continue
+            registry.remove(wid)
+            removed.append(wid)
+        del gone_since[wid]
+        owned.pop(wid, None)
+    return removed
 
 
 def _hostport(text: str) -> tuple[str, int]:

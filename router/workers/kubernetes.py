@@ -51,7 +51,7 @@ import httpx
 import orjson
 
 from router.config import ConfigError, KubernetesSpec, Role, WorkerSpec
-from router.workers.discovery import _token, _url
+from router.workers.discovery import endpoint_url, reap, worker_token
 
 if TYPE_CHECKING:
     from router.workers.registry import Worker, WorkerRegistry
@@ -85,7 +85,7 @@ def pod_engine(pod: dict[str, Any], role: Role, k8s: KubernetesSpec) -> Engine |
         text = said.get(ANNOTATION + key)
         return int(text) if isinstance(text, str) and text.isdigit() else default
 
-    worker_id = _token(str(said.get(ANNOTATION + "worker-id") or meta.get("name", "")))
+    worker_id = worker_token(str(said.get(ANNOTATION + "worker-id") or meta.get("name", "")))
     conditions = status.get("conditions") or []
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
     ip = status.get("podIP")
@@ -94,7 +94,7 @@ def pod_engine(pod: dict[str, Any], role: Role, k8s: KubernetesSpec) -> Engine |
     port = number("port", k8s.port) or k8s.port
     spec = WorkerSpec(
         worker_id,
-        _url(k8s.scheme, ip, port),
+        endpoint_url(k8s.scheme, ip, port),
         said.get(ANNOTATION + "model") or k8s.model,
         k8s.pool,
         k8s.block_size,
@@ -330,16 +330,8 @@ class KubernetesDiscovery:
         return worker
 
     def _reap(self, now: float) -> None:
-        """Remove drained workers whose requests are done (or who took too long)."""
-        for wid, since in list(self.gone_since.items()):
-            worker = self.registry.get(wid)
-            if worker is not None:
-                if worker.load.inflight_requests and now - since <= self.drain_timeout:
-                    continue
-                self.registry.remove(wid)
-                log.info("kubernetes: removed %s", wid)
-            del self.gone_since[wid]
-            self.owned.pop(wid, None)
+        for wid in reap(self.registry, self.gone_since, self.owned, self.drain_timeout, now):
+            log.info("kubernetes: removed %s", wid)
 
     async def run(self, client: httpx.AsyncClient) -> None:
         """Follow every selector, and reap drained workers every ``interval``, for ever."""
