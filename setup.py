@@ -23,6 +23,8 @@ setup(
                 "index/native/stack_distance.hpp",
                 "index/native/nats_proto.hpp",
                 "index/native/nats_reader.hpp",
+                "index/native/kv_headers.hpp",
+                "index/native/keyed.hpp",
             ],
             cxx_std=17,
             extra_compile_args=["-O3"],

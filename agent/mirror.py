@@ -19,6 +19,7 @@ from index.codec import (
     BlockStored,
     DecodedBatch,
     EngineHash,
+    Event,
     EventBatch,
     encode,
 )
@@ -133,7 +134,7 @@ class EngineMirror:
         """
         ts = time.time() if ts is None else ts
         chunks: list[bytes] = []
-        events: list[BlockStored] = []
+        events: list[Event] = []  # stores only; EventBatch takes any event
         tokens = 0
         last: BlockStored | None = None
         for key in self._ordered():
