@@ -14,6 +14,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${FUZZ_SECONDS:-45}
 timeout=${FUZZ_TIMEOUT:-5}
+# a fixed seed makes CI's run the same sequence of inputs every time (FUZZ_SEED=0: random),
+# so a red run is reproducible and a green one is not luck
+seed=${FUZZ_SEED:-1}
 out=${FUZZ_OUT:-$(mktemp -d)}
 targets=("$@")
 [ ${#targets[@]} -eq 0 ] && targets=(events nats)
@@ -59,6 +62,7 @@ for t in "${targets[@]}"; do
     mkdir -p "$out/corpus_$t" "$out/crashes"
     echo "fuzz: $t for ${seconds}s" >&2
     if ! "$bin" "$out/corpus_$t" "$out/seeds/$t" -max_total_time="$seconds" -timeout="$timeout" \
+        -seed="$seed" \
         -max_len=65536 -rss_limit_mb=2048 -print_final_stats=1 \
         -artifact_prefix="$out/crashes/$t-" 2>"$out/$t.log"; then
         echo "fuzz: $t FAILED; its log: $out/$t.log, the input: $out/crashes/" >&2
