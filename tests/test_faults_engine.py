@@ -11,11 +11,13 @@ step with the new engine, requests reaching it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable
+from typing import Any
 
 import httpx
 import orjson
@@ -93,9 +95,13 @@ class Stack:
         return sum(self.pool.index.stats().workers.get(worker_id, {}).values())
 
 
-@pytest.fixture
-async def stack(nats_url: str) -> AsyncIterator[tuple[Stack, str]]:
-    engines = [EngineProcess(f"e{i}") for i in range(2)]
+@contextlib.asynccontextmanager
+async def engines_behind_router(
+    nats_url: str, engines: list[EngineProcess], **settings: Any
+) -> AsyncIterator[tuple[list[NodeAgent], RouterApp, str]]:
+    """Each engine started with its node agent, then a router on NATS in front of them
+    (``settings``: the router's beyond the workers, NATS and the admin token); the agents,
+    the router and its url. Everything stopped after, the engines last."""
     agents: list[NodeAgent] = []
     served = None
     try:
@@ -115,16 +121,14 @@ async def stack(nats_url: str) -> AsyncIterator[tuple[Stack, str]]:
             agents.append(await NodeAgent(cfg).start())
         router_cfg = RouterConfig(
             nats_url=nats_url,
-            block_size=BS,
             admin_token="t",
-            health_interval=0.2,
-            request_timeout=10.0,
             workers=[WorkerSpec(e.worker_id, e.url, model=MODEL) for e in engines],
+            **settings,
         )
         app = RouterApp(router_cfg)
         served = await Served(app).start()
         await until(lambda: app.state.bus.connected, what="router on NATS")
-        yield Stack(engines, agents, app), served.url
+        yield agents, app, served.url
     finally:
         if served is not None:
             await served.stop()
@@ -132,6 +136,14 @@ async def stack(nats_url: str) -> AsyncIterator[tuple[Stack, str]]:
             await a.stop()
         for e in engines:
             e.stop()
+
+
+@pytest.fixture
+async def stack(nats_url: str) -> AsyncIterator[tuple[Stack, str]]:
+    engines = [EngineProcess(f"e{i}") for i in range(2)]
+    settings = {"block_size": BS, "health_interval": 0.2, "request_timeout": 10.0}
+    async with engines_behind_router(nats_url, engines, **settings) as (agents, app, url):
+        yield Stack(engines, agents, app), url
 
 
 async def explain(http: httpx.AsyncClient, prompt: str) -> dict[str, dict]:

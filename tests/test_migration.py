@@ -19,11 +19,8 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from stack import Served, until
-from test_faults_engine import MODEL, EngineProcess
+from test_faults_engine import MODEL, EngineProcess, engines_behind_router
 
-from agent.node import AgentConfig, NodeAgent
-from router.config import RouterConfig, WorkerSpec
 from router.forward.migrate import Broken, Splice, continuation, refusal
 from router.http.app import RouterApp
 from router.routing.decide import Parsed
@@ -50,6 +47,11 @@ class SlowEngine(EngineProcess):
         assert self.proc is not None
         self.proc.send_signal(sig)
 
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.signal(signal.SIGCONT)  # a test may have left it stopped
+        super().stop()
+
 
 class Fleet:
     def __init__(self, engines: list[SlowEngine], app: RouterApp, url: str) -> None:
@@ -73,47 +75,10 @@ class Fleet:
 @pytest.fixture
 async def fleet(nats_url: str) -> AsyncIterator[Fleet]:
     engines = [SlowEngine(f"e{i}") for i in range(3)]
-    agents: list[NodeAgent] = []
-    served = None
-    try:
-        for e in engines:
-            e.start()
-        for e in engines:
-            await e.ready()
-            cfg = AgentConfig(
-                worker_id=e.worker_id,
-                zmq_endpoint=f"tcp://127.0.0.1:{e.zmq}",
-                replay_endpoint=f"tcp://127.0.0.1:{e.replay}",
-                engine_url=e.url,
-                nats_url=nats_url,
-                load_interval=0.1,
-                replay_timeout=0.5,
-            )
-            agents.append(await NodeAgent(cfg).start())
-        router_cfg = RouterConfig(
-            nats_url=nats_url,
-            block_size=16,
-            admin_token="t",
-            health_interval=0.2,
-            health_timeout=0.5,
-            stall_after=1.0,
-            request_timeout=20.0,
-            policy="round_robin",
-            workers=[WorkerSpec(e.worker_id, e.url, model=MODEL) for e in engines],
-        )
-        app = RouterApp(router_cfg)
-        served = await Served(app).start()
-        await until(lambda: app.state.bus.connected, what="router on NATS")
-        yield Fleet(engines, app, served.url)
-    finally:
-        if served is not None:
-            await served.stop()
-        for a in agents:
-            await a.stop()
-        for e in engines:
-            if e.proc is not None and e.proc.poll() is None:
-                e.signal(signal.SIGCONT)
-            e.stop()
+    settings = {"block_size": 16, "health_interval": 0.2, "health_timeout": 0.5,
+                "stall_after": 1.0, "request_timeout": 20.0, "policy": "round_robin"}  # fmt: skip
+    async with engines_behind_router(nats_url, engines, **settings) as (_, app, url):
+        yield Fleet(engines, app, url)
 
 
 def request(kind: str, i: int, stream: bool = True) -> tuple[str, dict[str, Any]]:
