@@ -347,40 +347,15 @@ def router_command(
         ]
         return cmd + (["--nats-url", nats_url] if nats_url else [])
     peers_bin = Path(peers_python).parent
-    if kind == "sglang_router":
-        return [
-            peers_python,
-            "-m",
-            "sglang_router.launch_router",
-            "--worker-urls",
-            *urls,
-            "--policy",
-            "cache_aware",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--prometheus-port",
-            str(port2),
-            "--log-level",
-            "warn",
-        ]
-    if kind == "vllm_router" and (peers_bin / "vllm-router").exists():
-        return [
-            str(peers_bin / "vllm-router"),
-            "--worker-urls",
-            *urls,
-            "--policy",
-            "cache_aware",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--prometheus-port",
-            str(port2),
-            "--log-level",
-            "warning",
-        ]
+    # the peers take the same flags; only how each is started and its log level's name differ
+    peers = {"sglang_router": ([peers_python, "-m", "sglang_router.launch_router"], "warn")}
+    if (peers_bin / "vllm-router").exists():
+        peers["vllm_router"] = ([str(peers_bin / "vllm-router")], "warning")
+    if kind in peers:
+        start, level = peers[kind]
+        return [*start, "--worker-urls", *urls, "--policy", "cache_aware",
+                "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(port2),
+                "--log-level", level]  # fmt: skip
     return None
 
 
