@@ -256,30 +256,12 @@ def discovery_spec(raw: Any, where: str) -> DiscoverySpec:
         table = dict(raw)
     else:
         raise ConfigError(f"{where}: a discovery source is a string or a table")
-    unknown = set(table) - _DISCOVERY_KEYS
-    if unknown:
-        raise ConfigError(f"{where}: unknown discovery keys {sorted(unknown)}")
+    _known(table, _DISCOVERY_KEYS, "discovery", where)
     name = table.get("name")
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,253}", name):
         raise ConfigError(f"{where}: name must be a DNS name, not {name!r}")
-    fields: dict[str, Any] = {"name": name.rstrip(".")}
-    try:
-        for key in sorted(_DISCOVERY_KEYS - {"name"}):
-            value = table.get(key)
-            if value is None:
-                continue
-            if key in ("port", "block_size"):
-                if isinstance(value, bool | float):
-                    raise ValueError(f"{key} must be an integer")
-                value = int(value)
-            elif key == "interval":
-                value = float(value)
-            else:
-                value = str(value)
-            fields[key] = value
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: {exc}") from exc
-    spec = DiscoverySpec(**fields)
+    rest = {k: v for k, v in table.items() if k != "name"}
+    spec = DiscoverySpec(name=name.rstrip("."), **_typed(rest, where))
     if spec.record not in ("a", "srv"):
         raise ConfigError(f"{where}: record must be a (A/AAAA) or srv, not {spec.record!r}")
     _check_source(where, spec)
@@ -323,26 +305,8 @@ def kubernetes_spec(raw: Any, where: str) -> KubernetesSpec:
         table = dict(raw)
     else:
         raise ConfigError(f"{where}: a kubernetes source is a string or a table")
-    unknown = set(table) - _KUBERNETES_KEYS
-    if unknown:
-        raise ConfigError(f"{where}: unknown kubernetes keys {sorted(unknown)}")
-    fields: dict[str, Any] = {}
-    try:
-        for key, value in table.items():
-            if value is None:
-                continue
-            if key in ("port", "block_size"):
-                if isinstance(value, bool | float):
-                    raise ValueError(f"{key} must be an integer")
-                value = int(value)
-            elif key in ("interval", "watch_timeout"):
-                value = float(value)
-            else:
-                value = str(value)
-            fields[key] = value
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: {exc}") from exc
-    return _checked_kubernetes(KubernetesSpec(**fields), where)
+    _known(table, _KUBERNETES_KEYS, "kubernetes", where)
+    return _checked_kubernetes(KubernetesSpec(**_typed(table, where)), where)
 
 
 def _checked_kubernetes(spec: KubernetesSpec, where: str) -> KubernetesSpec:
@@ -377,3 +341,32 @@ def _check_source(where: str, spec: DiscoverySpec | KubernetesSpec) -> None:
         raise ConfigError(f"{where}: block_size must be positive")
     if not 0 < spec.interval <= MAX_DISCOVERY_INTERVAL:
         raise ConfigError(f"{where}: interval must be in (0, {MAX_DISCOVERY_INTERVAL:g}] s")
+
+
+def _known(table: Mapping[str, Any], keys: frozenset[str], kind: str, where: str) -> None:
+    unknown = set(table) - keys
+    if unknown:
+        raise ConfigError(f"{where}: unknown {kind} keys {sorted(unknown)}")
+
+
+def _typed(table: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A discovery source's values typed as its spec declares them (every source shares
+    these names): whole numbers for ports and block sizes (never a bool or a float),
+    seconds as floats, the rest strings; a value left out (None) is the default."""
+    fields: dict[str, Any] = {}
+    try:
+        for key, value in table.items():
+            if value is None:
+                continue
+            if key in ("port", "block_size"):
+                if isinstance(value, bool | float):
+                    raise ValueError(f"{key} must be an integer")
+                value = int(value)
+            elif key in ("interval", "watch_timeout"):
+                value = float(value)
+            else:
+                value = str(value)
+            fields[key] = value
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+    return fields
