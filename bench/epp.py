@@ -40,6 +40,7 @@ from proxy import (  # noqa: E402
     _COMPLETION,
     _drive,
     _requests,
+    load_summary,
     median_of,
     process,
     run_engine,
@@ -112,14 +113,7 @@ async def _drive_epp(
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
-    latencies.sort()
-    return {
-        "requests": len(latencies),
-        "errors": errors,
-        "requests_per_s": len(latencies) / wall,
-        "p50_ms": latencies[len(latencies) // 2] * 1000,
-        "p99_ms": latencies[int(len(latencies) * 0.99)] * 1000,
-    }
+    return load_summary(latencies, errors, wall)
 
 
 def run_floor(port: int) -> None:

@@ -172,7 +172,11 @@ async def _drive(port: int, requests: list[bytes], concurrency: int) -> dict[str
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    wall = time.perf_counter() - t0
+    return load_summary(latencies, errors, time.perf_counter() - t0)
+
+
+def load_summary(latencies: list[float], errors: int, wall: float) -> dict[str, float]:
+    """A load run's count, errors, rate and latency percentiles (``latencies`` in s)."""
     latencies.sort()
     return {
         "requests": len(latencies),
