@@ -341,6 +341,34 @@ def agent_turns(texts: Texts, target: int, sessions: int = 4) -> list[bytes]:
     return out
 
 
+def shared_prefix_in_process(tok_dir: str, turns: list[bytes]) -> dict[str, Any]:
+    """The router's chat tokenizing and hashing alone (``PrefixCache.lookup``/``finish``,
+    as ``Router.prepare`` runs them) over ``turns``, CPU ms per turn, with the segment
+    cache's word cuts and without (``word_mode`` None: segments cut at special tokens
+    only, as before them); both checked equal to encoding each whole text."""
+    from index.hashing import BlockHasher
+    from router.tokens.prefix_cache import PrefixCache
+    from router.tokens.tokenize import HFTokenizer
+
+    bodies = [orjson.loads(t.split(b"\r\n\r\n", 1)[1]) for t in turns]
+    out: dict[str, Any] = {"turns": len(bodies)}
+    for name in ("word_cuts", "no_word_cuts"):
+        hf = HFTokenizer(tok_dir)
+        if name == "no_word_cuts":
+            hf.word_mode = None
+        cache, hasher, equal, ns = PrefixCache(256 << 20), BlockHasher(16), True, 0
+        for body in bodies:
+            text = hf.chat_template.render(body)
+            c0 = time.process_time_ns()
+            ids, _ = cache.finish(cache.lookup(hf, text, hasher))
+            ns += time.process_time_ns() - c0
+            equal &= ids.tolist() == hf._tok.encode(text, add_special_tokens=False).ids
+        out[f"{name}_cpu_ms_per_turn"] = ns / len(bodies) / 1e6
+        out[f"{name}_identical_to_full_encoding"] = equal
+        out["word_mode"] = out.get("word_mode") or hf.word_mode
+    return out
+
+
 def _mean_pass(passes: list[dict[str, Any]]) -> dict[str, Any]:
     """The passes' figures averaged, their turns and errors summed (a figure the phase
     has no value for, None, stays None)."""
@@ -643,6 +671,8 @@ def main() -> None:
                         for name in runs:
                             passes = entries[name]["shared_prefix_passes"]
                             entries[name]["shared_prefix"] = _mean_pass(passes)
+                        alone = shared_prefix_in_process(tok_dir, agents[0])
+                        result["shared_prefix_tokenize_alone"] = alone
                         continue
                     if args.multi_turn_only:
                         # ABC with this conversation, then CBA with a fresh one (a router
