@@ -183,12 +183,13 @@ class ReplicaShare:
             if self._peers:
                 await asyncio.sleep(self.interval)
             else:  # nobody hears the changes: the next full message, or a first peer
-                self._marks.clear()  # no peer would apply them
                 self._peer_came.clear()
                 wait = max(self._next_full - time.monotonic(), self.interval)
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(wait):
                         await self._peer_came.wait()
+                if not self._peers:
+                    self._marks.clear()  # no peer would apply them
             now = time.monotonic()
             if now >= self._next_full:
                 self._expire(now)
