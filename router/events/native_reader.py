@@ -44,10 +44,6 @@ POLL_BATCH = 64  # records handled per loop callback: requests run between two b
 # Batches the reader applied itself wake nobody; their counts (ingest.batches_applied,
 # counts["native_applied"]) are collected this often.
 COUNT_INTERVAL = 0.02
-# While nothing arrives the gap doubles up to this: 50 collections a second of nothing were
-# ~5 ms of an idle router's CPU a second (and 50 of its ~70 wakes); the first batch after
-# a quiet spell is counted within this, the rest every ``COUNT_INTERVAL`` again.
-COUNT_IDLE = 0.32
 MAX_QUEUED = 100_000  # messages waiting for Python
 MAX_QUEUED_BYTES = 256 << 20
 MAX_PAYLOAD = 64 << 20  # over nats-server's own max_payload ceiling (64 MB)
@@ -136,8 +132,6 @@ class NativeEvents:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._scheduled = False
         self._tick: asyncio.TimerHandle | None = None
-        self._every = COUNT_INTERVAL  # the count's current gap (``_count``)
-        self._active = False  # a drain since the last count had something
         # worker -> its route; holding the core keeps it alive while routed
         self._routes: dict[str, _Route] = {}
         self.failures = 0
@@ -248,17 +242,13 @@ class NativeEvents:
             self._drain()
 
     def _count(self) -> None:
-        self._active = self._scheduled
         self._wake()
         assert self._loop is not None
-        self._every = COUNT_INTERVAL if self._active else min(self._every * 2, COUNT_IDLE)
-        self._tick = self._loop.call_later(self._every, self._count)
+        self._tick = self._loop.call_later(COUNT_INTERVAL, self._count)
 
     def _drain(self) -> None:
         self._scheduled = False
         records, dropped, dropped_all, applied, more = self.reader.poll(POLL_BATCH)
-        if records or applied:
-            self._active = True
         events = self.events
         for record in records:
             kind = record[0]
