@@ -10,7 +10,7 @@ cache_aware`` in front of the same engine. Each target gets a latency phase
 router CPU seconds per request from /proc over the router's whole process tree).
 
     python bench/proxy.py [--requests 4000] [--concurrency 32] [--sglang-python PATH]
-        [--granian-python PATH]
+        [--granian-python PATH] [--baseline DIR]
 
 ``--granian-python``: a python with ``granian`` (a Rust HTTP server) adds
 ``cache_router_granian``, the same router app served by granian's ASGI interface
@@ -311,6 +311,11 @@ def main() -> None:
     ap.add_argument("--policy", default="cache_aware")
     ap.add_argument("--sglang-python", help="python with sglang_router (default: auto)")
     ap.add_argument("--granian-python", help="python with granian: the router under it too")
+    ap.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="also cache_router_baseline: cache-router run from this checkout (before/after)",
+    )
     ap.add_argument("--engine", type=int, help=argparse.SUPPRESS)  # internal: run the engine
     args = ap.parse_args()
     if args.engine:
@@ -325,6 +330,11 @@ def main() -> None:
         "direct": None,
         "cache_router": [sys.executable, "-m", "router.cli", "serve", "--port", "{port}", *serve],
     }
+    if args.baseline:
+        targets["cache_router_baseline"] = [
+            "env", "-C", args.baseline, sys.executable, "-m", "router.cli", "serve",
+            "--port", "{port}", *serve,
+        ]  # fmt: skip
     envs: dict[str, dict[str, str]] = {}
     if args.granian_python:
         targets["cache_router_granian"] = [
@@ -373,7 +383,7 @@ def main() -> None:
             med["added_" + key] = med[key] - direct[key]
         result[name] = med
     if "sglang_router" in result:
-        for name in ("cache_router", "cache_router_granian"):
+        for name in ("cache_router", "cache_router_granian", "cache_router_baseline"):
             ours, theirs = result.get(name), result["sglang_router"]
             if not isinstance(ours, dict):
                 continue
@@ -385,6 +395,12 @@ def main() -> None:
             }
     else:
         result["sglang_router"] = "not importable: pass --sglang-python"
+    if args.baseline:
+        ours, base = result["cache_router"], result["cache_router_baseline"]
+        assert isinstance(ours, dict) and isinstance(base, dict)
+        result["ratios_cache_router_over_baseline"] = {
+            key: ours[key] / base[key] for key in ("cpu_us_per_request", "requests_per_s")
+        }
     print(json.dumps(result, indent=2))
 
 
