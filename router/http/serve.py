@@ -115,9 +115,11 @@ def settle_collector() -> None:
     allocates a few hundred tracked objects, nearly all freed by reference counting, so
     at the default the collector ran every request or two. perf on bench/proxy.py's
     short chats (``cache_aware``, concurrency 32): the collector's share of the router's
-    CPU 5.1 % by default, 1.8 % frozen, 0.2 % frozen with this threshold. Cycles still
-    go within some tens of requests. Called by ``run`` only: a process that builds
-    many apps (the tests) would keep every frozen one's cycles for ever."""
+    CPU 5.1 % by default, 1.8 % frozen, 0.2 % frozen with this threshold; the whole CPU
+    per request moved within the noise (353 against 357 us, 5 rounds under the lock,
+    BENCHMARKS.md). Cycles still go within some tens of requests. Called by ``run``
+    only: a process that builds many apps (the tests) would keep every frozen one's
+    cycles for ever."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_YOUNG, *gc.get_threshold()[1:])
