@@ -344,7 +344,7 @@ def agent_turns(texts: Texts, target: int, sessions: int = 4) -> list[bytes]:
 def shared_prefix_in_process(tok_dir: str, turns: list[bytes]) -> dict[str, Any]:
     """The router's chat tokenizing and hashing alone (``PrefixCache.lookup``/``finish``,
     as ``Router.prepare`` runs them) over ``turns``, CPU ms per turn, with the segment
-    cache's word cuts and without (``word_mode`` None: segments cut at special tokens
+    cache's word cuts and without (``word_cuts`` None: segments cut at special tokens
     only, as before them); both checked equal to encoding each whole text."""
     from index.hashing import BlockHasher
     from router.tokens.prefix_cache import PrefixCache
@@ -355,7 +355,7 @@ def shared_prefix_in_process(tok_dir: str, turns: list[bytes]) -> dict[str, Any]
     for name in ("word_cuts", "no_word_cuts"):
         hf = HFTokenizer(tok_dir)
         if name == "no_word_cuts":
-            hf.word_mode = None
+            hf.word_cuts = None
         cache, hasher, equal, ns = PrefixCache(256 << 20), BlockHasher(16), True, 0
         for body in bodies:
             text = hf.chat_template.render(body)
@@ -365,7 +365,8 @@ def shared_prefix_in_process(tok_dir: str, turns: list[bytes]) -> dict[str, Any]
             equal &= ids.tolist() == hf._tok.encode(text, add_special_tokens=False).ids
         out[f"{name}_cpu_ms_per_turn"] = ns / len(bodies) / 1e6
         out[f"{name}_identical_to_full_encoding"] = equal
-        out["word_mode"] = out.get("word_mode") or hf.word_mode
+        mode = None if hf.word_cuts is None else hf.word_cuts.mode
+        out["word_mode"] = out.get("word_mode") or mode
     return out
 
 

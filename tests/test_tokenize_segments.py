@@ -82,7 +82,8 @@ def test_get_many_counts_and_refreshes_each_key_as_get_does() -> None:
 # Words and the characters a cut must not break around: runs of spaces, tabs and new lines,
 # the ``▁`` SentencePiece writes for a space, non-ASCII letters, special tokens.
 WORDS = ["a", "cache", "router", "Hello", "b", "数字", "ü", "🙂", "x1", ",", "."]
-SEPS = [" ", " ", " ", "  ", "\t", "\n", " \n", "\u2581", "", "<s>", "</s>", "<|im_end|>"]
+SEPS = [" ", " ", " ", "  ", "\t", "\n", " \n", "\u2581", "", "<s>", "</s>", "<|im_end|>",
+        " <s> ", " </s>", "<|im_end|> ", " <|im_start|>", " <unk> "]  # fmt: skip
 long_text = st.lists(st.tuples(st.sampled_from(WORDS), st.sampled_from(SEPS)), max_size=60).map(
     lambda ws: "".join(w + s for w, s in ws)
 )
@@ -95,9 +96,9 @@ long_text = st.lists(st.tuples(st.sampled_from(WORDS), st.sampled_from(SEPS)), m
 def test_word_pieces_encode_as_the_whole_text(hf: HFTokenizer, text: str, chunk: int) -> None:
     """Cut at every chunk the rule allows (``chunk`` 1: at every allowed space), the pieces
     encoded alone and joined are the whole text's encoding, on each tokenizer family."""
-    assert hf.word_mode is not None  # both test tokenizers are proven at load
+    assert hf.word_cuts is not None  # both test tokenizers are proven at load
     for segment in _segments(text, hf.cuts):
-        pieces = _word_pieces(segment, hf.word_mode, chunk)
+        pieces = _word_pieces(segment, hf.word_cuts, chunk)
         encoded = hf._tok.encode_batch_fast(pieces, add_special_tokens=False)
         joined = [i for e in encoded for i in e.ids]
         assert joined == hf._tok.encode(segment, add_special_tokens=False).ids, pieces
@@ -135,7 +136,8 @@ def test_word_cuts_need_a_proven_tokenizer(spm: Tokenizer, byte_bpe: Tokenizer) 
     """Only the two proven families are cut by words: a normalizer that changes what a
     cut sees (lowercase before the SentencePiece rules), or a byte-level pre-tokenizer
     that adds a space to every piece, turn them off."""
-    assert _word_cut_mode(spm) == "drop" and _word_cut_mode(byte_bpe) == "keep"
+    drop, keep = _word_cut_mode(spm), _word_cut_mode(byte_bpe)
+    assert drop is not None and drop.mode == "drop" and keep is not None and keep.mode == "keep"
     other = Tokenizer.from_str(spm.to_str())
     other.normalizer = normalizers.Sequence(
         [normalizers.Lowercase(), normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]

@@ -68,6 +68,7 @@ import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from itertools import pairwise
 from pathlib import Path
@@ -406,7 +407,21 @@ _WORD_PROBE = (
 )
 
 
-def _word_cut_mode(tok: HFRustTokenizer) -> str | None:
+@dataclass(frozen=True, slots=True)
+class WordCuts:
+    """Where a tokenizer's text may be cut at words (``_word_cut_mode``): ``mode``, and
+    the first and last characters of its added tokens. An added token is split out of
+    the text before anything else, so a cut's space must have ordinary text on both
+    sides (``"x <|im_end|>"`` normalizes its space with the ``x``; cut there, it would
+    not): the character left of it is no added token's last, the one right of it no
+    added token's first, and no added token holds a space (checked at load)."""
+
+    mode: str  # "drop" or "keep"
+    firsts: frozenset[str]
+    lasts: frozenset[str]
+
+
+def _word_cut_mode(tok: HFRustTokenizer) -> WordCuts | None:
     """How a text may be cut before a space and each piece encoded alone, or None.
 
     - ``"drop"``: SentencePiece-style BPE (Llama-2, Mistral: no pre-tokenizer, the
@@ -456,33 +471,41 @@ def _word_cut_mode(tok: HFRustTokenizer) -> str | None:
             and not pre.get("add_prefix_space")
         ):  # fmt: skip
             mode = "keep"
-    for added in tok.get_added_tokens_decoder().values():
+    added_tokens = [a for a in tok.get_added_tokens_decoder().values() if a.content]
+    for added in added_tokens:
         t = added.content
         if " " in t or "\u2581" in t or added.lstrip or added.rstrip or added.single_word:
             mode = None  # it could match across a cut, or take the space a cut leaves
     if mode is None:
         return None
-    want = tok.encode(_WORD_PROBE, add_special_tokens=False).ids
-    pieces = _word_pieces(_WORD_PROBE, mode, 1)  # every cut the rule allows
+    cuts = WordCuts(
+        mode,
+        frozenset(a.content[0] for a in added_tokens),
+        frozenset(a.content[-1] for a in added_tokens),
+    )
+    probe = _WORD_PROBE + "".join(f" {a.content} x {a.content}" for a in added_tokens[:8])
+    want = tok.encode(probe, add_special_tokens=False).ids
+    pieces = _word_pieces(probe, cuts, 1)  # every cut the rule allows
     got = [i for e in tok.encode_batch_fast(pieces, add_special_tokens=False) for i in e.ids]
     if len(pieces) < 10 or got != want:
         log.info("tokenizer: word cuts (%s) do not split the encoding cleanly; not used", mode)
         return None
-    return mode
+    return cuts
 
 
-def _word_cut(s: str, c: int, mode: str) -> bool:
+def _word_cut(s: str, c: int, cuts: WordCuts) -> bool:
     """Whether ``s`` (a space at ``c``) may be cut before ``c`` (see ``_word_cut_mode``)."""
     if c + 1 >= len(s):
         return False
-    left = s[c - 1]
-    if mode == "drop":
+    left, right = s[c - 1], s[c + 1]
+    if left in cuts.lasts or right in cuts.firsts:
+        return False
+    if cuts.mode == "drop":
         return left != " " and left != "\u2581"
-    right = s[c + 1]
     return left.isascii() and left.isalpha() and right.isascii() and right.isalpha()
 
 
-def _word_pieces(s: str, mode: str, chunk: int = WORD_CHUNK) -> list[str]:
+def _word_pieces(s: str, cuts: WordCuts, chunk: int = WORD_CHUNK) -> list[str]:
     """``s`` cut at the last allowed space before every ``chunk`` characters, each
     piece as it is encoded (``"drop"``: without its leading space).
 
@@ -495,14 +518,14 @@ def _word_pieces(s: str, mode: str, chunk: int = WORD_CHUNK) -> list[str]:
     n = len(s)
     while end < n:
         c = s.rfind(" ", start + 1, end - 1)  # the space and its right neighbour < end
-        while c > start and not _word_cut(s, c, mode):
+        while c > start and not _word_cut(s, c, cuts):
             c = s.rfind(" ", start + 1, c)
         if c > start:
             out.append(s[start:c])
             start = c
         end += chunk
     out.append(s[start:])
-    if mode == "drop":
+    if cuts.mode == "drop":
         return [out[0], *(p[1:] for p in out[1:])]
     return out
 
@@ -550,7 +573,7 @@ class HFTokenizer(Tokenizer):
         self.cut_bytes = [t.encode() for t in self.cuts]
         # long segments are cut at words too (``_word_pieces``); None: this tokenizer's
         # encoding is not proven to split at a space
-        self.word_mode = _word_cut_mode(self._tok)
+        self.word_cuts = _word_cut_mode(self._tok)
         self.segments = SegmentCache()
         self.processes = processes  # where long texts are encoded (None: here)
 
@@ -566,7 +589,7 @@ class HFTokenizer(Tokenizer):
 
     def chat(self, body: Mapping[str, Any]) -> tuple[TokenIds, str]:
         text = self.chat_template.render(body)
-        if body.get("add_special_tokens") or not (self.cuts or self.word_mode):
+        if body.get("add_special_tokens") or not (self.cuts or self.word_cuts):
             # a post-processor's tokens (BOS, EOS) belong to the whole text, not a segment
             return self.encode(text, bool(body.get("add_special_tokens", False))), text
         return self.encode_segments(text), text
@@ -583,14 +606,14 @@ class HFTokenizer(Tokenizer):
         ~25 us of set-up, a fifth of a short chat's encoding."""
         parts: list[str] = []
         owner: list[int] = []
-        mode = self.word_mode
+        words = self.word_cuts
         for n, text in enumerate(texts):
             for segment in _segments(text, self.cuts):
-                if mode is None or len(segment) <= WORD_CHUNK:
+                if words is None or len(segment) <= WORD_CHUNK:
                     parts.append(segment)
                     owner.append(n)
                     continue
-                for part in _word_pieces(segment, mode):
+                for part in _word_pieces(segment, words):
                     parts.append(part)
                     owner.append(n)
         keys = [xxh3_128_intdigest(p.encode("utf-8", "surrogatepass")) for p in parts]
