@@ -450,8 +450,11 @@ def _word_cut_mode(tok: HFRustTokenizer) -> WordCuts | None:
     pre = None if tok.pre_tokenizer is None else orjson.loads(tok.pre_tokenizer.__getstate__())
     mode: str | None = None
     if pre is None and norm is not None and norm.get("normalizers") == _SPM_NORMALIZER:
+        # ``ignore_merges`` takes a piece found whole in the vocabulary as one token,
+        # which the whole text (not in it) would have merged its own way
         vocab = "\n".join(tok.get_vocab(with_added_tokens=False))
-        mode = None if re.search("[^\u2581\n]\u2581", vocab) else "drop"
+        joins = re.search("[^\u2581\n]\u2581", vocab) is not None
+        mode = None if joins or getattr(model, "ignore_merges", False) else "drop"
     elif norm is None or norm.get("type") == "NFC":
         if pre is not None and pre.get("type") == "Sequence":
             parts = pre.get("pretokenizers") or []
