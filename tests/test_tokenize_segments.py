@@ -143,6 +143,9 @@ def test_word_cuts_need_a_proven_tokenizer(spm: Tokenizer, byte_bpe: Tokenizer) 
         [normalizers.Lowercase(), normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
     )
     assert _word_cut_mode(other) is None
+    whole = Tokenizer.from_str(spm.to_str())
+    whole.model.ignore_merges = True  # a piece in the vocabulary taken as one token
+    assert _word_cut_mode(whole) is None
     spaced = Tokenizer.from_str(byte_bpe.to_str())
     spaced.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     assert _word_cut_mode(spaced) is None
