@@ -15,6 +15,13 @@ the bottleneck); ``direct`` is the engine alone. Phases, all printed as one JSON
   conversation sent each turn (``--multi-turn-only``: the targets in turn with it, then
   in the reverse order with a second conversation, the two passes averaged and kept in
   ``multi_turn_passes``);
+- ``shared_prefix`` (``--shared-prefix-only``): agent-shaped chats as aiperf replays them,
+  one user message a request: 4 sessions, each a ~1K-token text every session shares (a
+  system prompt, tool definitions) and its own history growing by ~1K tokens a turn to
+  ~9K, every session's turns in turn (cache-router's conversation prefix cache needs
+  special tokens inside the text to reuse anything; its segment cache's word cuts do
+  not); the router's CPU per turn as ``multi_turn`` measures it, two passes in opposite
+  orders;
 - ``interference``: short chat requests' p99 alone, then while a second client sends
   cold 128K-token chat prompts back to back (24 texts cycled, each request led by a
   number of its own); only answers with status 200 are timed, the others counted
@@ -320,6 +327,49 @@ def conversation(texts: Texts, target: int, session: str) -> tuple[list[bytes], 
     return turns, turn_tokens
 
 
+def agent_turns(texts: Texts, target: int, sessions: int = 4) -> list[bytes]:
+    """``sessions`` agents' requests (see ``shared_prefix`` in the module docstring), each
+    the whole text so far in one user message, as a trace replay with ``hash_ids`` sends."""
+    shared = texts.of(1024)
+    out = []
+    for s in range(sessions):
+        history = shared
+        for _ in range(max(1, (target - 1024) // 1024)):
+            history += " " + texts.of(1024)
+            body = {"model": "bench", "messages": [{"role": "user", "content": history}]}
+            out.append(http("/v1/chat/completions", {**body, "max_tokens": 1}, f"agent{s}"))
+    return out
+
+
+def shared_prefix_in_process(tok_dir: str, turns: list[bytes]) -> dict[str, Any]:
+    """The router's chat tokenizing and hashing alone (``PrefixCache.lookup``/``finish``,
+    as ``Router.prepare`` runs them) over ``turns``, CPU ms per turn, with the segment
+    cache's word cuts and without (``word_cuts`` None: segments cut at special tokens
+    only, as before them); both checked equal to encoding each whole text."""
+    from index.hashing import BlockHasher
+    from router.tokens.prefix_cache import PrefixCache
+    from router.tokens.tokenize import HFTokenizer
+
+    bodies = [orjson.loads(t.split(b"\r\n\r\n", 1)[1]) for t in turns]
+    out: dict[str, Any] = {"turns": len(bodies)}
+    for name in ("word_cuts", "no_word_cuts"):
+        hf = HFTokenizer(tok_dir)
+        if name == "no_word_cuts":
+            hf.word_cuts = None
+        cache, hasher, equal, ns = PrefixCache(256 << 20), BlockHasher(16), True, 0
+        for body in bodies:
+            text = hf.chat_template.render(body)
+            c0 = time.process_time_ns()
+            ids, _ = cache.finish(cache.lookup(hf, text, hasher))
+            ns += time.process_time_ns() - c0
+            equal &= ids.tolist() == hf._tok.encode(text, add_special_tokens=False).ids
+        out[f"{name}_cpu_ms_per_turn"] = ns / len(bodies) / 1e6
+        out[f"{name}_identical_to_full_encoding"] = equal
+        mode = None if hf.word_cuts is None else hf.word_cuts.mode
+        out["word_mode"] = out.get("word_mode") or mode
+    return out
+
+
 def _mean_pass(passes: list[dict[str, Any]]) -> dict[str, Any]:
     """The passes' figures averaged, their turns and errors summed (a figure the phase
     has no value for, None, stays None)."""
@@ -517,6 +567,11 @@ def main() -> None:
         "--multi-turn-only", action="store_true", help="only the multi-turn phase (and ratios)"
     )
     ap.add_argument(
+        "--shared-prefix-only",
+        action="store_true",
+        help="only agent chats sharing long texts in one message (and ratios)",
+    )
+    ap.add_argument(
         "--interference-only",
         action="store_true",
         help="only the short p99 under a client of cold 128K prompts, --repeat times",
@@ -542,7 +597,7 @@ def main() -> None:
     args = ap.parse_args()
     if not 1 <= args.repeat <= 50:
         ap.error("--repeat must be 1-50")
-    one_phase = args.multi_turn_only or args.interference_only
+    one_phase = args.multi_turn_only or args.interference_only or args.shared_prefix_only
     peers_py = args.peers_python
     if peers_py and not Path(peers_py).exists():
         peers_py = None
@@ -606,6 +661,20 @@ def main() -> None:
                         name: stack.enter_context(started(_with_workers(cmd, urls, n_workers)))
                         for name, cmd in commands_of.items()
                     }
+                    if args.shared_prefix_only:  # ABC then CBA, fresh texts the second time
+                        runs = {"direct": Running(ports[0], []), **targets}
+                        size = 3072 if args.quick else 9216
+                        agents = [agent_turns(texts, size) for _ in range(2)]
+                        for order, conv in zip((list(runs), list(runs)[::-1]), agents, strict=True):
+                            for name in order:
+                                sp = phase_multi_turn(runs[name].port, runs[name].pids, conv)
+                                entries[name].setdefault("shared_prefix_passes", []).append(sp)
+                        for name in runs:
+                            passes = entries[name]["shared_prefix_passes"]
+                            entries[name]["shared_prefix"] = _mean_pass(passes)
+                        alone = shared_prefix_in_process(tok_dir, agents[0])
+                        result["shared_prefix_tokenize_alone"] = alone
+                        continue
                     if args.multi_turn_only:
                         # ABC with this conversation, then CBA with a fresh one (a router
                         # has the first cached): the machine drifts, a router's figure
@@ -654,7 +723,7 @@ def main() -> None:
                         entries[name][key + "_passes"] = passes  # the load drifts between
                 if not args.saturation_only:
                     _added(entries[name], entries["direct"])
-            if args.multi_turn_only:
+            if args.multi_turn_only or args.shared_prefix_only:
                 pass
             elif args.interference_only:
                 del entries["direct"]  # the engine alone has no 128K-prompt client
@@ -787,6 +856,10 @@ def _ratios(result: dict[str, Any], lengths: tuple[int, ...]) -> dict[str, Any]:
             r["multi_turn_cpu_last_4"] = mine["cpu_ms_last_4_turns"] / other["cpu_ms_last_4_turns"]
             for key in ("cpu_ms_per_turn_mean_settled", "cpu_ms_last_4_turns_settled"):
                 r[f"multi_turn_{key}"] = mine[key] / other[key]
+        if "shared_prefix" in ours and "shared_prefix" in theirs:
+            mine, other = ours["shared_prefix"], theirs["shared_prefix"]
+            for key in ("cpu_ms_per_turn_mean", "cpu_ms_per_turn_mean_settled"):
+                r[f"shared_prefix_{key}"] = mine[key] / other[key]
         for n in (1, 4, 16):
             for what in ("rps", "cpu_us_per_request"):
                 key = f"saturation_{what}_{n}_workers"

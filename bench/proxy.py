@@ -10,6 +10,11 @@ cache_aware`` in front of the same engine. Each target gets a latency phase
 router CPU seconds per request from /proc over the router's whole process tree).
 
     python bench/proxy.py [--requests 4000] [--concurrency 32] [--sglang-python PATH]
+        [--granian-python PATH] [--baseline DIR]
+
+``--granian-python``: a python with ``granian`` (a Rust HTTP server) adds
+``cache_router_granian``, the same router app served by granian's ASGI interface
+(``granian_app`` below) instead of uvicorn, to compare serving stacks in one run.
 
 Prints one JSON object; never asserts. Targets (issue 4): CPU per request no worse than
 SGLang's router, added p99 under 2 ms.
@@ -249,6 +254,19 @@ def process(
             proc.wait()
 
 
+def granian_app() -> object:
+    """The router's ASGI app for ``granian --factory proxy:granian_app``, built from the
+    ``cache-router serve`` flags in ``ROUTER_ARGS``."""
+    import shlex
+
+    from router.http.app import build_app
+    from router.http.serve import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return build_app(config_from_args(parser.parse_args(shlex.split(os.environ["ROUTER_ARGS"]))))
+
+
 def sglang_python(given: str | None) -> str | None:
     """A python that can import sglang_router: the flag, this one, or /tmp/sglvenv."""
     for py in [given] if given else [sys.executable, "/tmp/sglvenv/bin/python"]:
@@ -292,6 +310,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="targets alternate; medians reported")
     ap.add_argument("--policy", default="cache_aware")
     ap.add_argument("--sglang-python", help="python with sglang_router (default: auto)")
+    ap.add_argument("--granian-python", help="python with granian: the router under it too")
+    ap.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="also cache_router_baseline: cache-router run from this checkout (before/after)",
+    )
     ap.add_argument("--engine", type=int, help=argparse.SUPPRESS)  # internal: run the engine
     args = ap.parse_args()
     if args.engine:
@@ -301,13 +325,27 @@ def main() -> None:
     (engine_port,) = free_ports(1)
     engine_url = f"http://127.0.0.1:{engine_port}"
     py = sglang_python(args.sglang_python)
+    serve = ["--worker", f"w0={engine_url}", "--policy", args.policy, "--log-level", "error"]
     targets: dict[str, list[str] | None] = {
         "direct": None,
-        "cache_router": [
-            sys.executable, "-m", "router.cli", "serve", "--port", "{port}",
-            "--worker", f"w0={engine_url}", "--policy", args.policy, "--log-level", "error",
-        ],
-    }  # fmt: skip
+        "cache_router": [sys.executable, "-m", "router.cli", "serve", "--port", "{port}", *serve],
+    }
+    if args.baseline:
+        targets["cache_router_baseline"] = [
+            "env", "-C", args.baseline, sys.executable, "-m", "router.cli", "serve",
+            "--port", "{port}", *serve,
+        ]  # fmt: skip
+    envs: dict[str, dict[str, str]] = {}
+    if args.granian_python:
+        targets["cache_router_granian"] = [
+            str(Path(args.granian_python).parent / "granian"), "--interface", "asgi",
+            "--host", "127.0.0.1", "--port", "{port}", "--workers", "1", "--loop", "uvloop",
+            "--http", "1", "--no-ws", "--log-level", "error", "--factory", "proxy:granian_app",
+        ]  # fmt: skip
+        envs["cache_router_granian"] = {
+            "ROUTER_ARGS": " ".join(serve),
+            "PYTHONPATH": f"{ROOT / 'bench'}:{ROOT}",
+        }
     if py is not None:
         targets["sglang_router"] = [
             py, "-m", "sglang_router.launch_router", "--worker-urls", engine_url,
@@ -324,7 +362,7 @@ def main() -> None:
                     continue
                 port, port2 = free_ports(2)
                 argv = [a.format(port=port, port2=port2) for a in cmd]
-                with process(argv) as proc:
+                with process(argv, env=envs.get(name)) as proc:
                     wait_http(port, "/health")
                     time.sleep(1.0)  # SGLang activates its workers after /health answers
                     runs[name].append(measure(port, proc.pid, args))
@@ -345,15 +383,24 @@ def main() -> None:
             med["added_" + key] = med[key] - direct[key]
         result[name] = med
     if "sglang_router" in result:
-        ours, theirs = result["cache_router"], result["sglang_router"]
-        assert isinstance(ours, dict) and isinstance(theirs, dict)
-        result["ratios_cache_router_over_sglang"] = {
-            key: ours[key] / theirs[key]
-            for key in ("cpu_us_per_request", "requests_per_s", "added_p50_ms", "added_p99_ms")
-            if theirs.get(key)
-        }
+        for name in ("cache_router", "cache_router_granian", "cache_router_baseline"):
+            ours, theirs = result.get(name), result["sglang_router"]
+            if not isinstance(ours, dict):
+                continue
+            assert isinstance(theirs, dict)
+            result[f"ratios_{name}_over_sglang"] = {
+                key: ours[key] / theirs[key]
+                for key in ("cpu_us_per_request", "requests_per_s", "added_p50_ms", "added_p99_ms")
+                if theirs.get(key)
+            }
     else:
         result["sglang_router"] = "not importable: pass --sglang-python"
+    if args.baseline:
+        ours, base = result["cache_router"], result["cache_router_baseline"]
+        assert isinstance(ours, dict) and isinstance(base, dict)
+        result["ratios_cache_router_over_baseline"] = {
+            key: ours[key] / base[key] for key in ("cpu_us_per_request", "requests_per_s")
+        }
     print(json.dumps(result, indent=2))
 
 

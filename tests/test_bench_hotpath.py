@@ -81,6 +81,17 @@ def test_multi_turn_only_runs_both_orders_with_two_conversations(tmp_path: Path)
     assert out["direct"]["multi_turn"]["cpu_ms_per_turn_mean"] is None  # no router CPU
 
 
+def test_shared_prefix_only_sends_agent_turns_in_both_orders(tmp_path: Path) -> None:
+    """Agent chats in one user message each, every turn answered, two passes averaged."""
+    out = _run(tmp_path, "--shared-prefix-only", "--targets", "cache_router")
+    ours = out["cache_router"]
+    passes = ours["shared_prefix_passes"]
+    assert len(passes) == 2 and all(p["errors"] == 0 and p["turns"] == 8 for p in passes)
+    mean = ours["shared_prefix"]
+    assert mean["turns"] == 16 and mean["cpu_ms_per_turn_mean"] > 0
+    assert out["direct"]["shared_prefix"]["cpu_ms_per_turn_mean"] is None
+
+
 def test_interference_only_repeats_with_the_spread(tmp_path: Path) -> None:
     out = _run(tmp_path, "--interference-only", "--repeat", "2", "--targets", "cache_router")
     assert set(out) & {"cache_router", "cache_router_no_forecast", "direct"} == {"cache_router"}

@@ -437,3 +437,49 @@ def test_replica_settings_are_checked(env: dict[str, str], message: str) -> None
         load_config(env=env)
     cfg = load_config(env={"CACHE_ROUTER_REPLICA_ID": "r-1", "CACHE_ROUTER_SHARE_INTERVAL": "0"})
     assert (cfg.replica_id, cfg.share_interval, cfg.events_transport) == ("r-1", 0.0, "auto")
+
+
+async def test_a_replica_alone_sends_only_its_full_messages_until_a_peer_appears(
+    nats_url: str,
+) -> None:
+    """With no peer to tell, a replica does not publish its rows every ``share_interval``
+    (an idle router with NATS woke 226 times a second for that): only its full message
+    each ``peer_ttl / 3``. Once a peer speaks, it answers with a full message and shares
+    its load changes again."""
+    engine = await EngineDouble("e0").start()
+    cfg = RouterConfig(
+        nats_url=nats_url,
+        block_size=4,
+        replica_id="alone",
+        peer_ttl=30.0,  # a full message every 10 s: one at start, then none in this test
+        health_interval=60,
+        workers=[WorkerSpec("e0", engine.url, model="m")],
+    )
+    replica = await Replica(cfg).start()
+    nc = await nats.connect(nats_url)
+    seen: list[tuple[bool, list[Any]]] = []
+
+    async def on_route(msg: Any) -> None:
+        _, _, full, rows, _ = msgpack.unpackb(msg.data)
+        seen.append((full, rows))
+
+    try:
+        await nc.subscribe("kv.route.alone", cb=on_route)
+        await nc.flush()
+        share = replica.state.replicas
+        await until(lambda: share.counts["route_published"] >= 1, what="the first full message")
+        published = share.counts["route_published"]
+        flight = replica.load("e0").begin(100)  # a change only a peer would want to hear
+        await asyncio.sleep(0.3)  # ~60 messages' worth of share_interval
+        assert share.counts["route_published"] == published  # nothing for nobody
+        seen.clear()
+        await nc.publish("kv.route.ghost", msgpack.packb([1, "ghost", True, [], []]))
+        await until(lambda: any(full for full, _ in seen), what="a full message for the peer")
+        assert next(rows for full, rows in seen if full) == [["e0", 1, 100, 0]]
+        flight.finish()
+        await until(lambda: ["e0", 0, 0, 0] in [r for _, rows in seen for r in rows],
+                    what="the change shared")  # fmt: skip
+    finally:
+        await nc.close()
+        await replica.stop()
+        await engine.stop()

@@ -13,6 +13,12 @@ it, and a full message every ``peer_ttl / 3`` seconds resends all rows. A peer s
 for ``peer_ttl`` seconds (it died, or NATS is away and each replica routes on its own)
 has its rows taken back.
 
+A replica that has heard from no peer sends only its full message every ``peer_ttl / 3``
+seconds, and sends at once when a first peer appears (what the peer needs is a full
+message either way): polling its rows every 5 ms for nobody cost a router with NATS,
+alone (``processes`` 1, the usual case), 27 ms of CPU a second idle on 2 workers (226
+wakes a second), ~40 % of its idle burn.
+
 Message, msgpack ``[1, replica_id, full, rows, marks]``:
   rows   ``[[worker_id, requests, prefill_tokens, decode_streams], ...]``; when ``full``
          they cover every worker of the sender, and any left out has nothing from it.
@@ -22,6 +28,7 @@ Message, msgpack ``[1, replica_id, full, rows, marks]``:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -120,6 +127,7 @@ class ReplicaShare:
         self._marks: list[list[Any]] = []
         self._next_full = 0.0
         self._task: asyncio.Task[None] | None = None
+        self._peer_came = asyncio.Event()  # wakes a sender that has no peer to tell
 
     @classmethod
     def from_config(
@@ -172,7 +180,16 @@ class ReplicaShare:
     async def _run(self) -> None:
         heartbeat = self.peer_ttl / 3
         while True:
-            await asyncio.sleep(self.interval)
+            if self._peers:
+                await asyncio.sleep(self.interval)
+            else:  # nobody hears the changes: the next full message, or a first peer
+                self._peer_came.clear()
+                wait = max(self._next_full - time.monotonic(), self.interval)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(wait):
+                        await self._peer_came.wait()
+                if not self._peers:
+                    self._marks.clear()  # no peer would apply them
             now = time.monotonic()
             if now >= self._next_full:
                 self._expire(now)
@@ -236,6 +253,8 @@ class ReplicaShare:
         if peer is None:
             peer = self._peers[sender] = _Peer(now)
             log.info("replica %s: sharing load with peer %s", self.id, sender)
+            self._next_full = 0.0  # it has none of our rows yet
+            self._peer_came.set()
         peer.seen = now
         for wid, counts in parsed_rows:
             self._set(peer, wid, counts)
