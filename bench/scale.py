@@ -61,6 +61,7 @@ Run (Dynamo comes from the ``baselines`` extra; a separate venv works):
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import hashlib
 import json
@@ -482,24 +483,25 @@ def _per_call(f: Any, items: list[Any], reps: int) -> float:
 
 def decide_at(n: int, block: int, policy: str, reps: int) -> dict[str, Any]:
     """The router's path per request (``for_model`` + ``decide`` + ``hit_blocks``), the
-    pruned one and the unpruned one side by side on two identical routers, and whether
-    their decisions agree request by request (the same policy state and draws)."""
+    pruned one and the unpruned one side by side on two identical routers, and how many
+    of their decisions agree, each from the same policy state and draws (a difference is
+    another draw from a tie the kept set holds in part, or a miss: router/routing/prune.py)."""
     from router.routing.decide import hit_blocks
 
     st, preps = target_router(n, block, policy, 7)
     full_st, full_preps = target_router(n, block, policy, 7)
+    mine = st.router.experiment.policy_for(preps[0].arm)
     full_policy = full_st.router.experiment.policy_for(full_preps[0].arm)
     full_policy.prunable = lambda request: False  # type: ignore[method-assign]
     same = kept = 0
-    first_miss: int | None = None
-    for i, (p, q) in enumerate(zip(preps, full_preps, strict=True)):
+    for p, q in zip(preps, full_preps, strict=True):
+        # each decision from the same policy state (and draws) on both
+        state = {k: v for k, v in vars(full_policy).items() if k != "prunable"}
+        vars(mine).update(copy.deepcopy(state))
         d, views = st.router.decide(p)
-        e, _ = full_st.router.decide(q)
+        e, all_views = full_st.router.decide(q)
         kept = max(kept, len(views))
-        if (d.worker_id, d.reason) == (e.worker_id, e.reason):
-            same += 1
-        elif first_miss is None:
-            first_miss = i
+        same += (d.worker_id, d.reason, d.prefetch) == (e.worker_id, e.reason, e.prefetch)
 
     def path(router: Any, reg: Any) -> Any:
         def run(prep: Any) -> None:
@@ -512,10 +514,10 @@ def decide_at(n: int, block: int, policy: str, reps: int) -> dict[str, Any]:
     return {
         "pruned_us": _per_call(path(st.router, st.registry), preps, reps),
         "unpruned_us": _per_call(path(full_st.router, full_st.registry), full_preps, reps),
+        "candidates": len(all_views),
         "kept_candidates_max": kept,
         "same_decisions": same,
         "decisions": len(preps),
-        "first_differing": first_miss,
     }
 
 

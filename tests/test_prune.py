@@ -120,6 +120,11 @@ def _world(seed: int, policy: str) -> tuple[list[RouterState], random.Random, li
                 for t in flights:
                     load.begin(t)
             w.healthy = not down
+    behind = rng.sample(targets, rng.choice([0, 0, 1, 3]))
+    for st in pair:  # targets whose events are out of sync: their hits do not count
+        ingest = next(iter(st.registry)).pool.ingest
+        for t in behind:
+            ingest.mark_out_of_sync(t)
     return pair, rng, chains
 
 

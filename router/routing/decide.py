@@ -333,16 +333,22 @@ class Router:
             and isinstance(index, NativePrefixIndex)
             and index.size > PRUNE_ABOVE
             and groups is None
-            and not blind
-            and not behind
             and policy.prunable(prep.request)
         ):
             pruner = self._pruners.get(pool.name)
             if pruner is None or pruner.index is not index:
                 pruner = self._pruners[pool.name] = Pruner(index)
-            kept = pruner.pick(prep.workers, hashes, exclude, now, policy.must_see(prep.request))
+            must = policy.must_see(prep.request)
+            if behind:  # no hit counts there: each is kept, as one that holds nothing
+                must = [*must, *behind]
+            kept = pruner.pick(prep.workers, () if blind else hashes, exclude, now, must)
             if kept is not None:
-                return [_view(t, m, now, now_ms, stale) for t, m in kept]
+                return [
+                    _view(t, m, now, now_ms, stale)
+                    if not blind and t[1] not in behind
+                    else _view(t, NO_MATCH, now, now_ms, stale, False)
+                    for t, m in kept
+                ]
         matches = index.match_tiers(hashes) if hashes else {}
         if groups is not None and matches:
             # a hybrid model: a hit counts only as deep as every KV-cache group reuses it
@@ -470,9 +476,10 @@ def _share(count: int | None, ranks: int) -> int | None:
     return count if count is None or ranks == 1 else -(-count // ranks)
 
 
-def _view(target: Target, match: TierMatch, now: float, now_ms: float, stale: float) -> WorkerView:
-    """One kept candidate's view, as ``Router.views`` builds each (in sync: the pruned
-    path runs only with every worker in sync and the feed up)."""
+def _view(
+    target: Target, match: TierMatch, now: float, now_ms: float, stale: float, synced: bool = True
+) -> WorkerView:
+    """One kept candidate's view, as ``Router.views`` builds each."""
     w, tid, load = target
     wload = w.load
     running = waiting = kv_usage = None
@@ -484,7 +491,7 @@ def _view(target: Target, match: TierMatch, now: float, now_ms: float, stale: fl
     tokens, ran = load.prefills.oldest(now_ms)
     return WorkerView(
         tid, match, load.inflight_requests, load.inflight_prefill_tokens, load.decode_streams,
-        running, waiting, kv_usage, True, True, tokens, ran,
+        running, waiting, kv_usage, True, synced, tokens, ran,
     )  # fmt: skip
 
 
