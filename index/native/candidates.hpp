@@ -53,9 +53,10 @@ class LoadBoard {
     void seed(uint64_t s) { rng_ = s ? s : 0x9E3779B97F4A7C15ULL; }
 
     // ``held``: every holder the index matched (any order). Appends to ``out`` the kept
-    // ones (their hit) and the kept non-holders (hit 0), each class's least loaded
-    // ``k`` and the whole tie class at the k-th key when it has at most ``cap`` members
-    // past the k (else a uniform sample of it fills the k).
+    // ones (their hit) and the kept non-holders (hit 0): in each, the ``k`` least loaded
+    // in each of two orders (requests then tokens, as least_load; tokens then requests,
+    // the queue a prefill waits behind) and the whole tie class at the k-th key when it
+    // has at most ``cap`` members past the k (else a uniform sample of it fills the k).
     // ``also``: slots kept whatever their load (those the policy asks for by name).
     void pick(std::vector<Held>& held, int k, int cap, const std::vector<int>& also,
               std::vector<Held>& out) {
@@ -67,50 +68,40 @@ class LoadBoard {
             is_holder[h.slot] = 1;
             live.push_back(h);
         }
-        // by class, deepest first, then by load: each class a contiguous run
-        std::sort(live.begin(), live.end(), [this](const Held& a, const Held& b) {
+        // by class, deepest first: each class a contiguous run
+        std::sort(live.begin(), live.end(), [](const Held& a, const Held& b) {
             if (a.total != b.total) return a.total > b.total;
             if (a.gpu != b.gpu) return a.gpu > b.gpu;
             if (a.cpu != b.cpu) return a.cpu > b.cpu;
             if (a.disk != b.disk) return a.disk > b.disk;
-            return less(a.slot, b.slot);
+            return a.slot < b.slot;
         });
+        std::vector<Held> kept;
         for (size_t i = 0; i < live.size();) {
             size_t j = i + 1;
             while (j < live.size() && live[j].same_class(live[i])) ++j;
-            keep(live.data() + i, j - i, k, cap, out);
+            for (int o = 0; o < 2; ++o) least(live.data() + i, j - i, k, cap, o, kept);
             i = j;
         }
-        // the targets holding nothing: the k least loaded (and the tie at the k-th)
+        // the targets holding nothing
         std::vector<Held> none;
         none.reserve(present_.size());
         for (size_t s = 0; s < present_.size(); ++s)
             if (present_[s] && !blocked_[s] && !is_holder[s])
                 none.push_back(Held{static_cast<int>(s), 0, 0, 0, 0});
-        if (none.size() > static_cast<size_t>(k)) {
-            // only the k-th key matters: everything below it is kept, the tie class at it
-            // decided below; O(n) instead of sorting every idle target
-            std::nth_element(none.begin(), none.begin() + (k - 1), none.end(),
-                             [this](const Held& a, const Held& b) { return less(a.slot, b.slot); });
-            const Held kth = none[k - 1];
-            std::vector<Held> head;
-            for (const Held& h : none)
-                if (!key_less(kth.slot, h.slot)) head.push_back(h);  // key <= the k-th's
-            std::sort(head.begin(), head.end(),
-                      [this](const Held& a, const Held& b) { return less(a.slot, b.slot); });
-            keep(head.data(), head.size(), k, cap, out);
-        } else {
-            for (const Held& h : none) out.push_back(h);
-        }
+        for (int o = 0; o < 2; ++o) least(none.data(), none.size(), k, cap, o, kept);
         for (int slot : also) {
             if (!candidate(slot)) continue;
-            bool kept = false;
-            for (const Held& h : out) kept = kept || h.slot == slot;
-            if (kept) continue;
             Held add{slot, 0, 0, 0, 0};
             for (const Held& h : live)
                 if (h.slot == slot) add = h;
-            out.push_back(add);
+            kept.push_back(add);
+        }
+        std::vector<uint8_t> seen(present_.size(), 0);  // once each
+        for (const Held& h : kept) {
+            if (seen[h.slot]) continue;
+            seen[h.slot] = 1;
+            out.push_back(h);
         }
     }
 
@@ -129,17 +120,38 @@ class LoadBoard {
             blocked_.resize(n, 0);
         }
     }
-    // strict load order; the slot breaks ties so a sort is deterministic (the tie class
-    // is then kept whole or sampled at random, never cut by slot)
-    bool less(int a, int b) const {
-        if (req_[a] != req_[b]) return req_[a] < req_[b];
-        if (tok_[a] != tok_[b]) return tok_[a] < tok_[b];
+    // load order ``o`` (0: requests, then tokens; 1: tokens, then requests)
+    bool key_less(int o, int a, int b) const {
+        const std::vector<int64_t>& p = o ? tok_ : req_;
+        const std::vector<int64_t>& q = o ? req_ : tok_;
+        return p[a] != p[b] ? p[a] < p[b] : q[a] < q[b];
+    }
+    // strict: the slot breaks ties so a sort is deterministic (the tie class is then
+    // kept whole or sampled at random, never cut by slot)
+    bool less(int o, int a, int b) const {
+        if (key_less(o, a, b)) return true;
+        if (key_less(o, b, a)) return false;
         return a < b;
     }
-    bool key_less(int a, int b) const {
-        return req_[a] != req_[b] ? req_[a] < req_[b] : tok_[a] < tok_[b];
-    }
     bool same_key(int a, int b) const { return req_[a] == req_[b] && tok_[a] == tok_[b]; }
+    // ``run``'s k least in order ``o`` and the tie class at the k-th key, onto ``out``;
+    // O(n): only the k-th key matters, everything below it is kept
+    void least(const Held* run, size_t n, int k, int cap, int o, std::vector<Held>& out) {
+        const size_t want = static_cast<size_t>(k);
+        if (n <= want) {
+            out.insert(out.end(), run, run + n);
+            return;
+        }
+        std::vector<Held> all(run, run + n);
+        auto by = [this, o](const Held& a, const Held& b) { return less(o, a.slot, b.slot); };
+        std::nth_element(all.begin(), all.begin() + (want - 1), all.end(), by);
+        const int kth = all[want - 1].slot;
+        std::vector<Held> head;
+        for (const Held& h : all)
+            if (!key_less(o, kth, h.slot)) head.push_back(h);  // key <= the k-th's
+        std::sort(head.begin(), head.end(), by);
+        keep(head.data(), head.size(), k, cap, out);
+    }
     uint64_t next() {
         uint64_t x = rng_;
         x ^= x << 13;

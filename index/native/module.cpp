@@ -1314,7 +1314,8 @@ PYBIND11_MODULE(_native, m) {
             py::arg("k"), py::arg("cap"), py::arg("also") = std::vector<int>{},
             "Match ``hashes`` in every group's core (group g's slot s is board slot\n"
             "g * 64 + s) and keep the candidates that can win: per hit class and among the\n"
-            "targets holding nothing, the k least loaded and the tie at the k-th key (whole\n"
+            "targets holding nothing, the k least loaded in each of two orders (requests then\n"
+            "tokens; tokens then requests) and the tie at the k-th key (whole\n"
             "when at most ``cap`` more, else sampled), and the ``also`` slots whatever their\n"
             "load. [(slot, gpu, cpu, disk, total)].");
 

@@ -5,10 +5,11 @@ Python (BENCHMARKS.md, the decide step), so at 1,024 targets (128 nodes x 8 DP r
 decision alone took 3.5 ms a request. Past ``PRUNE_ABOVE`` targets the policy sees only
 the candidates that can win, chosen natively (``index.native.candidates``): the index walk
 gives each holder's hit per tier; per class of equal hits, and among the targets holding
-nothing, a board of load keys (in-flight requests, then their prefill tokens: what
-``least_load`` orders by, pushed by ``WorkerLoad`` on every move, O(1)) keeps the ``KEEP``
-least loaded and the whole tie class at the k-th key (up to ``TIE_CAP`` more, else a
-uniform sample of it). The policy's own must-sees (a session's in-flight worker, a hinted
+nothing, a board of load keys (in-flight requests and their prefill tokens, pushed by
+``WorkerLoad`` on every move, O(1)) keeps the ``KEEP`` least loaded in each of two orders
+(requests, then tokens: what ``least_load`` orders by; tokens, then requests: the queue a
+prefill waits behind) and the whole tie class at the k-th key (up to ``TIE_CAP`` more,
+else a uniform sample of it). The policy's own must-sees (a session's in-flight worker, a hinted
 target) are kept whatever their load.
 
 When the decision is the unpruned one. A policy opts in per request (``Policy.prunable``:
@@ -22,7 +23,7 @@ and ``cache_aware``. Pool-wide terms a policy reads are kept whole: the least hi
 candidates (``cache_aware``'s common prefix; every class keeps a member), the least and the
 most in-flight requests (``sglang_cache_aware``'s balance check: ``RouteRequest.pool``).
 
-When it can miss. The board orders by ``least_load``'s key; a policy whose cost weighs load
+When it can miss. The board orders by those two keys; a policy whose cost weighs load
 otherwise (``cache_aware``'s decode streams and engine-reported queue, ``dynamo_kv``'s
 active blocks) may rank a member of a class the board cut below the kept ones: the pruned
 set then lacks the winner and the policy picks the best kept candidate, the least
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
 # a native core built before the board (a stale build) routes as before
 AVAILABLE = NATIVE and hasattr(_native, "LoadBoard")
 PRUNE_ABOVE = 64  # candidates: up to here every one is seen (16 workers: 48 us a decision)
-KEEP = 4  # least loaded kept per hit class and among the targets holding nothing
+KEEP = 4  # least loaded kept per hit class (and non-holders), in each of two orders
 TIE_CAP = 32  # a tie class at the k-th key is kept whole up to this many more
 
 Target = tuple["Worker", str, "WorkerLoad"]
