@@ -548,7 +548,13 @@ def match_at(n: int, block: int, reps: int) -> dict[str, Any]:
             blocks = [{"block_hash": h, "tokens_hash": h} for h in chain]
             stored = {"parent_hash": None, "blocks": blocks}
             tree.apply_event(t, json.dumps({"event_id": seq, "data": {"stored": stored}}).encode())
-        time.sleep(0.5)  # its events apply on another thread
+        # its events apply on another thread: wait for the last one (bounded)
+        last_t, last_chain = held[-1]
+        deadline = time.monotonic() + 60
+        while tree.find_matches(last_chain).scores.get((last_t, 0)) != len(last_chain):
+            if time.monotonic() > deadline:
+                raise SystemExit("Dynamo's RadixTree did not apply the stores within 60 s")
+            time.sleep(0.05)
         out["dynamo_holders_mean"] = statistics.mean(
             len(tree.find_matches(h).scores) for h in hashes
         )
