@@ -481,6 +481,27 @@ def _per_call(f: Any, items: list[Any], reps: int) -> float:
     return best / len(items) * 1e6
 
 
+def tie_class(policy: str, views: list[Any], d: Any, tie_ms: float) -> set[str]:
+    """The candidates the unpruned ``policy`` could have drawn (``d``: its decision)."""
+    if policy == "least_load":
+        lo = min((v.inflight_requests, v.inflight_prefill_tokens) for v in views)
+        return {
+            v.worker_id for v in views if (v.inflight_requests, v.inflight_prefill_tokens) == lo
+        }
+    if policy == "dynamo_kv":
+        ranked = {w: s["logit"] for w, s in d.scores.items()}
+    elif policy == "cache_aware":
+        ranked = {
+            w: s["ttft_ms"] + s["recompute_ms"]
+            + (s["prefetch_risk_ms"] + tie_ms if s["prefetch_blocks"] else 0.0)
+            for w, s in d.scores.items()
+        }  # fmt: skip
+    else:
+        return {d.worker_id}
+    lo = min(ranked.values()) + (tie_ms if policy == "cache_aware" else 0.0)
+    return {w for w, r in ranked.items() if r <= lo}
+
+
 def decide_at(n: int, block: int, policy: str, reps: int) -> dict[str, Any]:
     """The router's path per request (``for_model`` + ``decide`` + ``hit_blocks``), the
     pruned one and the unpruned one side by side on two identical routers, and how many
@@ -493,7 +514,8 @@ def decide_at(n: int, block: int, policy: str, reps: int) -> dict[str, Any]:
     mine = st.router.experiment.policy_for(preps[0].arm)
     full_policy = full_st.router.experiment.policy_for(full_preps[0].arm)
     full_policy.prunable = lambda request: False  # type: ignore[method-assign]
-    same = kept = 0
+    same = drawn = kept = 0
+    tie_ms = getattr(full_policy, "tie_ms", 0.0)
     for p, q in zip(preps, full_preps, strict=True):
         # each decision from the same policy state (and draws) on both
         state = {k: v for k, v in vars(full_policy).items() if k != "prunable"}
@@ -501,7 +523,10 @@ def decide_at(n: int, block: int, policy: str, reps: int) -> dict[str, Any]:
         d, views = st.router.decide(p)
         e, all_views = full_st.router.decide(q)
         kept = max(kept, len(views))
-        same += (d.worker_id, d.reason, d.prefetch) == (e.worker_id, e.reason, e.prefetch)
+        if (d.worker_id, d.reason, d.prefetch) == (e.worker_id, e.reason, e.prefetch):
+            same += 1
+        elif d.worker_id in tie_class(policy, all_views, e, tie_ms):
+            drawn += 1
 
     def path(router: Any, reg: Any) -> Any:
         def run(prep: Any) -> None:
@@ -517,6 +542,9 @@ def decide_at(n: int, block: int, policy: str, reps: int) -> dict[str, Any]:
         "candidates": len(all_views),
         "kept_candidates_max": kept,
         "same_decisions": same,
+        # another draw from the unpruned winner's tie class (the kept set held part of it)
+        "same_tie_class": drawn,
+        "missed": len(preps) - same - drawn,
         "decisions": len(preps),
     }
 

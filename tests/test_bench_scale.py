@@ -73,7 +73,8 @@ def test_targets_section_shape_and_same_decisions() -> None:
                 assert d["same_decisions"] == 64, policy
             else:
                 assert d["kept_candidates_max"] < d["candidates"]
-        assert row["decide"]["least_load"]["same_decisions"] == 64
+        least = row["decide"]["least_load"]
+        assert least["same_decisions"] + least["same_tie_class"] == 64 and least["missed"] == 0
         assert row["ingest"]["lost_batches"] == 0
         assert row["memory"]["native_heap_bytes_per_pair"] > 0
     assert "decide.cache_aware.pruned_us" in out["ratio_72_over_16"]
