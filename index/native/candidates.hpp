@@ -32,6 +32,12 @@ class LoadBoard {
         grow(slot);
         req_[slot] = requests;
         tok_[slot] = tokens;
+        // each order's key one integer (compared without looking the loads up): requests
+        // below 2**23 and tokens below 2**40 keep their order, larger ones clamp
+        const uint64_t r = static_cast<uint64_t>(std::clamp<int64_t>(requests, 0, (1LL << 23) - 1));
+        const uint64_t t = static_cast<uint64_t>(std::clamp<int64_t>(tokens, 0, (1LL << 40) - 1));
+        key_[0][slot] = (r << 40) | t;
+        key_[1][slot] = (t << 23) | r;
         present_[slot] = 1;
     }
     // A target that may not be chosen now (unhealthy, draining, excluded): never kept.
@@ -107,6 +113,7 @@ class LoadBoard {
 
    private:
     std::vector<int64_t> req_, tok_;
+    std::vector<uint64_t> key_[2];  // per order, per slot (``set``)
     std::vector<uint8_t> present_, blocked_;
     uint64_t rng_ = 0x9E3779B97F4A7C15ULL;
 
@@ -116,41 +123,11 @@ class LoadBoard {
         if (present_.size() < n) {
             req_.resize(n, 0);
             tok_.resize(n, 0);
+            key_[0].resize(n, 0);
+            key_[1].resize(n, 0);
             present_.resize(n, 0);
             blocked_.resize(n, 0);
         }
-    }
-    // load order ``o`` (0: requests, then tokens; 1: tokens, then requests)
-    bool key_less(int o, int a, int b) const {
-        const std::vector<int64_t>& p = o ? tok_ : req_;
-        const std::vector<int64_t>& q = o ? req_ : tok_;
-        return p[a] != p[b] ? p[a] < p[b] : q[a] < q[b];
-    }
-    // strict: the slot breaks ties so a sort is deterministic (the tie class is then
-    // kept whole or sampled at random, never cut by slot)
-    bool less(int o, int a, int b) const {
-        if (key_less(o, a, b)) return true;
-        if (key_less(o, b, a)) return false;
-        return a < b;
-    }
-    bool same_key(int a, int b) const { return req_[a] == req_[b] && tok_[a] == tok_[b]; }
-    // ``run``'s k least in order ``o`` and the tie class at the k-th key, onto ``out``;
-    // O(n): only the k-th key matters, everything below it is kept
-    void least(const Held* run, size_t n, int k, int cap, int o, std::vector<Held>& out) {
-        const size_t want = static_cast<size_t>(k);
-        if (n <= want) {
-            out.insert(out.end(), run, run + n);
-            return;
-        }
-        std::vector<Held> all(run, run + n);
-        auto by = [this, o](const Held& a, const Held& b) { return less(o, a.slot, b.slot); };
-        std::nth_element(all.begin(), all.begin() + (want - 1), all.end(), by);
-        const int kth = all[want - 1].slot;
-        std::vector<Held> head;
-        for (const Held& h : all)
-            if (!key_less(o, kth, h.slot)) head.push_back(h);  // key <= the k-th's
-        std::sort(head.begin(), head.end(), by);
-        keep(head.data(), head.size(), k, cap, out);
     }
     uint64_t next() {
         uint64_t x = rng_;
@@ -159,29 +136,50 @@ class LoadBoard {
         x ^= x << 17;
         return rng_ = x;
     }
-    // ``run`` sorted by load: the first ``k`` and the tie class at the k-th key
-    void keep(Held* run, size_t n, int k, int cap, std::vector<Held>& out) {
+    // ``run``'s ``k`` least in order ``o`` (0: requests, then tokens; 1: tokens, then
+    // requests) and the tie class at the k-th key, onto ``out``: whole when it has at most
+    // ``cap`` members past the k, else a uniform sample of it (partial Fisher-Yates) fills
+    // the k, so over decisions each is as likely as in the whole class. Two passes, no sort.
+    void least(const Held* run, size_t n, int k, int cap, int o, std::vector<Held>& out) {
         const size_t want = static_cast<size_t>(k);
         if (n <= want) {
             out.insert(out.end(), run, run + n);
             return;
         }
-        const int kth = run[want - 1].slot;
-        size_t lo = want - 1, hi = want;
-        while (lo > 0 && same_key(run[lo - 1].slot, kth)) --lo;
-        while (hi < n && same_key(run[hi].slot, kth)) ++hi;
-        out.insert(out.end(), run, run + lo);
-        const size_t ties = hi - lo, room = want - lo;
-        if (ties <= room + static_cast<size_t>(cap)) {
-            out.insert(out.end(), run + lo, run + hi);
+        const uint64_t* key = key_[o].data();
+        uint64_t best[64];  // the k least keys, ascending (k <= 64)
+        size_t have = 0;
+        for (size_t i = 0; i < n; ++i) {
+            const uint64_t v = key[run[i].slot];
+            if (have == want && v >= best[want - 1]) continue;
+            size_t j = have < want ? have++ : want - 1;
+            while (j > 0 && best[j - 1] > v) {
+                best[j] = best[j - 1];
+                --j;
+            }
+            best[j] = v;
+        }
+        const uint64_t kth = best[want - 1];
+        std::vector<Held> ties;
+        size_t below = 0;
+        for (size_t i = 0; i < n; ++i) {
+            const uint64_t v = key[run[i].slot];
+            if (v < kth) {
+                out.push_back(run[i]);
+                ++below;
+            } else if (v == kth) {
+                ties.push_back(run[i]);
+            }
+        }
+        const size_t room = want - below;
+        if (ties.size() <= room + static_cast<size_t>(cap)) {
+            out.insert(out.end(), ties.begin(), ties.end());
             return;
         }
-        // too many equals: a uniform sample of them (partial Fisher-Yates) fills the k,
-        // so over decisions each is as likely as in the whole class
         for (size_t i = 0; i < room; ++i) {
-            const size_t j = i + static_cast<size_t>(next() % (ties - i));
-            std::swap(run[lo + i], run[lo + j]);
-            out.push_back(run[lo + i]);
+            const size_t j = i + static_cast<size_t>(next() % (ties.size() - i));
+            std::swap(ties[i], ties[j]);
+            out.push_back(ties[i]);
         }
     }
 };

@@ -1258,7 +1258,8 @@ PYBIND11_MODULE(_native, m) {
             "pick",
             [](LoadBoard& b, py::list cores, py::handle hashes, bool speculative, double now,
                int k, int cap, std::vector<int> also) {
-                if (k < 1 || cap < 0) throw py::value_error("pick: k >= 1 and cap >= 0");
+                if (k < 1 || k > 64 || cap < 0)
+                    throw py::value_error("pick: k in 1..64 and cap >= 0");
                 std::vector<uint64_t> hs = u64s(hashes);  // once for every group
                 std::vector<Core*> cs;
                 for (py::handle c : cores) cs.push_back(&c.cast<Core&>());
