@@ -2,8 +2,8 @@
 
 Every candidate costs the decision a view and a policy estimate, ~2.3 us a target in
 Python (BENCHMARKS.md, the decide step): at 1,024 targets (128 nodes x 8 DP ranks) the
-decision took 5.4 ms a request with ``cache_aware`` against 116 us at 16 (46x; 273 us
-pruned, 2.3x; ``bench/scale.py --only targets``, 8K-32K-token prompts). Past
+decision took 4.8 ms a request with ``cache_aware`` against 148 us at 16 (33x; 231 us
+pruned, 1.6x; ``bench/scale.py --only targets``, 8K-32K-token prompts). Past
 ``PRUNE_ABOVE`` targets the policy sees only the candidates that can win, chosen natively
 (``index/native/candidates.hpp``): the index walk gives each holder's hit per tier; per
 class of equal hits, and among the targets holding nothing, a board of load keys
