@@ -25,6 +25,7 @@ setup(
                 "index/native/nats_reader.hpp",
                 "index/native/kv_headers.hpp",
                 "index/native/keyed.hpp",
+                "index/native/candidates.hpp",
             ],
             cxx_std=17,
             extra_compile_args=["-O3"],

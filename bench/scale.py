@@ -30,6 +30,16 @@ Prints one JSON object (never asserts). Sections:
   unshared pairs: the native core's own heap count and RSS growth; Dynamo's RSS growth
   on the same stores; each side in a fresh process.
 
+- ``targets``: wide pools (issue 34), at each of ``--target-sizes`` (16, 64, 256, 1,024
+  targets: nodes of 8 DP ranks) over a shared-prefix population (``population``: 16
+  families of 2K-token prefixes, two 8K-32K-token conversations a target): the index's
+  match (``match_tiers``, and ``pick``: the walk and the load board, the pruned path's one
+  call) beside Dynamo's ``RadixTree.find_matches`` on the same holdings; the router's
+  decision per request (``for_model`` + ``decide`` + ``hit_blocks``) pruned and unpruned
+  on two identical routers for ``cache_aware``, ``least_load`` and ``dynamo_kv``, with how
+  many of their decisions agree; ingest (``ingest`` above, at that many workers) and memory
+  (``memory`` above); ratios of the largest size to the smallest.
+
 ``--nats-pin`` (2+ CPUs) gives the router's process and the prober CPU 0, nats-server and
 the publisher CPU 1: the router with a core of its own, as where the engines publish
 from their own hosts, so its p99 under events is its own and not the publisher's time
@@ -51,9 +61,11 @@ Run (Dynamo comes from the ``baselines`` extra; a separate venv works):
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import hashlib
 import json
+import math
 import os
 import random
 import statistics
@@ -199,7 +211,9 @@ def ingest_ours(
     return dt, ingest
 
 
-def bench_ingest(pairs: int, workers: int, chain: int, reps: int) -> dict[str, Any]:
+def bench_ingest(
+    pairs: int, workers: int, chain: int, reps: int, python: bool = True
+) -> dict[str, Any]:
     data = stores(pairs, workers, chain, 1)
     batches = our_batches(data, chain)
     out: dict[str, Any] = {
@@ -207,7 +221,7 @@ def bench_ingest(pairs: int, workers: int, chain: int, reps: int) -> dict[str, A
         "batches": len(batches),
         "blocks_per_batch": EVENT_BLOCKS,
     }
-    impls: dict[str, type] = {"python": PrefixIndex}
+    impls: dict[str, type] = {"python": PrefixIndex} if python else {}
     if NativePrefixIndex is not None:
         impls["native"] = NativePrefixIndex
     for name, cls in impls.items():
@@ -373,6 +387,242 @@ def bench_under_ingest(rate: float, seconds: float, workers: int) -> dict[str, A
         "match_8k_under_ingest_p99_us": pct(busy, 99),
         "p99_ratio_under_ingest_over_idle": pct(busy, 99) / pct(idle, 99),
     }
+
+
+# -- wide pools: match, ingest, memory and the decision at 16 to 1,024 targets --------------
+
+TARGET_SIZES = (16, 64, 256, 1024)
+DP = 8  # data-parallel ranks per node: 1,024 targets are 128 nodes x 8
+FAMILIES = 16  # shared prefixes (system prompts, documents) over the pool
+FAMILY_TOKENS = 2048
+PROMPT_TOKENS = (8192, 32768)  # a conversation's context, uniform in [lo, hi)
+TARGET_POLICIES = ("cache_aware", "least_load", "dynamo_kv")
+
+
+def population(
+    n: int, block: int, seed: int
+) -> tuple[list[tuple[int, list[int]]], list[tuple[list[int], int, str]]]:
+    """Holdings and requests over ``n`` targets: ``FAMILIES`` shared prefixes, two
+    conversations of 8K-32K tokens per target (each a family's prefix and its own
+    context, held whole by its home target, its prefix alone by two more), and 64
+    requests: a held conversation's next turn (8 new blocks), or 1 in 4 a new
+    conversation of a family. Hashes are random u64s chained by construction."""
+    rng = random.Random(seed)
+    fam = [[rng.getrandbits(63) for _ in range(FAMILY_TOKENS // block)] for _ in range(FAMILIES)]
+    held: list[tuple[int, list[int]]] = []
+    convs: list[tuple[list[int], int]] = []
+    for c in range(2 * n):
+        f = fam[rng.randrange(FAMILIES)]
+        ntok = rng.randrange(*PROMPT_TOKENS)
+        chain = f + [rng.getrandbits(63) for _ in range((ntok - FAMILY_TOKENS) // block)]
+        held.append((c % n, chain))
+        held.extend((rng.randrange(n), f) for _ in range(2))
+        convs.append((chain, ntok))
+    requests = []
+    for i in range(64):
+        if i % 4 == 3:
+            f = fam[rng.randrange(FAMILIES)]
+            ntok = rng.randrange(*PROMPT_TOKENS)
+            chain = f + [rng.getrandbits(63) for _ in range((ntok - FAMILY_TOKENS) // block)]
+        else:
+            chain, ntok = convs[rng.randrange(len(convs))]
+            chain = chain + [rng.getrandbits(63) for _ in range(8)]
+            ntok += 8 * block
+        requests.append((chain, ntok, f"s{i}"))
+    return held, requests
+
+
+def target_router(n: int, block: int, policy: str, seed: int) -> tuple[Any, list[Any]]:
+    """A router over ``n // DP`` nodes of ``DP`` ranks holding ``population``, loads
+    set (flights of random prefill on each rank, engine reports), and its requests
+    prepared; the policy's random draws seeded."""
+    from policies.base import RouteRequest
+    from router.config import RouterConfig, WorkerSpec
+    from router.http.app import RouterState
+    from router.routing.decide import Parsed
+    from router.workers.load import EngineLoad
+
+    specs = [
+        WorkerSpec(f"n{i}", f"http://127.0.0.1:{9000 + i}", model="m", dp_size=DP)
+        for i in range(max(1, n // DP))
+    ]
+    cfg = RouterConfig(workers=specs, forecast_tracked=0, block_size=block, policy=policy)
+    st = RouterState(cfg)
+    router, reg = st.router, st.registry
+    rng = random.Random(seed)
+    held, requests = population(n, block, seed)
+    targets = [t for w in reg for t in w.targets]
+    pool = next(iter(reg)).pool
+    for t, chain in held:
+        pool.index.store(targets[t], chain)
+    for w in reg:
+        w.load.report(EngineLoad(running=rng.randrange(16), waiting=rng.randrange(4)))
+        for load in w.rank_loads:
+            for _ in range(rng.randrange(4)):
+                load.begin(rng.randrange(0, 16384))
+    preps = []
+    workers = reg.for_model("m")
+    for i, (chain, ntok, _session) in enumerate(requests):
+        parsed = Parsed("chat", {"model": "m"}, "m", False, None, f"r{i}", None)
+        request = RouteRequest(f"r{i}", "m", ntok, chain, block)
+        preps.append(router.prepared(parsed, workers, request))
+    router.experiment.policy_for(preps[0].arm).rng = random.Random(seed)
+    return st, preps
+
+
+def _per_call(f: Any, items: list[Any], reps: int) -> float:
+    """Microseconds a call of ``f`` over ``items``, best of ``reps`` passes."""
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for x in items:
+            f(x)
+        best = min(best, time.perf_counter() - t0)
+    return best / len(items) * 1e6
+
+
+def tie_class(policy: str, views: list[Any], d: Any, tie_ms: float) -> set[str]:
+    """The candidates the unpruned ``policy`` could have drawn (``d``: its decision)."""
+    if policy == "least_load":
+        lo = min((v.inflight_requests, v.inflight_prefill_tokens) for v in views)
+        return {
+            v.worker_id for v in views if (v.inflight_requests, v.inflight_prefill_tokens) == lo
+        }
+    if policy == "dynamo_kv":
+        ranked = {w: s["logit"] for w, s in d.scores.items()}
+    elif policy == "cache_aware":
+        ranked = {
+            w: s["ttft_ms"] + s["recompute_ms"]
+            + (s["prefetch_risk_ms"] + tie_ms if s["prefetch_blocks"] else 0.0)
+            for w, s in d.scores.items()
+        }  # fmt: skip
+    else:
+        return {d.worker_id}
+    lo = min(ranked.values()) + (tie_ms if policy == "cache_aware" else 0.0)
+    return {w for w, r in ranked.items() if r <= lo}
+
+
+def decide_at(n: int, block: int, policy: str, reps: int) -> dict[str, Any]:
+    """The router's path per request (``for_model`` + ``decide`` + ``hit_blocks``), the
+    pruned one and the unpruned one side by side on two identical routers, and how many
+    of their decisions agree, each from the same policy state and draws (a difference is
+    another draw from a tie the kept set holds in part, or a miss: router/routing/prune.py)."""
+    from router.routing.decide import hit_blocks
+
+    st, preps = target_router(n, block, policy, 7)
+    full_st, full_preps = target_router(n, block, policy, 7)
+    mine = st.router.experiment.policy_for(preps[0].arm)
+    full_policy = full_st.router.experiment.policy_for(full_preps[0].arm)
+    full_policy.prunable = lambda request: False  # type: ignore[method-assign]
+    same = drawn = kept = 0
+    tie_ms = getattr(full_policy, "tie_ms", 0.0)
+    for p, q in zip(preps, full_preps, strict=True):
+        # each decision from the same policy state (and draws) on both
+        state = {k: v for k, v in vars(full_policy).items() if k != "prunable"}
+        vars(mine).update(copy.deepcopy(state))
+        d, views = st.router.decide(p)
+        e, all_views = full_st.router.decide(q)
+        kept = max(kept, len(views))
+        if (d.worker_id, d.reason, d.prefetch) == (e.worker_id, e.reason, e.prefetch):
+            same += 1
+        elif d.worker_id in tie_class(policy, all_views, e, tie_ms):
+            drawn += 1
+
+    def path(router: Any, reg: Any) -> Any:
+        def run(prep: Any) -> None:
+            reg.for_model("m")
+            d, v = router.decide(prep)
+            hit_blocks(v, d)
+
+        return run
+
+    return {
+        "pruned_us": _per_call(path(st.router, st.registry), preps, reps),
+        "unpruned_us": _per_call(path(full_st.router, full_st.registry), full_preps, reps),
+        "candidates": len(all_views),
+        "kept_candidates_max": kept,
+        "same_decisions": same,
+        # another draw from the unpruned winner's tie class (the kept set held part of it)
+        "same_tie_class": drawn,
+        "missed": len(preps) - same - drawn,
+        "decisions": len(preps),
+    }
+
+
+def match_at(n: int, block: int, reps: int) -> dict[str, Any]:
+    """The index's match of every request (the unpruned path's ``match_tiers``; the
+    pruned path's ``pick``, the walk and the load board in one call) and Dynamo's
+    ``RadixTree.find_matches`` on the same holdings."""
+    from index._native import LoadBoard
+
+    st, preps = target_router(n, block, "least_load", 7)
+    index = preps[0].pool.index
+    board = LoadBoard()
+    for w in st.registry:
+        for tid, load in w.candidates:
+            board.set(index.slot(tid), load.inflight_requests, load.inflight_prefill_tokens)
+    hashes = [p.request.block_hashes for p in preps]
+    out: dict[str, Any] = {
+        "targets": n,
+        "index_groups": len(index.cores),
+        "holders_mean": statistics.mean(len(index.match_tiers(h)) for h in hashes),
+        "match_tiers_us": _per_call(index.match_tiers, hashes, reps),
+        "pick_us": _per_call(lambda h: index.pick(board, h, 4, 32), hashes, reps),
+    }
+    if RadixTree is not None:
+        tree = RadixTree()
+        held, _ = population(n, block, 7)
+        for seq, (t, chain) in enumerate(held):
+            blocks = [{"block_hash": h, "tokens_hash": h} for h in chain]
+            stored = {"parent_hash": None, "blocks": blocks}
+            tree.apply_event(t, json.dumps({"event_id": seq, "data": {"stored": stored}}).encode())
+        # its events apply on another thread: wait for the last one (bounded)
+        last_t, last_chain = held[-1]
+        deadline = time.monotonic() + 60
+        while tree.find_matches(last_chain).scores.get((last_t, 0)) != len(last_chain):
+            if time.monotonic() > deadline:
+                raise SystemExit("Dynamo's RadixTree did not apply the stores within 60 s")
+            time.sleep(0.05)
+        out["dynamo_holders_mean"] = statistics.mean(
+            len(tree.find_matches(h).scores) for h in hashes
+        )
+        out["dynamo_find_matches_us"] = _per_call(tree.find_matches, hashes, reps)
+    return out
+
+
+def bench_targets(
+    sizes: list[int], block: int, reps: int, pairs: int, memory_pairs: int
+) -> dict[str, Any]:
+    """Each part at each size; ratios of the largest size to the smallest."""
+    out: dict[str, Any] = {
+        "sizes": sizes,
+        "dp_ranks_per_node": DP,
+        "block_size": block,
+        "families": FAMILIES,
+        "family_tokens": FAMILY_TOKENS,
+        "prompt_tokens": list(PROMPT_TOKENS),
+        "by_size": {},
+    }
+    if NativePrefixIndex is None:
+        return out
+    for n in sizes:
+        row: dict[str, Any] = {"match": match_at(n, block, reps)}
+        row["decide"] = {p: decide_at(n, block, p, reps) for p in TARGET_POLICIES}
+        if pairs:
+            row["ingest"] = bench_ingest(pairs, n, 512, reps, python=False)
+        if memory_pairs:
+            row["memory"] = bench_memory(memory_pairs, n, 512)
+        out["by_size"][str(n)] = row
+    lo, hi = out["by_size"][str(sizes[0])], out["by_size"][str(sizes[-1])]
+    ratios: dict[str, float] = {}
+    for key in ("match_tiers_us", "pick_us", "dynamo_find_matches_us"):
+        if key in lo["match"]:
+            ratios[f"match.{key}"] = hi["match"][key] / lo["match"][key]
+    for p in TARGET_POLICIES:
+        for key in ("pruned_us", "unpruned_us"):
+            ratios[f"decide.{p}.{key}"] = hi["decide"][p][key] / lo["decide"][p][key]
+    out[f"ratio_{sizes[-1]}_over_{sizes[0]}"] = ratios
+    return out
 
 
 # -- the router's own event path: NATS -> EventSync -> the ingest thread ---------------------
@@ -836,7 +1086,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--only",
-        help="comma-separated sections to run (prompt,multi_turn,ingest,under_ingest,memory,nats)",
+        help="comma-separated sections to run "
+        "(prompt,multi_turn,ingest,under_ingest,memory,nats,targets)",
+    )
+    p.add_argument(
+        "--target-sizes",
+        default=",".join(str(n) for n in TARGET_SIZES),
+        help="targets: pool sizes in targets (nodes x 8 DP ranks), comma-separated",
+    )
+    p.add_argument("--target-block", type=int, default=16, help="targets: block size (16, 32)")
+    p.add_argument("--target-pairs", type=int, default=200_000, help="targets: ingest pairs")
+    p.add_argument(
+        "--target-memory-pairs", type=int, default=500_000, help="targets: memory pairs (0: skip)"
     )
     args = p.parse_args(argv)
     global ENGINE_HASHES, PIN
@@ -859,6 +1120,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.pairs, args.ingest_pairs, args.reps, args.rate = 32_768, 16_384, 1, 16_000
         args.nats_rates = "16000"
+        args.target_pairs, args.target_memory_pairs = 16_384, 32_768
+        args.target_sizes = "16,72"  # past PRUNE_ABOVE (64): the pruned path runs
     t0 = time.perf_counter()
     out: dict[str, Any] = {
         "config": {
@@ -887,6 +1150,13 @@ def main(argv: list[str] | None = None) -> int:
             args.workers,
             args.nats_readers.split(","),
             args.nats_transports.split(","),
+        ),
+        "targets": lambda: bench_targets(
+            [int(n) for n in args.target_sizes.split(",")],
+            args.target_block,
+            args.reps,
+            args.target_pairs,
+            args.target_memory_pairs,
         ),
     }
     wanted = args.only.split(",") if args.only else list(sections)

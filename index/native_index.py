@@ -204,6 +204,23 @@ class NativePrefixIndex:
                 out[names[base + s]] = TierMatch(gpu, cpu, disk, total)  # type: ignore[index]
         return out
 
+    def pick(
+        self,
+        board: _native.LoadBoard,
+        hashes: Sequence[int],
+        k: int,
+        cap: int,
+        also: Sequence[int] = (),
+    ) -> list[tuple[int, int, int, int, int]]:
+        """``board``'s candidates that can win for ``hashes`` (``LoadBoard.pick``, every
+        group's walk in one call): (slot, gpu, cpu, disk, total) each."""
+        return board.pick(self.cores, hashes, True, self._clock(), k, cap, list(also))
+
+    @property
+    def size(self) -> int:
+        """Workers holding a slot."""
+        return len(self._slot_of)
+
     def _shared(self, hashes: Sequence[int]) -> bytes | None:
         """Which of ``hashes`` any group holds in the shared tier (every worker can load
         those), for the other groups' walks; None when no group holds a shared block."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -144,6 +144,18 @@ class Policy(ABC):
         """Whether ``select`` may give a prefetch hint: the router keeps the engines' own
         block names, which only hints read, when some policy does (router/http/app.py)."""
         return False
+
+    def prunable(self, request: RouteRequest) -> bool:
+        """Whether ``select`` may see, in a wide pool, only the candidates that can win
+        (router/routing/prune.py): true only where each candidate's cost depends on its
+        own view and the policy's state, not on the other candidates. False (a plugin's
+        default): every candidate."""
+        return False
+
+    def must_see(self, request: RouteRequest) -> Collection[str]:
+        """Candidates a pruned list must keep whatever their load: those the policy's
+        own state favours (a session's request in flight there, say)."""
+        return ()
 
     @abstractmethod
     def select(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:

@@ -54,6 +54,9 @@ class LeastLoad(Policy):
 
     name = "least_load"
 
+    def prunable(self, request: RouteRequest) -> bool:
+        return True  # the load board orders by ``load_key``: the winner is always kept
+
     def select(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
         cands = healthy(workers)
         i = argmin_random([load_key(w) for w in cands], self.rng)

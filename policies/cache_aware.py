@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
 from index.hashing import cacheable_blocks
@@ -207,6 +207,16 @@ class CacheAware(Policy):
         # them each block hash leads (``_common_depth``)
         self._leads: OrderedDict[str, list[int]] = OrderedDict()
         self._lead_count: dict[int, int] = {}
+
+    def prunable(self, request: RouteRequest) -> bool:
+        # pool-wide terms read every worker: the fade's mean queue and the session bound
+        # (a long-session pool's session requests), placement's blocks placed per worker
+        return self.place_slack_ms is None and not (request.session_key and self._long_sessions())
+
+    def must_see(self, request: RouteRequest) -> Collection[str]:
+        own = self._in_flight_prefix(request)[0] if self.in_flight else None
+        hint = self._hinted.get(request.session_key) if request.session_key else None
+        return [w for w in (own, hint[0] if hint else None) if w is not None]
 
     def select(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
         cands = healthy(workers)

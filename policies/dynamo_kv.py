@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from .base import Decision, Policy, RouteRequest, WorkerView, prefix_depth
 from .selection import argmin_random, healthy
@@ -113,6 +113,18 @@ class DynamoKv(Policy):
         self.temperature = temperature
         self._active: dict[str, _Active] = {}
         self._requests: dict[str, tuple[str, Sequence[int], int]] = {}
+        # first block -> worker -> its active sequences starting with it: where a new
+        # request's decode term is lowered by a shared prefix (``must_see``)
+        self._leading: dict[int, dict[str, int]] = {}
+
+    def prunable(self, request: RouteRequest) -> bool:
+        # with a decay the credit reads the least prefill load of all; with a temperature
+        # the draw spans every candidate
+        return self.overlap_score_credit_decay == 0 and self.temperature == 0
+
+    def must_see(self, request: RouteRequest) -> Collection[str]:
+        hashes = request.block_hashes
+        return self._leading.get(hashes[0], ()) if hashes else ()
 
     def select(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
         cands = healthy(workers)
@@ -188,12 +200,23 @@ class DynamoKv(Policy):
             self._release(old)
         seqs.add(request.block_hashes, partial)
         self._requests[request.request_id] = (worker_id, request.block_hashes, partial)
+        if request.block_hashes:
+            lead = self._leading.setdefault(request.block_hashes[0], {})
+            lead[worker_id] = lead.get(worker_id, 0) + 1
 
     def _release(self, entry: tuple[str, Sequence[int], int]) -> None:
         worker_id, hashes, partial = entry
         seqs = self._active.get(worker_id)
         if seqs is not None:
             seqs.release(hashes, partial)
+        lead = self._leading.get(hashes[0]) if hashes else None
+        if lead is not None and worker_id in lead:
+            if lead[worker_id] > 1:
+                lead[worker_id] -= 1
+            else:
+                del lead[worker_id]
+                if not lead:
+                    del self._leading[hashes[0]]
 
     def on_finish(self, request: RouteRequest, worker_id: str) -> None:
         entry = self._requests.pop(request.request_id, None)

@@ -14,6 +14,7 @@
 #include <string>
 #include <tuple>
 
+#include "candidates.hpp"
 #include "events.hpp"
 #include "kv_headers.hpp"
 #include "nats_reader.hpp"
@@ -1245,6 +1246,80 @@ PYBIND11_MODULE(_native, m) {
              "The worker's own hashes of the leading ``router_hashes`` it holds.");
 
     // -- the native KV-event reader (nats_reader.hpp, LiveFeed) ----------------------
+    py::class_<LoadBoard>(m, "LoadBoard")
+        .def(py::init<>())
+        .def("set", &LoadBoard::set, py::arg("slot"), py::arg("requests"), py::arg("tokens"),
+             "The target's load key: in-flight requests, then their prefill tokens.")
+        .def("block", &LoadBoard::block, py::arg("slot"), py::arg("blocked"))
+        .def("drop", &LoadBoard::drop, py::arg("slot"))
+        .def("seed", &LoadBoard::seed, py::arg("seed"))
+        .def("__len__", &LoadBoard::size)
+        .def(
+            "pick",
+            [](LoadBoard& b, py::list cores, py::handle hashes, bool speculative, double now,
+               int k, int cap, std::vector<int> also) {
+                if (k < 1 || k > 64 || cap < 0)
+                    throw py::value_error("pick: k in 1..64 and cap >= 0");
+                std::vector<uint64_t> hs = u64s(hashes);  // once for every group
+                std::vector<Core*> cs;
+                for (py::handle c : cores) cs.push_back(&c.cast<Core&>());
+                // several groups: the shared tier any of them holds counts in every walk
+                // (NativePrefixIndex._shared)
+                std::string ext;
+                if (cs.size() > 1 && !hs.empty()) {
+                    std::string flags(hs.size(), '\0'), mine(hs.size(), '\0');
+                    bool any = false;
+                    for (Core* c : cs) {
+                        Core::Lock l(c->mu);
+                        if (!c->index.shared_total()) continue;
+                        c->index.shared_at(hs.data(), hs.size(), reinterpret_cast<uint8_t*>(mine.data()));
+                        for (size_t i = 0; i < hs.size(); ++i) flags[i] |= mine[i];
+                        any = true;
+                    }
+                    if (any) ext.swap(flags);
+                }
+                const uint8_t* shared = ext.empty() ? nullptr : reinterpret_cast<const uint8_t*>(ext.data());
+                std::vector<Held> held;
+                if (!hs.empty()) {
+                    for (size_t g = 0; g < cs.size(); ++g) {
+                        Depths d;
+                        TierDepths t;
+                        Mask split;
+                        {
+                            Core::Lock l(cs[g]->mu);
+                            cs[g]->index.depths(hs.data(), hs.size(), speculative, now, d, shared);
+                            split = cs[g]->index.split_tiers(hs.data(), hs.size(), speculative, d, t,
+                                                             shared != nullptr);
+                        }
+                        const int base = static_cast<int>(g) * MAX_SLOTS;
+                        for (Mask m = d.found; m; m &= m - 1) {
+                            const int s = __builtin_ctzll(m);
+                            const int total = d.depth[s];
+                            if (split & (Mask{1} << s))
+                                held.push_back(Held{base + s, t.gpu[s], t.cpu[s], t.disk[s], total});
+                            else
+                                held.push_back(Held{base + s, total, total, total, total});
+                        }
+                    }
+                }
+                std::vector<Held> out;
+                b.pick(held, k, cap, also, out);
+                py::list res(out.size());
+                for (size_t i = 0; i < out.size(); ++i) {
+                    const Held& h = out[i];
+                    res[i] = py::make_tuple(h.slot, h.gpu, h.cpu, h.disk, h.total);
+                }
+                return res;
+            },
+            py::arg("cores"), py::arg("hashes"), py::arg("speculative"), py::arg("now"),
+            py::arg("k"), py::arg("cap"), py::arg("also") = std::vector<int>{},
+            "Match ``hashes`` in every group's core (group g's slot s is board slot\n"
+            "g * 64 + s) and keep the candidates that can win: per hit class and among the\n"
+            "targets holding nothing, the k least loaded in each of two orders (requests then\n"
+            "tokens; tokens then requests) and the tie at the k-th key (whole\n"
+            "when at most ``cap`` more, else sampled), and the ``also`` slots whatever their\n"
+            "load. [(slot, gpu, cpu, disk, total)].");
+
     py::class_<LiveFeed>(m, "EventReader")
         .def(py::init([](const std::vector<std::pair<std::string, int>>& servers,
                          const std::string& subject, const std::string& prefix,

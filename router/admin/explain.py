@@ -81,7 +81,9 @@ def rows(
                     "worker_id": tid,
                     "worker": w.id,
                     "dp_rank": rank if w.dp_size > 1 else None,
-                    "usable": view is not None,
+                    "usable": w.usable(now),
+                    # the policy saw it (a wide pool's decision sees the few that can win)
+                    "considered": view is not None,
                     "in_sync": state.in_sync(tid, prep.pool),
                     "match": matches.get(tid, NO_MATCH),
                     "view": view,

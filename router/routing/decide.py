@@ -17,12 +17,15 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 import orjson
 
+from index.backend import NativePrefixIndex
 from index.groups import clip_matches
 from index.hashing import RouterHash, cacheable_blocks, request_block_hashes
+from index.prefix_index import TierMatch
 from policies.base import (
     NO_MATCH,
     Decision,
     NoWorkerError,
+    Policy,
     RouteRequest,
     WorkerView,
     expected_hit_blocks,
@@ -35,6 +38,8 @@ from router.http.fields import check_fields
 from router.routing.affinity import ResponseAffinity
 from router.routing.messages import as_messages as anthropic_messages
 from router.routing.messages import check_messages
+from router.routing.prune import AVAILABLE as PRUNING
+from router.routing.prune import PRUNE_ABOVE, Pruner, Target
 from router.routing.responses import as_messages, check_responses
 from router.routing.session_key import derive
 from router.tokens.media import as_ints, block_keys, expand
@@ -117,6 +122,7 @@ class Router:
         self.on_predict = on_predict
         self.affinity = affinity  # response id -> worker (Responses API; None: no pinning)
         self.prefixes = prefixes  # chats' tokens and hashes by rendered prefix (None: off)
+        self._pruners: dict[str, Pruner] = {}  # by pool: its load board (wide pools only)
         self._ids = itertools.count()
         self._id_prefix = f"cr-{os.getpid():x}-{os.urandom(3).hex()}-"
 
@@ -297,9 +303,14 @@ class Router:
 
     # -- decide ------------------------------------------------------------------
     def views(
-        self, prep: Prepared, exclude: frozenset[str] | set[str] = frozenset()
+        self,
+        prep: Prepared,
+        exclude: frozenset[str] | set[str] = frozenset(),
+        policy: Policy | None = None,
     ) -> list[WorkerView]:
-        """The usable candidates as the policy sees them (index matches and load)."""
+        """The usable candidates as the policy sees them (index matches and load); in a
+        wide pool, with ``policy`` given and willing, only those that can win
+        (router/routing/prune.py)."""
         now = time.monotonic()
         now_ms = now * 1000.0
         pool = prep.pool
@@ -309,16 +320,39 @@ class Router:
         cap = cacheable_blocks(prep.request.num_tokens, prep.request.block_size)
         if cap < len(hashes):
             hashes = hashes[:cap]
-        matches = pool.index.match_tiers(hashes) if hashes else {}
-        groups = ingest.group_specs()
-        if groups is not None and matches:
-            # a hybrid model: a hit counts only as deep as every KV-cache group reuses it
-            matches = clip_matches(matches, hashes, groups, pool.index.holds, pool.block_size)
         stale = self.cfg.load_stale_after
         blind = self.blind is not None and self.blind(now)
         # the workers out of sync, asked once for all candidates (one native call a core:
         # ``in_sync`` per candidate cost 0.21 us each, BENCHMARKS.md session 13)
         behind = ingest.out_of_sync()
+        groups = ingest.group_specs()
+        index = pool.index
+        if (
+            policy is not None
+            and PRUNING
+            and isinstance(index, NativePrefixIndex)
+            and index.size > PRUNE_ABOVE
+            and groups is None
+            and policy.prunable(prep.request)
+        ):
+            pruner = self._pruners.get(pool.name)
+            if pruner is None or pruner.index is not index:
+                pruner = self._pruners[pool.name] = Pruner(index)
+            must = policy.must_see(prep.request)
+            if behind:  # no hit counts there: each is kept, as one that holds nothing
+                must = [*must, *behind]
+            kept = pruner.pick(prep.workers, () if blind else hashes, exclude, now, must)
+            if kept is not None:
+                return [
+                    _view(t, m, now, now_ms, stale)
+                    if not blind and t[1] not in behind
+                    else _view(t, NO_MATCH, now, now_ms, stale, False)
+                    for t, m in kept
+                ]
+        matches = index.match_tiers(hashes) if hashes else {}
+        if groups is not None and matches:
+            # a hybrid model: a hit counts only as deep as every KV-cache group reuses it
+            matches = clip_matches(matches, hashes, groups, index.holds, pool.block_size)
         match_of = matches.get
         view = WorkerView
         views: list[WorkerView] = []
@@ -366,7 +400,8 @@ class Router:
     ) -> tuple[Decision, list[WorkerView]]:
         """The policy's decision among usable workers; ``ApiError`` 503 when there is none."""
         t0 = time.time_ns() if trace is not None else 0
-        views = self.views(prep, exclude)
+        policy = self.experiment.policy_for(prep.arm)
+        views = self.views(prep, exclude, policy)
         if prep.pinned is not None:
             return self._pinned(prep, prep.pinned, exclude), views
         if trace is not None:
@@ -377,7 +412,7 @@ class Router:
                 503, f"no healthy worker for model {prep.parsed.model}", "no_healthy_worker"
             )
         try:
-            decision = self.experiment.policy_for(prep.arm).select(prep.request, views)
+            decision = policy.select(prep.request, views)
         except NoWorkerError as exc:
             raise ApiError(503, str(exc), "no_healthy_worker") from exc
         if trace is not None:
@@ -439,6 +474,25 @@ def max_tokens(body: dict[str, Any]) -> Any:
 
 def _share(count: int | None, ranks: int) -> int | None:
     return count if count is None or ranks == 1 else -(-count // ranks)
+
+
+def _view(
+    target: Target, match: TierMatch, now: float, now_ms: float, stale: float, synced: bool = True
+) -> WorkerView:
+    """One kept candidate's view, as ``Router.views`` builds each."""
+    w, tid, load = target
+    wload = w.load
+    running = waiting = kv_usage = None
+    if now - wload.engine_seen <= stale:
+        engine = wload.engine
+        share = len(w.rank_loads) or 1
+        running, waiting = _share(engine.running, share), _share(engine.waiting, share)
+        kv_usage = engine.kv_usage
+    tokens, ran = load.prefills.oldest(now_ms)
+    return WorkerView(
+        tid, match, load.inflight_requests, load.inflight_prefill_tokens, load.decode_streams,
+        running, waiting, kv_usage, True, synced, tokens, ran,
+    )  # fmt: skip
 
 
 def hit_blocks(views: list[WorkerView], decision: Decision) -> int:

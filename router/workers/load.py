@@ -25,11 +25,14 @@ import enum
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from policies.base import MAX_ENGINE_COUNT
+
+if TYPE_CHECKING:
+    from index._native import LoadBoard
 
 
 @dataclass(slots=True)
@@ -84,6 +87,7 @@ class WorkerLoad:
     """Load counters of one worker; mutated only on the event loop."""
 
     __slots__ = (
+        "board",
         "decode_streams",
         "engine",
         "engine_seen",
@@ -93,6 +97,7 @@ class WorkerLoad:
         "peer_prefill_tokens",
         "peer_requests",
         "prefills",
+        "slot",
     )
 
     def __init__(self) -> None:
@@ -108,6 +113,20 @@ class WorkerLoad:
         # this router's own flights waiting for their first byte (the peers' are counts
         # only): when the oldest was sent, in monotonic ms
         self.prefills = RunningPrefills()
+        # a wide pool's load board (router/routing/prune.py): told each move of the two
+        # counters it orders by, so no decision reads every target's load
+        self.board: LoadBoard | None = None
+        self.slot = 0
+
+    def watch(self, board: LoadBoard | None, slot: int = 0) -> None:
+        """Tell ``board`` (None: stop) this load's moves, as its ``slot``."""
+        self.board, self.slot = board, slot
+        self.moved()
+
+    def moved(self) -> None:
+        board = self.board
+        if board is not None:
+            board.set(self.slot, self.inflight_requests, self.inflight_prefill_tokens)
 
     def begin(self, prefill_tokens: int, now: float | None = None) -> Flight:
         self.inflight_requests += 1
@@ -115,6 +134,8 @@ class WorkerLoad:
         flight = Flight(self, prefill_tokens)
         if prefill_tokens > 0:  # a passthrough's unknown prompt neither waits nor discounts
             self.prefills.add(flight, prefill_tokens, _now_ms() if now is None else now)
+        if self.board is not None:
+            self.moved()
         return flight
 
     def own(self) -> tuple[int, int, int]:
@@ -133,6 +154,8 @@ class WorkerLoad:
         self.peer_requests += requests
         self.peer_prefill_tokens += prefill_tokens
         self.peer_decode_streams += decode_streams
+        if self.board is not None:
+            self.moved()
 
     def report(self, engine: EngineLoad, now: float | None = None) -> None:
         self.engine = engine
@@ -179,10 +202,13 @@ class Flight:
 
     def first_byte(self) -> None:
         if self.state is WAITING:
-            self.load.inflight_prefill_tokens -= self.prefill
-            self.load.prefills.remove(self, _now_ms())
-            self.load.decode_streams += 1
+            load = self.load
+            load.inflight_prefill_tokens -= self.prefill
+            load.prefills.remove(self, _now_ms())
+            load.decode_streams += 1
             self.state = DECODING
+            if load.board is not None:
+                load.moved()
 
     def finish(self) -> None:
         if self.state is WAITING:
@@ -194,6 +220,8 @@ class Flight:
             return
         self.load.inflight_requests -= 1
         self.state = FINISHED
+        if self.load.board is not None:
+            self.load.moved()
 
 
 def _now_ms() -> float:

@@ -1,0 +1,188 @@
+// The candidates that can win a routing decision in a wide pool: the least loaded few of
+// every class of holders (same leading blocks held in every tier) and of the targets that
+// hold nothing, out of a board of per-target load keys kept current as loads move.
+//
+// A policy's cost for a candidate grows with its load and falls with its hit; between
+// two candidates with the same hit, the less loaded one costs no more. So the winner is
+// among the least loaded of its hit class, and a class's more loaded members need no
+// view built and no cost computed (router/routing/prune.py says when this holds and what
+// happens when it does not). Work per decision: the index walk, then two linear passes
+// over the targets per order here; Python sees only the few kept (17 to 23 of 1,024
+// targets in bench/scale.py --only targets).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace cr {
+
+// One target's hit, per tier (as Core.match_tiers gives it), with its board slot.
+struct Held {
+    int slot;
+    int gpu, cpu, disk, total;
+    bool same_class(const Held& o) const {
+        return gpu == o.gpu && cpu == o.cpu && disk == o.disk && total == o.total;
+    }
+};
+
+class LoadBoard {
+   public:
+    // The load key least_load orders by: in-flight requests, then their prefill tokens.
+    void set(int slot, int64_t requests, int64_t tokens) {
+        grow(slot);
+        req_[slot] = requests;
+        tok_[slot] = tokens;
+        // each order's key one integer (compared without looking the loads up): requests
+        // below 2**23 and tokens below 2**40 keep their order, larger ones clamp
+        const uint64_t r = static_cast<uint64_t>(std::clamp<int64_t>(requests, 0, (1LL << 23) - 1));
+        const uint64_t t = static_cast<uint64_t>(std::clamp<int64_t>(tokens, 0, (1LL << 40) - 1));
+        key_[0][slot] = (r << 40) | t;
+        key_[1][slot] = (t << 23) | r;
+        present_[slot] = 1;
+    }
+    // A target that may not be chosen now (unhealthy, draining, excluded): never kept.
+    void block(int slot, bool blocked) {
+        grow(slot);
+        blocked_[slot] = blocked ? 1 : 0;
+    }
+    // A target gone: no longer a candidate.
+    void drop(int slot) {
+        if (slot >= 0 && static_cast<size_t>(slot) < present_.size()) present_[slot] = 0;
+    }
+    bool candidate(int slot) const {
+        return slot >= 0 && static_cast<size_t>(slot) < present_.size() && present_[slot] &&
+               !blocked_[slot];
+    }
+    size_t size() const { return present_.size(); }
+    int64_t requests(int slot) const { return req_[slot]; }
+    int64_t tokens(int slot) const { return tok_[slot]; }
+    void seed(uint64_t s) { rng_ = s ? s : 0x9E3779B97F4A7C15ULL; }
+
+    // ``held``: every holder the index matched (any order). Appends to ``out`` the kept
+    // ones (their hit) and the kept non-holders (hit 0): in each, the ``k`` least loaded
+    // in each of two orders (requests then tokens, as least_load; tokens then requests,
+    // the queue a prefill waits behind) and the whole tie class at the k-th key when it
+    // has at most ``cap`` members past the k (else a uniform sample of it fills the k).
+    // ``also``: slots kept whatever their load (those the policy asks for by name).
+    void pick(std::vector<Held>& held, int k, int cap, const std::vector<int>& also,
+              std::vector<Held>& out) {
+        std::vector<uint8_t> is_holder(present_.size(), 0);
+        std::vector<Held> live;
+        live.reserve(held.size());
+        for (const Held& h : held) {
+            if (!candidate(h.slot)) continue;
+            is_holder[h.slot] = 1;
+            live.push_back(h);
+        }
+        // by class, deepest first: each class a contiguous run
+        std::sort(live.begin(), live.end(), [](const Held& a, const Held& b) {
+            if (a.total != b.total) return a.total > b.total;
+            if (a.gpu != b.gpu) return a.gpu > b.gpu;
+            if (a.cpu != b.cpu) return a.cpu > b.cpu;
+            if (a.disk != b.disk) return a.disk > b.disk;
+            return a.slot < b.slot;
+        });
+        std::vector<Held> kept;
+        for (size_t i = 0; i < live.size();) {
+            size_t j = i + 1;
+            while (j < live.size() && live[j].same_class(live[i])) ++j;
+            for (int o = 0; o < 2; ++o) least(live.data() + i, j - i, k, cap, o, kept);
+            i = j;
+        }
+        // the targets holding nothing
+        std::vector<Held> none;
+        none.reserve(present_.size());
+        for (size_t s = 0; s < present_.size(); ++s)
+            if (present_[s] && !blocked_[s] && !is_holder[s])
+                none.push_back(Held{static_cast<int>(s), 0, 0, 0, 0});
+        for (int o = 0; o < 2; ++o) least(none.data(), none.size(), k, cap, o, kept);
+        for (int slot : also) {
+            if (!candidate(slot)) continue;
+            Held add{slot, 0, 0, 0, 0};
+            for (const Held& h : live)
+                if (h.slot == slot) add = h;
+            kept.push_back(add);
+        }
+        std::vector<uint8_t> seen(present_.size(), 0);  // once each
+        for (const Held& h : kept) {
+            if (seen[h.slot]) continue;
+            seen[h.slot] = 1;
+            out.push_back(h);
+        }
+    }
+
+   private:
+    std::vector<int64_t> req_, tok_;
+    std::vector<uint64_t> key_[2];  // per order, per slot (``set``)
+    std::vector<uint8_t> present_, blocked_;
+    uint64_t rng_ = 0x9E3779B97F4A7C15ULL;
+
+    void grow(int slot) {
+        if (slot < 0) return;
+        const size_t n = static_cast<size_t>(slot) + 1;
+        if (present_.size() < n) {
+            req_.resize(n, 0);
+            tok_.resize(n, 0);
+            key_[0].resize(n, 0);
+            key_[1].resize(n, 0);
+            present_.resize(n, 0);
+            blocked_.resize(n, 0);
+        }
+    }
+    uint64_t next() {
+        uint64_t x = rng_;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        return rng_ = x;
+    }
+    // ``run``'s ``k`` least in order ``o`` (0: requests, then tokens; 1: tokens, then
+    // requests) and the tie class at the k-th key, onto ``out``: whole when it has at most
+    // ``cap`` members past the k, else a uniform sample of it (partial Fisher-Yates) fills
+    // the k, so over decisions each is as likely as in the whole class. Two passes, no sort.
+    void least(const Held* run, size_t n, int k, int cap, int o, std::vector<Held>& out) {
+        const size_t want = static_cast<size_t>(k);
+        if (n <= want) {
+            out.insert(out.end(), run, run + n);
+            return;
+        }
+        const uint64_t* key = key_[o].data();
+        uint64_t best[64];  // the k least keys, ascending (k <= 64)
+        size_t have = 0;
+        for (size_t i = 0; i < n; ++i) {
+            const uint64_t v = key[run[i].slot];
+            if (have == want && v >= best[want - 1]) continue;
+            size_t j = have < want ? have++ : want - 1;
+            while (j > 0 && best[j - 1] > v) {
+                best[j] = best[j - 1];
+                --j;
+            }
+            best[j] = v;
+        }
+        const uint64_t kth = best[want - 1];
+        std::vector<Held> ties;
+        size_t below = 0;
+        for (size_t i = 0; i < n; ++i) {
+            const uint64_t v = key[run[i].slot];
+            if (v < kth) {
+                out.push_back(run[i]);
+                ++below;
+            } else if (v == kth) {
+                ties.push_back(run[i]);
+            }
+        }
+        const size_t room = want - below;
+        if (ties.size() <= room + static_cast<size_t>(cap)) {
+            out.insert(out.end(), ties.begin(), ties.end());
+            return;
+        }
+        for (size_t i = 0; i < room; ++i) {
+            const size_t j = i + static_cast<size_t>(next() % (ties.size() - i));
+            std::swap(ties[i], ties[j]);
+            out.push_back(ties[i]);
+        }
+    }
+};
+
+}  // namespace cr
