@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -218,6 +220,94 @@ def _summary(run: Run, duration: float, slo: float, queue_timeout: float) -> dic
     }
 
 
+def _engine_load(port: int) -> tuple[float, float]:
+    """An engine's (running, waiting) from its ``/metrics``."""
+    running = waiting = 0.0
+    for line in http_get(port, "/metrics")[1].decode().splitlines():
+        if line.startswith("vllm:num_requests_running"):
+            running += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:num_requests_waiting"):
+            waiting += float(line.rsplit(" ", 1)[1])
+    return running, waiting
+
+
+class Sampler(threading.Thread):
+    """The engines' running and waiting every ``every`` seconds while a run lasts: where
+    the requests wait (in the engines' queues, or at the router)."""
+
+    def __init__(self, ports: list[int], every: float = 0.05) -> None:
+        super().__init__(daemon=True)
+        self.ports, self.every = ports, every
+        self.samples: list[list[tuple[float, float]]] = [[] for _ in ports]
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(self.every):
+            for i, port in enumerate(self.ports):
+                with contextlib.suppress(OSError):
+                    self.samples[i].append(_engine_load(port))
+
+    def summary(self) -> dict[str, Any]:
+        out = {}
+        for i, samples in enumerate(self.samples):
+            if not samples:
+                continue
+            waiting = [w for _, w in samples]
+            out[f"e{i}"] = {
+                "running_mean": round(sum(r for r, _ in samples) / len(samples), 2),
+                "waiting_mean": round(sum(waiting) / len(waiting), 2),
+                "waiting_max": max(waiting),
+                "waiting_share": round(sum(w > 0 for w in waiting) / len(waiting), 2),
+            }
+        return out
+
+
+Waits = dict[tuple[str, str], tuple[list[float], float]]
+
+
+def _router_waits(port: int) -> Waits:
+    """The router's admission wait histograms: (tenant, priority) -> (cumulative bucket
+    counts, sum of seconds), from ``cache_router_admission_wait_seconds``."""
+    out: Waits = {}
+    for line in http_get(port, "/metrics")[1].decode().splitlines():
+        if not line.startswith("cache_router_admission_wait_seconds_"):
+            continue
+        name, _, value = line.rpartition(" ")
+        inner = name[name.index("{") + 1 : name.rindex("}")]
+        labels = dict(kv.split("=", 1) for kv in inner.split(","))
+        key = (labels["tenant"].strip('"'), labels["priority"].strip('"'))
+        buckets, total = out.get(key, ([], 0.0))
+        if "_bucket" in name:
+            buckets.append(float(value))
+        elif "_sum" in name:
+            total = float(value)
+        out[key] = (buckets, total)
+    return out
+
+
+def _wait_summary(before: Waits, after: Waits) -> dict[str, Any]:
+    """Per stream, between two scrapes: requests admitted, their mean wait at the router,
+    and the histogram bucket holding its p99 (upper bound, seconds)."""
+    from router.admission.stats import WAIT_BUCKETS
+
+    bounds = [*WAIT_BUCKETS, float("inf")]
+    names = {(t, str(p)): s for s, (t, p) in WHO.items()}
+    out = {}
+    for key, (buckets, total) in after.items():
+        old, old_total = before.get(key, ([0.0] * len(buckets), 0.0))
+        diff = [a - b for a, b in zip(buckets, old, strict=True)]
+        n = diff[-1] if diff else 0.0
+        if not n or key not in names:
+            continue
+        p99 = next(b for b, c in zip(bounds, diff, strict=True) if c >= 0.99 * n)
+        out[names[key]] = {
+            "admitted": int(n),
+            "router_wait_mean_s": round((total - old_total) / n, 4),
+            "router_wait_p99_le_s": p99,
+        }
+    return out
+
+
 def _idle(ports: list[int], timeout: float = 120.0) -> None:
     """Wait until no engine runs or queues anything (the last run's backlog drained)."""
     deadline = time.monotonic() + timeout
@@ -292,9 +382,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 flood = max(0.0, load * capacity - rates["steady"] - rates["urgent"])
                 offered = {**rates, "flood": flood}
                 t0 = time.perf_counter()
+                waits = _router_waits(port) if admission else {}
+                sampler = Sampler(engine_ports)
+                sampler.start()
                 run_ = asyncio.run(
                     _offer(url, offered, args.duration, args.client_timeout, args.seed)
                 )
+                sampler.stop.set()
+                sampler.join()
                 summary = _summary(run_, args.duration, args.slo, args.queue_timeout)
                 st = summary["streams"]
                 steady = st.get("steady", {}).get("ttft_p99_s")
@@ -308,6 +403,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "steady_p99_over_alone": _ratio(steady, base["steady"]),
                         "urgent_p99_over_unloaded": _ratio(urgent, base["urgent"]),
                         **summary,
+                        "engines": sampler.summary(),
+                        "router_wait": _wait_summary(waits, _router_waits(port))
+                        if admission
+                        else None,
                         "wall_s": round(time.perf_counter() - t0, 1),
                     }
                 )  # fmt: skip

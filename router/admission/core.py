@@ -340,10 +340,17 @@ class Admission:
         oldest = next(iter(self._held.values()))
         if self._starved(oldest, best, now) and self._skips + 1 >= self.settings.starve_share:
             yield oldest
+        value, weight, flying = self._vtc.value, self.weight, self._flying
         for priority in sorted(levels):
             tenants = levels[priority]
-            value = self._vtc.value
-            for tenant in sorted(tenants, key=lambda t: (value(t), tenants[t][0].seq)):
+            # equal counters (a tenant joining the backlog is lifted to the lowest): the
+            # one with fewer requests in flight per weight first, then the older head. On
+            # bench/overload.py at 2x, the steady tenant lifted to the flood's counter
+            # waited for the flood's older head: two slots freeing instead of one
+            order = sorted(
+                tenants, key=lambda t: (value(t), flying[t] / weight(t), tenants[t][0].seq)
+            )
+            for tenant in order:
                 queue = tenants[tenant]
                 for i in range(min(len(queue), LOOKAHEAD)):
                     yield queue[i]
