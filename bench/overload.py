@@ -37,9 +37,11 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +56,7 @@ from router.forward.upstream import Upstream, UpstreamError  # noqa: E402
 from sim.mock.natsd import free_ports  # noqa: E402
 
 MODEL = "overload-model"
-MAX_TOKENS = 20
+MAX_TOKENS = [20]  # the answers' length (--max-tokens)
 STREAMS = ("steady", "urgent", "flood")
 # stream -> (tenant, priority)
 WHO = {"steady": ("steady", 0), "urgent": ("flood", -10), "flood": ("flood", 0)}
@@ -83,7 +85,7 @@ def _body(stream: str, i: int) -> bytes:
     body: dict[str, Any] = {
         "model": MODEL,
         "prompt": f"{tenant} request {i}: write twenty short words about queues, please.",
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": MAX_TOKENS[0],
         "ignore_eos": True,
         "stream": True,
     }
@@ -343,7 +345,40 @@ def _router(procs: list[subprocess.Popen[bytes]], port: int, engines: list[int],
     return proc
 
 
+@contextlib.contextmanager
+def _vllm(args: argparse.Namespace, work: Path) -> Iterator[list[int]]:
+    """Two real vLLM CPU engines (tests/real_engines/vllm_engine.py's, ``--max-num-seqs``
+    slots each, one core each); their ports."""
+    sys.path.insert(0, str(ROOT / "tests" / "real_engines"))
+    from vllm_engine import Engine, running
+
+    model = work / "model"
+    make = [args.vllm_python, str(ROOT / "tests/real_engines/make_model.py"), str(model)]
+    subprocess.run(make, check=True, stdout=subprocess.DEVNULL)
+    engines = []
+    for i in range(args.engines):
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1",
+               "VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))}  # fmt: skip
+        # priority scheduling: vLLM refuses a request's priority under FCFS
+        extra = ("--max-num-seqs", str(args.max_num_seqs), "--scheduling-policy", "priority")
+        engines.append(Engine(f"e{i}", args.vllm_python, model, work, env, "tcp", extra=extra))
+    with running(engines):
+        yield [e.port for e in engines]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    MAX_TOKENS[0] = args.max_tokens
+    with contextlib.ExitStack() as stack:
+        ports = None
+        if args.vllm:
+            global MODEL
+            MODEL = "tiny"  # vllm_engine's served model name
+            work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="overload-")))
+            ports = stack.enter_context(_vllm(args, work))
+        return _run(args, ports)
+
+
+def _run(args: argparse.Namespace, vllm_ports: list[int] | None) -> dict[str, Any]:
     py = sys.executable
     quiet = {"cwd": ROOT, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     configs = [(p, False) for p in args.policies.split(",") if p]
@@ -351,13 +386,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     loads = [float(x) for x in args.loads.split(",")]
     results: list[dict[str, Any]] = []
     with processes() as procs:
-        engine_ports = free_ports(2)
-        for i, port in enumerate(engine_ports):
+        engine_ports = vllm_ports or free_ports(args.engines)
+        for i, port in enumerate([] if vllm_ports else engine_ports):
             cmd = [py, "-m", "router.cli", "mock-engine", "--port", str(port), "--model", MODEL,
                    "--worker-id", f"e{i}", "--max-num-seqs", str(args.max_num_seqs),
                    "--decode-tps", str(args.decode_tps), "--log-level", "WARNING"]  # fmt: skip
             procs.append(subprocess.Popen(cmd, **quiet))  # type: ignore[call-overload]
-        for port, proc in zip(engine_ports, procs, strict=True):
+        for port, proc in zip(engine_ports, procs, strict=False):
             wait_ready(port, proc)
         # the pool's capacity, and each stream alone, through a router without admission
         (port,) = free_ports(1)
@@ -414,10 +449,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             router.terminate()
             router.wait(10)
     return {
-        "engines": 2,
+        "engine": "vllm (CPU)" if vllm_ports else "mock",
+        "engines": args.engines,
         "max_num_seqs": args.max_num_seqs,
-        "decode_tps": args.decode_tps,
-        "max_tokens": MAX_TOKENS,
+        "decode_tps": None if vllm_ports else args.decode_tps,
+        "max_tokens": MAX_TOKENS[0],
         "capacity_rps": round(capacity, 2),
         "slo_ttft_s": args.slo,
         "duration_s": args.duration,
@@ -439,8 +475,17 @@ def main() -> None:
     ap.add_argument("--policies", default="cache_aware,least_load,dynamo_kv,sglang_cache_aware")
     ap.add_argument("--admission-policies", default="cache_aware,least_load",
                     help="policies also run with admission on")  # fmt: skip
+    ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=4)
+    ap.add_argument("--vllm", action="store_true", help="real vLLM CPU engines, not mocks")
+    ap.add_argument(
+        "--vllm-python",
+        default=os.environ.get(
+            "CACHE_ROUTER_VLLM_PYTHON", "/tmp/cache-router-vllm-venv/bin/python"
+        ),
+    )
     ap.add_argument("--decode-tps", type=float, default=100.0)
+    ap.add_argument("--max-tokens", type=int, default=20, help="each answer's length")
     ap.add_argument("--steady-share", type=float, default=0.12)
     ap.add_argument("--urgent-share", type=float, default=0.1)
     ap.add_argument("--slo", type=float, default=0.5, help="goodput's TTFT bound, seconds")
