@@ -389,3 +389,22 @@ def test_a_request_with_no_worker_at_all_is_not_held() -> None:
     pool.full(1)
     lost = pool.ticket(candidates=())
     assert lost.state is State.BOUND and lost.worker is None and pool.adm.queued == 0
+
+
+def test_without_headroom_a_limit_cut_by_a_passing_wait_comes_back() -> None:
+    """engine_queue 0: the engine is never offered more than its limit, so a request
+    reported waiting between two steps, twice, must not cut the limit for good."""
+    cap = Capacity(engine_queue=0)
+    cap.report("w", 4, 1, 0.0)
+    cap.report("w", 4, 1, 0.1)
+    assert cap.limit("w") == 4
+    cap.report("w", 3, 1, 0.2)  # a slot freed, its next request not yet scheduled
+    cap.report("w", 3, 1, 0.3)
+    assert cap.limit("w") == 3
+    cap.report("w", 3, 0, 0.4)  # all it was given runs, nothing waits: one more
+    assert cap.limit("w") == 4
+    cap.report("w", 4, 0, 0.5)
+    assert cap.limit("w") == 5
+    cap.report("w", 4, 1, 0.6)  # it runs 4: the fifth waits, twice: back to 4
+    cap.report("w", 4, 1, 0.7)
+    assert cap.limit("w") == 4
