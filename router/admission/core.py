@@ -415,10 +415,10 @@ class Admission:
                 # trace (tests/test_sim_admission.py's; seeds 1-3, 4 engines) at 2x load
                 # TTFT p90 went 5.1 -> 6.6 s and 3.9 -> 9.7 s with admission (5.7 s,
                 # 3.6 s with this rule), at 3x seed 2's p50 0.57 -> 2.0 s (0.48 s). The
-                # holder's queue counts: waiting while a slot frees there before the
-                # deadline, whatever waits for it, shed 39 requests where the policy
-                # piles them on the holders (the unfaded charge; none with this rule).
-                # the held tickets whose holder it is, this one among them
+                # holder's queue (the held tickets whose holder it is, this one among
+                # them) counts: waiting while a slot frees there before the deadline,
+                # whatever waits for it, shed 39 requests where the policy piles them
+                # on the holders (the unfaded charge; none with this rule).
                 queue = self._holders[holder] + (ticket.state is not State.QUEUED)
                 if self.capacity.free_in(holder) * queue < ticket.deadline - now:
                     return None
