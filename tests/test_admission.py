@@ -320,18 +320,16 @@ def test_capacity_learns_each_engines_limit_from_its_reports() -> None:
     assert Capacity().report("w", 4, 2, 0.0)  # more waiting than its headroom: at once
     assert cap.room("w", 5) == 0 and cap.room("w", 4) == 1
     assert not cap.report("w", 3, 0, 1.0)  # fewer running, nobody waiting: says nothing
-    # ran more without a queue: the most seen, and one more offered (additive increase)
-    assert cap.report("w", 6, 0, 2.0) and cap.limit("w") == 7
+    assert cap.report("w", 6, 0, 2.0) and cap.limit("w") == 6  # ran more without a queue
     # one waiting at fewer running (a request between two steps): the most seen stands
-    assert not cap.report("w", 2, 1, 3.0) and cap.limit("w") == 7
+    assert not cap.report("w", 2, 1, 3.0) and cap.limit("w") == 6
     # more waiting than its headroom twice running: it runs fewer now (a full KV cache)
-    assert not cap.report("w", 5, 2, 3.4) and cap.limit("w") == 7
-    assert cap.report("w", 5, 2, 3.5) and cap.limit("w") == 6
-    # its limit running, no more waiting than meant: one more, the cut takes it back
-    assert cap.report("w", 6, 1, 3.6) and cap.limit("w") == 7
+    assert not cap.report("w", 5, 2, 3.4) and cap.limit("w") == 6
+    assert cap.report("w", 5, 2, 3.5) and cap.limit("w") == 5
+    assert cap.report("w", 6, 1, 3.6) and cap.limit("w") == 6
     assert not cap.report("w", None, 5, 4.0)
     # a new window: the last one's peak; then one never full forgets the limit
-    assert not cap.report("w", 3, 1, WINDOW) and cap.limit("w") == 7
+    assert not cap.report("w", 3, 1, WINDOW) and cap.limit("w") == 6
     assert cap.report("w", 1, 0, 2 * WINDOW) and cap.limit("w") == 3
     assert cap.report("w", 1, 0, 3 * WINDOW) and cap.limit("w") is None
     assert Capacity(max_inflight=3).limit("any") == 3

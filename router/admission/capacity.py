@@ -25,17 +25,13 @@ learning from the first report with any waiting cost a load the engines carried 
 and doubled the 3x runs' p50; it learnt sooner where the prefix holders piled up (seed 1
 at 2x: p90 2.8 s, 7.9 s with this rule, 33 s without admission).
 
-A limit that only the peak raises is cut for good by passing waits: requests sent as
-slots free reach the engine during a step and are reported waiting until the next, and
-with answers of one length the slots free together (a batch started together ends
-together), so two reports in a row now and then show more waiting than the headroom at
-fewer running. Without headroom (``engine_queue`` 0, a limit under ``PROBE``) nothing
-else raised it (bench/overload.py, 2 mock engines of 4 slots: learnt limits ~2, goodput
-at 1x load 35 -> 13 requests/s); with it, real vLLM CPU engines of 4 slots ran 2.2-2.8
-with admission. So an engine running its limit with no more waiting than its headroom
-is offered one more: additive increase, the cut above the decrease, the limit hovering
-at the engine's own. On the simulator's chat trace at 2x load (seeds 1-2) it also cut
-TTFT p90 with admission from 5.7 to 3.8 s and 3.6 to 3.3 s (5.1 and 3.9 s without).
+Without any headroom (``engine_queue`` 0 and a limit under ``PROBE``) an engine is never
+offered more than its limit, so its limit could only come down: a request sent as a slot
+frees reaches the engine during a step and is reported waiting until the next, twice in
+a row now and then, and each time the limit lost one (bench/overload.py, 2 mock engines
+of 4 slots: learnt limits ~2, goodput at 1x load 35 -> 13 requests/s). So an engine that
+runs all it is given with nothing waiting is offered one more: additive increase, the
+cut above the decrease, the limit hovering at the engine's own.
 
 A worker is open while the router's in-flight requests on it are below its limit plus
 ``engine_queue`` or an eighth of the limit, whichever is more (requests allowed to wait
@@ -125,9 +121,9 @@ class Capacity:
             else:
                 if waiting > 0 or running >= limit:  # full, or as busy as when it was
                     peak = max(peak, running, 1)
-                if running >= limit and waiting <= self.headroom(limit):
-                    # it runs its limit and no more waits than meant: offer one more
-                    # (below; the cut above takes it back if it was one too many)
+                if waiting == 0 and running >= limit and self.headroom(limit) == 0:
+                    # all it was given runs, nothing waits, and nothing more is offered:
+                    # offer one more (below)
                     peak = max(peak, running + 1)
                 found = (max(limit, peak), since, peak)
             (self._over.add if over else self._over.discard)(worker)
