@@ -32,12 +32,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,7 +56,7 @@ from router.forward.upstream import Upstream, UpstreamError  # noqa: E402
 from sim.mock.natsd import free_ports  # noqa: E402
 
 MODEL = "overload-model"
-MAX_TOKENS = 20
+MAX_TOKENS = [20]  # the answers' length (--max-tokens)
 STREAMS = ("steady", "urgent", "flood")
 # stream -> (tenant, priority)
 WHO = {"steady": ("steady", 0), "urgent": ("flood", -10), "flood": ("flood", 0)}
@@ -81,7 +85,7 @@ def _body(stream: str, i: int) -> bytes:
     body: dict[str, Any] = {
         "model": MODEL,
         "prompt": f"{tenant} request {i}: write twenty short words about queues, please.",
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": MAX_TOKENS[0],
         "ignore_eos": True,
         "stream": True,
     }
@@ -218,6 +222,94 @@ def _summary(run: Run, duration: float, slo: float, queue_timeout: float) -> dic
     }
 
 
+def _engine_load(port: int) -> tuple[float, float]:
+    """An engine's (running, waiting) from its ``/metrics``."""
+    running = waiting = 0.0
+    for line in http_get(port, "/metrics")[1].decode().splitlines():
+        if line.startswith("vllm:num_requests_running"):
+            running += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:num_requests_waiting"):
+            waiting += float(line.rsplit(" ", 1)[1])
+    return running, waiting
+
+
+class Sampler(threading.Thread):
+    """The engines' running and waiting every ``every`` seconds while a run lasts: where
+    the requests wait (in the engines' queues, or at the router)."""
+
+    def __init__(self, ports: list[int], every: float = 0.05) -> None:
+        super().__init__(daemon=True)
+        self.ports, self.every = ports, every
+        self.samples: list[list[tuple[float, float]]] = [[] for _ in ports]
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(self.every):
+            for i, port in enumerate(self.ports):
+                with contextlib.suppress(OSError):
+                    self.samples[i].append(_engine_load(port))
+
+    def summary(self) -> dict[str, Any]:
+        out = {}
+        for i, samples in enumerate(self.samples):
+            if not samples:
+                continue
+            waiting = [w for _, w in samples]
+            out[f"e{i}"] = {
+                "running_mean": round(sum(r for r, _ in samples) / len(samples), 2),
+                "waiting_mean": round(sum(waiting) / len(waiting), 2),
+                "waiting_max": max(waiting),
+                "waiting_share": round(sum(w > 0 for w in waiting) / len(waiting), 2),
+            }
+        return out
+
+
+Waits = dict[tuple[str, str], tuple[list[float], float]]
+
+
+def _router_waits(port: int) -> Waits:
+    """The router's admission wait histograms: (tenant, priority) -> (cumulative bucket
+    counts, sum of seconds), from ``cache_router_admission_wait_seconds``."""
+    out: Waits = {}
+    for line in http_get(port, "/metrics")[1].decode().splitlines():
+        if not line.startswith("cache_router_admission_wait_seconds_"):
+            continue
+        name, _, value = line.rpartition(" ")
+        inner = name[name.index("{") + 1 : name.rindex("}")]
+        labels = dict(kv.split("=", 1) for kv in inner.split(","))
+        key = (labels["tenant"].strip('"'), labels["priority"].strip('"'))
+        buckets, total = out.get(key, ([], 0.0))
+        if "_bucket" in name:
+            buckets.append(float(value))
+        elif "_sum" in name:
+            total = float(value)
+        out[key] = (buckets, total)
+    return out
+
+
+def _wait_summary(before: Waits, after: Waits) -> dict[str, Any]:
+    """Per stream, between two scrapes: requests admitted, their mean wait at the router,
+    and the histogram bucket holding its p99 (upper bound, seconds)."""
+    from router.admission.stats import WAIT_BUCKETS
+
+    bounds = [*WAIT_BUCKETS, float("inf")]
+    names = {(t, str(p)): s for s, (t, p) in WHO.items()}
+    out = {}
+    for key, (buckets, total) in after.items():
+        old, old_total = before.get(key, ([0.0] * len(buckets), 0.0))
+        diff = [a - b for a, b in zip(buckets, old, strict=True)]
+        n = diff[-1] if diff else 0.0
+        if not n or key not in names:
+            continue
+        p99 = next(b for b, c in zip(bounds, diff, strict=True) if c >= 0.99 * n)
+        out[names[key]] = {
+            "admitted": int(n),
+            "router_wait_mean_s": round((total - old_total) / n, 4),
+            "router_wait_p99_le_s": p99,
+        }
+    return out
+
+
 def _idle(ports: list[int], timeout: float = 120.0) -> None:
     """Wait until no engine runs or queues anything (the last run's backlog drained)."""
     deadline = time.monotonic() + timeout
@@ -253,7 +345,40 @@ def _router(procs: list[subprocess.Popen[bytes]], port: int, engines: list[int],
     return proc
 
 
+@contextlib.contextmanager
+def _vllm(args: argparse.Namespace, work: Path) -> Iterator[list[int]]:
+    """Two real vLLM CPU engines (tests/real_engines/vllm_engine.py's, ``--max-num-seqs``
+    slots each, one core each); their ports."""
+    sys.path.insert(0, str(ROOT / "tests" / "real_engines"))
+    from vllm_engine import Engine, running
+
+    model = work / "model"
+    make = [args.vllm_python, str(ROOT / "tests/real_engines/make_model.py"), str(model)]
+    subprocess.run(make, check=True, stdout=subprocess.DEVNULL)
+    engines = []
+    for i in range(args.engines):
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1",
+               "VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))}  # fmt: skip
+        # priority scheduling: vLLM refuses a request's priority under FCFS
+        extra = ("--max-num-seqs", str(args.max_num_seqs), "--scheduling-policy", "priority")
+        engines.append(Engine(f"e{i}", args.vllm_python, model, work, env, "tcp", extra=extra))
+    with running(engines):
+        yield [e.port for e in engines]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    MAX_TOKENS[0] = args.max_tokens
+    with contextlib.ExitStack() as stack:
+        ports = None
+        if args.vllm:
+            global MODEL
+            MODEL = "tiny"  # vllm_engine's served model name
+            work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="overload-")))
+            ports = stack.enter_context(_vllm(args, work))
+        return _run(args, ports)
+
+
+def _run(args: argparse.Namespace, vllm_ports: list[int] | None) -> dict[str, Any]:
     py = sys.executable
     quiet = {"cwd": ROOT, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     configs = [(p, False) for p in args.policies.split(",") if p]
@@ -261,13 +386,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     loads = [float(x) for x in args.loads.split(",")]
     results: list[dict[str, Any]] = []
     with processes() as procs:
-        engine_ports = free_ports(2)
-        for i, port in enumerate(engine_ports):
+        engine_ports = vllm_ports or free_ports(args.engines)
+        for i, port in enumerate([] if vllm_ports else engine_ports):
             cmd = [py, "-m", "router.cli", "mock-engine", "--port", str(port), "--model", MODEL,
                    "--worker-id", f"e{i}", "--max-num-seqs", str(args.max_num_seqs),
                    "--decode-tps", str(args.decode_tps), "--log-level", "WARNING"]  # fmt: skip
             procs.append(subprocess.Popen(cmd, **quiet))  # type: ignore[call-overload]
-        for port, proc in zip(engine_ports, procs, strict=True):
+        for port, proc in zip(engine_ports, procs, strict=False):
             wait_ready(port, proc)
         # the pool's capacity, and each stream alone, through a router without admission
         (port,) = free_ports(1)
@@ -292,9 +417,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 flood = max(0.0, load * capacity - rates["steady"] - rates["urgent"])
                 offered = {**rates, "flood": flood}
                 t0 = time.perf_counter()
+                waits = _router_waits(port) if admission else {}
+                sampler = Sampler(engine_ports)
+                sampler.start()
                 run_ = asyncio.run(
                     _offer(url, offered, args.duration, args.client_timeout, args.seed)
                 )
+                sampler.stop.set()
+                sampler.join()
                 summary = _summary(run_, args.duration, args.slo, args.queue_timeout)
                 st = summary["streams"]
                 steady = st.get("steady", {}).get("ttft_p99_s")
@@ -308,6 +438,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "steady_p99_over_alone": _ratio(steady, base["steady"]),
                         "urgent_p99_over_unloaded": _ratio(urgent, base["urgent"]),
                         **summary,
+                        "engines": sampler.summary(),
+                        "router_wait": _wait_summary(waits, _router_waits(port))
+                        if admission
+                        else None,
                         "wall_s": round(time.perf_counter() - t0, 1),
                     }
                 )  # fmt: skip
@@ -315,10 +449,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             router.terminate()
             router.wait(10)
     return {
-        "engines": 2,
+        "engine": "vllm (CPU)" if vllm_ports else "mock",
+        "engines": args.engines,
         "max_num_seqs": args.max_num_seqs,
-        "decode_tps": args.decode_tps,
-        "max_tokens": MAX_TOKENS,
+        "decode_tps": None if vllm_ports else args.decode_tps,
+        "max_tokens": MAX_TOKENS[0],
         "capacity_rps": round(capacity, 2),
         "slo_ttft_s": args.slo,
         "duration_s": args.duration,
@@ -340,8 +475,17 @@ def main() -> None:
     ap.add_argument("--policies", default="cache_aware,least_load,dynamo_kv,sglang_cache_aware")
     ap.add_argument("--admission-policies", default="cache_aware,least_load",
                     help="policies also run with admission on")  # fmt: skip
+    ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=4)
+    ap.add_argument("--vllm", action="store_true", help="real vLLM CPU engines, not mocks")
+    ap.add_argument(
+        "--vllm-python",
+        default=os.environ.get(
+            "CACHE_ROUTER_VLLM_PYTHON", "/tmp/cache-router-vllm-venv/bin/python"
+        ),
+    )
     ap.add_argument("--decode-tps", type=float, default=100.0)
+    ap.add_argument("--max-tokens", type=int, default=20, help="each answer's length")
     ap.add_argument("--steady-share", type=float, default=0.12)
     ap.add_argument("--urgent-share", type=float, default=0.1)
     ap.add_argument("--slo", type=float, default=0.5, help="goodput's TTFT bound, seconds")

@@ -60,6 +60,7 @@ import orjson
 
 from bench.pd_hits import json_object
 from policies import POLICY_NAMES, EngineCosts, make_policy
+from router.admission.core import AdmissionSettings
 from sim.gen_trace import generate, write
 from sim.simulator import SimConfig
 from sim.trace_replay import replay_trace
@@ -201,8 +202,10 @@ def run_setting(
     tmp: Path,
     jobs: int | None,
     params: dict[str, dict[str, Any]] | None = None,
+    admission: AdmissionSettings | None = None,
 ) -> dict[str, Any]:
-    """Every policy on one (setting, seed); ``params``: parameters by policy name."""
+    """Every policy on one (setting, seed); ``params``: parameters by policy name; with
+    ``admission``, each policy also with admission at the router ('POLICY (admission)')."""
     trace = _trace(s, tmp)
     config = SimConfig(
         workers=s.workers,
@@ -214,9 +217,12 @@ def run_setting(
     )
     start = time.perf_counter()
     params = {p: v for p, v in (params or {}).items() if p in policies}
-    reports = replay_trace(trace, policies, config, jobs=jobs, policy_params=params)
+    reports = replay_trace(
+        trace, policies, config, jobs=jobs, policy_params=params, admission=admission
+    )
     keep = ("hit_rate", "ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "busy_mean")
     keep += ("hinted_share", "off_best_worker_share", "prefill_tokens_computed")
+    keep += ("shed",) if admission is not None else ()
     return {
         "setting": s.label,
         "name": s.name,
@@ -398,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="JSON",
         help="cache_aware's parameters, a JSON object (default: its defaults)",
     )
+    ap.add_argument("--admission", action="store_true", help="each policy also with admission")
     ap.add_argument("--jobs", type=int, help="parallel processes (default: one per core)")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="merge earlier outputs")
     ap.add_argument("--markdown", metavar="PATH", help="write the table")
@@ -419,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         with tempfile.TemporaryDirectory() as tmp:
             for s in settings:
-                rows.append(run_setting(s, policies, Path(tmp), args.jobs, params))
+                admission = AdmissionSettings() if args.admission else None
+                rows.append(run_setting(s, policies, Path(tmp), args.jobs, params, admission))
                 print(f"sweep: {s.label}: {rows[-1]['wall_s']:.0f} s", file=sys.stderr)
     for row in rows:
         if "cache_aware" in row["results"] and len(row["results"]) > 1:

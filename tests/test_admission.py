@@ -134,16 +134,15 @@ def test_a_starved_request_gets_its_share() -> None:
 
 def test_a_flooding_tenant_does_not_delay_a_steady_one() -> None:
     pool = Pool(1, engine_queue=0)
-    current = pool.ticket("flood")
-    pool.full(1)
+    current = [pool.ticket("flood"), pool.ticket("flood")]
+    pool.full(2)
     for _ in range(30):
         pool.ticket("flood")
     steady = pool.ticket("steady")
-    # the busy period began with the queue: both counters were 0, flood's head is older
-    for _ in range(2):
-        pool.end(current)
-        current = pool.bound[-1]
-    assert current is steady and steady.state is State.BOUND
+    # the busy period began with the queue: both counters are 0; flood's head is older,
+    # but flood has a request in flight and steady none: the first slot freed is steady's
+    pool.end(current[0])
+    assert pool.bound[-1] is steady and steady.state is State.BOUND
 
 
 def test_shares_are_counted_in_tokens_and_weighted() -> None:
@@ -283,31 +282,33 @@ def test_late_binding_waits_for_the_prefix_holder_when_that_is_cheaper() -> None
     assert held.worker == "w0"  # both open now: the policy chooses, and sees the hit
 
 
-def test_late_binding_recomputes_when_waiting_costs_more() -> None:
+def test_late_binding_recomputes_when_the_holders_pace_is_unknown() -> None:
     pool = Pool(2, engine_queue=0)
     pool.full(1)
     pool.ticket(candidates=("w0",))
     # w0's pace unknown: waiting for it might cost anything; go to w1 at once
     cheap = pool.ticket(saved={"w0": 0.5})
     assert cheap.worker == "w1"
-    pool.adm.capacity.freed("w0", 0.0)
-    pool.adm.capacity.freed("w0", 1.0)  # a slot every second, the hit saves 0.1 s
-    pool.inflight["w1"] = 0
-    slow = pool.ticket(saved={"w0": 0.1})
-    assert slow.worker == "w1"
 
 
-def test_a_held_request_waits_for_its_holder_no_longer_than_recomputing_takes() -> None:
-    pool = Pool(2, engine_queue=0)
+def test_a_held_request_waits_for_its_holder_while_the_holders_queue_drains_in_time() -> None:
+    """Held for its prefix holder while the tickets held for it would drain there before
+    its deadline, at the pace its slots free; not by how little prefill the hit saves."""
+    pool = Pool(2, engine_queue=0, queue_timeout=1.0)
     pool.full(1)
     pool.ticket(candidates=("w0",))
     pool.adm.capacity.freed("w0", 0.0)
-    pool.adm.capacity.freed("w0", 0.1)
-    held = pool.ticket(saved={"w0": 0.3})
-    assert held.state is State.QUEUED
-    pool.now = 0.31
+    pool.adm.capacity.freed("w0", 0.4)  # w0 frees a slot every 0.4 s
+    a = pool.ticket(saved={"w0": 0.01})
+    b = pool.ticket(saved={"w0": 0.01})
+    assert a.state is b.state is State.QUEUED  # two held for w0: 0.8 s < 1 s
+    c = pool.ticket(saved={"w0": 0.01})  # three: 1.2 s, past the deadline
+    assert a.worker == "w1"  # the first in line takes the room elsewhere
+    assert b.state is c.state is State.QUEUED
+    pool.now = 0.3  # two held for w0, 0.8 s, 0.7 s left for b: b goes
+    pool.inflight["w1"] = 0
     pool.adm.pump()
-    assert held.worker == "w1"
+    assert b.worker == "w1" and c.state is State.QUEUED
 
 
 def test_capacity_learns_each_engines_limit_from_its_reports() -> None:
@@ -388,3 +389,22 @@ def test_a_request_with_no_worker_at_all_is_not_held() -> None:
     pool.full(1)
     lost = pool.ticket(candidates=())
     assert lost.state is State.BOUND and lost.worker is None and pool.adm.queued == 0
+
+
+def test_without_headroom_a_limit_cut_by_a_passing_wait_comes_back() -> None:
+    """engine_queue 0: the engine is never offered more than its limit, so a request
+    reported waiting between two steps, twice, must not cut the limit for good."""
+    cap = Capacity(engine_queue=0)
+    cap.report("w", 4, 1, 0.0)
+    cap.report("w", 4, 1, 0.1)
+    assert cap.limit("w") == 4
+    cap.report("w", 3, 1, 0.2)  # a slot freed, its next request not yet scheduled
+    cap.report("w", 3, 1, 0.3)
+    assert cap.limit("w") == 3
+    cap.report("w", 3, 0, 0.4)  # all it was given runs, nothing waits: one more
+    assert cap.limit("w") == 4
+    cap.report("w", 4, 0, 0.5)
+    assert cap.limit("w") == 5
+    cap.report("w", 4, 1, 0.6)  # it runs 4: the fifth waits, twice: back to 4
+    cap.report("w", 4, 1, 0.7)
+    assert cap.limit("w") == 4

@@ -240,3 +240,38 @@ async def test_the_doctor_says_where_requests_wait(stacks: list[EngineStack]) ->
     assert [(c.worker, c.status) for c in idle] == [("w0", "ok"), ("-", "ok")]
     assert [(c.worker, c.status) for c in full] == [("w0", "warn"), ("-", "warn")]
     assert "limit 1, 1 in flight, room 0" in full[0].detail
+
+
+async def test_fair_shares_are_settled_with_the_tokens_generated(
+    stacks: list[EngineStack],
+) -> None:
+    """A request is charged its prompt and ``max_tokens`` when admitted; the answer's
+    usage (a whole body's, a stream's last chunk when asked) settles it with what the
+    engine generated; a stream without usage, with its token chunks counted (one a
+    token, as vLLM and SGLang stream them: router.forward.migrate's count)."""
+    stack, _ = await start()
+    stacks.append(stack)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+        whole = await http.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "admission test", "max_tokens": 300},
+            headers={"x-tenant-id": "whole"},
+        )
+        streamed = await complete(
+            http, 300, {"x-tenant-id": "usage"}, ignore_eos=False,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        bare = await complete(http, 300, {"x-tenant-id": "bare"}, ignore_eos=False)
+    usage = whole.json()["usage"]
+    assert usage["completion_tokens"] < 300  # the answer ended before max_tokens
+    last = [line for line in streamed.text.splitlines() if '"usage"' in line][-1]
+    streamed_usage = orjson.loads(last.removeprefix("data: "))["usage"]
+    assert bare.status_code == 200
+    series = gate(stack).core.stats.series
+    assert series[("whole", "0")].tokens == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert series[("usage", "0")].tokens == (
+        streamed_usage["prompt_tokens"] + streamed_usage["completion_tokens"]
+    )
+    assert series[("bare", "0")].tokens == streamed_usage["prompt_tokens"] + sum(
+        '"text"' in line for line in bare.text.splitlines()
+    )

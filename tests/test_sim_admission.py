@@ -56,3 +56,24 @@ def test_every_request_is_served_or_shed_exactly_once(tmp: Path, policy: str) ->
     assert max(r.finish_ms - r.arrival_ms for r in shed) <= 1000.0 + 1e-6
     assert sim.admission is not None and sim.admission.core.queued == 0
     assert not sim.admission.tickets  # every ticket settled
+
+
+def test_the_sweep_runs_each_policy_with_and_without_admission(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench/sweep.py --admission: each policy's row beside its run with admission, with
+    the requests it shed."""
+    import importlib.util
+    import sys
+
+    bench = Path(__file__).resolve().parent.parent / "bench" / "sweep.py"
+    spec = importlib.util.spec_from_file_location("sweep", bench)
+    assert spec is not None and spec.loader is not None
+    sweep = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "sweep", sweep)  # its dataclasses look it up
+    spec.loader.exec_module(sweep)
+    monkeypatch.setitem(sweep.TRACES, "tiny", ("chat", 6))
+    setting = sweep.Setting("tiny", workers=2, l1_blocks=512)
+    row = sweep.run_setting(setting, ["least_load"], tmp_path, 1, None, AdmissionSettings())
+    assert set(row["results"]) == {"least_load", "least_load (admission)"}
+    assert row["results"]["least_load (admission)"]["shed"] == 0

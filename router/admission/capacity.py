@@ -25,6 +25,14 @@ learning from the first report with any waiting cost a load the engines carried 
 and doubled the 3x runs' p50; it learnt sooner where the prefix holders piled up (seed 1
 at 2x: p90 2.8 s, 7.9 s with this rule, 33 s without admission).
 
+Without any headroom (``engine_queue`` 0 and a limit under ``PROBE``) an engine is never
+offered more than its limit, so its limit could only come down: a request sent as a slot
+frees reaches the engine during a step and is reported waiting until the next, twice in
+a row now and then, and each time the limit lost one (bench/overload.py, 2 mock engines
+of 4 slots: learnt limits ~2, goodput at 1x load 35 -> 13 requests/s). So an engine that
+runs all it is given with nothing waiting is offered one more: additive increase, the
+cut above the decrease, the limit hovering at the engine's own.
+
 A worker is open while the router's in-flight requests on it are below its limit plus
 ``engine_queue`` or an eighth of the limit, whichever is more (requests allowed to wait
 in the engine, so a slot freed there is filled without a round trip through the router;
@@ -113,6 +121,10 @@ class Capacity:
             else:
                 if waiting > 0 or running >= limit:  # full, or as busy as when it was
                     peak = max(peak, running, 1)
+                if waiting == 0 and running >= limit and self.headroom(limit) == 0:
+                    # all it was given runs, nothing waits, and nothing more is offered:
+                    # offer one more (below)
+                    peak = max(peak, running + 1)
                 found = (max(limit, peak), since, peak)
             (self._over.add if over else self._over.discard)(worker)
         (self._queued.add if waiting > 0 else self._queued.discard)(worker)

@@ -526,6 +526,7 @@ class Migration:
                 cause = await self._leg(leg, splice)
             finally:
                 proxy.close(leg, self.prep, self.trace)
+                ex.output_tokens = splice.tokens  # settles admission's estimate
             if cause is None:
                 return
             if splice.finished:  # it broke after the last token: only the end is missing

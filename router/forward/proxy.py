@@ -54,6 +54,7 @@ _RESP_DROP = frozenset(
     (b"connection", b"keep-alive", b"transfer-encoding", b"date", b"server", b"trailer")
 )
 CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')  # usage; the EPP reads it too
+COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')  # usage, for admission
 HEAD_BYTES = 8192  # of a Responses answer kept to find its id (the first event holds it)
 
 
@@ -142,7 +143,7 @@ class Proxy:
         try:
             await self._forward(scope, raw, prep, ex, trace, ticket)
         finally:
-            st.gate.finish(ticket)
+            st.gate.finish(ticket, ex.output_tokens)
 
     async def _forward(
         self,
@@ -460,10 +461,13 @@ class Proxy:
             if keep_head and len(head) < HEAD_BYTES:
                 head += chunk
             window = tail + chunk  # '"cached_tokens": 12' may be cut between chunks
-            if b"cached_tokens" in window:
+            if b"_tokens" in window:  # usage
                 numbers = CACHED_TOKENS.findall(window)
                 if numbers:
                     cached = int(numbers[-1])
+                numbers = COMPLETION_TOKENS.findall(window)
+                if numbers:  # settles admission's fair share with what was generated
+                    ex.output_tokens = int(numbers[-1])
             tail = chunk[-32:]
             if resp.drained:  # the last chunk: end the response with it
                 ex.done = True

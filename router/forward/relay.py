@@ -183,7 +183,9 @@ class Exchange:
     """One request's way back to its client and its progress, shared with its disconnect
     watcher: the task to cancel, the ASGI ``send``, what has been sent."""
 
-    __slots__ = ("done", "gone", "send", "started", "t0", "task", "timer", "watcher")
+    __slots__ = (
+        "done", "gone", "output_tokens", "send", "started", "t0", "task", "timer", "watcher",
+    )  # fmt: skip
 
     def __init__(self, task: asyncio.Task[Any], send: Send) -> None:
         self.t0 = time.perf_counter()
@@ -194,6 +196,7 @@ class Exchange:
         self.gone = False
         self.timer: asyncio.TimerHandle | None = None
         self.watcher: asyncio.Task[None] | None = None
+        self.output_tokens: int | None = None  # the answer's usage, when it gave one
 
     def watch(self, receive: Receive) -> None:
         loop = asyncio.get_running_loop()
