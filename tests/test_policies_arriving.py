@@ -121,3 +121,41 @@ def test_no_collapse_on_anonymous_chat_with_short_think_times(tmp_path: Path) ->
     dynamo = Simulation(trace, "dynamo_kv", config).run()
     assert ours["ttft_p90_ms"] <= 1.5 * dynamo["ttft_p90_ms"], (ours, dynamo)
     assert ours["hit_rate"] >= dynamo["hit_rate"]
+
+
+def test_the_in_flight_credit_is_at_least_half_of_what_is_shared_and_never_more() -> None:
+    """Against a brute force over random prompt trees: each worker is credited at most the
+    most blocks a prompt in flight there shares with the request (never a hit the engine
+    cannot have), at least half of it (the powers of two), and all of it for the latest
+    prompt in flight at the deepest power (a conversation's last turn)."""
+    rng = random.Random(7)
+    for trial in range(30):
+        policy = make_policy("cache_aware", random.Random(trial), in_flight=True)
+        ws = [WorkerView(f"w{i}") for i in range(4)]
+        roots = [_chain(("root", trial, r), rng.randrange(1, 40)) for r in range(3)]
+        flying: dict[str, tuple[str, list[int]]] = {}
+        for k in range(12):
+            base = rng.choice([*roots, *(h for _, h in flying.values())])
+            hashes = _chain((trial, k), rng.randrange(0, 30), base[: rng.randrange(len(base) + 1)])
+            if not hashes:
+                continue
+            d = policy.select(_req(f"q{k}", hashes), ws)
+            flying[f"q{k}"] = (d.worker_id, hashes)
+            if rng.random() < 0.3:  # some finish
+                rid = rng.choice(list(flying))
+                wid, done = flying.pop(rid)
+                policy.on_finish(_req(rid, done), wid)
+        if not flying:
+            continue
+        head = rng.choice(list(flying.values()))[1][: rng.randrange(1, 60)]
+        probe = _chain(("probe", trial), 5, head)
+        exact: dict[str, int] = {}
+        for wid, h in flying.values():
+            shared = 0
+            while shared < min(len(h), len(probe)) and h[shared] == probe[shared]:
+                shared += 1
+            exact[wid] = max(exact.get(wid, 0), shared)
+        arriving, _, _ = policy._lookup(_req("p", probe))  # type: ignore[attr-defined]
+        for wid in {w.worker_id for w in ws}:
+            got, best = (arriving or {}).get(wid, 0), exact.get(wid, 0)
+            assert best // 2 <= got <= best, (trial, wid, got, best)
