@@ -21,8 +21,11 @@ whose context is 90 % of its prompt, a session left its holder only once that qu
 was ~37x what its hit saved, and on chat with turns 0.1-1 s apart sessions piled up
 behind it (issue 31; the numbers are in ``docs/history/cache_aware.md``).
 
-What the index shows is corrected by what the router knows: a session's request in
-flight holds its prefix on its worker (``in_flight``); a worker out of sync has no hit;
+What the index shows is corrected by what the router knows: a prompt routed and not
+finished holds its prefix on its worker, whatever its key (``in_flight``: the index
+learns of it only once computed); a prompt that holds what an earlier one added is that
+conversation's next turn, whatever its key (``_lookup``: aiperf's one-message turns get a
+new derived key each); a worker out of sync has no hit;
 a leading block in nearly every client's prompt (BOS, a chat template's header) is held
 by every worker, so it breaks no tie (``_common``, issue 35). New sessions start only
 where their load stays bounded (``session_load``, ``live_sessions``), spared by what
