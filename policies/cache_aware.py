@@ -228,12 +228,13 @@ class CacheAware(Policy):
     def select(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
         cands = healthy(workers)
         arriving, session, self._known = self._lookup(request) if self._latest else (None, None, 0)
+        continues = session is not None  # it builds on an earlier prompt: not a first turn
         self._session = session = session or request.session_key
         if self._hinted and session is not None:
             self._learn_landing(session, cands)
         est = self._estimate(request, cands, arriving)
         per_block = self._charge_recompute(request, est)
-        barred = self._barred(session, cands, request.num_tokens)
+        barred = self._barred(session, cands, request.num_tokens, continues)
         if barred and self.replica_slack:
             self._spare_holders(barred, cands, est.matches, request.block_size)
         if barred:
@@ -758,9 +759,11 @@ class CacheAware(Policy):
                 _put(placed, wid, floor)
 
     def _barred(
-        self, session: str | None, cands: Sequence[WorkerView], tokens: int
+        self, session: str | None, cands: Sequence[WorkerView], tokens: int, continues: bool
     ) -> set[int] | None:
         """For a session's first request, the workers it may not start on; else None.
+        A request that ``continues`` an earlier prompt is never a first one, although its
+        session was not seen (a keyless prompt's continuation names the prompt's id).
 
         Bounded load as consistent hashing does it: with ``m`` recent decisions and
         ``n`` workers, a worker may take one more while it stays within
@@ -786,6 +789,8 @@ class CacheAware(Policy):
         seen[session] = (None, n, tokens)
         if len(seen) > _MAX_TRACKED:
             seen.popitem(last=False)
+        if continues:
+            return None
         if not self._long_sessions():
             return set()  # a new session, but sessions are too short to bind
         self._live = None
