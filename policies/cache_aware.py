@@ -118,6 +118,9 @@ class CacheAware(Policy):
         "running_discount": True,
         # unmeasured on a prefill pool (issue 15's tables are unfaded): kept as it was
         "fade": False,
+        # with the unfaded charge, a burst of new sessions stayed behind the first holder
+        # of their system prompt in flight (``tests/test_pd_sim.py``, ``_lookup``)
+        "shared_in_flight": False,
     }
 
     def __init__(
@@ -134,6 +137,7 @@ class CacheAware(Policy):
         live_sessions: bool = True,
         learn_speed: bool = False,
         in_flight: bool = True,
+        shared_in_flight: bool = True,
         tie_ms: float = 0.25,
         place_slack_ms: float | None = None,
         replica_slack: bool = True,
@@ -170,6 +174,7 @@ class CacheAware(Policy):
         self.live_sessions = bool(live_sessions)
         self.learn_speed = bool(learn_speed)
         self.in_flight = bool(in_flight)
+        self.shared_in_flight = bool(shared_in_flight)
         self.tie_ms = tie_ms
         self.place_slack_ms = place_slack_ms
         self.replica_slack = bool(replica_slack)
@@ -213,9 +218,13 @@ class CacheAware(Policy):
         # that no earlier prompt nor cache had, -1: none)
         self._latest: dict[int, str] = {}
         self._prompts: OrderedDict[str, tuple[list[int], int, str, int]] = OrderedDict()
-        # Those not finished: request id -> (worker, blocks); session -> its last prompt
+        # Those not finished: request id -> (worker, blocks); session -> its last prompt;
+        # with ``shared_in_flight``, block hash -> {worker: requests} and those anchored
+        # there, in routing order
         self._pending: dict[str, tuple[str, Sequence[int]]] = {}
         self._last: OrderedDict[str, str] = OrderedDict()
+        self._anchors: dict[int, dict[str, int]] = {}
+        self._anchored: dict[int, dict[str, None]] = {}
         self._session: str | None = None  # the request's session (``_lookup``)
         self._known = 0  # leading blocks of the request an earlier prompt had (``_lookup``)
         # The leading blocks of the last _COMMON_WINDOW clients' prompts, and how many of
@@ -598,26 +607,31 @@ class CacheAware(Policy):
     def _lookup(self, request: RouteRequest) -> tuple[dict[str, int] | None, str | None, int]:
         """What the prompts routed before tell of ``request``: the session of the latest
         prompt it builds on, whatever key each came with; per worker (with ``in_flight``)
-        the leading blocks that this prompt, or the last of its session by key, computes
-        there if it is not finished; and the most blocks it shares with one of them.
+        the leading blocks that a prompt routed there and not finished computes (or holds):
+        the one ``request`` builds on, its session's last by key, and with
+        ``shared_in_flight`` every other; and the most blocks it shares with one of them.
 
         ``request`` builds on a prompt ``A`` when it holds ``A``'s first novel block (the
         first that no earlier prompt nor any cache had when ``A`` was routed: what ``A``
         added) or ``A``'s last block: a conversation's next turn. A new session that
-        shares a system prompt with ``A`` shares none of what ``A`` added, and gets no
-        credit for ``A`` in flight: the index shows the prompt once computed. Credited
-        for every prompt in flight, a burst of new sessions queued behind the first
-        holder of their system prompt before any copy existed, kept there by the
-        recompute charge (``tests/test_pd_sim.py``: hit 0.844 -> 0.832, TTFT p90 432 ->
-        533 ms; the predecessor alone: 0.851 / 412).
+        shares a system prompt with ``A`` shares none of what ``A`` added.
 
         Block hashes chain: sharing block ``i`` means sharing every block before it. So
         the powers of two are probed in order until one misses (what shares ``2k`` blocks
-        shares ``k``), then the blocks up to the next power, from the top, for a novel
-        or a last block; a prompt in flight is read exactly (binary search over its
-        hashes). ``O(log n)`` lookups, and at most the deepest power's blocks."""
+        shares ``k``): each worker is credited the deepest it holds, at least half of
+        what it shares. Then the blocks up to the next power, from the top, for a novel
+        or a last block; the prompts named above, and the latest in flight anchored at
+        the deepest power, are read exactly (binary search over their hashes).
+        ``O(log n)`` lookups, and at most the deepest power's blocks.
+
+        ``shared_in_flight`` is off on a prefill pool (``prefill_params``), whose charge
+        does not fade: there a burst of new sessions queued behind the first holder of
+        their system prompt in flight, before any copy existed (``tests/test_pd_sim.py``'s
+        hint scenario: hit 0.844 -> 0.832, TTFT p90 432 -> 533 ms; without it 0.851 /
+        412). On a mixed pool it pays (``bench/sweep.py``'s agent x2 16 engines, seed 1:
+        TTFT p90 850 ms without it, 784 with it and before)."""
         hashes = request.block_hashes
-        latest = self._latest
+        latest, anchors = self._latest, self._anchors
         n = len(hashes)
         depth: dict[str, int] | None = {} if self.in_flight else None
         p = 1
@@ -625,6 +639,9 @@ class CacheAware(Policy):
             h = hashes[p - 1]
             if h not in latest:
                 break
+            if anchors and depth is not None:
+                for w in anchors.get(h, ()):
+                    depth[w] = p
             p <<= 1
         low = p >> 1
         if not low:
@@ -645,7 +662,12 @@ class CacheAware(Policy):
                 base = rid
         if depth is not None:
             key = request.session_key
-            for rid in (base, self._last.get(key) if key is not None else None):
+            deepest = self._anchored.get(hashes[low - 1]) if anchors else None
+            for rid in (
+                base,
+                self._last.get(key) if key is not None else None,
+                next(reversed(deepest)) if deepest else None,
+            ):
                 pending = self._pending.get(rid) if rid is not None else None
                 if pending is not None:
                     worker, d = pending[0], _shared(pending[1], hashes)
@@ -689,10 +711,22 @@ class CacheAware(Policy):
             rid = next(iter(self._prompts))
             self._land(rid)
             self._forget(rid, self._prompts.pop(rid)[0])
-        if self.in_flight:
-            self._pending[request_id] = (worker_id, hashes)
-            if session is not None:
-                _put(self._last, session, request_id)
+        if not self.in_flight:
+            return
+        self._pending[request_id] = (worker_id, hashes)
+        if session is not None:
+            _put(self._last, session, request_id)
+        if not self.shared_in_flight:
+            return
+        anchors, anchored = self._anchors, self._anchored
+        for h in keys:
+            holders = anchors.get(h)
+            if holders is None:
+                anchors[h] = {worker_id: 1}
+                anchored[h] = {request_id: None}
+            else:
+                holders[worker_id] = holders.get(worker_id, 0) + 1
+                anchored[h][request_id] = None
 
     def _forget(self, request_id: str, keys: list[int]) -> None:
         latest = self._latest
@@ -702,7 +736,22 @@ class CacheAware(Policy):
 
     def _land(self, request_id: str) -> None:
         """The request finished: from now on the index alone tells where its blocks are."""
-        self._pending.pop(request_id, None)
+        pending = self._pending.pop(request_id, None)
+        if pending is None or not self.shared_in_flight:
+            return
+        worker_id = pending[0]
+        anchors, anchored = self._anchors, self._anchored
+        for h in self._prompts[request_id][0]:
+            holders = anchors[h]
+            left = holders[worker_id] - 1
+            if left:
+                holders[worker_id] = left
+            else:
+                del holders[worker_id]
+                if not holders:
+                    del anchors[h], anchored[h]
+                    continue
+            del anchored[h][request_id]
 
     def _release(self, worker_id: str, tokens: int) -> None:
         left = self._active.get(worker_id, 0) - tokens
