@@ -21,8 +21,11 @@ whose context is 90 % of its prompt, a session left its holder only once that qu
 was ~37x what its hit saved, and on chat with turns 0.1-1 s apart sessions piled up
 behind it (issue 31; the numbers are in ``docs/history/cache_aware.md``).
 
-What the index shows is corrected by what the router knows: a session's request in
-flight holds its prefix on its worker (``in_flight``); a worker out of sync has no hit;
+What the index shows is corrected by what the router knows: a prompt routed and not
+finished holds its prefix on its worker, whatever its key (``in_flight``: the index
+learns of it only once computed); a prompt that holds what an earlier one added is that
+conversation's next turn, whatever its key (``_lookup``: aiperf's one-message turns get a
+new derived key each); a worker out of sync has no hit;
 a leading block in nearly every client's prompt (BOS, a chat template's header) is held
 by every worker, so it breaks no tie (``_common``, issue 35). New sessions start only
 where their load stays bounded (``session_load``, ``live_sessions``), spared by what
@@ -68,6 +71,9 @@ from .selection import argmin_random, healthy
 
 _T = TypeVar("_T")
 _MAX_TRACKED = 65_536  # requests (and hinted sessions) remembered at most
+# Prompts remembered to find a turn's predecessor by (``_lookup``; ~12 hashes each): at
+# 1,000 requests/s, 16 s of them, longer than the think times of chat and agents
+_PROMPTS = 16_384
 _GPU_COPY_FACTOR = 2.0  # issue 13's collapse: GPU-landed copies evicted other sessions
 _KV_ROOM = 0.9  # a target fuller than this has no pages to spare for a copy
 _LANDING_PRIOR = 0.8  # optimistic: a hint that never goes out teaches nothing
@@ -112,6 +118,9 @@ class CacheAware(Policy):
         "running_discount": True,
         # unmeasured on a prefill pool (issue 15's tables are unfaded): kept as it was
         "fade": False,
+        # with the unfaded charge, a burst of new sessions stayed behind the first holder
+        # of their system prompt in flight (``tests/test_pd_sim.py``, ``_lookup``)
+        "shared_in_flight": False,
     }
 
     def __init__(
@@ -128,6 +137,7 @@ class CacheAware(Policy):
         live_sessions: bool = True,
         learn_speed: bool = False,
         in_flight: bool = True,
+        shared_in_flight: bool = True,
         tie_ms: float = 0.25,
         place_slack_ms: float | None = None,
         replica_slack: bool = True,
@@ -164,6 +174,7 @@ class CacheAware(Policy):
         self.live_sessions = bool(live_sessions)
         self.learn_speed = bool(learn_speed)
         self.in_flight = bool(in_flight)
+        self.shared_in_flight = bool(shared_in_flight)
         self.tie_ms = tie_ms
         self.place_slack_ms = place_slack_ms
         self.replica_slack = bool(replica_slack)
@@ -201,8 +212,21 @@ class CacheAware(Policy):
         self._live: tuple[dict[str, int], int] | None = None  # this decision's live sessions
         self._decisions = 0
         self._gap: float | None = None  # decisions between a session's requests, moving mean
-        # session -> (request id, block hashes) of its last request while it is in flight
-        self._last: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
+        # The last _PROMPTS prompts routed, found by anchors (``_anchor_positions``): block
+        # hash -> the latest request anchored there; request id -> (its anchors' hashes,
+        # its blocks, the session a prompt that builds on it continues, its first block
+        # that no earlier prompt nor cache had, -1: none)
+        self._latest: dict[int, str] = {}
+        self._prompts: OrderedDict[str, tuple[list[int], int, str, int]] = OrderedDict()
+        # Those not finished: request id -> (worker, blocks); session -> its last prompt;
+        # with ``shared_in_flight``, block hash -> {worker: requests} and those anchored
+        # there, in routing order
+        self._pending: dict[str, tuple[str, Sequence[int]]] = {}
+        self._last: OrderedDict[str, str] = OrderedDict()
+        self._anchors: dict[int, dict[str, int]] = {}
+        self._anchored: dict[int, dict[str, None]] = {}
+        self._session: str | None = None  # the request's session (``_lookup``)
+        self._known = 0  # leading blocks of the request an earlier prompt had (``_lookup``)
         # The leading blocks of the last _COMMON_WINDOW clients' prompts, and how many of
         # them each block hash leads (``_common_depth``)
         self._leads: OrderedDict[str, list[int]] = OrderedDict()
@@ -220,12 +244,14 @@ class CacheAware(Policy):
 
     def select(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
         cands = healthy(workers)
-        session = request.session_key
+        arriving, session, self._known = self._lookup(request) if self._latest else (None, None, 0)
+        continues = session is not None  # it builds on an earlier prompt: not a first turn
+        self._session = session = session or request.session_key
         if self._hinted and session is not None:
             self._learn_landing(session, cands)
-        est = self._estimate(request, cands)
+        est = self._estimate(request, cands, arriving)
         per_block = self._charge_recompute(request, est)
-        barred = self._barred(session, cands, request.num_tokens)
+        barred = self._barred(session, cands, request.num_tokens, continues)
         if barred and self.replica_slack:
             self._spare_holders(barred, cands, est.matches, request.block_size)
         if barred:
@@ -235,11 +261,16 @@ class CacheAware(Policy):
         i = self._choose(request, cands, est)
         return self._commit(request, cands, est, i, barred is not None, options)
 
-    def _estimate(self, request: RouteRequest, cands: Sequence[WorkerView]) -> _Estimates:
+    def _estimate(
+        self,
+        request: RouteRequest,
+        cands: Sequence[WorkerView],
+        arriving: Mapping[str, int] | None,
+    ) -> _Estimates:
         """Each candidate's estimated time to first token (``cost_model.estimate_ttft``,
         inlined: this loop is the router's per-request overhead), with the blocks the
-        session's request in flight computes there and the common prefix (``_common``)
-        counted as held."""
+        requests in flight there compute (``arriving``, ``_lookup``) and the common prefix
+        (``_common``) counted as held."""
         c = self.costs
         ppt = c.prefill_ms_per_token
         attn = c.attn_ms_per_token_ctx
@@ -257,7 +288,6 @@ class CacheAware(Policy):
         queued_attn = self._queued_attn
         speed = self.speed
         discount = self.running_discount
-        own_id, own = self._in_flight_prefix(request) if self.in_flight else (None, 0)
         common = self._common(request.block_hashes, cands) if self._leads else 0
         est = _Estimates(cacheable)
         matches, queues, ahead, ranked, scores = (
@@ -272,8 +302,10 @@ class CacheAware(Policy):
             total = m.total
             if total > nblocks:  # a view built for another request: never trust more
                 m, total = NO_MATCH, 0
-            if own > total and w.worker_id == own_id and w.in_sync:
-                # the session's previous request computes these blocks there before us
+            stored = m.disk  # a prefetch's source has these; arriving ones it has not yet
+            own = arriving.get(w.worker_id, 0) if arriving else 0
+            if own > total and w.in_sync:
+                # a request routed there and not finished computes these blocks before us
                 m = TierMatch(max(m.gpu, own), max(m.cpu, own), max(m.disk, own), own)
                 total = own
             if m.cpu > m.gpu:
@@ -340,8 +372,8 @@ class CacheAware(Policy):
                 best_hit = total
             if queue > 0 and total > local:
                 maybe_prefetch = True
-            if local > src_local or (local == src_local and src_id and queue < src_queue):
-                src_id, src_local, src_queue = w.worker_id, local, queue
+            if stored > src_local or (stored == src_local and src_id and queue < src_queue):
+                src_id, src_local, src_queue = w.worker_id, stored, queue
         est.best_hit, est.maybe_prefetch = best_hit, maybe_prefetch
         est.src_id, est.src_local, est.src_queue = src_id, src_local, src_queue
         return est
@@ -367,7 +399,7 @@ class CacheAware(Policy):
         share = min(best_hit, cacheable) / cacheable if cacheable else 0.0
         per_block = self.recompute_weight * (1.0 + self.recompute_share * share) * bs * ppt
         matches, queues = est.matches, est.queues
-        if per_block and self.fade and request.session_key and self._long_sessions():
+        if per_block and self.fade and self._session and self._long_sessions():
             saving = min(best_hit, cacheable) * bs * ppt
             held = min(q for q, m in zip(queues, matches, strict=True) if m.total == best_hit)
             excess = held - sum(queues) / len(queues)
@@ -430,7 +462,7 @@ class CacheAware(Policy):
         if not placing:
             return argmin_random(est.ranked, self.rng, self.tie_ms)
         self._meet(cands)
-        session = request.session_key
+        session = self._session
         if est.best_hit * 2 <= est.cacheable and not (session and self._long_sessions()):
             i = self._place(cands, est.ranked)
         else:
@@ -450,13 +482,13 @@ class CacheAware(Policy):
         """Record the choice (its load, its session, the common prefix) and decide."""
         chosen = cands[i].worker_id
         score = est.scores[chosen]
-        ntok, bs, session = request.num_tokens, request.block_size, request.session_key
+        ntok, bs, session = request.num_tokens, request.block_size, self._session
         self._track(request.request_id, chosen, ntok, score["ttft_ms"])
         left = uncached_tokens(ntok, int(score["hit_blocks"]), bs)
         attn = self.costs.attn_ms_per_token_ctx
         self._queue_attn(request.request_id, chosen, attn * left * (ntok - left + 0.5 * left))
-        if session is not None and self.in_flight:
-            _put(self._last, session, (request.request_id, request.block_hashes))
+        known = max(self._known, est.best_hit)  # what an earlier prompt or a cache had
+        self._remember(request.request_id, chosen, request.block_hashes, session, known)
         self._count_recent(chosen, bounded)
         if session is not None:
             self._sessions[session] = (chosen, self._decisions, ntok)
@@ -522,11 +554,7 @@ class CacheAware(Policy):
         routed = self._routed.pop(request.request_id, None)
         if routed is not None:
             self._release(routed[0], routed[1])
-        session = request.session_key
-        if session is not None:
-            last = self._last.get(session)
-            if last is not None and last[0] == request.request_id:
-                del self._last[session]
+        self._land(request.request_id)
 
     def on_first_token(self, request: RouteRequest, worker_id: str, ttft_ms: float) -> None:
         """Learn the worker's speed: observed against estimated time to first token."""
@@ -586,22 +614,154 @@ class CacheAware(Policy):
         else:  # float sums drift: none left means none
             self._queued_attn.pop(worker_id, None)
 
-    def _in_flight_prefix(self, request: RouteRequest) -> tuple[str | None, int]:
-        """(worker, blocks): the leading blocks of ``request`` that its session's last
-        request, routed and not finished, computes (or holds) on its worker."""
-        session = request.session_key
-        if session is None:
-            return None, 0
-        last = self._last.get(session)
-        if last is None:
-            return None, 0
-        routed = self._routed.get(last[0])
-        if routed is None:  # forgotten (a finish never reported): the index tells
-            del self._last[session]
-            return None, 0
-        a, b = last[1], request.block_hashes
-        # chained hashes: equal at i means equal before i
-        return routed[0], prefix_depth(min(len(a), len(b)), lambda i: a[i] == b[i])
+    def _lookup(self, request: RouteRequest) -> tuple[dict[str, int] | None, str | None, int]:
+        """What the prompts routed before tell of ``request``: the session of the latest
+        prompt it builds on, whatever key each came with; per worker (with ``in_flight``)
+        the leading blocks that a prompt routed there and not finished computes (or holds):
+        the one ``request`` builds on, its session's last by key, and with
+        ``shared_in_flight`` every other; and the most blocks it shares with one of them.
+
+        ``request`` builds on a prompt ``A`` when it holds ``A``'s first novel block (the
+        first that no earlier prompt nor any cache had when ``A`` was routed: what ``A``
+        added) or ``A``'s last block: a conversation's next turn. A new session that
+        shares a system prompt with ``A`` shares none of what ``A`` added.
+
+        Block hashes chain: sharing block ``i`` means sharing every block before it. So
+        the powers of two are probed in order until one misses (what shares ``2k`` blocks
+        shares ``k``): each worker is credited the deepest it holds, at least half of
+        what it shares. Then the blocks up to the next power, from the top, for a novel
+        or a last block; the prompts named above, and the latest in flight anchored at
+        the deepest power, are read exactly (binary search over their hashes).
+        ``O(log n)`` lookups, and at most the deepest power's blocks.
+
+        ``shared_in_flight`` is off on a prefill pool (``prefill_params``), whose charge
+        does not fade: there a burst of new sessions queued behind the first holder of
+        their system prompt in flight, before any copy existed (``tests/test_pd_sim.py``'s
+        hint scenario: hit 0.844 -> 0.832, TTFT p90 432 -> 533 ms; without it 0.851 /
+        412). On a mixed pool it pays (``bench/sweep.py``'s agent x2 16 engines, seed 1:
+        TTFT p90 850 ms without it, 784 with it and before)."""
+        hashes = request.block_hashes
+        latest, anchors = self._latest, self._anchors
+        n = len(hashes)
+        depth: dict[str, int] | None = {} if self.in_flight else None
+        p = 1
+        while p <= n:
+            h = hashes[p - 1]
+            if h not in latest:
+                break
+            if anchors and depth is not None:
+                for w in anchors.get(h, ()):
+                    depth[w] = p
+            p <<= 1
+        low = p >> 1
+        if not low:
+            return depth, None, 0
+        prompts = self._prompts
+        known = low
+        base: str | None = None  # the latest prompt that ``request`` builds on
+        for i in range(min(n, p - 1) - 1, low - 2, -1):  # p - 1 was probed, and missed
+            rid = latest.get(hashes[i])
+            if rid is not None:
+                _, blocks, _, novel = prompts[rid]
+                if blocks == i + 1 or novel == i:  # its last or its first novel block
+                    base, known = rid, i + 1
+                    break
+        if base is None:
+            rid = latest[hashes[low - 1]]
+            if 0 <= prompts[rid][3] < low:  # shares low blocks with it, past its novel one
+                base = rid
+        if depth is not None:
+            key = request.session_key
+            deepest = self._anchored.get(hashes[low - 1]) if anchors else None
+            for rid in (
+                base,
+                self._last.get(key) if key is not None else None,
+                next(reversed(deepest)) if deepest else None,
+            ):
+                pending = self._pending.get(rid) if rid is not None else None
+                if pending is not None:
+                    worker, d = pending[0], _shared(pending[1], hashes)
+                    if d > depth.get(worker, 0):
+                        depth[worker] = d
+                    known = max(known, d)
+        return depth, prompts[base][2] if base is not None else None, known
+
+    def _remember(
+        self,
+        request_id: str,
+        worker_id: str,
+        hashes: Sequence[int],
+        session: str | None,
+        known: int,
+    ) -> None:
+        """Anchor a routed prompt, its first ``known`` blocks seen before: a later one that
+        builds on it continues its session (``session``, else this request's), and until
+        it finishes it counts as arriving on its worker: the engine computes it there
+        first, in queue order, and keeps it while it decodes, but its events reach the
+        index only once it is computed."""
+        self._land(request_id)  # the same id routed again (a retry): where it went last
+        old = self._prompts.pop(request_id, None)
+        if old is not None:
+            self._forget(request_id, old[0])
+        if not hashes:
+            return
+        n = len(hashes)
+        positions = _anchor_positions(n)
+        # a prompt that shares nothing seen: its first block may open a shared prefix
+        # (a system prompt's first use), so nothing of it counts as its own
+        novel = known if 0 < known < n else -1
+        if novel >= 0 and novel not in positions:
+            positions.append(novel)
+        keys = [hashes[i] for i in positions]
+        latest = self._latest
+        for h in keys:
+            latest[h] = request_id
+        self._prompts[request_id] = (keys, n, session or request_id, novel)
+        if len(self._prompts) > _PROMPTS:
+            rid = next(iter(self._prompts))
+            self._land(rid)
+            self._forget(rid, self._prompts.pop(rid)[0])
+        if not self.in_flight:
+            return
+        self._pending[request_id] = (worker_id, hashes)
+        if session is not None:
+            _put(self._last, session, request_id)
+        if not self.shared_in_flight:
+            return
+        anchors, anchored = self._anchors, self._anchored
+        for h in keys:
+            holders = anchors.get(h)
+            if holders is None:
+                anchors[h] = {worker_id: 1}
+                anchored[h] = {request_id: None}
+            else:
+                holders[worker_id] = holders.get(worker_id, 0) + 1
+                anchored[h][request_id] = None
+
+    def _forget(self, request_id: str, keys: list[int]) -> None:
+        latest = self._latest
+        for h in keys:
+            if latest.get(h) == request_id:
+                del latest[h]
+
+    def _land(self, request_id: str) -> None:
+        """The request finished: from now on the index alone tells where its blocks are."""
+        pending = self._pending.pop(request_id, None)
+        if pending is None or not self.shared_in_flight:
+            return
+        worker_id = pending[0]
+        anchors, anchored = self._anchors, self._anchored
+        for h in self._prompts[request_id][0]:
+            holders = anchors[h]
+            left = holders[worker_id] - 1
+            if left:
+                holders[worker_id] = left
+            else:
+                del holders[worker_id]
+                if not holders:
+                    del anchors[h], anchored[h]
+                    continue
+            del anchored[h][request_id]
 
     def _release(self, worker_id: str, tokens: int) -> None:
         left = self._active.get(worker_id, 0) - tokens
@@ -634,9 +794,11 @@ class CacheAware(Policy):
                 _put(placed, wid, floor)
 
     def _barred(
-        self, session: str | None, cands: Sequence[WorkerView], tokens: int
+        self, session: str | None, cands: Sequence[WorkerView], tokens: int, continues: bool
     ) -> set[int] | None:
         """For a session's first request, the workers it may not start on; else None.
+        A request that ``continues`` an earlier prompt is never a first one, although its
+        session was not seen (a keyless prompt's continuation names the prompt's id).
 
         Bounded load as consistent hashing does it: with ``m`` recent decisions and
         ``n`` workers, a worker may take one more while it stays within
@@ -662,6 +824,8 @@ class CacheAware(Policy):
         seen[session] = (None, n, tokens)
         if len(seen) > _MAX_TRACKED:
             seen.popitem(last=False)
+        if continues:
+            return None
         if not self._long_sessions():
             return set()  # a new session, but sessions are too short to bind
         self._live = None
@@ -855,6 +1019,24 @@ class _Estimates:
         self.src_local = 0
         self.src_queue = 0.0
         self.maybe_prefetch = False  # some queued worker reaches blocks in the shared pool
+
+
+def _shared(a: Sequence[int], b: Sequence[int]) -> int:
+    """Leading blocks two prompts share (chained hashes: a binary search)."""
+    return prefix_depth(min(len(a), len(b)), lambda i: a[i] == b[i])
+
+
+def _anchor_positions(n: int) -> list[int]:
+    """The blocks of an ``n``-block prompt kept to find it by: ``2**k - 1`` and the last,
+    ``O(log n)`` of them (``CacheAware._arriving``)."""
+    out = []
+    p = 1
+    while p <= n:
+        out.append(p - 1)
+        p <<= 1
+    if n and out[-1] != n - 1:
+        out.append(n - 1)
+    return out
 
 
 def _uncount(count: dict[int, int], hashes: list[int]) -> None:

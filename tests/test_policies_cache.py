@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from index.hashing import cacheable_blocks
 from index.prefix_index import TierMatch
 from policies import EngineCosts, RouteRequest, WorkerView, make_policy
-from policies.base import Decision
+from policies.base import Decision, Policy
 from policies.cache_aware import CacheAware
 from policies.cost_model import (
     admit_wait_ms,
@@ -355,12 +355,25 @@ def test_cache_aware_no_pile_up_on_a_shared_system_prompt(seed: int) -> None:
     assert picks["w0"] <= 1.5 * mean  # the holder of block 0 does not attract everything
 
 
+def _finished_one_by_one(
+    policy: Policy, request: RouteRequest, ws: list[WorkerView], n: int
+) -> Counter[str]:
+    """Where ``n`` routings of ``request`` go, each finished before the next (one in
+    flight is arriving where it went: the next would follow it)."""
+    picks: Counter[str] = Counter()
+    for _ in range(n):
+        wid = policy.select(request, ws).worker_id
+        picks[wid] += 1
+        policy.on_finish(request, wid)
+    return picks
+
+
 def test_cache_aware_ignores_out_of_sync_workers() -> None:
     hashes = chain(35, 10)
     policy = make_policy("cache_aware", random.Random(0))
     ws = views(4)
     ws[3].match, ws[3].in_sync = tm(gpu=10), False
-    picks = Counter(policy.select(req(hashes), ws).worker_id for _ in range(400))
+    picks = _finished_one_by_one(policy, req(hashes), ws, 400)
     assert set(picks) == {"w0", "w1", "w2", "w3"}  # w3 is no better than the others
     d = policy.select(req(hashes), ws)
     assert d.scores["w3"]["hit_blocks"] == 0
@@ -373,11 +386,11 @@ def test_cache_aware_ties_break_at_random_not_by_list_order() -> None:
     policy = make_policy("cache_aware", random.Random(4))
     ws = views(4)
     for order in (ws, ws[::-1]):
-        picks = Counter(policy.select(req(hashes), order).worker_id for _ in range(800))
+        picks = _finished_one_by_one(policy, req(hashes), order, 800)
         assert set(picks) == {"w0", "w1", "w2", "w3"}
         assert min(picks.values()) > 140
     ws[1].match = ws[2].match = tm(gpu=5)
-    picks = Counter(policy.select(req(hashes), ws).worker_id for _ in range(400))
+    picks = _finished_one_by_one(policy, req(hashes), ws, 400)
     assert set(picks) == {"w1", "w2"} and min(picks.values()) > 150
 
 

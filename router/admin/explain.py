@@ -33,6 +33,8 @@ def mount(api: APIRouter, state: AdminDeps) -> None:
         pd = state.pd.explain(prep) if state.pd is not None and disaggregated else None
         if pd is None:
             decision, views = router.decide(prep)
+            # nothing is sent: the policy must not count it in flight (cache_aware's credit)
+            state.experiment.policy_for(prep.arm).on_finish(prep.request, decision.worker_id)
         else:  # "decision" is the engine that answers: the decode side's choice
             views = router.views(prep)
             decision = Decision(pd["decode"]["worker_id"], pd["decode"]["prefetch"],
