@@ -365,7 +365,12 @@ def router_command(
 
 @contextlib.contextmanager
 def router_stack(
-    kind: str, engines: list[Engine], model: Path, peers_python: str, logs: Path
+    kind: str,
+    engines: list[Engine],
+    model: Path,
+    peers_python: str,
+    logs: Path,
+    settings: dict[str, str] | None = None,
 ) -> Iterator[tuple[str, Proc, list[Proc]]]:
     """The router (and for ``cache_aware`` a fresh nats-server and agents), ready and in
     sync: (its URL, its process, the event path's processes)."""
@@ -423,6 +428,8 @@ def router_stack(
         cmd = router_command(kind, port, port2, engines, model, peers_python, nats_url)
         assert cmd is not None
         env = {"CACHE_ROUTER_PREDICT_TTL": str(PREDICT_TTL)} if kind.endswith("_predict") else {}
+        if kind in ("cache_aware", "cache_aware_predict", "round_robin"):
+            env |= settings or {}
         proc = spawn(kind, cmd, logs / f"{kind}.log", env)
         url = f"http://127.0.0.1:{port}"
         try:
@@ -563,7 +570,12 @@ def one_run(
     logs.mkdir(parents=True, exist_ok=True)
     reset(engines)
     before = [metrics(e.url) for e in engines]
-    with router_stack(kind, engines, model, args.peers_python, logs) as (url, proc, side):
+    settings = dict(s.split("=", 1) for s in args.cache_router_env)
+    with router_stack(kind, engines, model, args.peers_python, logs, settings) as (
+        url,
+        proc,
+        side,
+    ):
         idle0 = proc.cpu_s()
         time.sleep(IDLE_S)  # what the router burns with no request (health, load, events)
         idle = (proc.cpu_s() - idle0) / IDLE_S
@@ -696,6 +708,13 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2, help="rounds; odd ones in reverse order")
     ap.add_argument("--slo-ms", type=float, default=1000.0)
     ap.add_argument("--run-timeout", type=float, default=600.0)
+    ap.add_argument(
+        "--cache-router-env",
+        action="append",
+        default=[],
+        metavar="CACHE_ROUTER_NAME=VALUE",
+        help="a setting of every cache-router run, e.g. CACHE_ROUTER_ADMISSION=false",
+    )
     ap.add_argument("--workdir", type=Path)
     ap.add_argument("--out", type=Path)
     ap.add_argument(
@@ -805,6 +824,7 @@ def main() -> None:
             "speedup": args.speedup,
             "slo_ms": args.slo_ms,
             "repeat": args.repeat,
+            "cache_router_env": args.cache_router_env,
             "engine_start_s": engine_start_s,
             "load_average_1m": os.getloadavg()[0],
             "workdir": str(work),
