@@ -9,6 +9,9 @@ each router under test started in turn on the same engines:
 - ``cache_aware`` and ``round_robin``: cache-router (``router.cli serve``) with a fresh
   nats-server and one node agent per engine (``round_robin`` routes on nothing of that,
   and runs without them);
+- ``cache_aware_predict``: ``cache_aware`` with ``predict_ttl`` (a routed prompt's blocks
+  count as cached on its engine for ``PREDICT_TTL`` s, until the engine's events say so),
+  as sglang-router inserts a prompt into its tree at dispatch (not in the default set);
 - ``sglang_router``: PyPI's ``sglang-router`` with ``--policy cache_aware``;
 - ``vllm_router``: PyPI's ``vllm-router`` with ``--policy cache_aware``.
 
@@ -80,6 +83,7 @@ from vllm_engine import BLOCK, MODEL, Engine  # noqa: E402
 from sim.mock.natsd import free_ports, nats_server_binary  # noqa: E402
 
 ROUTERS = ("cache_aware", "round_robin", "sglang_router", "vllm_router")
+PREDICT_TTL = 10.0  # seconds: the agent trace's slowest prefills on these engines
 WORKLOADS = ("conversation", "synthetic", "agent")
 MOONCAKE_BLOCK = 512
 SCALE = MOONCAKE_BLOCK // BLOCK  # 512-token hash blocks replayed as 32-token ones
@@ -324,7 +328,7 @@ def router_command(
     nats_url: str | None,
 ) -> list[str] | None:
     urls = [e.url for e in engines]
-    if kind in ("cache_aware", "round_robin"):
+    if kind in ("cache_aware", "cache_aware_predict", "round_robin"):
         workers = [a for e in engines for a in ("--worker", f"{e.name}={e.url}")]
         cmd = [
             sys.executable,
@@ -335,7 +339,7 @@ def router_command(
             str(port),
             *workers,
             "--policy",
-            kind,
+            kind.removesuffix("_predict"),
             "--tokenizer",
             str(model),
             "--block-size",
@@ -361,7 +365,12 @@ def router_command(
 
 @contextlib.contextmanager
 def router_stack(
-    kind: str, engines: list[Engine], model: Path, peers_python: str, logs: Path
+    kind: str,
+    engines: list[Engine],
+    model: Path,
+    peers_python: str,
+    logs: Path,
+    settings: dict[str, str] | None = None,
 ) -> Iterator[tuple[str, Proc, list[Proc]]]:
     """The router (and for ``cache_aware`` a fresh nats-server and agents), ready and in
     sync: (its URL, its process, the event path's processes)."""
@@ -369,7 +378,8 @@ def router_stack(
     side: list[Proc] = []
     try:
         nats_url = None
-        if kind == "cache_aware":
+        events = kind.startswith("cache_aware")
+        if events:
             store = logs / "jetstream"
             nats = spawn(
                 "nats-server",
@@ -417,11 +427,14 @@ def router_stack(
                 )
         cmd = router_command(kind, port, port2, engines, model, peers_python, nats_url)
         assert cmd is not None
-        proc = spawn(kind, cmd, logs / f"{kind}.log")
+        env = {"CACHE_ROUTER_PREDICT_TTL": str(PREDICT_TTL)} if kind.endswith("_predict") else {}
+        if kind in ("cache_aware", "cache_aware_predict", "round_robin"):
+            env |= settings or {}
+        proc = spawn(kind, cmd, logs / f"{kind}.log", env)
         url = f"http://127.0.0.1:{port}"
         try:
             wait_http(url + "/health", proc)
-            if kind == "cache_aware":
+            if events:
                 wait_in_sync(url, [e.name for e in engines])
             else:
                 time.sleep(1.5)  # SGLang's router activates its workers after /health
@@ -557,7 +570,12 @@ def one_run(
     logs.mkdir(parents=True, exist_ok=True)
     reset(engines)
     before = [metrics(e.url) for e in engines]
-    with router_stack(kind, engines, model, args.peers_python, logs) as (url, proc, side):
+    settings = dict(s.split("=", 1) for s in args.cache_router_env)
+    with router_stack(kind, engines, model, args.peers_python, logs, settings) as (
+        url,
+        proc,
+        side,
+    ):
         idle0 = proc.cpu_s()
         time.sleep(IDLE_S)  # what the router burns with no request (health, load, events)
         idle = (proc.cpu_s() - idle0) / IDLE_S
@@ -690,6 +708,13 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2, help="rounds; odd ones in reverse order")
     ap.add_argument("--slo-ms", type=float, default=1000.0)
     ap.add_argument("--run-timeout", type=float, default=600.0)
+    ap.add_argument(
+        "--cache-router-env",
+        action="append",
+        default=[],
+        metavar="CACHE_ROUTER_NAME=VALUE",
+        help="a setting of every cache-router run, e.g. CACHE_ROUTER_ADMISSION=false",
+    )
     ap.add_argument("--workdir", type=Path)
     ap.add_argument("--out", type=Path)
     ap.add_argument(
@@ -799,6 +824,7 @@ def main() -> None:
             "speedup": args.speedup,
             "slo_ms": args.slo_ms,
             "repeat": args.repeat,
+            "cache_router_env": args.cache_router_env,
             "engine_start_s": engine_start_s,
             "load_average_1m": os.getloadavg()[0],
             "workdir": str(work),

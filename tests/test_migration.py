@@ -10,33 +10,44 @@ today's error. The unit tests at the end hold the splice and the continuation's 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import httpx
 import orjson
 import pytest
+from stack import Served
 from test_faults_engine import MODEL, EngineProcess, engines_behind_router
 
-from router.forward.migrate import Broken, Splice, continuation, refusal
+from router.config import RouterConfig, WorkerSpec
+from router.forward.migrate import Broken, Splice, continuation, refusal, stall_bound
 from router.http.app import RouterApp
 from router.routing.decide import Parsed
+from sim.mock.engine import Fault, MockEngine, MockEngineConfig
+from sim.mock.scheduler import Timing
 
 TOKENS = 240  # per stream, as issue 32 measured it
 SYSTEM = "A shared system prompt every engine of this test may hold in its cache. " * 3
 
 
 class SlowEngine(EngineProcess):
-    """A mock engine at 4x speed (200 tokens/s per request): a kill lands mid-stream."""
+    """A mock engine at 4x speed (200 tokens/s per request): a kill lands mid-stream.
+    ``interval``: tokens per SSE chunk after the first (vLLM's ``--stream-interval``)."""
+
+    def __init__(self, worker_id: str, interval: int = 1) -> None:
+        super().__init__(worker_id)
+        self.interval = interval
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "router.cli", "mock-engine", "--port", str(self.port),
              "--worker-id", self.worker_id, "--model", MODEL, "--block-size", "16",
-             "--gpu-blocks", "512", "--speed", "4",
+             "--gpu-blocks", "512", "--speed", "4", "--stream-interval", str(self.interval),
              "--zmq-endpoint", f"tcp://127.0.0.1:{self.zmq}",
              "--replay-endpoint", f"tcp://127.0.0.1:{self.replay}", "--log-level", "WARNING"],
             stdout=subprocess.DEVNULL,
@@ -72,9 +83,9 @@ class Fleet:
         )
 
 
-@pytest.fixture
-async def fleet(nats_url: str) -> AsyncIterator[Fleet]:
-    engines = [SlowEngine(f"e{i}") for i in range(3)]
+@pytest.fixture(params=[1], ids=["token_chunks"])
+async def fleet(nats_url: str, request: pytest.FixtureRequest) -> AsyncIterator[Fleet]:
+    engines = [SlowEngine(f"e{i}", request.param) for i in range(3)]
     settings = {"block_size": 16, "health_interval": 0.2, "health_timeout": 0.5,
                 "stall_after": 1.0, "request_timeout": 20.0, "policy": "round_robin"}  # fmt: skip
     async with engines_behind_router(nats_url, engines, **settings) as (_, app, url):
@@ -102,7 +113,7 @@ class Seen:
     def __init__(self) -> None:
         self.worker = ""
         self.status = 0
-        self.tokens = 0  # content chunks: one token each
+        self.tokens = 0  # chunks with content
         self.text = ""
         self.done = 0  # [DONE] events
         self.errors: list[Any] = []
@@ -147,7 +158,8 @@ def complete(seen: Seen, prompt_tokens: int | None = None) -> None:
     """One uninterrupted stream of its full length: ``TOKENS`` tokens, one [DONE], one
     id, one role chunk, no error, the usage summed."""
     assert seen.status == 200 and not seen.errors, seen.errors
-    assert seen.tokens == TOKENS and seen.done == 1 and len(seen.ids) == 1
+    assert len(seen.text) == 4 * TOKENS, len(seen.text)  # the mock: 4 characters a token
+    assert seen.done == 1 and len(seen.ids) == 1
     assert seen.roles <= 1
     assert seen.usage is not None and seen.usage["completion_tokens"] == TOKENS
     if prompt_tokens is not None:
@@ -164,6 +176,10 @@ async def test_streams_on_a_broken_engine_complete_elsewhere(
     is killed (or stopped: its health checks fail and it is silent past ``stall_after``)
     once every stream has its first tokens. Every stream completes with its full length
     on another engine."""
+    await kill_or_stop_under_streams(fleet, kind, fault)
+
+
+async def kill_or_stop_under_streams(fleet: Fleet, kind: str, fault: signal.Signals) -> None:
     async with httpx.AsyncClient(base_url=fleet.url, timeout=60) as http:
         starts = [asyncio.Event() for _ in range(12)]
         tasks = [asyncio.create_task(watch(http, kind, i, starts[i])) for i in range(12)]
@@ -178,6 +194,18 @@ async def test_streams_on_a_broken_engine_complete_elsewhere(
     cause = "connection" if fault == signal.SIGKILL else "stall"
     assert fleet.count("migrations", cause) >= len(on_victim)
     assert fleet.count("not_migrated", "limit") == 0
+
+
+@pytest.mark.parametrize("fleet", [4], ids=["four_token_chunks"], indirect=True)
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+async def test_a_stream_of_several_tokens_a_chunk_continues_with_the_right_count(
+    fleet: Fleet, kind: str
+) -> None:
+    """Engines sending four tokens a chunk (vLLM ``--stream-interval 4``): the tokens a
+    broken leg sent are counted from its text (4 bytes a token for the mock's text and
+    the router's fallback tokenizer), not one a chunk, which asked the continuation for
+    3x too many and made each migrated answer too long."""
+    await kill_or_stop_under_streams(fleet, kind, signal.SIGKILL)
 
 
 async def test_a_stopped_engine_gets_no_request_answered_late(fleet: Fleet) -> None:
@@ -248,6 +276,58 @@ async def test_what_cannot_move_gets_the_error_event_and_is_counted(fleet: Fleet
     assert fleet.count("not_migrated", "logprobs") == 1
 
 
+# -- streams stuck on an engine that looks healthy ------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def live_pair(**settings: Any) -> AsyncIterator[tuple[list[MockEngine], RouterApp, str]]:
+    """Two in-process mock engines (their faults set by the test) behind a router with
+    no NATS, round robin."""
+    cfg = MockEngineConfig(model=MODEL, timing=Timing(speed=4))
+    async with (
+        MockEngine(replace(cfg, worker_id="a")) as a,
+        MockEngine(replace(cfg, worker_id="b")) as b,
+    ):
+        workers = [WorkerSpec(e.cfg.worker_id, e.url, model=MODEL) for e in (a, b)]
+        app = RouterApp(RouterConfig(workers=workers, policy="round_robin", **settings))
+        served = await Served(app).start()
+        try:
+            yield [a, b], app, served.url
+        finally:
+            await served.stop()
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("cut_after", [0, 20], ids=["before_first_token", "mid_stream"])
+async def test_a_stream_stuck_on_a_healthy_engine_moves_on(kind: str, cut_after: int) -> None:
+    """An engine that stays healthy (its health checks pass) goes silent in one stream,
+    before its first token or after 20: the stream moves to the other engine after the
+    stall bound (1 s here; 30 s after the first token and 60 s per 8K prompt tokens
+    before it by default), not at ``request_timeout`` (60 s here), and completes."""
+    settings = {"token_stall_after": 1.0, "first_token_stall_after": 1.0,
+                "request_timeout": 60.0, "health_interval": 0.2}  # fmt: skip
+    async with live_pair(**settings) as (engines, app, url):
+        fleet = Fleet([], app, url)
+        engines[0].fault = Fault(cut_after=cut_after, stall=True)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            # within 30 s: request_timeout (60 s) would end it only later
+            seen = await asyncio.wait_for(watch(http, kind, 3), 30)
+        assert seen.worker == "a"  # round robin's first: the stuck one
+        complete(seen)
+        assert fleet.count("migrations", "stall") == 1
+        assert app.state.registry.get("a").healthy  # it looked healthy all along
+
+
+def test_the_bound_before_the_first_token_grows_with_the_prompt() -> None:
+    cfg = RouterConfig(first_token_stall_after=60.0, token_stall_after=30.0, request_timeout=3600)
+    assert stall_bound(cfg, 500, started=False) == 60.0
+    assert stall_bound(cfg, 128 * 1024, started=False) == 16 * 60.0  # a 128K prefill
+    assert stall_bound(cfg, 128 * 1024, started=True) == 30.0
+    off = RouterConfig(first_token_stall_after=0.0, token_stall_after=0.0, request_timeout=9.0)
+    assert stall_bound(off, 500, started=False) == stall_bound(off, 500, started=True) == 9.0
+    assert stall_bound(cfg, 10**6, started=False) == cfg.request_timeout  # capped
+
+
 # -- the splice and the continuation, without engines ----------------------------------
 
 
@@ -266,12 +346,17 @@ def chunk(kind: str, piece: str | None, *, role: bool = False, finish: str | Non
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+def letters(text: str) -> int:
+    """A tokenizer of one token a character, for the splice's unit tests."""
+    return len(text)
+
+
 def test_the_splice_sends_whole_events_and_reads_as_one_stream() -> None:
-    splice = Splice("chat", prompt_tokens=30)
+    splice = Splice("chat", prompt_tokens=30, count=letters)
     first = chunk("chat", None, role=True) + chunk("chat", "he") + chunk("chat", "llo")
     cut = chunk("chat", " wor")
     out = splice.feed(first + cut[:9])  # the break cuts an event: it is held back
-    assert out == first and splice.text == ["he", "llo"] and splice.tokens == 2
+    assert out == first and splice.text == ["he", "llo"] and splice.tokens == 5
     splice.next_leg()  # the second engine: its role chunk goes, its id becomes the first's
     second = chunk("chat", None, role=True, cid="b") + chunk("chat", " world", cid="b")
     second += chunk("chat", "", finish="length", cid="b")
@@ -283,19 +368,19 @@ def test_the_splice_sends_whole_events_and_reads_as_one_stream() -> None:
     objs = [orjson.loads(e[6:]) for e in events[:-1]]
     assert {o["id"] for o in objs} == {"a"} and len(objs) == 3  # no second role chunk
     assert objs[-1]["usage"] == {
-        "prompt_tokens": 30, "completion_tokens": 4, "total_tokens": 34,
+        "prompt_tokens": 30, "completion_tokens": 7, "total_tokens": 37,
         "prompt_tokens_details": {"cached_tokens": 30},
     }  # fmt: skip
 
 
 def test_an_error_event_is_a_break_and_tool_calls_cannot_move() -> None:
-    splice = Splice("completion", prompt_tokens=3)
+    splice = Splice("completion", prompt_tokens=3, count=letters)
     ok = chunk("completion", "x")
     out = splice.feed(ok + b'data: {"error": {"message": "dead"}}\n\n' + ok)
     # what came before the error goes on and is counted; the error and after it do not
     assert out == ok and splice.text == ["x"] and splice.tokens == 1
     assert isinstance(splice.broken, Broken) and splice.broken.cause == "error_event"
-    calls = Splice("chat", prompt_tokens=3)
+    calls = Splice("chat", prompt_tokens=3, count=letters)
     tool = {"id": "a", "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0}]}}]}
     calls.feed(b"data: " + orjson.dumps(tool) + b"\n\n")
     assert calls.blocked() == "tool_call"

@@ -229,6 +229,11 @@ class UpstreamSettings:
 
     request_timeout: float = setting(600.0, _DURATION)  # for the engine's response headers
     stall_after: float = setting(5.0, _DURATION)  # a down engine this silent fails its requests
+    # a migratable stream silent this long on an engine that looks healthy moves on:
+    # before its first token (per 8,192 prompt tokens: a 128K prompt's prefill gets 16x)
+    # and after it (0: only request_timeout; router.forward.migrate)
+    first_token_stall_after: float = setting(60.0, _SECONDS)
+    token_stall_after: float = setting(30.0, _SECONDS)
     connect_retries: int = setting(2, Range(0, 64))  # other workers tried when nothing reached one
     # times one request moves to another engine when its engine breaks (0: never; a
     # stream continues with its text so far, a whole answer is sent again:

@@ -2,7 +2,13 @@
 
 When an engine breaks under a request (its connection lost, a 5xx status, an error event
 in the stream, or silence past ``stall_after`` while its health checks fail), the
-request moves to another engine, at most ``migrate_max`` times:
+request moves to another engine, at most ``migrate_max`` times. So does a stream stuck
+on an engine that looks healthy (a lost request, a wedged sequence): silent past
+``token_stall_after`` (30 s) once its first token came, or, before it, past
+``first_token_stall_after`` (60 s) per 8,192 prompt tokens, since a prefill takes time
+in proportion to the prompt (a 128K prompt gets 16 min, so the default 10 min
+``request_timeout`` bounds it; queueing behind others counts too); without these bounds
+it ended only at ``request_timeout``, which bounds each wait. Then:
 
 - a stream continues where it broke. The router re-sends the request with what was
   generated so far: a chat with the partial answer as a final assistant message and
@@ -12,7 +18,10 @@ request moves to another engine, at most ``migrate_max`` times:
   (and ``min_tokens``) reduced by the tokens sent. The client sees one stream: the new
   engine's events follow the old one's with the first answer's ``id`` and ``created``,
   its role chunk dropped, one ``[DONE]``, and ``usage`` summed (the original prompt's
-  tokens, every leg's completion tokens). The new engine is the policy's pick for the
+  tokens, every leg's completion tokens). A broken leg's tokens are counted from the
+  text it sent (the router's tokenizer), not from its chunks: vLLM with
+  ``--stream-interval 4`` sends up to 4 tokens a chunk, and counting chunks made a
+  continuation ask 3x too many tokens. The new engine is the policy's pick for the
   grown prompt, so one that holds most of it (the original prompt's blocks, hinted or
   cached) recomputes least: peers replay to any healthy worker;
 - a whole answer (``stream`` false) is sent again, whole, to another engine: the client
@@ -53,9 +62,11 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import orjson
 
-from router.forward.relay import Relay
-from router.forward.upstream import Response, UpstreamError, UpstreamStalled
+from router.forward.relay import ProxySettings, Relay
+from router.forward.upstream import Response, UpstreamError, UpstreamTimeout
 from router.http.errors import ApiError, sse_error
+from router.tokens.media import as_ints
+from router.tokens.tokenize import num_tokens
 from router.workers.load import WAITING, Flight
 
 if TYPE_CHECKING:
@@ -115,7 +126,24 @@ class Broken(Exception):
 
 
 def cause_of(exc: UpstreamError) -> Cause:
-    return "stall" if isinstance(exc, UpstreamStalled) else "connection"
+    return "stall" if isinstance(exc, UpstreamTimeout) else "connection"
+
+
+# The prompt tokens one ``first_token_stall_after`` covers: the bound before the first
+# token grows with the prompt past this (a 128K prompt's prefill gets 16 of them).
+STALL_PROMPT_UNIT = 8192
+
+
+def stall_bound(cfg: ProxySettings, prompt_tokens: int, started: bool) -> float:
+    """Seconds a stream may be silent before it moves to another engine although its
+    engine looks healthy: ``token_stall_after`` once its first token came, else
+    ``first_token_stall_after`` per ``STALL_PROMPT_UNIT`` prompt tokens (at least one);
+    never past ``request_timeout``, which a setting of 0 leaves alone."""
+    if started:
+        bound = cfg.token_stall_after
+    else:
+        bound = cfg.first_token_stall_after * max(1.0, prompt_tokens / STALL_PROMPT_UNIT)
+    return min(bound, cfg.request_timeout) if bound else cfg.request_timeout
 
 
 class Splice:
@@ -133,11 +161,12 @@ class Splice:
         "before",
         "broken",
         "cached",
+        "count",
         "done",
         "finished",
         "kind",
         "leg",
-        "leg_tokens",
+        "leg_start",
         "leg_usage",
         "prompt_tokens",
         "reasoning",
@@ -147,9 +176,10 @@ class Splice:
         "usage_sent",
     )
 
-    def __init__(self, kind: Kind, prompt_tokens: int) -> None:
+    def __init__(self, kind: Kind, prompt_tokens: int, count: Callable[[str], int]) -> None:
         self.kind = kind
         self.prompt_tokens = prompt_tokens  # the original prompt's (the router's count)
+        self.count = count  # text -> its tokens (the router's tokenizer)
         self._buf = b""
         self._id: Any = None
         self._created: Any = None
@@ -157,7 +187,7 @@ class Splice:
         self.text: list[str] = []  # the generated pieces, every leg's
         self.before = 0  # completion tokens of the legs before this one
         self.leg = 0
-        self.leg_tokens = 0  # token chunks of this leg
+        self.leg_start = 0  # where this leg's pieces start in ``text``
         self.leg_usage: int | None = None  # this leg's completion tokens, as its engine said
         self.cached: int | None = None  # the first leg's cached_tokens
         self.sent = False  # any event reached the client
@@ -171,14 +201,19 @@ class Splice:
     @property
     def tokens(self) -> int:
         """Completion tokens sent so far: an engine's own count when it gave one (usage
-        in its chunks), else one a token chunk, as vLLM and SGLang stream them."""
-        leg = self.leg_usage if self.leg_usage is not None else self.leg_tokens
+        in its chunks), else the tokens of the text this leg sent. Not one a chunk: an
+        engine may send several tokens in one (vLLM's ``--stream-interval``, SGLang's
+        ``--stream-interval``), or none in one (a token that ends inside a character
+        is held back and comes with the next). Computed at a break, not per chunk."""
+        leg = self.leg_usage
+        if leg is None:
+            leg = self.count("".join(self.text[self.leg_start :]))
         return self.before + leg
 
     def next_leg(self) -> None:
         self.before = self.tokens
         self.leg += 1
-        self.leg_tokens = 0
+        self.leg_start = len(self.text)
         self.leg_usage = None
         self.broken = None
         self._buf = b""
@@ -287,7 +322,6 @@ class Splice:
             role_only = False
         if isinstance(piece, str) and piece:
             self.text.append(piece)
-            self.leg_tokens += 1
         return role_only
 
     def _summed(self, usage: dict[str, Any]) -> dict[str, Any]:
@@ -511,7 +545,12 @@ class Migration:
         parsed = self.first.parsed
         options = parsed.body.get("stream_options")
         usage = isinstance(options, Mapping) and bool(options.get("include_usage"))
-        splice = Splice(parsed.kind, self.first.request.num_tokens)
+        tokenizer = st.router.tokenizers.get(parsed.model)
+        splice = Splice(
+            parsed.kind,
+            self.first.request.num_tokens,
+            lambda text: num_tokens(tokenizer.encode(text, False)),
+        )
         while True:
             try:
                 leg = await proxy.open(self.prep, self.headers, self.raw, self.exclude,
@@ -548,7 +587,10 @@ class Migration:
         parsed = self.first.parsed
         tokenizer = self.st.router.tokenizers.get(parsed.model)
         body = continuation(
-            parsed, "".join(splice.text), splice.tokens, lambda text: tokenizer.encode(text, False)
+            parsed,
+            "".join(splice.text),
+            splice.tokens,
+            lambda text: as_ints(tokenizer.encode(text, False)),
         )
         if body is None:
             return False
@@ -581,8 +623,13 @@ class Migration:
             ex.started = True
             await ex.send(proxy.head(resp, leg.tid, leg.hit))
         first_token = proxy.first_token(self.prep, leg.tid) if splice.leg == 0 else None
+        prompt = self.prep.request.num_tokens
+
+        def bound() -> float:  # before each wait: has this leg sent a token yet?
+            return stall_bound(st.cfg, prompt, len(splice.text) > splice.leg_start)
+
         try:
-            async for chunk in resp.chunks(st.cfg.request_timeout):
+            async for chunk in resp.chunks(bound):
                 if leg.flight.state is WAITING:
                     elapsed = time.perf_counter() - ex.t0
                     if first_token is not None:

@@ -42,7 +42,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -144,8 +144,10 @@ class Response:
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
 
-    async def chunks(self, timeout: float) -> AsyncIterator[bytes]:
-        """The body, chunk by chunk; ``UpstreamError`` if the engine breaks it off."""
+    async def chunks(self, timeout: float | Callable[[], float]) -> AsyncIterator[bytes]:
+        """The body, chunk by chunk; ``UpstreamError`` if the engine breaks it off, and
+        ``UpstreamTimeout`` if it sends nothing for ``timeout`` seconds (a callable: asked
+        before each wait, so the bound can change as the stream goes on)."""
         conn = self._conn
         while True:
             while self._chunks:
@@ -159,7 +161,7 @@ class Response:
                 return
             if self._error is not None:
                 raise self._error
-            await self._wait(timeout)
+            await self._wait(timeout if isinstance(timeout, float | int) else timeout())
 
     async def settle(self, timeout: float) -> None:
         """Wait (each wait within ``timeout``) until the engine sent the whole body, which

@@ -111,6 +111,8 @@ class MockEngineConfig:
     # model as parent, each request for one cached in the adapter's own prefix space
     lora_modules: tuple[str, ...] = ()
     max_loras: int = 4  # vLLM --max-loras, reported in vllm:lora_requests_info
+    # output tokens per SSE chunk after the first (vLLM and SGLang --stream-interval)
+    stream_interval: int = 1
     # HTTPS as vLLM serves it (--ssl-certfile/--ssl-keyfile); with ssl_ca_certs, clients
     # must show a certificate that CA signed (vLLM's --ssl-ca-certs --ssl-cert-reqs 2)
     ssl_certfile: str | None = None
@@ -125,11 +127,13 @@ class Fault:
     request is refused with that status and an OpenAI error body before anything runs.
     Else it runs, and its answer breaks off (the connection dropped, as a dying engine
     drops it) after ``cut_after`` output tokens of a stream, or after the first half of
-    a whole answer's body."""
+    a whole answer's body. ``stall``: a stream goes silent after ``cut_after`` tokens
+    instead (the engine stays healthy: a request stuck in a live engine)."""
 
     status: int | None = None
     cut_after: int = 0
     times: int = 1
+    stall: bool = False
 
 
 _HELP = {
@@ -623,7 +627,8 @@ class MockEngine:
         if p.stream:
             stream = self._stream(sched, p, seq, lambda ok: self.pd.finished(plan, prompt, ok))
             if fault is not None:  # a chat stream opens with its role event, no token
-                stream = _cut(stream, fault.cut_after + (1 if p.kind == "chat" else 0))
+                events = fault.cut_after + (1 if p.kind == "chat" else 0)
+                stream = (_silent if fault.stall else _cut)(stream, events)
             return StreamingResponse(stream, media_type="text/event-stream")
         pieces: list[str] = []
         try:
@@ -717,11 +722,18 @@ class MockEngine:
             if p.kind == "chat":
                 yield role_chunk(p)
             sent = 0
+            held: list[str] = []  # pieces for the next chunk (``stream_interval``)
+            every = self.cfg.stream_interval
             while (step := await seq.out.get()) is not None:
                 for piece in step:
                     sent += 1
+                    held.append(piece)
                     last = sent == seq.max_tokens
-                    yield token_chunk(p, piece, seq.finish_reason if last else None)
+                    if sent == 1 or last or len(held) >= every:  # vLLM's: the first at once
+                        yield token_chunk(p, "".join(held), seq.finish_reason if last else None)
+                        held.clear()
+            if held:
+                yield token_chunk(p, "".join(held), None)
             if finished is not None:
                 finished(not seq.error)
             if seq.error:
@@ -788,6 +800,19 @@ async def _cut(body: AsyncGenerator[bytes, None], events: int) -> AsyncGenerator
         sent += 1
     await body.aclose()  # its own cleanup first (a stream's aborts its sequence)
     raise RuntimeError("injected fault: the connection is cut mid-answer")
+
+
+async def _silent(body: AsyncGenerator[bytes, None], events: int) -> AsyncGenerator[bytes, None]:
+    """``body``'s first ``events`` pieces, then silence until the client leaves."""
+    sent = 0
+    try:
+        async for piece in body:
+            if sent == events:
+                await asyncio.Event().wait()
+            yield piece
+            sent += 1
+    finally:
+        await body.aclose()
 
 
 async def _json(request: Request) -> Any:
@@ -859,6 +884,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=d.stream_interval,
+        help="output tokens per SSE chunk after the first (vLLM's --stream-interval)",
+    )
+    parser.add_argument(
         "--role",
         choices=("mixed", "prefill", "decode"),
         default=d.role,
@@ -920,6 +951,7 @@ def config_from_args(args: argparse.Namespace) -> MockEngineConfig:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        stream_interval=max(1, args.stream_interval),
         timing=Timing(speed=args.speed, decode_tps=args.decode_tps, prefill_tps=args.prefill_tps),
         role=args.role,
         bootstrap_timeout=args.bootstrap_timeout,
