@@ -45,13 +45,17 @@ from router.http.errors import ApiError, ErrorCode, error_body
 from router.tokens.media import as_ints, block_keys, expand, media_parts
 from sim.cache import PrefixCache
 from sim.mock import messages as anthropic
+from sim.mock import tokens_in
 from sim.mock.openai_api import (
     DONE,
     Kind,
     Params,
+    chat_usage,
     full_response,
     parse_params,
     role_chunk,
+    sse,
+    stop_at,
     token_chunk,
     usage,
     usage_chunk,
@@ -72,6 +76,7 @@ from sim.mock.responses import (
 from sim.mock.responses import usage as responses_usage
 from sim.mock.scheduler import Scheduler, Sequence, Timing
 from sim.mock.text import MockText
+from sim.mock.tokens_in import Generate
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +115,9 @@ class MockEngineConfig:
     # model as parent, each request for one cached in the adapter's own prefix space
     lora_modules: tuple[str, ...] = ()
     max_loras: int = 4  # vLLM --max-loras, reported in vllm:lora_requests_info
+    # vLLM --enable-scale-out: /v1/chat/completions/render and /inference/v1/generate
+    # (token ids in, sim.mock.tokens_in)
+    scale_out: bool = False
 
 
 @dataclass(slots=True)
@@ -278,6 +286,7 @@ class MockEngine:
         self.responses = ResponseStore()
         self.prefetched_blocks = 0
         self.generate_requests = 0  # chat and completion requests received
+        self.tokens_in_requests = 0  # of them, to /inference/v1/generate (token ids in)
         self.fault: Fault | None = None
         self.pd = PdSide(
             cfg.role,
@@ -451,6 +460,19 @@ class MockEngine:
         async def chat(request: Request) -> Response:
             return await self._generate("chat", request)
 
+        if self.cfg.scale_out:
+
+            @app.post("/v1/chat/completions/render")
+            async def render(request: Request) -> dict[str, Any]:
+                body = await _json(request)
+                parse_params("chat", body, self.cfg.model)
+                ids = self.text.chat(body)
+                return tokens_in.rendered(body, ids, self.cfg.model, self.cfg.max_model_len)
+
+            @app.post("/inference/v1/generate")
+            async def generate(request: Request) -> Response:
+                return await self._tokens(request)
+
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
             return await self._generate("completion", request)
@@ -593,6 +615,7 @@ class MockEngine:
         adapter = body.get("model") if isinstance(body, dict) else None
         lora = adapter if adapter in self.cfg.lora_modules else None
         p = parse_params(kind, body, lora or self.cfg.model)
+        p.use_request_id(request.headers.get("x-request-id"))
         keys = None
         if kind == "chat" and media_parts(body):
             # like vLLM: each item a run of placeholder tokens, its identifier in the
@@ -623,8 +646,8 @@ class MockEngine:
         params = self.pd.finished(plan, prompt, not seq.error)
         if seq.error:
             raise ApiError(500, seq.error, "engine_error")
-        use = usage(len(prompt), seq.generated, seq.cached_tokens)
-        answer = full_response(p, "".join(pieces), seq.finish_reason, use)
+        use = self._usage(p, seq, True)
+        answer = full_response(p, "".join(pieces), seq.finish_reason, use, seq.stop_reason)
         if params is not None:
             answer["kv_transfer_params"] = params
         if fault is not None:
@@ -632,6 +655,74 @@ class MockEngine:
             half = _cut(_once(whole[: len(whole) // 2]), 1)
             return StreamingResponse(half, media_type="application/json")
         return JSONResponse(answer)
+
+    async def _tokens(self, request: Request) -> Response:
+        """``POST /inference/v1/generate``: token ids in (``sim.mock.tokens_in``)."""
+        self.traceparents.append(request.headers.get("traceparent"))
+        self.generate_requests += 1
+        self.tokens_in_requests += 1
+        fault = self._take_fault()
+        if fault is not None and fault.status is not None:
+            code: ErrorCode = "engine_error" if fault.status >= 500 else "invalid_request"
+            raise ApiError(fault.status, f"injected fault: status {fault.status}", code)
+        body = await _json(request)
+        g = tokens_in.parse_generate(body, self.cfg.model, request.headers.get("x-request-id"))
+        seq = self._sequence(g.params, g.token_ids)
+        sched = self.pick_rank(request.headers, body).scheduler
+        sched.submit(seq)
+        if g.params.stream:
+            stream = self._token_stream(sched, g, seq)
+            if fault is not None:
+                stream = _cut(stream, fault.cut_after)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        pieces: list[str] = []
+        try:
+            while (step := await seq.out.get()) is not None:
+                pieces.extend(step)
+        finally:
+            sched.abort(seq)
+        if seq.error:
+            raise ApiError(500, seq.error, "engine_error")
+        use = tokens_in.usage(len(g.token_ids), seq.generated, seq.cached_tokens, True)
+        answer = tokens_in.whole(g, pieces, seq.finish_reason, seq.stop_reason, use)
+        if fault is not None:
+            whole = orjson.dumps(answer)
+            return StreamingResponse(_cut(_once(whole[: len(whole) // 2]), 1))
+        return JSONResponse(answer)
+
+    async def _token_stream(
+        self, sched: Scheduler, g: Generate, seq: Sequence
+    ) -> AsyncGenerator[bytes, None]:
+        try:
+            sent = 0
+            while (step := await seq.out.get()) is not None:
+                for piece in step:
+                    sent += 1
+                    last = sent == seq.max_tokens
+                    finish = seq.finish_reason if last else None
+                    stop = seq.stop_reason if last else None
+                    yield sse(tokens_in.chunk(g, piece, finish, stop, sent))
+            if seq.error:
+                yield b"data: " + error_body(500, seq.error, "engine_error") + b"\n\n"
+                return
+            if g.params.include_usage:
+                use = tokens_in.usage(len(seq.prompt), seq.generated, seq.cached_tokens, False)
+                yield sse(tokens_in.usage_chunk(g, use))
+            yield DONE
+        finally:
+            sched.abort(seq)
+
+    def _usage(self, p: Params, seq: Sequence, whole: bool) -> dict[str, Any]:
+        """A finished sequence's usage, in the chat's or the completion's shape."""
+        prompt, cached = len(seq.prompt), seq.cached_tokens
+        if p.kind != "chat":
+            return usage(prompt, seq.generated, cached)
+        return chat_usage(prompt, seq.generated, cached, self.created_tokens(seq), whole)
+
+    def created_tokens(self, seq: Sequence) -> int:
+        """vLLM's ``created_cache_tokens``: the prompt's whole blocks less its cached tokens."""
+        bs = self.cfg.block_size
+        return max(0, len(seq.prompt) // bs * bs - seq.cached_tokens)
 
     def _take_fault(self) -> Fault | None:
         """The fault this request meets (one of its ``times``), if one is set."""
@@ -674,6 +765,9 @@ class MockEngine:
             n_out, finish = limit, "length"
         else:
             n_out, finish = natural, "stop"
+        pieces, stop_reason = stop_at(self.text.pieces(prompt, n_out), p.stop, p.include_stop)
+        if stop_reason is not None:
+            n_out, finish = len(pieces), "stop"
         total = len(prompt) + n_out
         if total > self.cfg.max_model_len:
             raise ApiError(
@@ -689,8 +783,9 @@ class MockEngine:
             prompt=prompt,
             hashes=self.cache.hash_blocks(prompt, lora, keys),
             max_tokens=n_out,
-            pieces=self.text.pieces(prompt, n_out),
+            pieces=pieces,
             finish_reason=finish,
+            stop_reason=stop_reason,
             lora=lora,
             keys=keys,
         )
@@ -710,14 +805,15 @@ class MockEngine:
                 for piece in step:
                     sent += 1
                     last = sent == seq.max_tokens
-                    yield token_chunk(p, piece, seq.finish_reason if last else None)
+                    finish = seq.finish_reason if last else None
+                    yield token_chunk(p, piece, finish, seq.stop_reason)
             if finished is not None:
                 finished(not seq.error)
             if seq.error:
                 yield b"data: " + error_body(500, seq.error, "engine_error") + b"\n\n"
                 return
             if p.include_usage:
-                yield usage_chunk(p, usage(len(seq.prompt), seq.generated, seq.cached_tokens))
+                yield usage_chunk(p, self._usage(p, seq, False))
             yield DONE
         finally:
             sched.abort(seq)  # the client left early, or a no-op
