@@ -56,7 +56,7 @@ import logging
 import sys
 import time
 from array import array
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -192,7 +192,8 @@ class TokensIn:
         self.counts[reason].inc()
         if cap is None:
             return None
-        return Plan(prep, cap, self.deps.registry.lora_name(prep.parsed.model) is not None)
+        lora = self.deps.registry.lora_name(prep.parsed.model) is not None
+        return Plan(prep, cap, lora, lambda: self.known.pop(worker.id, None))
 
     def _check(self, prep: Prepared, worker: Worker) -> tuple[str, Capability | None]:
         st = self.deps
@@ -220,10 +221,6 @@ class TokensIn:
         if cap.capped and _max_tokens(body) is not None:
             return "max_tokens", None
         return "sent", cap
-
-    def forget(self, worker: Worker) -> None:
-        """The worker answered the tokens-in path with 404: probe it again first."""
-        self.known.pop(worker.id, None)
 
     def _start_probe(self, worker: Worker, model: str) -> None:
         running = self._probes.get(worker.id)
@@ -314,10 +311,13 @@ def _max_tokens(body: Mapping[str, Any]) -> Any:
 class Plan:
     """One chat as a tokens-in request, and the translation of its answer."""
 
-    __slots__ = ("block_size", "body", "cap", "created", "id", "model", "path", "prompt",
-                 "raw", "stream", "top_zero", "usage")  # fmt: skip
+    __slots__ = ("block_size", "body", "cap", "created", "gone", "id", "model", "path",
+                 "prompt", "raw", "stream", "top_zero", "usage")  # fmt: skip
 
-    def __init__(self, prep: Prepared, cap: Capability, lora: bool) -> None:
+    def __init__(
+        self, prep: Prepared, cap: Capability, lora: bool, gone: Callable[[], object]
+    ) -> None:
+        self.gone = gone  # the engine no longer serves the path: probe it again first
         body = prep.parsed.body
         sp: dict[str, Any] = {}
         for key, default in cap.defaults.items():
@@ -367,8 +367,11 @@ class Plan:
         self.created = 0
 
     async def answer(self, resp: Response, timeout: float) -> Response:
-        """The engine's answer as the chat answer (an error status passes as it came)."""
+        """The engine's answer as the chat answer (an error status passes as it came; a
+        404 also makes the next chat on this engine wait for a new probe)."""
         if resp.status != 200:
+            if resp.status == 404:
+                self.gone()
             return resp
         if self.stream:
             return Streamed(resp, self)

@@ -127,11 +127,14 @@ class Fault:
     request is refused with that status and an OpenAI error body before anything runs.
     Else it runs, and its answer breaks off (the connection dropped, as a dying engine
     drops it) after ``cut_after`` output tokens of a stream, or after the first half of
-    a whole answer's body."""
+    a whole answer's body. ``malformed`` (``/inference/v1/generate`` only): it runs, and
+    its answer is a 200 whose body is not the endpoint's shape (every event of a stream),
+    as from an engine of another version."""
 
     status: int | None = None
     cut_after: int = 0
     times: int = 1
+    malformed: bool = False
 
 
 _HELP = {
@@ -672,7 +675,9 @@ class MockEngine:
         sched.submit(seq)
         if g.params.stream:
             stream = self._token_stream(sched, g, seq)
-            if fault is not None:
+            if fault is not None and fault.malformed:
+                stream = _malformed(stream)
+            elif fault is not None:
                 stream = _cut(stream, fault.cut_after)
             return StreamingResponse(stream, media_type="text/event-stream")
         pieces: list[str] = []
@@ -685,6 +690,8 @@ class MockEngine:
             raise ApiError(500, seq.error, "engine_error")
         use = tokens_in.usage(len(g.token_ids), seq.generated, seq.cached_tokens, True)
         answer = tokens_in.whole(g, pieces, seq.finish_reason, seq.stop_reason, use)
+        if fault is not None and fault.malformed:
+            return JSONResponse({"request_id": g.params.request_id, "outputs": answer["choices"]})
         if fault is not None:
             whole = orjson.dumps(answer)
             return StreamingResponse(_cut(_once(whole[: len(whole) // 2]), 1))
@@ -860,6 +867,12 @@ class MockEngine:
 
 async def _once(data: bytes) -> AsyncGenerator[bytes, None]:
     yield data
+
+
+async def _malformed(body: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
+    """``body``'s events with their data replaced by a shape no endpoint has."""
+    async for piece in body:
+        yield piece if piece == DONE else b'data: {"unexpected": true}\n\n'
 
 
 async def _cut(body: AsyncGenerator[bytes, None], events: int) -> AsyncGenerator[bytes, None]:
