@@ -250,3 +250,38 @@ def test_the_mock_cuts_text_at_stop_strings() -> None:
     assert stop_at(["ab", "cd", "ef"], ("de",), False) == (["ab", "c", ""], "de")
     assert stop_at(["ab", "cd", "ef"], ("de",), True) == (["ab", "cd", "e"], "de")
     assert stop_at(["ab", "cd"], ("zz",), False) == (["ab", "cd"], None)
+
+
+async def test_a_lora_adapters_chats_go_as_ids_under_its_name() -> None:
+    """The probe runs as the base model (the chat layer's name for it); an adapter's chat
+    goes as ids with the adapter named, and answers as the engine's chat endpoint does."""
+    engine = await MockEngine(
+        MockEngineConfig(
+            block_size=4, scale_out=True, lora_modules=("ad",), timing=Timing(speed=500.0)
+        )
+    ).start()
+    app = RouterApp(RouterConfig(block_size=4, workers=[WorkerSpec("w0", engine.url)]))
+    served = await Served(app).start()
+    pair = Pair(engine, served, served, app)  # compared with the engine itself, below
+    try:
+        body = _chat(model="ad", max_tokens=5)
+        for _ in range(200):
+            r = await pair.post(served.url, body, "warm")
+            if r.status_code == 200 and pair.outcomes().get("sent"):
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the router never sent the adapter's chat as ids")
+        for stream in (False, True):
+            b = {**body, "stream": True} if stream else body
+            direct = await pair.post(engine.url, b, "lora")
+            routed = await pair.post(served.url, b, "lora")
+            if stream:
+                assert _events(routed) == _events(direct)
+                assert _events(routed)[1]["model"] == "ad"
+            else:
+                assert _whole(routed) == _whole(direct) and routed.json()["model"] == "ad"
+        assert pair.outcomes()["sent"] >= 3
+    finally:
+        await served.stop()
+        await engine.stop()

@@ -209,7 +209,8 @@ class TokensIn:
             return "field", None
         seen = self.known.get(worker.id)
         if seen is None or seen[0] != worker.url or time.monotonic() - seen[1] > PROBE_EVERY:
-            self._start_probe(worker, prep.parsed.model)
+            model = prep.parsed.model  # probed as its base model (the chat layer's name)
+            self._start_probe(worker, st.registry.adapters.get(model, model))
             if seen is None or seen[0] != worker.url:
                 return "probing", None
         assert seen is not None

@@ -468,9 +468,10 @@ class MockEngine:
             @app.post("/v1/chat/completions/render")
             async def render(request: Request) -> dict[str, Any]:
                 body = await _json(request)
-                parse_params("chat", body, self.cfg.model)
+                model = self._served(body)
+                parse_params("chat", body, model)
                 ids = self.text.chat(body)
-                return tokens_in.rendered(body, ids, self.cfg.model, self.cfg.max_model_len)
+                return tokens_in.rendered(body, ids, model, self.cfg.max_model_len)
 
             @app.post("/inference/v1/generate")
             async def generate(request: Request) -> Response:
@@ -669,8 +670,9 @@ class MockEngine:
             code: ErrorCode = "engine_error" if fault.status >= 500 else "invalid_request"
             raise ApiError(fault.status, f"injected fault: status {fault.status}", code)
         body = await _json(request)
-        g = tokens_in.parse_generate(body, self.cfg.model, request.headers.get("x-request-id"))
-        seq = self._sequence(g.params, g.token_ids)
+        model = self._served(body)
+        g = tokens_in.parse_generate(body, model, request.headers.get("x-request-id"))
+        seq = self._sequence(g.params, g.token_ids, model if model != self.cfg.model else None)
         sched = self.pick_rank(request.headers, body).scheduler
         sched.submit(seq)
         if g.params.stream:
@@ -718,6 +720,11 @@ class MockEngine:
             yield DONE
         finally:
             sched.abort(seq)
+
+    def _served(self, body: Any) -> str:
+        """The model a request names if it is one of the LoRA adapters, else the base's."""
+        adapter = body.get("model") if isinstance(body, dict) else None
+        return adapter if adapter in self.cfg.lora_modules else self.cfg.model
 
     def _usage(self, p: Params, seq: Sequence, whole: bool) -> dict[str, Any]:
         """A finished sequence's usage, in the chat's or the completion's shape."""
