@@ -77,6 +77,7 @@ log = logging.getLogger(__name__)
 GENERATE = "/inference/v1/generate"
 RENDER = "/v1/chat/completions/render"
 PROBE_EVERY = 300.0  # s: an engine restarted with other flags is seen again within this
+PROBE_RETRY = 10.0  # s: a probe that failed (no answer, an odd one) is tried again after
 PROBE_TIMEOUT = 30.0  # s per probe request (a cold CPU engine's first prefill is slow)
 PROBE_MESSAGES = [
     {"role": "system", "content": "You are a probe."},
@@ -180,7 +181,6 @@ class TokensIn:
 
     def __init__(self, deps: ProxyDeps) -> None:
         self.deps = deps
-        self.on = deps.router.cfg.chat_tokens_in
         # worker id -> (its url, when probed, what was learnt; None: no tokens-in)
         self.known: dict[str, tuple[str, float, Capability | None]] = {}
         self._probes: dict[str, asyncio.Task[None]] = {}
@@ -231,14 +231,16 @@ class TokensIn:
         self._probes[worker.id] = task
 
     async def _probe(self, worker: Worker, model: str) -> None:
+        when = time.monotonic()
         try:
             cap = await probe(self.deps, worker.url, model)
         except (UpstreamError, OSError, ValueError, KeyError, TypeError) as exc:
             log.info("tokens-in probe of %s failed: %s", worker.id, exc)
             cap = None
+            when -= PROBE_EVERY - PROBE_RETRY  # unreachable or odd: asked again sooner
         if cap is None:
             log.info("worker %s: chats go to its chat endpoint (no tokens-in)", worker.id)
-        self.known[worker.id] = (worker.url, time.monotonic(), cap)
+        self.known[worker.id] = (worker.url, when, cap)
 
 
 async def _call(
