@@ -198,8 +198,8 @@ def main() -> None:
     )
     ap.add_argument("--vllm-python", default="/tmp/cache-router-vllm-venv/bin/python")
     ap.add_argument("--conversations", type=int, default=4)
-    ap.add_argument("--turns", type=int, default=10)
-    ap.add_argument("--user-words", type=int, default=250)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--user-words", type=int, default=300)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="tokens-in-") as tmp:
@@ -208,7 +208,7 @@ def main() -> None:
         subprocess.run([args.vllm_python, str(ROOT / "tests/real_engines/make_model.py"),
                         str(model_dir)], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
-        extra = ("--enable-scale-out", "--max-model-len", "8192")
+        extra = ("--enable-scale-out", "--max-model-len", "4096")  # the model's positions
         engine = Engine("b0", args.vllm_python, model_dir, work, env, extra=extra, gpu_blocks=512)
         with running([engine]):
             result = asyncio.run(run(args, engine, model_dir))
