@@ -189,6 +189,7 @@ derive_session_key processes tokenize_processes
 admission queue_size queue_timeout engine_queue engine_max_inflight reserve_share
 priority_starve_after priority_starve_share tenant_header expected_output_tokens
 migrate_max epp_port epp_body_mode tls_cert tls_key tls_client_ca
+engine_tls_ca engine_tls_cert engine_tls_key engine_tls_check_hostname
 """.split()  # noqa: SIM905
 FLAG_NAMES = """
 --host --port --nats-url --block-size --policy --tokenizer --admin-token --subject-prefix
@@ -222,8 +223,10 @@ def test_every_setting_keeps_its_toml_key_and_env_variable(tmp_path):
         "prefill_params", "tenants", "workers",
     ]  # fmt: skip
     for name in SCALAR_NAMES:
-        if name.startswith(("nats_tls_", "tls_")) or name == "nats_credentials":
-            continue  # must name a file: covered by tests/test_security.py, test_tls.py
+        if name.startswith(("nats_tls_", "tls_", "engine_tls_")) and name[-8:] != "hostname":
+            continue  # must name a file: tests/test_security.py, test_tls.py, test_engine_tls.py
+        if name == "nats_credentials":
+            continue
         if name == "processes":
             continue  # more than 1 needs nats_url: covered by tests/test_processes.py
         value = _sample(name)

@@ -25,6 +25,12 @@ from router.config.settings import (
     WorkerSpec,
 )
 
+# settings naming a file that must exist when set (credentials, certificates, CA bundles)
+_FILES = (
+    "nats_credentials", "nats_tls_ca", "nats_tls_cert", "nats_tls_key",
+    "tls_cert", "tls_key", "tls_client_ca", "engine_tls_ca", "engine_tls_cert", "engine_tls_key",
+)  # fmt: skip
+
 
 def validate(cfg: RouterConfig) -> None:
     """Reject settings that cannot work, with the reason, before anything starts."""
@@ -55,18 +61,16 @@ def validate(cfg: RouterConfig) -> None:
             )
         if cfg.nats_url:
             raise ConfigError("gateway mode takes no nats_url: it routes on sessions and load")
-    for name in ("nats_credentials", "nats_tls_ca", "nats_tls_cert", "nats_tls_key"):
+    for name in _FILES:
         path = getattr(cfg, name)
         if path is not None and not Path(path).is_file():
             raise ConfigError(f"{name}: no such file {path}")
     if (cfg.nats_tls_cert is None) != (cfg.nats_tls_key is None):
         raise ConfigError("nats_tls_cert and nats_tls_key go together")
-    for name in ("tls_cert", "tls_key", "tls_client_ca"):
-        path = getattr(cfg, name)
-        if path is not None and not Path(path).is_file():
-            raise ConfigError(f"{name}: no such file {path}")
     if cfg.tls_cert is None and (cfg.tls_key is not None or cfg.tls_client_ca is not None):
         raise ConfigError("tls_key and tls_client_ca need tls_cert")
+    if cfg.engine_tls_cert is None and cfg.engine_tls_key is not None:
+        raise ConfigError("engine_tls_key needs engine_tls_cert")
     if cfg.epp_port is not None and cfg.epp_port == cfg.port:
         raise ConfigError(f"epp_port {cfg.epp_port} is the HTTP port: the EPP needs its own")
     names = [a.name for a in cfg.arms]

@@ -236,6 +236,13 @@ class UpstreamSettings:
     migrate_max: int = setting(2, Range(0, 16))
     breaker_failures: int = setting(3, _COUNT)  # consecutive failures that open the breaker
     breaker_cooldown: float = setting(5.0, _SECONDS)  # seconds before a half-open trial request
+    # https:// engines (router.http.tls.engine_tls): their certificates checked against
+    # this CA bundle (None: the system's), the router's own shown when they ask (mutual
+    # TLS), both followed on renewal; hostname checks off for engines addressed by IP
+    engine_tls_ca: str | None = setting(None)
+    engine_tls_cert: str | None = setting(None)
+    engine_tls_key: str | None = setting(None)
+    engine_tls_check_hostname: bool = setting(True)
 
 
 @dataclass(frozen=True, kw_only=True)

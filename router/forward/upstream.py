@@ -75,11 +75,13 @@ class Origin:
 
     __slots__ = ("busy", "heard", "host", "host_header", "idle", "max_idle", "port", "ssl")
 
-    def __init__(self, url: str, max_idle: int = 512) -> None:
+    def __init__(self, url: str, max_idle: int = 512, tls: ssl.SSLContext | None = None) -> None:
+        """``tls``: the context for an ``https`` origin (the system's CAs without it)."""
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {url}")
-        self.ssl = ssl.create_default_context() if parts.scheme == "https" else None
+        https = parts.scheme == "https"
+        self.ssl = (tls or ssl.create_default_context()) if https else None
         self.host = parts.hostname
         self.port = parts.port or (443 if self.ssl else 80)
         self.host_header = parts.netloc.encode()
@@ -299,9 +301,12 @@ class Upstream:
     """Keep-alive connections per engine origin; ``send`` one request, stream the answer."""
 
     def __init__(
-        self, connect_timeout: float = 2.0, max_idle: int = 512, keepalive_idle: float = 4.0
-    ) -> None:
+        self, connect_timeout: float = 2.0, max_idle: int = 512, keepalive_idle: float = 4.0,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:  # fmt: skip
+        """``tls``: the context ``https`` engines are reached with (``engine_tls``)."""
         self.connect_timeout = connect_timeout
+        self.tls = tls
         self.max_idle = max_idle
         self.keepalive_idle = keepalive_idle
         self._origins: dict[str, Origin] = {}
@@ -309,7 +314,7 @@ class Upstream:
     def origin(self, base_url: str) -> Origin:
         origin = self._origins.get(base_url)
         if origin is None:
-            origin = self._origins[base_url] = Origin(base_url, self.max_idle)
+            origin = self._origins[base_url] = Origin(base_url, self.max_idle, self.tls)
         return origin
 
     async def _connect(self, origin: Origin) -> _Connection:

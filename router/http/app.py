@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -44,6 +45,7 @@ from router.http.auth import bearer_ok
 from router.http.edge import Edge
 from router.http.errors import ApiError, error_body
 from router.http.openapi import completion_paths
+from router.http.tls import ReloadingTls, engine_tls
 from router.observe.audit import AuditCollector, HitAudit
 from router.observe.capacity import CapacityCollector, CapacityWatch
 from router.observe.metrics import RouterMetrics, StateCollector
@@ -98,7 +100,9 @@ class RouterState:
         # bus (24 B a block natively: ~94 -> ~71 B a (block, worker) pair, BENCHMARKS.md
         # session 15)
         hints = self.experiment.sends_hints and self.bus is not None
-        self.registry = WorkerRegistry(cfg, keep_names=hints)
+        self.engine_tls = _engine_tls(cfg)
+        tls = self.engine_tls.context if self.engine_tls is not None else None
+        self.registry = WorkerRegistry(cfg, keep_names=hints, tls=tls)
         for spec in cfg.workers:
             self.registry.add(spec)
         self.discovery = discovery_sources(cfg, self.registry)
@@ -149,8 +153,8 @@ class RouterState:
         if cfg.forecast_tracked and not cfg.gateway:  # a gateway sees no block hashes
             self.capacity = CapacityWatch(self.registry, Sampling(max_tracked=cfg.forecast_tracked))
             self.metrics.add_collector(CapacityCollector(self.capacity, self.metrics))
-        self.client: httpx.AsyncClient = _client(cfg)  # cold paths: health, scrapes
-        self.upstream = Upstream()  # the hot path's engine connections
+        self.client: httpx.AsyncClient = _client(cfg, tls)  # cold paths: health, scrapes
+        self.upstream = Upstream(tls=tls)  # the hot path's engine connections
         # admission at the router (router.admission); a gateway's workers are clusters
         self.gate = (
             make_gate(cfg, self.router, self.registry)
@@ -231,6 +235,8 @@ class RouterState:
             self.upstream.stalled(worker.url, stall)
 
         self.registry.on_failing.append(fail_stalled)
+        if self.engine_tls is not None:
+            self.engine_tls.follow()  # a renewed client certificate reaches new connections
         self._tasks.append(asyncio.create_task(self.registry.monitor(self.client), name="health"))
         for source in self.discovery:
             self._tasks.append(asyncio.create_task(source.run(self.client), name="discovery"))
@@ -303,6 +309,8 @@ class RouterState:
             await self.bus.close()
         await self.client.aclose()
         self.upstream.close()
+        if self.engine_tls is not None:
+            self.engine_tls.close()
         self.tokenize_pool.shutdown()
         if self.encoders is not None:
             self.encoders.shutdown()
@@ -310,8 +318,19 @@ class RouterState:
             self.tracing.shutdown()  # flushes the spans still batched
 
 
-def _client(cfg: RouterConfig) -> httpx.AsyncClient:
-    return httpx.AsyncClient(timeout=httpx.Timeout(cfg.health_timeout), follow_redirects=False)
+def _client(cfg: RouterConfig, tls: ssl.SSLContext | None) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(cfg.health_timeout), follow_redirects=False, verify=tls or True
+    )
+
+
+def _engine_tls(cfg: RouterConfig) -> ReloadingTls | None:
+    """The router's TLS towards ``https`` engines, when any ``engine_tls_*`` is set."""
+    if cfg.engine_tls_ca is None and cfg.engine_tls_cert is None and cfg.engine_tls_check_hostname:
+        return None
+    return engine_tls(
+        cfg.engine_tls_ca, cfg.engine_tls_cert, cfg.engine_tls_key, cfg.engine_tls_check_hostname
+    )
 
 
 def _fastapi(state: RouterState) -> FastAPI:

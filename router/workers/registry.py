@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -126,9 +127,12 @@ class Worker:
 class WorkerRegistry:
     """All workers, their pools, and the loop that keeps their health and load fresh."""
 
-    def __init__(self, cfg: RouterConfig, *, keep_names: bool = True) -> None:
+    def __init__(
+        self, cfg: RouterConfig, *, keep_names: bool = True, tls: ssl.SSLContext | None = None
+    ) -> None:
         """``keep_names``: whether the pools keep the bytes engines name blocks by, which
-        only prefetch hints read (``RouterState`` says whether any policy sends them)."""
+        only prefetch hints read (``RouterState`` says whether any policy sends them).
+        ``tls``: the context ``https`` engines are checked with (``engine_tls``)."""
         self.cfg = cfg
         self.keep_names = keep_names
         self.pools: dict[str, Pool] = {}
@@ -141,7 +145,7 @@ class WorkerRegistry:
         # httpx GET cost ~1.5 ms of CPU here against ~0.13 ms (a loopback engine; session
         # 7), 16 workers x 2 GETs every 2 s; its own connections, so a check's answer does
         # not count as the engine's progress on requests (``Upstream.stalled``)
-        self._raw = Upstream(connect_timeout=cfg.health_timeout)
+        self._raw = Upstream(connect_timeout=cfg.health_timeout, tls=tls)
         self._probes: dict[str, asyncio.Task[Any]] = {}
         # LoRA adapter -> base model: from the config, and learnt from engines' /v1/models
         # (vLLM lists each adapter with its base as "parent")

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -118,6 +119,11 @@ class MockEngineConfig:
     # vLLM --enable-scale-out: /v1/chat/completions/render and /inference/v1/generate
     # (token ids in, sim.mock.tokens_in)
     scale_out: bool = False
+    # HTTPS as vLLM serves it (--ssl-certfile/--ssl-keyfile); with ssl_ca_certs, clients
+    # must show a certificate that CA signed (vLLM's --ssl-ca-certs --ssl-cert-reqs 2)
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None
 
 
 @dataclass(slots=True)
@@ -314,7 +320,8 @@ class MockEngine:
 
     @property
     def url(self) -> str:
-        return f"http://{self.cfg.host}:{self.port}"
+        scheme = "https" if self.cfg.ssl_certfile else "http"
+        return f"{scheme}://{self.cfg.host}:{self.port}"
 
     @property
     def publisher(self) -> KvEventPublisher | None:
@@ -379,6 +386,10 @@ class MockEngine:
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=1,
+            ssl_certfile=cfg.ssl_certfile,
+            ssl_keyfile=cfg.ssl_keyfile,
+            ssl_ca_certs=cfg.ssl_ca_certs,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if cfg.ssl_ca_certs else ssl.CERT_NONE,
         )
         self._server = uvicorn.Server(config)
         self._serve_task = asyncio.create_task(self._server.serve(sockets=[sock]))
@@ -975,6 +986,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.bootstrap_timeout,
         help="seconds an SGLang prefill waits for its decode engine to join the room",
     )
+    parser.add_argument(
+        "--enable-scale-out",
+        action="store_true",
+        help="serve vLLM's tokens-in endpoints (/inference/v1/generate, chat render)",
+    )
+    parser.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM)")
+    parser.add_argument("--ssl-keyfile", help="the certificate's key (PEM)")
+    parser.add_argument("--ssl-ca-certs", help="clients must show a certificate this CA signed")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -1001,6 +1020,10 @@ def config_from_args(args: argparse.Namespace) -> MockEngineConfig:
         dp_size=args.dp_size,
         kv_groups=args.kv_groups,
         lora_modules=tuple(args.lora_modules),
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        scale_out=args.enable_scale_out,
         group_blocks=args.group_blocks,
         host_blocks=args.host_blocks,
         seed=args.seed,
