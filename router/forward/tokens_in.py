@@ -13,7 +13,10 @@ chat answer the engine's own chat layer would have given, byte for byte in its f
   layer knows: the ``chatcmpl-`` id (the same request id), the role chunk, the model name,
   ``system_fingerprint``, ``created_cache_tokens`` (vLLM's count: the prompt's whole blocks
   less its cached tokens) and the chat's null fields. SGLang's ``/generate`` (``input_ids``)
-  is not done yet.
+  is not done yet, nor the Responses and Messages APIs (only ``/v1/chat/completions`` goes
+  as ids). The router pays for the ids as JSON: ~36 ns a token (0.14 ms at 4K tokens,
+  orjson of a list); the engine's front end saves ~5 ms a turn at 1-3K tokens
+  (``bench/tokens_in.py``, BENCHMARKS.md).
 
 Which engines: each worker is probed once (and again every ``PROBE_EVERY`` seconds) by
 ``probe``: its chat rendered by the engine (``POST /v1/chat/completions/render``, which
