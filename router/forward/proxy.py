@@ -34,6 +34,7 @@ from router.forward.relay import (
     send_error,
     send_failure,
 )
+from router.forward.tokens_in import TokensIn
 from router.forward.upstream import Response, UpstreamError
 from router.http.asgi import Message, Receive, Scope, Send
 from router.http.errors import ApiError, sse_error
@@ -74,6 +75,9 @@ class Proxy:
         # the client's credentials are for this router, not for every engine behind it
         auth = () if deps.cfg.forward_authorization else (b"authorization",)
         self.drop = REQ_DROP | frozenset(auth)
+        # chats go to engines that take them as the router's token ids (router.forward.tokens_in)
+        on = kind == "chat" and deps.router.cfg.chat_tokens_in
+        self.tokens_in = TokensIn(deps) if on else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         st = self.deps
@@ -237,7 +241,10 @@ class Proxy:
                 st.gate.started(ticket)
             failure: Failure | None = None
             error: UpstreamError | None = None
-            sent, body = forward_rank(headers, out_raw, out_body, rank, worker.dp_field)
+            path, send_raw, send_body, plan = self.path, out_raw, out_body, None
+            if self.tokens_in is not None and (plan := self.tokens_in.plan(prep, worker)):
+                path, send_raw, send_body = plan.path, plan.raw, plan.body
+            sent, body = forward_rank(headers, send_raw, send_body, rank, worker.dp_field)
             t_send = 0
             if trace is not None:
                 sent = [h for h in headers if h[0] not in (b"traceparent", b"tracestate")]
@@ -245,9 +252,9 @@ class Proxy:
                 sent.append((b"traceparent", parent))
                 t_send = now_ns()
             try:
-                resp = await st.upstream.send(
-                    worker.url, self.path, sent, body, st.cfg.request_timeout
-                )
+                resp = await st.upstream.send(worker.url, path, sent, body, st.cfg.request_timeout)
+                if plan is not None:  # the engine's answer as the chat answer
+                    resp = await plan.answer(resp, st.cfg.request_timeout)
             except UpstreamError as exc:
                 failure, error = send_failure(exc), exc
             except BaseException:

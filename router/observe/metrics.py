@@ -79,6 +79,13 @@ class RouterMetrics:
             ["cause"],
             registry=r,
         )
+        self.tokens_in = Counter(
+            "cache_router_tokens_in",
+            "Chats sent to the engine as the router's token ids (outcome sent), or as chats "
+            "and why (router.forward.tokens_in)",
+            ["outcome"],
+            registry=r,
+        )
         self.not_migrated = Counter(
             "cache_router_not_migrated",
             "Requests whose engine broke and that could not move to another one, by why",

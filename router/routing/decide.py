@@ -81,6 +81,7 @@ class Prepared:
     # a completions text prompt as the router's token ids, sent in its place
     # (``forward_token_ids``); None: the client's body goes as it came
     prompt_ids: list[int] | None = None
+    ids: TokenIds | None = None  # the prompt's token ids (router.forward.tokens_in sends them)
 
     def engine_body(self, raw: bytes) -> tuple[bytes, dict[str, Any]]:
         """The body the engine gets, as bytes and parsed: the client's, or with ``prompt``
@@ -201,6 +202,7 @@ class Router:
             max_tokens=max_tokens(parsed.body),
         )
         prep = self.prepared(parsed, workers, request)
+        prep.ids = ids
         if self.cfg.forward_token_ids and not isinstance(ids, bytes) and _text_prompt(parsed):
             # a real tokenizer's ids (a long prompt's come packed), never the fallback's
             prep.prompt_ids = ids if isinstance(ids, list) else ids.tolist()

@@ -46,13 +46,17 @@ from router.http.errors import ApiError, ErrorCode, error_body
 from router.tokens.media import as_ints, block_keys, expand, media_parts
 from sim.cache import PrefixCache
 from sim.mock import messages as anthropic
+from sim.mock import tokens_in
 from sim.mock.openai_api import (
     DONE,
     Kind,
     Params,
+    chat_usage,
     full_response,
     parse_params,
     role_chunk,
+    sse,
+    stop_at,
     token_chunk,
     usage,
     usage_chunk,
@@ -73,6 +77,7 @@ from sim.mock.responses import (
 from sim.mock.responses import usage as responses_usage
 from sim.mock.scheduler import Scheduler, Sequence, Timing
 from sim.mock.text import MockText
+from sim.mock.tokens_in import Generate
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +118,9 @@ class MockEngineConfig:
     max_loras: int = 4  # vLLM --max-loras, reported in vllm:lora_requests_info
     # output tokens per SSE chunk after the first (vLLM and SGLang --stream-interval)
     stream_interval: int = 1
+    # vLLM --enable-scale-out: /v1/chat/completions/render and /inference/v1/generate
+    # (token ids in, sim.mock.tokens_in)
+    scale_out: bool = False
     # HTTPS as vLLM serves it (--ssl-certfile/--ssl-keyfile); with ssl_ca_certs, clients
     # must show a certificate that CA signed (vLLM's --ssl-ca-certs --ssl-cert-reqs 2)
     ssl_certfile: str | None = None
@@ -128,12 +136,15 @@ class Fault:
     Else it runs, and its answer breaks off (the connection dropped, as a dying engine
     drops it) after ``cut_after`` output tokens of a stream, or after the first half of
     a whole answer's body. ``stall``: a stream goes silent after ``cut_after`` tokens
-    instead (the engine stays healthy: a request stuck in a live engine)."""
+    instead (the engine stays healthy: a request stuck in a live engine). ``malformed``
+    (``/inference/v1/generate`` only): it runs, and its answer is a 200 whose body is not
+    the endpoint's shape (every event of a stream), as from an engine of another version."""
 
     status: int | None = None
     cut_after: int = 0
     times: int = 1
     stall: bool = False
+    malformed: bool = False
 
 
 _HELP = {
@@ -288,6 +299,7 @@ class MockEngine:
         self.responses = ResponseStore()
         self.prefetched_blocks = 0
         self.generate_requests = 0  # chat and completion requests received
+        self.tokens_in_requests = 0  # of them, to /inference/v1/generate (token ids in)
         self.fault: Fault | None = None
         self.pd = PdSide(
             cfg.role,
@@ -466,6 +478,20 @@ class MockEngine:
         async def chat(request: Request) -> Response:
             return await self._generate("chat", request)
 
+        if self.cfg.scale_out:
+
+            @app.post("/v1/chat/completions/render")
+            async def render(request: Request) -> dict[str, Any]:
+                body = await _json(request)
+                model = self._served(body)
+                parse_params("chat", body, model)
+                ids = self.text.chat(body)
+                return tokens_in.rendered(body, ids, model, self.cfg.max_model_len)
+
+            @app.post("/inference/v1/generate")
+            async def generate(request: Request) -> Response:
+                return await self._tokens(request)
+
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
             return await self._generate("completion", request)
@@ -608,6 +634,7 @@ class MockEngine:
         adapter = body.get("model") if isinstance(body, dict) else None
         lora = adapter if adapter in self.cfg.lora_modules else None
         p = parse_params(kind, body, lora or self.cfg.model)
+        p.use_request_id(request.headers.get("x-request-id"))
         keys = None
         if kind == "chat" and media_parts(body):
             # like vLLM: each item a run of placeholder tokens, its identifier in the
@@ -639,8 +666,8 @@ class MockEngine:
         params = self.pd.finished(plan, prompt, not seq.error)
         if seq.error:
             raise ApiError(500, seq.error, "engine_error")
-        use = usage(len(prompt), seq.generated, seq.cached_tokens)
-        answer = full_response(p, "".join(pieces), seq.finish_reason, use)
+        use = self._usage(p, seq, True)
+        answer = full_response(p, "".join(pieces), seq.finish_reason, use, seq.stop_reason)
         if params is not None:
             answer["kv_transfer_params"] = params
         if fault is not None:
@@ -648,6 +675,84 @@ class MockEngine:
             half = _cut(_once(whole[: len(whole) // 2]), 1)
             return StreamingResponse(half, media_type="application/json")
         return JSONResponse(answer)
+
+    async def _tokens(self, request: Request) -> Response:
+        """``POST /inference/v1/generate``: token ids in (``sim.mock.tokens_in``)."""
+        self.traceparents.append(request.headers.get("traceparent"))
+        self.generate_requests += 1
+        self.tokens_in_requests += 1
+        fault = self._take_fault()
+        if fault is not None and fault.status is not None:
+            code: ErrorCode = "engine_error" if fault.status >= 500 else "invalid_request"
+            raise ApiError(fault.status, f"injected fault: status {fault.status}", code)
+        body = await _json(request)
+        model = self._served(body)
+        g = tokens_in.parse_generate(body, model, request.headers.get("x-request-id"))
+        seq = self._sequence(g.params, g.token_ids, model if model != self.cfg.model else None)
+        sched = self.pick_rank(request.headers, body).scheduler
+        sched.submit(seq)
+        if g.params.stream:
+            stream = self._token_stream(sched, g, seq)
+            if fault is not None and fault.malformed:
+                stream = _malformed(stream)
+            elif fault is not None:
+                stream = _cut(stream, fault.cut_after)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        pieces: list[str] = []
+        try:
+            while (step := await seq.out.get()) is not None:
+                pieces.extend(step)
+        finally:
+            sched.abort(seq)
+        if seq.error:
+            raise ApiError(500, seq.error, "engine_error")
+        use = tokens_in.usage(len(g.token_ids), seq.generated, seq.cached_tokens, True)
+        answer = tokens_in.whole(g, pieces, seq.finish_reason, seq.stop_reason, use)
+        if fault is not None and fault.malformed:
+            return JSONResponse({"request_id": g.params.request_id, "outputs": answer["choices"]})
+        if fault is not None:
+            whole = orjson.dumps(answer)
+            return StreamingResponse(_cut(_once(whole[: len(whole) // 2]), 1))
+        return JSONResponse(answer)
+
+    async def _token_stream(
+        self, sched: Scheduler, g: Generate, seq: Sequence
+    ) -> AsyncGenerator[bytes, None]:
+        try:
+            sent = 0
+            while (step := await seq.out.get()) is not None:
+                for piece in step:
+                    sent += 1
+                    last = sent == seq.max_tokens
+                    finish = seq.finish_reason if last else None
+                    stop = seq.stop_reason if last else None
+                    yield sse(tokens_in.chunk(g, piece, finish, stop, sent))
+            if seq.error:
+                yield b"data: " + error_body(500, seq.error, "engine_error") + b"\n\n"
+                return
+            if g.params.include_usage:
+                use = tokens_in.usage(len(seq.prompt), seq.generated, seq.cached_tokens, False)
+                yield sse(tokens_in.usage_chunk(g, use))
+            yield DONE
+        finally:
+            sched.abort(seq)
+
+    def _served(self, body: Any) -> str:
+        """The model a request names if it is one of the LoRA adapters, else the base's."""
+        adapter = body.get("model") if isinstance(body, dict) else None
+        return adapter if adapter in self.cfg.lora_modules else self.cfg.model
+
+    def _usage(self, p: Params, seq: Sequence, whole: bool) -> dict[str, Any]:
+        """A finished sequence's usage, in the chat's or the completion's shape."""
+        prompt, cached = len(seq.prompt), seq.cached_tokens
+        if p.kind != "chat":
+            return usage(prompt, seq.generated, cached)
+        return chat_usage(prompt, seq.generated, cached, self.created_tokens(seq), whole)
+
+    def created_tokens(self, seq: Sequence) -> int:
+        """vLLM's ``created_cache_tokens``: the prompt's whole blocks less its cached tokens."""
+        bs = self.cfg.block_size
+        return max(0, len(seq.prompt) // bs * bs - seq.cached_tokens)
 
     def _take_fault(self) -> Fault | None:
         """The fault this request meets (one of its ``times``), if one is set."""
@@ -690,6 +795,9 @@ class MockEngine:
             n_out, finish = limit, "length"
         else:
             n_out, finish = natural, "stop"
+        pieces, stop_reason = stop_at(self.text.pieces(prompt, n_out), p.stop, p.include_stop)
+        if stop_reason is not None:
+            n_out, finish = len(pieces), "stop"
         total = len(prompt) + n_out
         if total > self.cfg.max_model_len:
             raise ApiError(
@@ -705,8 +813,9 @@ class MockEngine:
             prompt=prompt,
             hashes=self.cache.hash_blocks(prompt, lora, keys),
             max_tokens=n_out,
-            pieces=self.text.pieces(prompt, n_out),
+            pieces=pieces,
             finish_reason=finish,
+            stop_reason=stop_reason,
             lora=lora,
             keys=keys,
         )
@@ -730,7 +839,8 @@ class MockEngine:
                     held.append(piece)
                     last = sent == seq.max_tokens
                     if sent == 1 or last or len(held) >= every:  # vLLM's: the first at once
-                        yield token_chunk(p, "".join(held), seq.finish_reason if last else None)
+                        finish = seq.finish_reason if last else None
+                        yield token_chunk(p, "".join(held), finish, seq.stop_reason)
                         held.clear()
             if held:
                 yield token_chunk(p, "".join(held), None)
@@ -740,7 +850,7 @@ class MockEngine:
                 yield b"data: " + error_body(500, seq.error, "engine_error") + b"\n\n"
                 return
             if p.include_usage:
-                yield usage_chunk(p, usage(len(seq.prompt), seq.generated, seq.cached_tokens))
+                yield usage_chunk(p, self._usage(p, seq, False))
             yield DONE
         finally:
             sched.abort(seq)  # the client left early, or a no-op
@@ -787,6 +897,12 @@ class MockEngine:
 
 async def _once(data: bytes) -> AsyncGenerator[bytes, None]:
     yield data
+
+
+async def _malformed(body: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
+    """``body``'s events with their data replaced by a shape no endpoint has."""
+    async for piece in body:
+        yield piece if piece == DONE else b'data: {"unexpected": true}\n\n'
 
 
 async def _cut(body: AsyncGenerator[bytes, None], events: int) -> AsyncGenerator[bytes, None]:
@@ -901,6 +1017,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.bootstrap_timeout,
         help="seconds an SGLang prefill waits for its decode engine to join the room",
     )
+    parser.add_argument(
+        "--enable-scale-out",
+        action="store_true",
+        help="serve vLLM's tokens-in endpoints (/inference/v1/generate, chat render)",
+    )
     parser.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM)")
     parser.add_argument("--ssl-keyfile", help="the certificate's key (PEM)")
     parser.add_argument("--ssl-ca-certs", help="clients must show a certificate this CA signed")
@@ -933,6 +1054,7 @@ def config_from_args(args: argparse.Namespace) -> MockEngineConfig:
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
         ssl_ca_certs=args.ssl_ca_certs,
+        scale_out=args.enable_scale_out,
         group_blocks=args.group_blocks,
         host_blocks=args.host_blocks,
         seed=args.seed,

@@ -50,6 +50,7 @@ class Sequence:
     max_tokens: int
     pieces: list[str]  # the output text, one piece per token
     finish_reason: str
+    stop_reason: str | None = None  # the stop string that ended it
     lora: str | None = None  # the LoRA adapter it runs with (its own prefix space)
     keys: dict[int, list[Any]] | None = None  # per block, its multimodal items' keys
     id: str = field(default_factory=lambda: f"seq-{next(_ids)}")

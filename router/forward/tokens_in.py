@@ -1,0 +1,587 @@
+"""A chat tokenized once: the router's token ids go to the engine, not the chat again.
+
+The router tokenizes every chat to match its blocks (``router.tokens``, the chat template
+rendered as the engine renders it); forwarding the chat body made the engine render and
+tokenize the whole conversation a second time. Where the engine serves a tokens-in
+endpoint, a chat goes there as the router's ids, and the answer is turned back into the
+chat answer the engine's own chat layer would have given, byte for byte in its fields:
+
+- vLLM (0.32, started with ``--enable-scale-out``): ``POST /inference/v1/generate`` with
+  ``output_mode: "text"`` (the engine still detokenizes, applies stop strings and decodes
+  logprobs). Its answer carries the text, ``finish_reason``, ``stop_reason``, logprobs in
+  the chat shape, and ``usage`` with ``cached_tokens``; the router adds what only the chat
+  layer knows: the ``chatcmpl-`` id (the same request id), the role chunk, the model name,
+  ``system_fingerprint``, ``created_cache_tokens`` (vLLM's count: the prompt's whole blocks
+  less its cached tokens) and the chat's null fields. SGLang's ``/generate`` (``input_ids``)
+  is not done yet, nor the Responses and Messages APIs (only ``/v1/chat/completions`` goes
+  as ids). The router pays for the ids as JSON: ~36 ns a token (0.14 ms at 4K tokens,
+  orjson of a list); the engine's front end saves ~5 ms a turn at 1-3K tokens
+  (``bench/tokens_in.py``, BENCHMARKS.md).
+
+Which engines: each worker is probed once (and again every ``PROBE_EVERY`` seconds) by
+``probe``: its chat rendered by the engine (``POST /v1/chat/completions/render``, which
+vLLM serves with ``--enable-scale-out``) must give exactly the router's ids, the engine
+must have no reasoning parser (the render says so), and one token asked both ways (chat
+and generate) must answer alike; the render also gives the engine's defaults for the
+sampling fields a client leaves out (its generation config), which the chat layer applies
+and the generate endpoint does not. Until a worker's probe succeeds its chats go as
+today. ``chat_tokens_in = false`` turns it off.
+
+Which requests go as today (``cache_router_tokens_in{outcome}`` counts each reason):
+
+- ``tools``: ``tools``, ``tool_choice``, ``functions``, ``function_call``,
+  ``parallel_tool_calls`` (the engine's tool parser reads the output);
+- ``structured_output``: ``response_format`` other than text, ``structured_outputs``,
+  ``guided_*`` (the grammar is the chat layer's);
+- ``reasoning``: ``reasoning_effort``, ``include_reasoning``, ``thinking_token_budget``,
+  or an engine with a reasoning parser (``engine``);
+- ``media``: image, audio or video parts (the engine places them);
+- ``n``: ``n`` over 1; ``echo``: ``echo``;
+- ``stream_options``: anything but ``include_usage`` (``continuous_usage_stats``);
+- ``field``: any other field this module does not reproduce (``prompt_logprobs``,
+  ``return_token_ids``, ``logprob_token_ids``, ``vllm_xargs``, ``truncate_prompt_tokens``,
+  ``documents``, ``chat_template``, ``kv_transfer_params``, ...);
+- ``context``: a prompt at the model's length, or an explicit ``max_tokens`` on an engine
+  whose generation config caps it (``max_tokens``): the chat layer's own answer;
+- ``engine``: the worker is not (yet) known to take tokens in; ``probing``: its probe
+  is under way; ``disaggregated``, ``gateway``: prefill/decode pools and region gateways.
+
+An engine's error status is passed on as it came (the generate endpoint answers invalid
+sampling fields with the chat endpoint's error body). An answer the router cannot read
+becomes a 502 (whole) or an ``upstream_broken`` error event (streamed), like an engine
+that broke.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from array import array
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from router.forward.upstream import Response, UpstreamError
+from router.http.errors import error_body
+from router.tokens.tokenize import has_media
+
+if TYPE_CHECKING:
+    from router.forward.relay import ProxyDeps
+    from router.routing.decide import Prepared
+    from router.tokens.tokenize import TokenIds
+    from router.workers.registry import Worker
+
+log = logging.getLogger(__name__)
+
+GENERATE = "/inference/v1/generate"
+RENDER = "/v1/chat/completions/render"
+PROBE_EVERY = 300.0  # s: an engine restarted with other flags is seen again within this
+PROBE_RETRY = 10.0  # s: a probe that failed (no answer, an odd one) is tried again after
+PROBE_TIMEOUT = 30.0  # s per probe request (a cold CPU engine's first prefill is slow)
+PROBE_MESSAGES = [
+    {"role": "system", "content": "You are a probe."},
+    {"role": "user", "content": "Say one word."},
+]
+ANSWER_LIMIT = 64 << 20  # bytes of a whole generate answer read to be translated
+
+# the chat fields taken over as sampling parameters, unchanged
+_SAMPLING = (
+    "seed", "stop", "ignore_eos", "min_tokens", "skip_special_tokens",
+    "spaces_between_special_tokens", "include_stop_str_in_output", "logit_bias",
+    "allowed_token_ids", "bad_words",
+)  # fmt: skip
+# the sampling fields whose default is the engine's (its generation config), else these
+_DEFAULTED = {
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+}
+# fields that need nothing from the chat layer here (read by the router, or below)
+_TAKEN = frozenset(
+    (
+        "model", "messages", "stream", "stream_options", "user", "n", "max_tokens",
+        "max_completion_tokens", "stop_token_ids", "logprobs", "top_logprobs",
+        "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+        "add_special_tokens", "cache_salt", "priority", "request_id", "response_format",
+        *_SAMPLING, *_DEFAULTED,
+    )
+)  # fmt: skip
+_REASON_OF = {
+    "tools": "tools", "tool_choice": "tools", "functions": "tools",
+    "function_call": "tools", "parallel_tool_calls": "tools",
+    "structured_outputs": "structured_output", "guided_json": "structured_output",
+    "guided_regex": "structured_output", "guided_choice": "structured_output",
+    "guided_grammar": "structured_output", "guided_decoding_backend": "structured_output",
+    "guided_whitespace_pattern": "structured_output",
+    "reasoning_effort": "reasoning", "include_reasoning": "reasoning",
+    "thinking_token_budget": "reasoning", "echo": "echo",
+}  # fmt: skip
+OUTCOMES = (
+    "sent", "tools", "structured_output", "reasoning", "media", "n", "echo",
+    "stream_options", "field", "context", "max_tokens", "engine", "probing",
+    "disaggregated", "gateway",
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Capability:
+    """What a worker's probe learnt: it takes tokens in, and what its chat layer adds."""
+
+    defaults: dict[str, Any]  # the _DEFAULTED fields as the engine's chat layer fills them
+    stop_token_ids: list[int]  # the engine's own, merged with a request's
+    max_model_len: int
+    capped: bool  # the generation config caps max_tokens (an explicit one goes as today)
+    served: str  # the model name the chat layer answers with for the base model
+    fingerprint: str | None  # the chat answer's system_fingerprint
+    details: bool  # usage has prompt_tokens_details (vLLM --enable-prompt-tokens-details)
+
+
+def request_reason(body: Mapping[str, Any]) -> str | None:
+    """Why this chat body needs the engine's chat layer (None: it can go as ids)."""
+    for key, value in body.items():
+        if key in _TAKEN:
+            continue
+        if value is None or value is False or value == []:
+            continue  # an absent feature, spelt out
+        return _REASON_OF.get(key, "field")
+    n = body.get("n")
+    if n is not None and n != 1:
+        return "n"
+    fmt = body.get("response_format")
+    if isinstance(fmt, Mapping) and fmt.get("type") not in (None, "text"):
+        return "structured_output"
+    options = body.get("stream_options")
+    if isinstance(options, Mapping) and any(k != "include_usage" for k in options):
+        return "stream_options"
+    if has_media(body):
+        return "media"
+    return None
+
+
+def as_list(ids: TokenIds) -> list[int]:
+    """Token ids as a list (the fallback tokenizer's are packed little-endian u32 bytes)."""
+    if isinstance(ids, list):
+        return ids
+    if isinstance(ids, bytes):
+        packed = array("I")
+        packed.frombytes(ids)
+        if sys.byteorder != "little":
+            packed.byteswap()
+        return packed.tolist()
+    return ids.tolist()
+
+
+class TokensIn:
+    """Per chat proxy: which workers take tokens in, and each request's plan."""
+
+    def __init__(self, deps: ProxyDeps) -> None:
+        self.deps = deps
+        # worker id -> (its url, when probed, what was learnt; None: no tokens-in)
+        self.known: dict[str, tuple[str, float, Capability | None]] = {}
+        self._probes: dict[str, asyncio.Task[None]] = {}
+        self.counts = {o: deps.metrics.tokens_in.labels(o) for o in OUTCOMES}
+
+    def plan(self, prep: Prepared, worker: Worker) -> Plan | None:
+        """The tokens-in request for ``prep`` on ``worker``, or None (counted: why not)."""
+        reason, cap = self._check(prep, worker)
+        self.counts[reason].inc()
+        if cap is None:
+            return None
+        lora = self.deps.registry.lora_name(prep.parsed.model) is not None
+        return Plan(prep, cap, lora, lambda: self.known.pop(worker.id, None))
+
+    def _check(self, prep: Prepared, worker: Worker) -> tuple[str, Capability | None]:
+        st = self.deps
+        if st.cfg.gateway:
+            return "gateway", None
+        if st.pd is not None and st.pd.disaggregated(prep):
+            return "disaggregated", None
+        body = prep.parsed.body
+        reason = request_reason(body)
+        if reason is not None:
+            return reason, None
+        if prep.ids is None:
+            return "field", None
+        seen = self.known.get(worker.id)
+        if seen is None or seen[0] != worker.url or time.monotonic() - seen[1] > PROBE_EVERY:
+            model = prep.parsed.model  # probed as its base model (the chat layer's name)
+            self._start_probe(worker, st.registry.adapters.get(model, model))
+            if seen is None or seen[0] != worker.url:
+                return "probing", None
+        assert seen is not None
+        cap = seen[2]
+        if cap is None:
+            return "engine", None
+        if prep.request.num_tokens >= cap.max_model_len:
+            return "context", None
+        if cap.capped and _max_tokens(body) is not None:
+            return "max_tokens", None
+        return "sent", cap
+
+    def _start_probe(self, worker: Worker, model: str) -> None:
+        running = self._probes.get(worker.id)
+        if running is not None and not running.done():
+            return
+        task = asyncio.get_running_loop().create_task(self._probe(worker, model))
+        self._probes[worker.id] = task
+
+    async def _probe(self, worker: Worker, model: str) -> None:
+        when = time.monotonic()
+        try:
+            cap = await probe(self.deps, worker.url, model)
+        except (UpstreamError, OSError, ValueError, KeyError, TypeError) as exc:
+            log.info("tokens-in probe of %s failed: %s", worker.id, exc)
+            cap = None
+            when -= PROBE_EVERY - PROBE_RETRY  # unreachable or odd: asked again sooner
+        if cap is None:
+            log.info("worker %s: chats go to its chat endpoint (no tokens-in)", worker.id)
+        self.known[worker.id] = (worker.url, when, cap)
+
+
+async def _call(
+    deps: ProxyDeps, url: str, path: str, body: dict[str, Any] | None
+) -> tuple[int, Any]:
+    headers = [(b"content-type", b"application/json")]
+    raw = b"" if body is None else orjson.dumps(body)
+    method = b"GET" if body is None else b"POST"
+    resp = await deps.upstream.send(url, path, headers, raw, PROBE_TIMEOUT, method)
+    try:
+        data = await resp.read(PROBE_TIMEOUT, 1 << 20, path)
+    finally:
+        resp.close()
+    if resp.status != 200:
+        return resp.status, None
+    return resp.status, orjson.loads(data)
+
+
+async def probe(deps: ProxyDeps, url: str, model: str) -> Capability | None:
+    """What the engine at ``url`` adds to a chat, if it takes the router's ids and answers
+    them as its chat endpoint does (None: it does not, or not identically)."""
+    chat = {"model": model, "messages": PROBE_MESSAGES}
+    status, rendered = await _call(deps, url, RENDER, chat)
+    if status != 200 or not isinstance(rendered, dict):
+        return None
+    ids = as_list(deps.router.tokenizers.get(model).chat(chat)[0])
+    if rendered.get("token_ids") != ids:
+        log.warning("engine %s renders chats to other ids than the router's tokenizer", url)
+        return None
+    if rendered.get("reasoning_parser_kwargs") is not None:
+        return None  # a reasoning parser splits the chat answer; generate does not
+    sp = rendered["sampling_params"]
+    _, models = await _call(deps, url, "/v1/models", None)
+    max_len = next(
+        (m["max_model_len"] for m in models["data"] if isinstance(m.get("max_model_len"), int)),
+        None,
+    )
+    if max_len is None:
+        return None
+    one = {"max_tokens": 1, "temperature": 0.0}
+    status, answer = await _call(deps, url, "/v1/chat/completions", {**chat, **one})
+    if status != 200:
+        return None
+    gen = {"model": model, "token_ids": ids, "sampling_params": one, "output_mode": "text"}
+    status, generated = await _call(deps, url, GENERATE, gen)
+    if status != 200:
+        return None
+    use = answer["usage"]
+    if (
+        generated["choices"][0]["text"] != answer["choices"][0]["message"]["content"]
+        or generated["usage"]["prompt_tokens"] != use["prompt_tokens"]
+    ):
+        log.warning("engine %s answers generate and chat differently", url)
+        return None
+    return Capability(
+        defaults={k: sp.get(k, d) for k, d in _DEFAULTED.items()},
+        stop_token_ids=list(sp.get("stop_token_ids") or []),
+        max_model_len=max_len,
+        capped=sp.get("max_tokens", max_len - len(ids)) < max_len - len(ids),
+        served=answer["model"],
+        fingerprint=answer.get("system_fingerprint"),
+        details=use.get("prompt_tokens_details") is not None,
+    )
+
+
+def _max_tokens(body: Mapping[str, Any]) -> Any:
+    value = body.get("max_completion_tokens")
+    return body.get("max_tokens") if value is None else value
+
+
+class Plan:
+    """One chat as a tokens-in request, and the translation of its answer."""
+
+    __slots__ = ("block_size", "body", "cap", "created", "gone", "id", "model", "path",
+                 "prompt", "raw", "stream", "top_zero", "usage")  # fmt: skip
+
+    def __init__(
+        self, prep: Prepared, cap: Capability, lora: bool, gone: Callable[[], object]
+    ) -> None:
+        self.gone = gone  # the engine no longer serves the path: probe it again first
+        body = prep.parsed.body
+        sp: dict[str, Any] = {}
+        for key, default in cap.defaults.items():
+            value = body.get(key)
+            sp[key] = default if value is None else value
+        for key in _SAMPLING:
+            value = body.get(key)
+            if value is not None:
+                sp[key] = value
+        stop_ids = body.get("stop_token_ids") or []
+        if cap.stop_token_ids:
+            stop_ids = list(dict.fromkeys([*stop_ids, *cap.stop_token_ids]))
+        if stop_ids:
+            sp["stop_token_ids"] = stop_ids
+        limit = _max_tokens(body)
+        if limit is not None:  # the chat layer's clamp to the context left
+            sp["max_tokens"] = min(limit, cap.max_model_len - prep.request.num_tokens)
+        self.top_zero = False
+        if body.get("logprobs"):
+            top = body.get("top_logprobs") or 0
+            sp["logprobs"] = top
+            self.top_zero = top == 0  # the chat layer lists no candidates then
+        assert prep.ids is not None
+        out: dict[str, Any] = {
+            "model": prep.parsed.model,
+            "token_ids": as_list(prep.ids),
+            "sampling_params": sp,
+            "output_mode": "text",
+        }
+        self.stream = prep.parsed.stream
+        options = body.get("stream_options")
+        self.usage = isinstance(options, Mapping) and bool(options.get("include_usage"))
+        if self.stream:  # usage always: its cached_tokens count in the router's metrics
+            out["stream"] = True
+            out["stream_options"] = {"include_usage": True}
+        for key in ("cache_salt", "priority"):
+            if body.get(key) is not None:
+                out[key] = body[key]
+        self.path = GENERATE
+        self.body = out
+        self.raw = orjson.dumps(out)
+        self.cap = cap
+        self.model = prep.parsed.model if lora else cap.served
+        self.prompt = prep.request.num_tokens
+        self.block_size = prep.pool.block_size
+        self.id = ""
+        self.created = 0
+
+    async def answer(self, resp: Response, timeout: float) -> Response:
+        """The engine's answer as the chat answer (an error status passes as it came; a
+        404 also makes the next chat on this engine wait for a new probe)."""
+        if resp.status != 200:
+            if resp.status == 404:
+                self.gone()
+            return resp
+        if self.stream:
+            return Streamed(resp, self)
+        try:
+            raw = await resp.read(timeout, ANSWER_LIMIT, "the engine's answer")
+        finally:
+            resp.close()
+        try:
+            out = orjson.dumps(self.whole(orjson.loads(raw)))
+        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, ValueError) as exc:
+            message = f"bad answer from the engine's tokens-in endpoint: {exc!r}"
+            return Whole(resp, 502, error_body(502, message, "upstream_error"))
+        return Whole(resp, 200, out)
+
+    # -- the chat layer's answer ------------------------------------------------------
+    def _chat_id(self, request_id: str) -> str:
+        return "chatcmpl-" + request_id.removeprefix("generate-tokens-")
+
+    def _usage(self, use: Mapping[str, Any], whole: bool) -> dict[str, Any]:
+        prompt, completion = use["prompt_tokens"], use["completion_tokens"]
+        out: dict[str, Any] = {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + completion,
+            "completion_tokens": completion,
+        }
+        details = use.get("prompt_tokens_details")
+        if self.cap.details and isinstance(details, Mapping):
+            cached = details.get("cached_tokens")
+            d: dict[str, Any] = {"cached_tokens": cached}
+            if cached is not None:  # vLLM's: the prompt's whole blocks it wrote
+                whole_blocks = min(self.prompt // self.block_size * self.block_size, prompt)
+                d["created_cache_tokens"] = max(0, whole_blocks - cached)
+            if whole:
+                d["multimodal_tokens"] = None
+            out["prompt_tokens_details"] = d
+        elif whole:
+            out["prompt_tokens_details"] = None
+        if whole:
+            out["completion_tokens_details"] = None
+        return out
+
+    def _logprobs(self, lp: Any) -> Any:
+        if lp is not None and self.top_zero:
+            for entry in lp.get("content") or ():
+                entry["top_logprobs"] = []
+        return lp
+
+    def whole(self, gen: Mapping[str, Any]) -> dict[str, Any]:
+        """A whole chat answer from a whole generate answer."""
+        choices = []
+        for c in gen["choices"]:
+            message = {"role": "assistant", "content": c["text"], "refusal": None,
+                       "annotations": None, "audio": None, "function_call": None,
+                       "reasoning": None}  # fmt: skip
+            choices.append(
+                {
+                    "index": c["index"],
+                    "message": message,
+                    "logprobs": self._logprobs(c.get("logprobs")),
+                    "finish_reason": c.get("finish_reason") or "stop",
+                    "stop_reason": c.get("stop_reason"),
+                    "token_ids": None,
+                    "routed_experts": None,
+                }
+            )
+        return {
+            "id": self._chat_id(gen["request_id"]),
+            "object": "chat.completion",
+            "created": gen.get("created") or int(time.time()),
+            "model": gen.get("model") or self.model,
+            "choices": choices,
+            "service_tier": None,
+            "system_fingerprint": self.cap.fingerprint,
+            "usage": self._usage(gen["usage"], True),
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
+            "prompt_text": None,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
+
+    def _envelope(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model}  # fmt: skip
+
+    def event(self, data: bytes) -> bytes:
+        """One generate SSE event's data as the chat's events (b"": none)."""
+        if data == b"[DONE]":
+            return b"data: [DONE]\n\n"
+        gen = orjson.loads(data)
+        if "error" in gen:  # the engine's error event: the chat layer's shape already
+            return b"data: " + data + b"\n\n"
+        out = b""
+        if not self.id:  # the first event: the chat's role chunk first
+            self.id = self._chat_id(gen["request_id"])
+            self.created = int(time.time())
+            delta = {"role": "assistant", "content": ""}
+            role = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+            first = {**self._envelope(), "choices": [role], "prompt_token_ids": None,
+                     "prompt_text": None}  # fmt: skip
+            out = b"data: " + orjson.dumps(first) + b"\n\n"
+        choices = gen["choices"]
+        if not choices:
+            use = gen.get("usage")
+            if use is None or not self.usage:
+                return out
+            chunk = {**self._envelope(), "choices": [], "usage": self._usage(use, False)}
+            if self.cap.fingerprint is not None:
+                chunk["system_fingerprint"] = self.cap.fingerprint
+            return out + b"data: " + orjson.dumps(chunk) + b"\n\n"
+        for c in choices:
+            finish = c.get("finish_reason")
+            choice: dict[str, Any] = {
+                "index": c["index"],
+                "delta": {"content": c["text"]},
+                "logprobs": self._logprobs(c.get("logprobs")),
+                "finish_reason": finish,
+            }
+            if finish is not None:
+                choice["stop_reason"] = c.get("stop_reason")
+            choice["token_ids"] = None
+            chunk = {**self._envelope(), "choices": [choice]}
+            if finish is not None and not self.usage and self.cap.fingerprint is not None:
+                chunk["system_fingerprint"] = self.cap.fingerprint
+            out += b"data: " + orjson.dumps(chunk) + b"\n\n"
+        return out
+
+
+class Whole(Response):
+    """A whole answer, already read and translated."""
+
+    __slots__ = ("_body", "_inner")
+
+    def __init__(self, inner: Response, status: int, body: bytes) -> None:
+        # not Response.__init__: no connection of its own (the inner one is released)
+        self._inner = inner
+        self.status = status
+        self.written_ns = inner.written_ns
+        self.headers = [(b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode())]  # fmt: skip
+        self.complete = True
+        self._body = body
+
+    @property
+    def drained(self) -> bool:
+        return not self._body
+
+    async def chunks(self, timeout: float) -> AsyncIterator[bytes]:
+        body, self._body = self._body, b""
+        if body:
+            yield body
+
+    async def settle(self, timeout: float) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class Streamed(Response):
+    """A generate stream read as it comes, each event passed on as the chat's."""
+
+    __slots__ = ("_inner", "_plan", "_rest")
+
+    def __init__(self, inner: Response, plan: Plan) -> None:
+        self._inner = inner
+        self._plan = plan
+        self._rest = b""
+        self.status = inner.status
+        self.written_ns = inner.written_ns
+        self.headers = [(k, v) for k, v in inner.headers if k.lower() != b"content-length"]
+        self.complete = inner.complete
+
+    @property
+    def drained(self) -> bool:
+        return self._inner.drained
+
+    async def chunks(self, timeout: float) -> AsyncIterator[bytes]:
+        inner = self._inner
+        async for chunk in inner.chunks(timeout):
+            self.complete = inner.complete
+            out = self._feed(chunk)
+            if out:
+                yield out
+        self.complete = inner.complete
+
+    def _feed(self, chunk: bytes) -> bytes:
+        events = (self._rest + chunk).split(b"\n\n")
+        self._rest = events.pop()
+        out = b""
+        for event in events:
+            for line in event.split(b"\n"):
+                if not line.startswith(b"data:"):
+                    continue  # SSE comments and blank lines
+                try:
+                    out += self._plan.event(line[5:].strip())
+                except (orjson.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
+                    message = f"bad event from the engine's tokens-in stream: {exc!r}"
+                    raise UpstreamError(message) from exc
+        return out
+
+    async def settle(self, timeout: float) -> None:
+        await self._inner.settle(timeout)
+
+    def close(self) -> None:
+        self._inner.close()
