@@ -238,9 +238,12 @@ class CacheAware(Policy):
         return self.place_slack_ms is None and not (request.session_key and self._long_sessions())
 
     def must_see(self, request: RouteRequest) -> Collection[str]:
-        own = self._in_flight_prefix(request)[0] if self.in_flight else None
+        # where its prefix is arriving (prompts in flight, ``_lookup``; no index holds it
+        # yet, so the pruner would not keep those workers) and its session's hinted target
+        arriving = self._lookup(request)[0] if self._latest else None
+        named = [w for w, d in arriving.items() if d > 0] if arriving else []
         hint = self._hinted.get(request.session_key) if request.session_key else None
-        return [w for w in (own, hint[0] if hint else None) if w is not None]
+        return [*named, hint[0]] if hint else named
 
     def select(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
         cands = healthy(workers)

@@ -250,7 +250,8 @@ def test_views_keep_what_the_policy_must_see() -> None:
     d, _ = st.router.decide(first)
     d.worker_id = busy.targets[2]
     policy._routed[first.request.request_id] = (busy.targets[2], 1000, 1.0)
-    policy._last["sess"] = (first.request.request_id, chain)
+    # the first prompt is in flight on the busy target (routed there, not finished)
+    policy._remember(first.request.request_id, busy.targets[2], chain, "sess", 0)
     _, kept = st.router.decide(_prep(st, 1, [*chain, 5], "sess"))
     assert busy.targets[2] in {v.worker_id for v in kept}
     assert len(kept) < 80

@@ -526,7 +526,7 @@ class Whole(Response):
     def drained(self) -> bool:
         return not self._body
 
-    async def chunks(self, timeout: float) -> AsyncIterator[bytes]:
+    async def chunks(self, timeout: float | Callable[[], float]) -> AsyncIterator[bytes]:
         body, self._body = self._body, b""
         if body:
             yield body
@@ -556,7 +556,7 @@ class Streamed(Response):
     def drained(self) -> bool:
         return self._inner.drained
 
-    async def chunks(self, timeout: float) -> AsyncIterator[bytes]:
+    async def chunks(self, timeout: float | Callable[[], float]) -> AsyncIterator[bytes]:
         inner = self._inner
         async for chunk in inner.chunks(timeout):
             self.complete = inner.complete
