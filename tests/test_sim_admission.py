@@ -26,9 +26,10 @@ def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_holding_at_the_router_keeps_the_queue_where_it_can_be_late_bound(tmp: Path) -> None:
     """A policy that piles requests up on the shared prompts' holders (cache_aware with
-    its recompute charge unfaded, as before issue 31: TTFT p90 ~33 s): held at the router
-    and bound where a slot frees, the same requests wait ~8 s at p90, for ~6 points of
-    hit rate, none shed. (The fading charge, now the default, no longer piles up here.)"""
+    its recompute charge unfaded, as before issue 31: TTFT p90 ~33 s; ~16 s with the
+    in-flight credit by prompt of session 17): held at the router and bound where a slot
+    frees, the same requests wait ~7 s at p90, for ~6 points of hit rate, none shed.
+    (The fading charge, now the default, no longer piles up here.)"""
     trace = _chat(tmp, speedup=2.0)
     unfaded = {"fade": False, "common": False}
     off = Simulation(trace, "cache_aware", SimConfig(workers=4), policy_params=unfaded).run()
@@ -36,7 +37,7 @@ def test_holding_at_the_router_keeps_the_queue_where_it_can_be_late_bound(tmp: P
         trace, "cache_aware", SimConfig(workers=4, admission=AdmissionSettings()),
         policy_params=unfaded,
     ).run()  # fmt: skip
-    assert off["ttft_p90_ms"] > 3 * on["ttft_p90_ms"]
+    assert off["ttft_p90_ms"] > 2 * on["ttft_p90_ms"]
     assert on["hit_rate"] >= off["hit_rate"] - 0.07
     assert on["shed"] == off["shed"] == 0
 
