@@ -621,13 +621,19 @@ class MockEngine:
             pass
         return JSONResponse(anthropic.message(mid, p.model, "".join(out), stop, use()))
 
-    async def _generate(self, kind: Kind, request: Request) -> Response:
+    def _arrived(self, request: Request) -> Fault | None:
+        """Count a generation request and take the fault it meets; a status fault refuses
+        it here, before anything runs."""
         self.traceparents.append(request.headers.get("traceparent"))
         self.generate_requests += 1
         fault = self._take_fault()
         if fault is not None and fault.status is not None:
             code: ErrorCode = "engine_error" if fault.status >= 500 else "invalid_request"
             raise ApiError(fault.status, f"injected fault: status {fault.status}", code)
+        return fault
+
+    async def _generate(self, kind: Kind, request: Request) -> Response:
+        fault = self._arrived(request)
         body = await _json(request)
         rank = self.pick_rank(request.headers, body)
         plan = self.pd.plan(body, rank.rank) if isinstance(body, dict) else Plan("none")
@@ -678,13 +684,8 @@ class MockEngine:
 
     async def _tokens(self, request: Request) -> Response:
         """``POST /inference/v1/generate``: token ids in (``sim.mock.tokens_in``)."""
-        self.traceparents.append(request.headers.get("traceparent"))
-        self.generate_requests += 1
         self.tokens_in_requests += 1
-        fault = self._take_fault()
-        if fault is not None and fault.status is not None:
-            code: ErrorCode = "engine_error" if fault.status >= 500 else "invalid_request"
-            raise ApiError(fault.status, f"injected fault: status {fault.status}", code)
+        fault = self._arrived(request)
         body = await _json(request)
         model = self._served(body)
         g = tokens_in.parse_generate(body, model, request.headers.get("x-request-id"))
