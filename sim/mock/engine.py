@@ -663,12 +663,7 @@ class MockEngine:
                 events = fault.cut_after + (1 if p.kind == "chat" else 0)
                 stream = (_silent if fault.stall else _cut)(stream, events)
             return StreamingResponse(stream, media_type="text/event-stream")
-        pieces: list[str] = []
-        try:
-            while (step := await seq.out.get()) is not None:
-                pieces.extend(step)
-        finally:
-            sched.abort(seq)  # no-op when it finished
+        pieces = await _whole(sched, seq)
         params = self.pd.finished(plan, prompt, not seq.error)
         if seq.error:
             raise ApiError(500, seq.error, "engine_error")
@@ -699,12 +694,7 @@ class MockEngine:
             elif fault is not None:
                 stream = _cut(stream, fault.cut_after)
             return StreamingResponse(stream, media_type="text/event-stream")
-        pieces: list[str] = []
-        try:
-            while (step := await seq.out.get()) is not None:
-                pieces.extend(step)
-        finally:
-            sched.abort(seq)
+        pieces = await _whole(sched, seq)
         if seq.error:
             raise ApiError(500, seq.error, "engine_error")
         use = tokens_in.usage(len(g.token_ids), seq.generated, seq.cached_tokens, True)
@@ -906,6 +896,16 @@ async def _malformed(body: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes,
         yield piece if piece == DONE else b'data: {"unexpected": true}\n\n'
 
 
+
+async def _whole(sched: Scheduler, seq: Sequence) -> list[str]:
+    """A whole answer's pieces, once the sequence ends (aborted if the client left)."""
+    pieces: list[str] = []
+    try:
+        while (step := await seq.out.get()) is not None:
+            pieces.extend(step)
+    finally:
+        sched.abort(seq)  # no-op when it finished
+    return pieces
 async def _cut(body: AsyncGenerator[bytes, None], events: int) -> AsyncGenerator[bytes, None]:
     """``body``'s first ``events`` pieces, then a broken connection: uvicorn closes it
     without the chunked body's end when the app raises mid-answer."""
