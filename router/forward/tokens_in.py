@@ -56,9 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import time
-from array import array
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -67,12 +65,12 @@ import orjson
 
 from router.forward.upstream import Response, UpstreamError
 from router.http.errors import error_body
+from router.tokens.media import as_ints
 from router.tokens.tokenize import has_media
 
 if TYPE_CHECKING:
     from router.forward.relay import ProxyDeps
     from router.routing.decide import Prepared
-    from router.tokens.tokenize import TokenIds
     from router.workers.registry import Worker
 
 log = logging.getLogger(__name__)
@@ -166,19 +164,6 @@ def request_reason(body: Mapping[str, Any]) -> str | None:
     return None
 
 
-def as_list(ids: TokenIds) -> list[int]:
-    """Token ids as a list (the fallback tokenizer's are packed little-endian u32 bytes)."""
-    if isinstance(ids, list):
-        return ids
-    if isinstance(ids, bytes):
-        packed = array("I")
-        packed.frombytes(ids)
-        if sys.byteorder != "little":
-            packed.byteswap()
-        return packed.tolist()
-    return ids.tolist()
-
-
 class TokensIn:
     """Per chat proxy: which workers take tokens in, and each request's plan."""
 
@@ -269,7 +254,7 @@ async def probe(deps: ProxyDeps, url: str, model: str) -> Capability | None:
     status, rendered = await _call(deps, url, RENDER, chat)
     if status != 200 or not isinstance(rendered, dict):
         return None
-    ids = as_list(deps.router.tokenizers.get(model).chat(chat)[0])
+    ids = as_ints(deps.router.tokenizers.get(model).chat(chat)[0])
     if rendered.get("token_ids") != ids:
         log.warning("engine %s renders chats to other ids than the router's tokenizer", url)
         return None
@@ -349,7 +334,7 @@ class Plan:
         assert prep.ids is not None
         out: dict[str, Any] = {
             "model": prep.parsed.model,
-            "token_ids": as_list(prep.ids),
+            "token_ids": as_ints(prep.ids),
             "sampling_params": sp,
             "output_mode": "text",
         }
