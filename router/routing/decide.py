@@ -346,9 +346,7 @@ class Router:
             kept = pruner.pick(prep.workers, () if blind else hashes, exclude, now, must)
             if kept is not None:
                 return [
-                    _view(t, m, now, now_ms, stale)
-                    if not blind and t[1] not in behind
-                    else _view(t, NO_MATCH, now, now_ms, stale, False)
+                    _view(t, m, not blind and t[1] not in behind, now, now_ms, stale)
                     for t, m in kept
                 ]
         matches = index.match_tiers(hashes) if hashes else {}
@@ -479,9 +477,10 @@ def _share(count: int | None, ranks: int) -> int | None:
 
 
 def _view(
-    target: Target, match: TierMatch, now: float, now_ms: float, stale: float, synced: bool = True
+    target: Target, match: TierMatch, synced: bool, now: float, now_ms: float, stale: float
 ) -> WorkerView:
-    """One kept candidate's view, as ``Router.views`` builds each."""
+    """One kept candidate's view, as ``Router.views`` builds each (``WorkerView.of``,
+    which the per-candidate loop there inlines): out of sync, no match."""
     w, tid, load = target
     wload = w.load
     running = waiting = kv_usage = None
@@ -490,10 +489,9 @@ def _view(
         share = len(w.rank_loads) or 1
         running, waiting = _share(engine.running, share), _share(engine.waiting, share)
         kv_usage = engine.kv_usage
-    tokens, ran = load.prefills.oldest(now_ms)
-    return WorkerView(
-        tid, match, load.inflight_requests, load.inflight_prefill_tokens, load.decode_streams,
-        running, waiting, kv_usage, True, synced, tokens, ran,
+    return WorkerView.of(
+        tid, match, synced, load.inflight_requests, load.inflight_prefill_tokens,
+        load.decode_streams, running, waiting, kv_usage, load.prefills.oldest(now_ms),
     )  # fmt: skip
 
 
