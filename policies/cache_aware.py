@@ -70,6 +70,9 @@ from .cost_model import (
 from .selection import argmin_random, healthy
 
 _T = TypeVar("_T")
+# what the prompts routed before tell of a request (``CacheAware._lookup``): per worker
+# the blocks arriving there, the session it continues, the leading blocks seen before
+_Lookup = tuple[dict[str, int] | None, str | None, int]
 _MAX_TRACKED = 65_536  # requests (and hinted sessions) remembered at most
 # Prompts remembered to find a turn's predecessor by (``_lookup``; ~12 hashes each): at
 # 1,000 requests/s, 16 s of them, longer than the think times of chat and agents
@@ -227,6 +230,8 @@ class CacheAware(Policy):
         self._anchored: dict[int, dict[str, None]] = {}
         self._session: str | None = None  # the request's session (``_lookup``)
         self._known = 0  # leading blocks of the request an earlier prompt had (``_lookup``)
+        # ``must_see``'s lookup, kept for the ``select`` of the same request that follows
+        self._looked: tuple[RouteRequest, _Lookup] | None = None
         # The leading blocks of the last _COMMON_WINDOW clients' prompts, and how many of
         # them each block hash leads (``_common_depth``)
         self._leads: OrderedDict[str, list[int]] = OrderedDict()
@@ -240,14 +245,23 @@ class CacheAware(Policy):
     def must_see(self, request: RouteRequest) -> Collection[str]:
         # where its prefix is arriving (prompts in flight, ``_lookup``; no index holds it
         # yet, so the pruner would not keep those workers) and its session's hinted target
-        arriving = self._lookup(request)[0] if self._latest else None
+        arriving = None
+        if self._latest:
+            found = self._lookup(request)
+            self._looked = (request, found)
+            arriving = found[0]
         named = [w for w, d in arriving.items() if d > 0] if arriving else []
         hint = self._hinted.get(request.session_key) if request.session_key else None
         return [*named, hint[0]] if hint else named
 
     def select(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
         cands = healthy(workers)
-        arriving, session, self._known = self._lookup(request) if self._latest else (None, None, 0)
+        looked, self._looked = self._looked, None
+        if looked is not None and looked[0] is request:
+            found = looked[1]
+        else:
+            found = self._lookup(request) if self._latest else (None, None, 0)
+        arriving, session, self._known = found
         continues = session is not None  # it builds on an earlier prompt: not a first turn
         self._session = session = session or request.session_key
         if self._hinted and session is not None:
@@ -617,7 +631,7 @@ class CacheAware(Policy):
         else:  # float sums drift: none left means none
             self._queued_attn.pop(worker_id, None)
 
-    def _lookup(self, request: RouteRequest) -> tuple[dict[str, int] | None, str | None, int]:
+    def _lookup(self, request: RouteRequest) -> _Lookup:
         """What the prompts routed before tell of ``request``: the session of the latest
         prompt it builds on, whatever key each came with; per worker (with ``in_flight``)
         the leading blocks that a prompt routed there and not finished computes (or holds):
