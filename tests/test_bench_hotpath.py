@@ -11,6 +11,9 @@ from typing import Any
 
 import pytest
 
+# slow: their own CI step (`pytest -m slow`), kept out of the main suite's ~10 minutes
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench" / "hotpath.py"
 

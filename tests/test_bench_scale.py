@@ -10,6 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# slow: their own CI step (`pytest -m slow`), kept out of the main suite's ~10 minutes
+pytestmark = pytest.mark.slow
+
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "scale.py"
 
 

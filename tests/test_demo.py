@@ -12,6 +12,10 @@ from pathlib import Path
 import httpx
 import openai
 import psutil
+import pytest
+
+# slow: their own CI step (`pytest -m slow`), kept out of the main suite's ~10 minutes
+pytestmark = pytest.mark.slow
 
 
 def test_demo_compares_policies_and_reports_what_the_engines_cached() -> None:

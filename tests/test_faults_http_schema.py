@@ -24,6 +24,9 @@ from schemathesis import GenerationMode
 from sim.demo import wait_healthy
 from sim.mock.natsd import free_ports
 
+# slow: their own CI step (`pytest -m slow`), kept out of the main suite's ~10 minutes
+pytestmark = pytest.mark.slow
+
 MODEL = "mock-model"
 EXAMPLES = 15
 

@@ -414,6 +414,7 @@ def test_hashes_out_of_range_are_refused() -> None:
     assert core.holds(0, 1, 0) and core.holds(0, 2**64 - 1, 0)
 
 
+@pytest.mark.slow
 @needs_native
 @settings(max_examples=120, deadline=None)
 @given(st.data())

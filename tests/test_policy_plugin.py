@@ -26,6 +26,9 @@ from policies import registry
 from policies.base import Policy
 from sim.mock.natsd import free_ports
 
+# slow: their own CI step (`pytest -m slow`), kept out of the main suite's ~10 minutes
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "policy-plugin"
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # the router under test, not an installed one

@@ -130,6 +130,7 @@ def test_match_equals_reference(Index, steps: list[tuple], bisect_min: int) -> N
         assert counts[w] == {t: len(s) for t, s in tiers.items()}
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(st.lists(ops_on(WIDE), max_size=40), st.sampled_from([1, 24]))
 def test_more_than_64_workers_match_equals_reference(

@@ -22,6 +22,9 @@ from router.http import processes, serve
 from router.http.processes import Child, ProcessesApp, merge_metrics
 from sim.mock.natsd import free_port
 
+# slow: their own CI step (`pytest -m slow`), kept out of the main suite's ~10 minutes
+pytestmark = pytest.mark.slow
+
 ADMIN = {"authorization": "Bearer admin-secret"}
 
 

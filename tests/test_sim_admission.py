@@ -12,6 +12,9 @@ from sim.gen_trace import generate, write
 from sim.simulator import SimConfig, Simulation
 from sim.traces import Trace, load_trace
 
+# slow: their own CI step (`pytest -m slow`), kept out of the main suite's ~10 minutes
+pytestmark = pytest.mark.slow
+
 
 def _chat(tmp: Path, speedup: float) -> Trace:
     """Chat over four shared system prompts, fast enough to saturate four engines."""

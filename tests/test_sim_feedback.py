@@ -17,6 +17,9 @@ from sim.gen_trace import generate, write
 from sim.simulator import SimConfig, Simulation
 from sim.traces import Trace, load_trace
 
+# slow: their own CI step (`pytest -m slow`), kept out of the main suite's ~10 minutes
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def agent_trace(tmp_path_factory: pytest.TempPathFactory) -> Trace:

@@ -20,6 +20,9 @@ from sim.gen_trace import generate, write
 from sim.simulator import SimConfig, Simulation
 from sim.traces import Trace, load_trace
 
+# slow: their own CI step (`pytest -m slow`), kept out of the main suite's ~10 minutes
+pytestmark = pytest.mark.slow
+
 CONFIG = SimConfig(workers=8, l1_blocks=4096, seed=1, engine_seed=1)
 
 
