@@ -89,6 +89,29 @@ async def test_request_spans_and_the_traceparent_the_engine_sees(exporter):
         await engine.stop()
 
 
+async def test_a_traced_request_keeps_the_data_parallel_rank_header(exporter):
+    """The traceparent swap must not drop the rank header: each request lands on the rank
+    the router named (round robin over the two ranks: both run one; without the header the
+    engine puts both on its idle rank 0)."""
+    engine = await MockEngine(MockEngineConfig(timing=Timing(speed=100.0), dp_size=2)).start()
+    cfg = RouterConfig(
+        policy="round_robin",
+        workers=[WorkerSpec("w0", engine.url, model=MODEL, dp_size=2, dp_field="header")],
+    )
+    served = await Served(RouterApp(cfg, tracing=tracing(exporter))).start()
+    try:
+        async with httpx.AsyncClient(base_url=served.url, timeout=10) as http:
+            for i in range(2):
+                body = {"model": MODEL, "messages": [{"role": "user", "content": f"q{i} " * 40}],
+                        "max_tokens": 2}  # fmt: skip
+                assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+        assert len(by_name(exporter.get_finished_spans(), "upstream")) == 2
+        assert all(rank.scheduler.prompt_tokens > 0 for rank in engine.ranks)
+    finally:
+        await served.stop()
+        await engine.stop()
+
+
 async def test_a_failed_attempt_is_its_own_errored_upstream_span(exporter):
     engine = await MockEngine(MockEngineConfig(timing=Timing(speed=100.0))).start()
     dead = await MockEngine(MockEngineConfig()).start()

@@ -247,7 +247,7 @@ class Proxy:
             sent, body = forward_rank(headers, send_raw, send_body, rank, worker.dp_field)
             t_send = 0
             if trace is not None:
-                sent = [h for h in headers if h[0] not in (b"traceparent", b"tracestate")]
+                sent = [h for h in sent if h[0] not in (b"traceparent", b"tracestate")]
                 parent = trace.begin_upstream(worker.id, worker.url, self.path)
                 sent.append((b"traceparent", parent))
                 t_send = now_ns()
