@@ -15,6 +15,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
+import httpx
 import nats
 import pytest
 from nats.aio.client import Client
@@ -139,6 +140,31 @@ async def test_in_order_batches_are_applied_off_the_loop(pair: Pair) -> None:
     # the reader reports each run to the loop: on a loaded machine that trails the index
     await until(lambda: counts["native_applied"] == len(rest), timeout=15, what="applied natively")
     assert counts["messages"] == pair.python.app.state.events.counts["messages"]
+
+
+async def test_an_idle_reader_ticks_seldom_and_admin_index_collects_its_counts(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    native = pair.native.app.state.feed.native
+    assert native is not None
+    monkeypatch.setattr(native_events, "COUNT_IDLE", 0.3)
+    [first, *rest] = await pair.native.make_batches(6)
+    await pair.deliver(first)
+    ingest = pair.native.pool.ingest
+    await until(lambda: ingest.last_seq("w0") == first, what="first applied")
+    # nothing arrives: the count's wait doubles up to its ceiling
+    await until(lambda: native._interval == 0.3, timeout=15, what="the tick backed off")
+    assert native._tick is not None
+    native._tick.cancel()  # from here only a reader of the counts collects them
+    before = ingest.batches_applied
+    for seq in rest:
+        await pair.deliver(seq)
+    await until(lambda: ingest.last_seq("w0") == rest[-1], timeout=15, what="applied natively")
+    await asyncio.sleep(0.5)
+    assert ingest.batches_applied == before  # applied off the loop, not yet counted
+    async with httpx.AsyncClient(base_url=pair.native.url, timeout=10) as http:
+        r = await http.get("/admin/index", headers={"authorization": "Bearer t"})
+    assert r.json()["pools"]["default"]["batches_applied"] == before + len(rest)
 
 
 async def test_what_the_reader_applies_with_errors_is_counted_as_python_counts_it(

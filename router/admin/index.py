@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 def mount(api: APIRouter, state: AdminDeps) -> None:
     @api.get("/index")
     async def index_stats() -> Response:
+        if state.feed is not None and state.feed.native is not None:
+            state.feed.native.collect()  # the counts the native reader applied since its tick
         pools = {}
         for pool in state.registry.pools.values():
             ing = pool.ingest
