@@ -24,9 +24,12 @@ chat answer the engine's own chat layer would have given, byte for byte in its f
 
 The Responses and Messages APIs are not sent as ids: the router renders them as chat
 messages only approximately, to hash them (``router.routing.responses``), not as the
-engine's chat layer does. The router pays for the ids as JSON: ~36 ns a token (0.14 ms
-at 4K tokens, orjson of a list); vLLM's front end saves ~5 ms a turn at 1-3K tokens
-(``bench/tokens_in.py``, BENCHMARKS.md).
+engine's layers do (docs/engines.md says where they differ), and a stored response must
+reach the engine's Responses layer to be found again.
+
+The router pays for the ids as JSON: ~36 ns a token (0.14 ms at 4K tokens, orjson of a
+list); vLLM's front end saves ~5 ms a turn at 1-3K tokens (``bench/tokens_in.py``,
+BENCHMARKS.md).
 
 Which engines: each worker is probed once (and again every ``PROBE_EVERY`` seconds) by
 ``probe``; its ``/v1/models`` names the engine (``owned_by``: ``vllm`` or ``sglang``).
