@@ -40,9 +40,10 @@ and generate) must answer alike; the render also gives the engine's defaults for
 sampling fields a client leaves out (its generation config), which the chat layer applies
 and the generate endpoint does not. SGLang (no render endpoint): a one-token chat asked
 with ``return_prompt_token_ids`` must echo exactly the router's ids (its own rendering of
-the probe chat), and a second one sent with another chat's ids as ``input_ids`` must echo
-those and count them as its ``prompt_tokens`` (an SGLang from before the change ignores the
-field and renders the messages). Until a worker's probe succeeds its chats go as today.
+a probe conversation of four turns), and a second one sent with another chat's ids as
+``input_ids`` must echo those and count them as its ``prompt_tokens`` (an SGLang from
+before the change ignores the field and renders the messages). Until a worker's probe
+succeeds its chats go as today.
 ``chat_tokens_in = false`` turns it off.
 
 Which requests go as today (``cache_router_tokens_in{outcome}`` counts each reason):
@@ -107,7 +108,14 @@ PROBE_MESSAGES = [
     {"role": "system", "content": "You are a probe."},
     {"role": "user", "content": "Say one word."},
 ]
-# SGLang: a second chat whose ids, sent as input_ids with PROBE_MESSAGES, show they are used
+# SGLang: a conversation (its chat layer renders each message from its own model of it, so
+# an earlier assistant turn is checked too), and a chat whose ids, sent as input_ids with
+# it, show they are used
+PROBE_TURNS = [
+    *PROBE_MESSAGES,
+    {"role": "assistant", "content": "Cache."},
+    {"role": "user", "content": "Another one."},
+]
 PROBE_OTHER = [{"role": "user", "content": "Name a colour, then a number."}]
 CHAT = "/v1/chat/completions"
 ANSWER_LIMIT = 64 << 20  # bytes of a whole generate answer read to be translated
@@ -311,10 +319,10 @@ async def probe(deps: ProxyDeps, url: str, model: str) -> Capability | None:
         return None
     cards = [m for m in models["data"] if isinstance(m, dict)]
     card = next((m for m in cards if m.get("id") == model), cards[0] if cards else {})
+    if card.get("owned_by") == "sglang":
+        return await _probe_sglang(deps, url, model)
     chat = {"model": model, "messages": PROBE_MESSAGES}
     ids = _ids(deps, chat)
-    if card.get("owned_by") == "sglang":
-        return await _probe_sglang(deps, url, chat, ids)
     status, rendered = await _call(deps, url, RENDER, chat)
     if status != 200 or not isinstance(rendered, dict):
         return None
@@ -360,12 +368,12 @@ def _ids(deps: ProxyDeps, chat: Mapping[str, Any]) -> list[int]:
     return as_ints(deps.router.tokenizers.get(chat["model"]).chat(chat)[0])
 
 
-async def _probe_sglang(
-    deps: ProxyDeps, url: str, chat: dict[str, Any], ids: list[int]
-) -> Capability | None:
-    """An SGLang engine takes the router's ids if its own rendering of the probe chat is
-    exactly them and it runs ``input_ids`` given beside the messages (none of its versions
-    before the change that reads that field do)."""
+async def _probe_sglang(deps: ProxyDeps, url: str, model: str) -> Capability | None:
+    """An SGLang engine takes the router's ids if its own rendering of the probe
+    conversation is exactly them and it runs ``input_ids`` given beside the messages (none
+    of its versions before the change that reads that field do)."""
+    chat = {"model": model, "messages": PROBE_TURNS}
+    ids = _ids(deps, chat)
     one = {"max_tokens": 1, "temperature": 0.0, "return_prompt_token_ids": True}
     status, answer = await _call(deps, url, CHAT, {**chat, **one})
     if status != 200 or answer["choices"][0].get("prompt_token_ids") != ids:
@@ -373,7 +381,7 @@ async def _probe_sglang(
             log.warning("engine %s renders chats to other ids than the router's tokenizer "
                         "(or does not echo them)", url)  # fmt: skip
         return None
-    other = _ids(deps, {"model": chat["model"], "messages": PROBE_OTHER})
+    other = _ids(deps, {"model": model, "messages": PROBE_OTHER})
     status, echoed = await _call(deps, url, CHAT, {**chat, **one, "input_ids": other})
     if (
         status != 200
