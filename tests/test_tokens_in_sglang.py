@@ -20,7 +20,7 @@ from stack import Served
 from test_tokens_in import Pair, _chat, _events, _whole, close_pair, open_pair
 
 from router.config import RouterConfig, WorkerSpec
-from router.forward.tokens_in import sglang_reason
+from router.forward.tokens_in import request_reason, sglang_reason
 from router.http.app import RouterApp
 from sim.mock import sglang_chat
 from sim.mock.engine import MockEngine, MockEngineConfig
@@ -71,6 +71,32 @@ async def test_a_stream_is_the_chat_endpoints_event_for_event(pair: Pair, usage:
     assert id_events == chat_events
     assert chat_events[-1] == "[DONE]"
     assert ("usage" in chat_events[-2]) is usage
+
+
+async def test_what_sglangs_chat_layer_does_with_ids_goes_as_ids(pair: Pair) -> None:
+    """Structured output, ``n``, other stream options: SGLang's chat layer applies them to
+    ids as to a rendered chat (vLLM's generate endpoint does not: they go as chats there)."""
+    cases = [
+        _chat(max_tokens=4, response_format={"type": "json_object"}),
+        _chat(max_tokens=4, stream=True, stream_options={"continuous_usage_stats": True}),
+        _chat(max_tokens=4, echo=True),
+    ]
+    for body in cases:
+        assert request_reason(body) is not None and request_reason(body, sglang=True) is None
+        before = pair.engine.tokens_in_requests
+        as_chat, as_ids = await pair.both(body)
+        assert pair.engine.tokens_in_requests == before + 1, body
+        if body.get("stream"):
+            assert _events(as_ids) == _events(as_chat)
+        else:
+            assert _whole(as_ids) == _whole(as_chat)
+    assert request_reason(_chat(n=2), sglang=True) is None
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    assert request_reason(_chat(tools=tools, n=2), sglang=True) == "tools"
+    assert request_reason(_chat(n=2, reasoning_effort="low"), sglang=True) == "reasoning"
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+    media = {"role": "user", "content": [{"type": "text", "text": "hi"}, image]}
+    assert request_reason(_chat(messages=[media], n=2), sglang=True) == "media"
 
 
 async def test_what_sglang_renders_its_own_way_goes_as_a_chat(pair: Pair) -> None:

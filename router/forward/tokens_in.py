@@ -60,6 +60,8 @@ Which requests go as today (``cache_router_tokens_in{outcome}`` counts each reas
 - ``field``: any other field this module does not reproduce (``prompt_logprobs``,
   ``return_token_ids``, ``logprob_token_ids``, ``vllm_xargs``, ``truncate_prompt_tokens``,
   ``documents``, ``chat_template``, ``kv_transfer_params``, ...);
+- to SGLang, whose chat layer still does them with ids, ``structured_output``, ``n``,
+  ``echo`` and ``stream_options`` go as ids too;
 - ``field`` on SGLang also: what its chat layer renders otherwise than the router's
   tokenizer (``sglang_reason``): a last message from the assistant (SGLang makes it a user
   message unless ``continue_final_message``, which it renders its own way),
@@ -178,14 +180,24 @@ class Capability:
     details: bool  # usage has prompt_tokens_details (vLLM --enable-prompt-tokens-details)
 
 
-def request_reason(body: Mapping[str, Any]) -> str | None:
-    """Why this chat body needs the engine's chat layer (None: it can go as ids)."""
+# what SGLang's chat layer still does to a chat sent with input_ids (it renders nothing of
+# them, or ignores them: vLLM's names)
+_CHAT_LAYER = frozenset(("structured_output", "n", "echo", "stream_options"))
+
+
+def request_reason(body: Mapping[str, Any], sglang: bool = False) -> str | None:
+    """Why this chat body needs the engine's chat layer (None: it can go as ids; to SGLang,
+    ``sglang``, which keeps its chat layer: the reasons left)."""
     for key, value in body.items():
         if key in _TAKEN:
             continue
         if value is None or value is False or value == []:
             continue  # an absent feature, spelt out
-        return _REASON_OF.get(key, "field")
+        reason = _REASON_OF.get(key, "field")
+        if not (sglang and reason in _CHAT_LAYER):
+            return reason
+    if sglang:
+        return "media" if has_media(body) else None
     n = body.get("n")
     if n is not None and n != 1:
         return "n"
@@ -252,8 +264,10 @@ class TokensIn:
             return "disaggregated", None
         body = prep.parsed.body
         reason = request_reason(body)
-        if reason is not None:
-            return reason, None
+        if reason is not None:  # what no engine takes as ids
+            loose = request_reason(body, sglang=True) if reason in _CHAT_LAYER else reason
+            if loose is not None:
+                return loose, None
         if prep.ids is None:
             return "field", None
         seen = self.known.get(worker.id)
@@ -269,6 +283,8 @@ class TokensIn:
         if cap.engine == "sglang":
             reason = sglang_reason(body)
             return ("sent", cap) if reason is None else (reason, None)
+        if reason is not None:  # what only SGLang's chat layer does with ids
+            return reason, None
         if prep.request.num_tokens >= cap.max_model_len:
             return "context", None
         if cap.capped and _max_tokens(body) is not None:
