@@ -3,8 +3,8 @@
 The router tokenizes every chat to match its blocks (``router.tokens``, the chat template
 rendered as the engine renders it); forwarding the chat body made the engine render and
 tokenize the whole conversation a second time. Where the engine serves a tokens-in
-endpoint, a chat goes there as the router's ids, and the answer is turned back into the
-chat answer the engine's own chat layer would have given, byte for byte in its fields:
+endpoint, a chat goes there as the router's ids, and the client gets the chat answer the
+engine's own chat layer would have given, field for field:
 
 - vLLM (0.32, started with ``--enable-scale-out``): ``POST /inference/v1/generate`` with
   ``output_mode: "text"`` (the engine still detokenizes, applies stop strings and decodes
@@ -43,8 +43,7 @@ with ``return_prompt_token_ids`` must echo exactly the router's ids (its own ren
 a probe conversation of four turns), and a second one sent with another chat's ids as
 ``input_ids`` must echo those and count them as its ``prompt_tokens`` (an SGLang from
 before the change ignores the field and renders the messages). Until a worker's probe
-succeeds its chats go as today.
-``chat_tokens_in = false`` turns it off.
+succeeds its chats go as today. ``chat_tokens_in = false`` turns it off.
 
 Which requests go as today (``cache_router_tokens_in{outcome}`` counts each reason):
 
@@ -53,7 +52,7 @@ Which requests go as today (``cache_router_tokens_in{outcome}`` counts each reas
 - ``structured_output``: ``response_format`` other than text, ``structured_outputs``,
   ``guided_*`` (the grammar is the chat layer's);
 - ``reasoning``: ``reasoning_effort``, ``include_reasoning``, ``thinking_token_budget``,
-  or an engine with a reasoning parser (``engine``);
+  or a vLLM with a reasoning parser (``engine``; SGLang's chat layer still parses);
 - ``media``: image, audio or video parts (the engine places them);
 - ``n``: ``n`` over 1; ``echo``: ``echo``;
 - ``stream_options``: anything but ``include_usage`` (``continuous_usage_stats``);
