@@ -996,7 +996,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="map events with vLLM's default sha256 (bytes) block hashes",
     )
     parser.add_argument(
-        "--sglang", action="store_true", help="SGLang's event layout and metric names"
+        "--sglang",
+        action="store_true",
+        help="SGLang's event layout, metric names, /v1/models owner and chat input_ids",
     )
     parser.add_argument("--tokenizer", help="tokenizer.json (default: the router's fallback)")
     parser.add_argument("--speed", type=float, default=t.speed, help="divide all latencies by X")
