@@ -65,11 +65,9 @@ class Pair:
         return out
 
 
-@pytest.fixture
-async def pair() -> AsyncIterator[Pair]:
-    engine = await MockEngine(
-        MockEngineConfig(block_size=4, gpu_blocks=512, scale_out=True, timing=Timing(speed=500.0))
-    ).start()
+async def open_pair(engine_cfg: MockEngineConfig) -> Pair:
+    """Two routers (chats as ids, and not) before one engine, its probe done."""
+    engine = await MockEngine(engine_cfg).start()
     apps, served = [], []
     for on in (True, False):
         cfg = RouterConfig(
@@ -90,13 +88,25 @@ async def pair() -> AsyncIterator[Pair]:
             break
         await asyncio.sleep(0.02)
     else:
+        await close_pair(p)
         raise AssertionError("the router never sent a chat as ids")
+    return p
+
+
+async def close_pair(p: Pair) -> None:
+    for s in (p.on, p.off):
+        await s.stop()
+    await p.engine.stop()
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[Pair]:
+    cfg = MockEngineConfig(block_size=4, gpu_blocks=512, scale_out=True, timing=Timing(speed=500.0))
+    p = await open_pair(cfg)
     try:
         yield p
     finally:
-        for s in served:
-            await s.stop()
-        await engine.stop()
+        await close_pair(p)
 
 
 def _whole(r: httpx.Response) -> dict[str, Any]:

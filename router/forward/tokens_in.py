@@ -3,8 +3,8 @@
 The router tokenizes every chat to match its blocks (``router.tokens``, the chat template
 rendered as the engine renders it); forwarding the chat body made the engine render and
 tokenize the whole conversation a second time. Where the engine serves a tokens-in
-endpoint, a chat goes there as the router's ids, and the answer is turned back into the
-chat answer the engine's own chat layer would have given, byte for byte in its fields:
+endpoint, a chat goes there as the router's ids, and the client gets the chat answer the
+engine's own chat layer would have given, field for field:
 
 - vLLM (0.32, started with ``--enable-scale-out``): ``POST /inference/v1/generate`` with
   ``output_mode: "text"`` (the engine still detokenizes, applies stop strings and decodes
@@ -12,20 +12,38 @@ chat answer the engine's own chat layer would have given, byte for byte in its f
   the chat shape, and ``usage`` with ``cached_tokens``; the router adds what only the chat
   layer knows: the ``chatcmpl-`` id (the same request id), the role chunk, the model name,
   ``system_fingerprint``, ``created_cache_tokens`` (vLLM's count: the prompt's whole blocks
-  less its cached tokens) and the chat's null fields. SGLang's ``/generate`` (``input_ids``)
-  is not done yet, nor the Responses and Messages APIs (only ``/v1/chat/completions`` goes
-  as ids). The router pays for the ids as JSON: ~36 ns a token (0.14 ms at 4K tokens,
-  orjson of a list); the engine's front end saves ~5 ms a turn at 1-3K tokens
-  (``bench/tokens_in.py``, BENCHMARKS.md).
+  less its cached tokens) and the chat's null fields.
+- SGLang (since its "TITO" change of April 2026, sgl-project/sglang#23751): the chat body
+  itself, to ``POST /v1/chat/completions``, with the router's ids as ``input_ids``. Its chat
+  layer then skips rendering and tokenizing (``serving_chat.py``: "When input_ids are
+  provided, skip template tokenization entirely") and answers as it always does: every
+  field, stream event, parser and error is the engine's own, so nothing is translated.
+  (SGLang's ``/generate`` also takes ``input_ids``, but answers in its own shape: text, a
+  ``meta_info`` of its own and cumulative text in each streamed event; rebuilding its chat
+  layer's answer from it would copy that layer into the router, version by version.)
+
+The Responses and Messages APIs are not sent as ids: the router renders them as chat
+messages only approximately, to hash them (``router.routing.responses``), not as the
+engine's layers do (docs/engines.md says where they differ), and a stored response must
+reach the engine's Responses layer to be found again.
+
+The router pays for the ids as JSON: ~36 ns a token (0.14 ms at 4K tokens, orjson of a
+list); vLLM's front end saves ~5 ms a turn at 1-3K tokens (``bench/tokens_in.py``,
+BENCHMARKS.md).
 
 Which engines: each worker is probed once (and again every ``PROBE_EVERY`` seconds) by
-``probe``: its chat rendered by the engine (``POST /v1/chat/completions/render``, which
+``probe``; its ``/v1/models`` names the engine (``owned_by``: ``vllm`` or ``sglang``).
+vLLM: its chat rendered by the engine (``POST /v1/chat/completions/render``, which
 vLLM serves with ``--enable-scale-out``) must give exactly the router's ids, the engine
 must have no reasoning parser (the render says so), and one token asked both ways (chat
 and generate) must answer alike; the render also gives the engine's defaults for the
 sampling fields a client leaves out (its generation config), which the chat layer applies
-and the generate endpoint does not. Until a worker's probe succeeds its chats go as
-today. ``chat_tokens_in = false`` turns it off.
+and the generate endpoint does not. SGLang (no render endpoint): a one-token chat asked
+with ``return_prompt_token_ids`` must echo exactly the router's ids (its own rendering of
+a probe conversation of four turns), and a second one sent with another chat's ids as
+``input_ids`` must echo those and count them as its ``prompt_tokens`` (an SGLang from
+before the change ignores the field and renders the messages). Until a worker's probe
+succeeds its chats go as today. ``chat_tokens_in = false`` turns it off.
 
 Which requests go as today (``cache_router_tokens_in{outcome}`` counts each reason):
 
@@ -34,14 +52,21 @@ Which requests go as today (``cache_router_tokens_in{outcome}`` counts each reas
 - ``structured_output``: ``response_format`` other than text, ``structured_outputs``,
   ``guided_*`` (the grammar is the chat layer's);
 - ``reasoning``: ``reasoning_effort``, ``include_reasoning``, ``thinking_token_budget``,
-  or an engine with a reasoning parser (``engine``);
+  or a vLLM with a reasoning parser (``engine``; SGLang's chat layer still parses);
 - ``media``: image, audio or video parts (the engine places them);
 - ``n``: ``n`` over 1; ``echo``: ``echo``;
 - ``stream_options``: anything but ``include_usage`` (``continuous_usage_stats``);
 - ``field``: any other field this module does not reproduce (``prompt_logprobs``,
   ``return_token_ids``, ``logprob_token_ids``, ``vllm_xargs``, ``truncate_prompt_tokens``,
   ``documents``, ``chat_template``, ``kv_transfer_params``, ...);
-- ``context``: a prompt at the model's length, or an explicit ``max_tokens`` on an engine
+- to SGLang, whose chat layer still does them with ids, ``structured_output``, ``n``,
+  ``echo`` and ``stream_options`` go as ids too;
+- ``field`` on SGLang also: what its chat layer renders otherwise than the router's
+  tokenizer (``sglang_reason``): a last message from the assistant (SGLang makes it a user
+  message unless ``continue_final_message``, which it renders its own way),
+  ``add_generation_prompt: false`` (SGLang always adds it), ``add_special_tokens`` (SGLang
+  ignores it), a ``tool`` message given as content parts (SGLang joins them with spaces);
+- ``context`` (vLLM): a prompt at the model's length, or an explicit ``max_tokens`` on an engine
   whose generation config caps it (``max_tokens``): the chat layer's own answer;
 - ``engine``: the worker is not (yet) known to take tokens in; ``probing``: its probe
   is under way; ``disaggregated``, ``gateway``: prefill/decode pools and region gateways.
@@ -84,6 +109,16 @@ PROBE_MESSAGES = [
     {"role": "system", "content": "You are a probe."},
     {"role": "user", "content": "Say one word."},
 ]
+# SGLang: a conversation (its chat layer renders each message from its own model of it, so
+# an earlier assistant turn is checked too), and a chat whose ids, sent as input_ids with
+# it, show they are used
+PROBE_TURNS = [
+    *PROBE_MESSAGES,
+    {"role": "assistant", "content": "Cache."},
+    {"role": "user", "content": "Another one."},
+]
+PROBE_OTHER = [{"role": "user", "content": "Name a colour, then a number."}]
+CHAT = "/v1/chat/completions"
 ANSWER_LIMIT = 64 << 20  # bytes of a whole generate answer read to be translated
 
 # the chat fields taken over as sampling parameters, unchanged
@@ -131,8 +166,10 @@ OUTCOMES = (
 
 @dataclass(frozen=True, slots=True)
 class Capability:
-    """What a worker's probe learnt: it takes tokens in, and what its chat layer adds."""
+    """What a worker's probe learnt: it takes tokens in, and what its chat layer adds
+    (vLLM; an SGLang engine's chat layer answers itself, so only ``engine`` matters)."""
 
+    engine: str  # "vllm" (/inference/v1/generate) or "sglang" (input_ids in the chat)
     defaults: dict[str, Any]  # the _DEFAULTED fields as the engine's chat layer fills them
     stop_token_ids: list[int]  # the engine's own, merged with a request's
     max_model_len: int
@@ -142,14 +179,24 @@ class Capability:
     details: bool  # usage has prompt_tokens_details (vLLM --enable-prompt-tokens-details)
 
 
-def request_reason(body: Mapping[str, Any]) -> str | None:
-    """Why this chat body needs the engine's chat layer (None: it can go as ids)."""
+# what SGLang's chat layer still does to a chat sent with input_ids (it renders nothing of
+# them, or ignores them: vLLM's names)
+_CHAT_LAYER = frozenset(("structured_output", "n", "echo", "stream_options"))
+
+
+def request_reason(body: Mapping[str, Any], sglang: bool = False) -> str | None:
+    """Why this chat body needs the engine's chat layer (None: it can go as ids; to SGLang,
+    ``sglang``, which keeps its chat layer: the reasons left)."""
     for key, value in body.items():
         if key in _TAKEN:
             continue
         if value is None or value is False or value == []:
             continue  # an absent feature, spelt out
-        return _REASON_OF.get(key, "field")
+        reason = _REASON_OF.get(key, "field")
+        if not (sglang and reason in _CHAT_LAYER):
+            return reason
+    if sglang:
+        return "media" if has_media(body) else None
     n = body.get("n")
     if n is not None and n != 1:
         return "n"
@@ -164,6 +211,29 @@ def request_reason(body: Mapping[str, Any]) -> str | None:
     return None
 
 
+def sglang_reason(body: Mapping[str, Any]) -> str | None:
+    """Why SGLang's chat layer would render this chat to other ids than the router's
+    tokenizer does (None: the same ids; ``serving_chat.py``'s ``_apply_jinja_template``)."""
+    if body.get("continue_final_message") or body.get("add_generation_prompt") is False:
+        return "field"  # SGLang continues its own way; it always adds the generation prompt
+    if body.get("add_special_tokens") is not None:
+        return "field"  # not a field of SGLang's chat request: it would be ignored there
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return "field"
+    last = messages[-1]
+    if isinstance(last, Mapping) and last.get("role") == "assistant":
+        return "field"  # SGLang renders a last assistant message as the user's
+    for m in messages:
+        if (
+            isinstance(m, Mapping)
+            and m.get("role") == "tool"
+            and isinstance(m.get("content"), list)
+        ):
+            return "field"  # SGLang joins a tool message's text parts with spaces
+    return None
+
+
 class TokensIn:
     """Per chat proxy: which workers take tokens in, and each request's plan."""
 
@@ -174,12 +244,14 @@ class TokensIn:
         self._probes: dict[str, asyncio.Task[None]] = {}
         self.counts = {o: deps.metrics.tokens_in.labels(o) for o in OUTCOMES}
 
-    def plan(self, prep: Prepared, worker: Worker) -> Plan | None:
+    def plan(self, prep: Prepared, worker: Worker) -> Plan | WithIds | None:
         """The tokens-in request for ``prep`` on ``worker``, or None (counted: why not)."""
         reason, cap = self._check(prep, worker)
         self.counts[reason].inc()
         if cap is None:
             return None
+        if cap.engine == "sglang":
+            return WithIds(prep)
         lora = self.deps.registry.lora_name(prep.parsed.model) is not None
         return Plan(prep, cap, lora, lambda: self.known.pop(worker.id, None))
 
@@ -191,8 +263,10 @@ class TokensIn:
             return "disaggregated", None
         body = prep.parsed.body
         reason = request_reason(body)
-        if reason is not None:
-            return reason, None
+        if reason is not None:  # what no engine takes as ids
+            loose = request_reason(body, sglang=True) if reason in _CHAT_LAYER else reason
+            if loose is not None:
+                return loose, None
         if prep.ids is None:
             return "field", None
         seen = self.known.get(worker.id)
@@ -205,6 +279,11 @@ class TokensIn:
         cap = seen[2]
         if cap is None:
             return "engine", None
+        if cap.engine == "sglang":
+            reason = sglang_reason(body)
+            return ("sent", cap) if reason is None else (reason, None)
+        if reason is not None:  # what only SGLang's chat layer does with ids
+            return reason, None
         if prep.request.num_tokens >= cap.max_model_len:
             return "context", None
         if cap.capped and _max_tokens(body) is not None:
@@ -250,21 +329,26 @@ async def _call(
 async def probe(deps: ProxyDeps, url: str, model: str) -> Capability | None:
     """What the engine at ``url`` adds to a chat, if it takes the router's ids and answers
     them as its chat endpoint does (None: it does not, or not identically)."""
+    status, models = await _call(deps, url, "/v1/models", None)
+    if status != 200:
+        return None
+    cards = [m for m in models["data"] if isinstance(m, dict)]
+    card = next((m for m in cards if m.get("id") == model), cards[0] if cards else {})
+    if card.get("owned_by") == "sglang":
+        return await _probe_sglang(deps, url, model)
     chat = {"model": model, "messages": PROBE_MESSAGES}
+    ids = _ids(deps, chat)
     status, rendered = await _call(deps, url, RENDER, chat)
     if status != 200 or not isinstance(rendered, dict):
         return None
-    ids = as_ints(deps.router.tokenizers.get(model).chat(chat)[0])
     if rendered.get("token_ids") != ids:
         log.warning("engine %s renders chats to other ids than the router's tokenizer", url)
         return None
     if rendered.get("reasoning_parser_kwargs") is not None:
         return None  # a reasoning parser splits the chat answer; generate does not
     sp = rendered["sampling_params"]
-    _, models = await _call(deps, url, "/v1/models", None)
     max_len = next(
-        (m["max_model_len"] for m in models["data"] if isinstance(m.get("max_model_len"), int)),
-        None,
+        (m["max_model_len"] for m in cards if isinstance(m.get("max_model_len"), int)), None
     )
     if max_len is None:
         return None
@@ -284,6 +368,7 @@ async def probe(deps: ProxyDeps, url: str, model: str) -> Capability | None:
         log.warning("engine %s answers generate and chat differently", url)
         return None
     return Capability(
+        engine="vllm",
         defaults={k: sp.get(k, d) for k, d in _DEFAULTED.items()},
         stop_token_ids=list(sp.get("stop_token_ids") or []),
         max_model_len=max_len,
@@ -294,9 +379,63 @@ async def probe(deps: ProxyDeps, url: str, model: str) -> Capability | None:
     )
 
 
+def _ids(deps: ProxyDeps, chat: Mapping[str, Any]) -> list[int]:
+    return as_ints(deps.router.tokenizers.get(chat["model"]).chat(chat)[0])
+
+
+async def _probe_sglang(deps: ProxyDeps, url: str, model: str) -> Capability | None:
+    """An SGLang engine takes the router's ids if its own rendering of the probe
+    conversation is exactly them and it runs ``input_ids`` given beside the messages (none
+    of its versions before the change that reads that field do)."""
+    chat = {"model": model, "messages": PROBE_TURNS}
+    ids = _ids(deps, chat)
+    one = {"max_tokens": 1, "temperature": 0.0, "return_prompt_token_ids": True}
+    status, answer = await _call(deps, url, CHAT, {**chat, **one})
+    if status != 200 or answer["choices"][0].get("prompt_token_ids") != ids:
+        if status == 200:
+            log.warning("engine %s renders chats to other ids than the router's tokenizer "
+                        "(or does not echo them)", url)  # fmt: skip
+        return None
+    other = _ids(deps, {"model": model, "messages": PROBE_OTHER})
+    status, echoed = await _call(deps, url, CHAT, {**chat, **one, "input_ids": other})
+    if (
+        status != 200
+        or echoed["choices"][0].get("prompt_token_ids") != other
+        or echoed["usage"]["prompt_tokens"] != len(other)
+    ):
+        log.info("engine %s does not take input_ids in its chat requests", url)
+        return None
+    return Capability(
+        engine="sglang",
+        defaults={},
+        stop_token_ids=[],
+        max_model_len=0,
+        capped=False,
+        served=answer["model"],
+        fingerprint=None,
+        details=False,
+    )
+
+
 def _max_tokens(body: Mapping[str, Any]) -> Any:
     value = body.get("max_completion_tokens")
     return body.get("max_tokens") if value is None else value
+
+
+class WithIds:
+    """One chat to SGLang: its own body with the router's ids as ``input_ids``; the answer
+    is the engine's chat layer's, passed on as it came."""
+
+    __slots__ = ("body", "path", "raw")
+
+    def __init__(self, prep: Prepared) -> None:
+        assert prep.ids is not None
+        self.path = CHAT
+        self.body: dict[str, Any] = {**prep.parsed.body, "input_ids": as_ints(prep.ids)}
+        self.raw = orjson.dumps(self.body)
+
+    async def answer(self, resp: Response, timeout: float) -> Response:
+        return resp
 
 
 class Plan:

@@ -46,7 +46,7 @@ from router.http.errors import ApiError, ErrorCode, error_body
 from router.tokens.media import as_ints, block_keys, expand, media_parts
 from sim.cache import PrefixCache
 from sim.mock import messages as anthropic
-from sim.mock import tokens_in
+from sim.mock import sglang_chat, tokens_in
 from sim.mock.openai_api import (
     DONE,
     Kind,
@@ -299,7 +299,7 @@ class MockEngine:
         self.responses = ResponseStore()
         self.prefetched_blocks = 0
         self.generate_requests = 0  # chat and completion requests received
-        self.tokens_in_requests = 0  # of them, to /inference/v1/generate (token ids in)
+        self.tokens_in_requests = 0  # of them, token ids in (generate, or SGLang input_ids)
         self.fault: Fault | None = None
         self.pd = PdSide(
             cfg.role,
@@ -462,7 +462,7 @@ class MockEngine:
                 "id": self.cfg.model,
                 "object": "model",
                 "created": 0,
-                "owned_by": "vllm",
+                "owned_by": sglang_chat.OWNED_BY if self.cfg.encoding == "sglang" else "vllm",
                 "root": self.cfg.model,
                 "parent": None,
                 "max_model_len": self.cfg.max_model_len,
@@ -648,7 +648,10 @@ class MockEngine:
             seen = expand(self.text.tokenizer, body, placeholder_run, as_ints)
             prompt, keys = seen.tokens, block_keys(seen.items, self.cfg.block_size)
         elif kind == "chat":
-            prompt = self.text.chat(body)
+            # SGLang's input_ids beside the messages (sim.mock.sglang_chat)
+            ids = sglang_chat.input_ids(body) if self.cfg.encoding == "sglang" else None
+            prompt = self.text.chat(body) if ids is None else ids
+            self.tokens_in_requests += ids is not None
         else:
             prompt = self.text.completion(body["prompt"])
         seq = self._sequence(p, prompt, lora, keys)  # checked before any transfer
@@ -669,6 +672,8 @@ class MockEngine:
             raise ApiError(500, seq.error, "engine_error")
         use = self._usage(p, seq, True)
         answer = full_response(p, "".join(pieces), seq.finish_reason, use, seq.stop_reason)
+        if kind == "chat" and self.cfg.encoding == "sglang":
+            sglang_chat.echo(answer, body, prompt)
         if params is not None:
             answer["kv_transfer_params"] = params
         if fault is not None:
@@ -991,7 +996,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="map events with vLLM's default sha256 (bytes) block hashes",
     )
     parser.add_argument(
-        "--sglang", action="store_true", help="SGLang's event layout and metric names"
+        "--sglang",
+        action="store_true",
+        help="SGLang's event layout, metric names, /v1/models owner and chat input_ids",
     )
     parser.add_argument("--tokenizer", help="tokenizer.json (default: the router's fallback)")
     parser.add_argument("--speed", type=float, default=t.speed, help="divide all latencies by X")
