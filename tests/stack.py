@@ -419,6 +419,14 @@ class Routed:
             await client.close()
         self.clients = []
 
+    def events_at_rest(self) -> bool:
+        """The event feed read up to date, handed to the native reader where there is one,
+        and no resync in flight (the hand-off starts one): a batch lost from here is lost
+        until something shows the gap."""
+        feed, events = self.state.feed, self.state.events
+        handed = feed.native is None or feed.native_live
+        return feed.up_to_date and handed and not events._resync
+
     @property
     def state(self) -> Any:
         assert self.app is not None
