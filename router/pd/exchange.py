@@ -252,6 +252,12 @@ class PdRouter:
     def disaggregated(prep: Prepared) -> bool:
         return any(w.role != "mixed" for w in prep.workers)
 
+    @staticmethod
+    def remote_prefill(prep: Prepared) -> bool:
+        """Whether the request may take a prefill engine (both protocols carry chat and
+        completions only; a stored response's engine decodes and prefills it)."""
+        return prep.parsed.kind in PD_KINDS and prep.pinned is None
+
     # -- deciding ---------------------------------------------------------------------
     def decide(self, prep: Prepared, exclude: set[str] | frozenset[str] = frozenset()) -> PdChoice:
         """Both choices among usable targets (a worker, or one of its DP ranks:
