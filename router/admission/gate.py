@@ -357,10 +357,16 @@ class Gate:
                 self.poll()
 
     # -- telling -----------------------------------------------------------------------------
-    def explain(self, prep: Prepared, headers: Iterable[tuple[bytes, bytes]]) -> dict[str, Any]:
-        """Where a request would queue and why, without admitting it (``/admin/explain``)."""
+    def explain(
+        self,
+        prep: Prepared,
+        headers: Iterable[tuple[bytes, bytes]],
+        pd: PdRouter | None = None,
+    ) -> dict[str, Any]:
+        """Where a request would queue and why, without admitting it (``/admin/explain``;
+        with ``pd``: a disaggregated pool's, whose prefill engines are the ones held for)."""
         tenant, priority = self.identify(headers, prep.parsed.body)
-        ticket = self.ticket(prep, tenant, priority)
+        ticket = self.ticket(prep, tenant, priority, pd=pd)
         core = self.core
         now = time.monotonic()
         entitled = core.capacity.reserve <= 0 or core.entitled(ticket, now)
