@@ -148,3 +148,27 @@ async def test_without_a_limit_the_gateway_holds_nothing() -> None:
     assert r.gate.core.capacity.limit("c0") is None
     series = r.gate.core.stats.series[("none", "0")]
     assert (series.queued, series.admitted) == (0, 12)
+
+
+async def test_a_held_session_waits_for_its_home_cluster() -> None:
+    """A session's cache is on its home cluster: with the home full and the other cluster
+    free, its next request waits for the home (freeing at a known pace) rather than
+    recompute its conversation elsewhere, as a prompt waits for its prefix holder."""
+    async with region(queue_timeout=30) as r:
+        assert r.gateway is not None
+        async with httpx.AsyncClient(base_url=r.gateway.url, timeout=40) as http:
+            homes = [(await ask(http, "chat", f"turn {i}")).headers for i in range(3)]
+            home = homes[0]["x-cache-router-cluster"]
+            assert all(h["x-cache-router-cluster"] == home for h in homes)
+            assert r.gate.core.capacity.free_in(home) < 1.0  # three ends: a pace
+            engine = r.engines[int(home[1:])]
+            engine.gate = asyncio.Event()
+            busy = asyncio.create_task(ask(http, "chat", "turn 3"))
+            await until(lambda: engine.inflight == 1, what="the home cluster full")
+            nxt = asyncio.create_task(ask(http, "chat", "turn 4"))
+            await until(lambda: r.held() == 1, what="the next turn held for its home")
+            assert inflight(r) == 1  # the other cluster, idle, did not get it
+            engine.gate.set()
+            answers = [await busy, await nxt]
+    assert [a.headers["x-cache-router-cluster"] for a in answers] == [home, home]
+    assert r.gate.core.queued == 0 and not r.gate._reserved

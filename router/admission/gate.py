@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from policies.cost_model import EngineCosts
@@ -62,10 +62,13 @@ def make_gate(cfg: RouterConfig, router: Router, registry: WorkerRegistry) -> Ga
         tenants=cfg.tenants,
     )
     keys = {key: name for name, spec in cfg.tenants.items() for key in spec.api_keys}
-    return Gate(
+    gate = Gate(
         settings, router, registry, tenant_header=cfg.tenant_header, key_tenants=keys,
         expected_output=cfg.expected_output_tokens,
     )  # fmt: skip
+    if cfg.gateway:  # clusters for engines: a session's cache is on its home cluster
+        gate.home = getattr(router, "home", None)
+    return gate
 
 
 class ShedError(ApiError):
@@ -134,6 +137,9 @@ class Gate:
         self._reserved: Counter[str] = Counter()  # bound, flight not begun, per target
         self._seen: dict[str, float] = {}  # worker -> the report last handed on
         self.via: Counter[tuple[str, str]] = Counter()  # (path, outcome) -> requests
+        # gateway mode: a request's home cluster (router.routing.gateway), held for as a
+        # prefix holder is: the gateway sees no prompt hashes, a cluster holds the session
+        self.home: Callable[[Prepared], str | None] | None = None
         self.core = Admission(settings, self._inflight, self._bind, self._evicted, time.monotonic)
 
     # -- who and how urgent ------------------------------------------------------------
@@ -198,6 +204,11 @@ class Gate:
                 # engine) is none of its business: it would wait for it in vain
                 allowed = set(candidates)
                 saved = {t: s for t, s in saved.items() if t in allowed}
+            if self.home is not None:
+                home = self.home(prep)
+                if home is not None and home in candidates:
+                    # what another cluster would recompute: the whole prompt
+                    saved = {home: self.costs.prefill_ms(prep.request.num_tokens) / 1000.0}
         held = Waiter(prep, trace, exclude, pd, via)
         return Ticket(
             tenant, priority, prep.request.num_tokens, output, candidates, saved, held,
