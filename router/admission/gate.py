@@ -68,6 +68,7 @@ def make_gate(cfg: RouterConfig, router: Router, registry: WorkerRegistry) -> Ga
     )  # fmt: skip
     if cfg.gateway:  # clusters for engines: a session's cache is on its home cluster
         gate.home = getattr(router, "home", None)
+        gate.default_via = "gateway"
     return gate
 
 
@@ -137,6 +138,7 @@ class Gate:
         self._reserved: Counter[str] = Counter()  # bound, flight not begun, per target
         self._seen: dict[str, float] = {}  # worker -> the report last handed on
         self.via: Counter[tuple[str, str]] = Counter()  # (path, outcome) -> requests
+        self.default_via = "proxy"  # the proxy's path ("gateway" in gateway mode)
         # gateway mode: a request's home cluster (router.routing.gateway), held for as a
         # prefix holder is: the gateway sees no prompt hashes, a cluster holds the session
         self.home: Callable[[Prepared], str | None] | None = None
@@ -237,13 +239,14 @@ class Gate:
         exclude: frozenset[str] = frozenset(),
         timeout: float | None = None,
         pd: PdRouter | None = None,
-        via: str = "proxy",
+        via: str | None = None,
     ) -> Ticket:
         """Admit a request: its ticket once bound (``waiter(t).decision`` is where it
         goes, ``waiter(t).choice`` with ``pd``); ``ShedError`` if it is shed, the routing
         error if it could not be placed. ``exclude``: workers or targets it may never go
         to; ``timeout``: seconds it may be held at most, when less than ``queue_timeout``
-        (``via`` names the path, for the counts)."""
+        (``via`` names the path, for the counts; None: the proxy's, or the gateway's)."""
+        via = via or self.default_via
         tenant, priority = self.identify(headers, prep.parsed.body)
         ticket = self.ticket(
             prep, tenant, priority, trace, exclude=exclude, timeout=timeout, pd=pd, via=via
@@ -501,7 +504,8 @@ class AdmissionCollector:
         via = CounterMetricFamily(
             "cache_router_admission_requests",
             "Requests that went through admission, by the path they came by (proxy, epp: "
-            "the endpoint picker, pd: a disaggregated pool) and what became of them "
+            "the endpoint picker, pd: a disaggregated pool, gateway: gateway mode) and what "
+            "became of them "
             "(admitted, shed, left while held, unplaced: no worker could take them)",
             labels=["via", "outcome"],
         )
