@@ -267,3 +267,33 @@ async def test_without_admission_and_with_no_endpoint_allowed(make_stack, closin
     assert ex.immediate.status.code == 503 and ex.error()["code"] == "no_healthy_worker"
     assert gate(stack2).via == {("epp", "unplaced"): 1}
     assert sum(s.queued for s in gate(stack2).core.stats.series.values()) == 0
+
+
+async def test_held_requests_leave_in_priority_order_with_their_tenants(make_stack, closing):
+    """The picker's requests are ordered as the proxy's: the body's ``priority`` and the
+    tenant header count, and the priority goes on to the engine unchanged."""
+    stack = await make_stack(1, **FULL)
+    server, gw = await picker(stack)
+    closing += [server, gw]
+    w0 = stack.engine("w0")
+    w0.gate = asyncio.Event()
+    first = asyncio.create_task(gw.send("/v1/completions", completion("first")))
+    await until(lambda: w0.inflight == 1, what="the engine full")
+    bodies = {
+        "low": orjson.dumps({"model": "m", "prompt": "low", "max_tokens": 2, "priority": 5}),
+        "urgent": orjson.dumps({"model": "m", "prompt": "urgent", "max_tokens": 2, "priority": -1}),
+    }
+    low = asyncio.create_task(
+        gw.send("/v1/completions", bodies["low"], headers={"x-tenant-id": "bob"})
+    )
+    await until(lambda: held(stack) == 1, what="low held")
+    urgent = asyncio.create_task(
+        gw.send("/v1/completions", bodies["urgent"], headers={"x-tenant-id": "acme"})
+    )
+    await until(lambda: held(stack) == 2, what="both held")
+    w0.gate.set()
+    assert [(await t).status for t in (first, urgent, low)] == [200, 200, 200]
+    assert [r["body"]["prompt"] for r in w0.requests] == ["first", "urgent", "low"]
+    assert [r["body"].get("priority") for r in w0.requests] == [None, -1, 5]
+    series = gate(stack).core.stats.series
+    assert series[("acme", "-1")].admitted == 1 and series[("bob", "5")].queued == 1
