@@ -248,3 +248,25 @@ async def test_a_request_that_takes_no_prefill_engine_is_not_held() -> None:
         assert [(await t).status_code for t in first] == [200, 200]
     assert r.headers.get("x-cache-router-worker") == "d0", r.text
     assert gate(s).via[("pd", "admitted")] == 3
+
+
+async def test_a_request_its_decode_engine_prefills_is_not_held_for_a_prefill_slot() -> None:
+    """With ``pd_local_prefill_tokens``, a short prompt is prefilled by its decode engine:
+    it takes no prefill slot, so a full prefill side does not hold it (a long one is)."""
+    async with (
+        pd_stack("vllm", pd_local_prefill_tokens=24) as s,
+        httpx.AsyncClient(base_url=s.url, timeout=30) as http,
+    ):
+        first = await both_prefills_busy(s, http)  # long prompts: prefilled remotely
+        short = await http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "short", "max_tokens": 2}
+        )
+        assert short.status_code == 200 and short.headers["x-cache-router-worker"] == "d0"
+        long = asyncio.create_task(complete(http, "long"))
+        await until(lambda: queued(s) == 1, what="a long prompt held for a prefill slot")
+        s.held["p0"].release()
+        s.held["p1"].release()
+        assert [(await t).status_code for t in [*first, long]] == [200, 200, 200]
+    assert "short" not in prompts(s, "p0") + prompts(s, "p1")
+    series = gate(s).core.stats.series[("none", "0")]
+    assert (series.queued, series.admitted) == (1, 4)

@@ -199,6 +199,8 @@ class Gate:
         candidates = _candidates(prep, exclude, pd)
         saved: dict[str, float] = {}
         limit = self.core.capacity.limit
+        if pd is not None and candidates and self._full(candidates) and pd.prefills_locally(prep):
+            candidates = ()  # its decode engine prefills it: no prefill slot to wait for
         if self.core.queued or any(limit(t) is not None for t in candidates):
             saved = self._saved(prep)  # only a full pool binds late: nothing to pay before
             if exclude or pd is not None:
@@ -216,6 +218,13 @@ class Gate:
             tenant, priority, prep.request.num_tokens, output, candidates, saved, held,
             timeout=timeout,
         )  # fmt: skip
+
+    def _full(self, targets: tuple[str, ...]) -> bool:
+        """Whether a request for ``targets`` would wait now: others wait, or none has room."""
+        if self.core.queued:
+            return True
+        room, inflight = self.core.capacity.room, self._inflight
+        return all(room(t, inflight(t)) <= 0 for t in targets)
 
     def _saved(self, prep: Prepared) -> dict[str, float]:
         """Seconds of prefill each worker's cache saves the request."""

@@ -44,9 +44,10 @@ the prefill leg ends (the vLLM prefill answer read; SGLang's prefill answer drai
 not when the decode stream does. Decode engines are not held for: a decode engine's
 load is the decode policy's (its streams and KV room), and one that queues is passed
 over there. A request that takes no prefill engine (the Responses and Messages APIs; a
-stored response's engine) is never held, and one bound while the decode engine's
-uncached suffix is under ``pd_local_prefill_tokens`` is prefilled there as usual (its
-slot then is the decode engine's, until its stream ends). docs/overload.md says more.
+stored response's engine) is never held, nor one its decode engine would prefill
+itself (uncached suffix under ``pd_local_prefill_tokens``, asked when the prefill side
+is full); one bound and then prefilled locally has the decode engine's slot until its
+stream ends. docs/overload.md says more.
 
 Metrics per role: ``cache_router_pd_phase_seconds{phase}`` splits the TTFT into the
 prefill engine's queue as the policy estimated it, the prefill exchange and the transfer
@@ -271,6 +272,20 @@ class PdRouter:
         """Whether the request may take a prefill engine (both protocols carry chat and
         completions only; a stored response's engine decodes and prefills it)."""
         return prep.parsed.kind in PD_KINDS and prep.pinned is None
+
+    def prefills_locally(self, prep: Prepared) -> bool:
+        """Whether the decode engine would prefill the request itself now (its uncached
+        suffix under ``pd_local_prefill_tokens``): a choice made and undone, asked only
+        by admission while the prefill side is full, since such a request takes no
+        prefill slot and is not held for one."""
+        if self.local_prefill_tokens <= 0:
+            return False
+        try:
+            choice = self.decide(prep)
+        except ApiError:
+            return False  # binding will answer why
+        self.finish(prep, choice.decision)  # nothing is sent: the policies forget it
+        return choice.decision.prefill is None
 
     # -- deciding ---------------------------------------------------------------------
     def decide(self, prep: Prepared, exclude: set[str] | frozenset[str] = frozenset()) -> PdChoice:
