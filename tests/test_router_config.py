@@ -188,7 +188,7 @@ tokenize_threads tokenize_queue tokenize_timeout forward_token_ids chat_tokens_i
 derive_session_key processes tokenize_processes
 admission queue_size queue_timeout engine_queue engine_max_inflight reserve_share
 priority_starve_after priority_starve_share tenant_header expected_output_tokens
-migrate_max epp_port epp_body_mode tls_cert tls_key tls_client_ca
+migrate_max epp_port epp_body_mode epp_message_timeout tls_cert tls_key tls_client_ca
 first_token_stall_after token_stall_after
 engine_tls_ca engine_tls_cert engine_tls_key engine_tls_check_hostname
 """.split()  # noqa: SIM905

@@ -41,8 +41,10 @@ def mount(api: APIRouter, state: AdminDeps) -> None:
                                 pd["decode"]["scores"], pd["decode"]["reason"])  # fmt: skip
         chosen = state.registry.target(decision.worker_id)
         admission = None
-        if state.gate is not None and pd is None and prep.pinned is None:
-            admission = state.gate.explain(prep, request.headers.raw)
+        if state.gate is not None and prep.pinned is None:
+            admission = state.gate.explain(
+                prep, request.headers.raw, None if pd is None else state.pd
+            )
         return json_response(
             {
                 "request_id": prep.request.request_id,

@@ -125,6 +125,7 @@ class Ticket:
         "shed",
         "state",
         "tenant",
+        "timeout",
         "worker",
     )
 
@@ -137,6 +138,7 @@ class Ticket:
         candidates: tuple[str, ...],
         saved: Mapping[str, float] | None = None,
         payload: object = None,
+        timeout: float | None = None,
     ) -> None:
         self.tenant = tenant
         self.priority = priority
@@ -145,6 +147,9 @@ class Ticket:
         self.candidates = candidates
         self.saved = saved or {}  # seconds of prefill each worker's cache saves
         self.payload = payload
+        # seconds it may wait at most, when its caller allows less than ``queue_timeout``
+        # (a gateway's per-message timeout: router.epp)
+        self.timeout = timeout
         self.state = State.NEW
         self.worker: str | None = None
         self.shed: Shed | None = None
@@ -228,7 +233,10 @@ class Admission:
         self._seq += 1
         ticket.seq, ticket.arrival = self._seq, now
         self._saw(ticket.tenant, now)
-        ticket.deadline = now + self.settings.queue_timeout
+        limit = self.settings.queue_timeout
+        if ticket.timeout is not None:
+            limit = min(limit, ticket.timeout)
+        ticket.deadline = now + limit
         bucket = self._bucket(ticket.tenant, now)
         if bucket is not None:
             wait = bucket.take(ticket.tokens, now)
@@ -257,7 +265,7 @@ class Admission:
                 return self._shed(
                     ticket, "overloaded",
                     f"the pool is saturated: about {wait:.1f} s of queue ahead, over the "
-                    f"{self.settings.queue_timeout:g} s a request may wait", wait,
+                    f"{limit:g} s it may wait", wait,
                 )  # fmt: skip
             self.stats.queued(ticket.tenant, ticket.priority)
         return ticket.state
@@ -278,7 +286,7 @@ class Admission:
         self._remove(ticket)
         self._shed(
             ticket, "queue_timeout",
-            f"no engine had room within {self.settings.queue_timeout:g} s", self._wait(),
+            f"no engine had room within {ticket.deadline - ticket.arrival:g} s", self._wait(),
         )  # fmt: skip
         return ticket.shed
 

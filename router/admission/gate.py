@@ -12,6 +12,14 @@ Engine load reaches admission without a hook in the event or health code: a task
 (``run``) reads each worker's last report ten times a second and hands new ones on; it
 also pumps the queue, so a ticket waiting for its prefix holder is let go elsewhere
 when its hold ends even if nothing else happens.
+
+Three paths enter besides the proxy's: the Endpoint Picker (router.epp: ``exclude``
+holds the workers outside the gateway's subset, which the ticket may never be bound
+to; ``timeout`` bounds the hold by the gateway's per-message timeout), prefill/decode
+pools (router.pd: ``pd`` binds with the two-sided choice, and the ticket's candidates
+are the prefill engines, the scarce side; see docs/overload.md) and gateway mode (the
+proxy's own path, clusters for engines). Each request is counted by the path it came
+by (``via``) beside the per-tenant numbers.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from policies.cost_model import EngineCosts
@@ -32,6 +40,7 @@ if TYPE_CHECKING:
     from policies.base import Decision, WorkerView
     from router.config import RouterConfig
     from router.observe.tracing import Trace
+    from router.pd.exchange import PdChoice, PdRouter
     from router.routing.decide import Prepared, Router
     from router.workers.registry import WorkerRegistry
 
@@ -53,10 +62,14 @@ def make_gate(cfg: RouterConfig, router: Router, registry: WorkerRegistry) -> Ga
         tenants=cfg.tenants,
     )
     keys = {key: name for name, spec in cfg.tenants.items() for key in spec.api_keys}
-    return Gate(
+    gate = Gate(
         settings, router, registry, tenant_header=cfg.tenant_header, key_tenants=keys,
         expected_output=cfg.expected_output_tokens,
     )  # fmt: skip
+    if cfg.gateway:  # clusters for engines: a session's cache is on its home cluster
+        gate.home = getattr(router, "home", None)
+        gate.default_via = "gateway"
+    return gate
 
 
 class ShedError(ApiError):
@@ -70,13 +83,27 @@ class ShedError(ApiError):
 class Waiter:
     """A ticket's request, and what binding it decided."""
 
-    __slots__ = ("decision", "error", "future", "prep", "started", "trace", "views")
+    __slots__ = (
+        "choice", "decision", "error", "exclude", "future", "pd", "prep", "started", "trace",
+        "via", "views",
+    )  # fmt: skip
 
-    def __init__(self, prep: Prepared, trace: Trace | None = None) -> None:
+    def __init__(
+        self,
+        prep: Prepared,
+        trace: Trace | None = None,
+        exclude: frozenset[str] = frozenset(),
+        pd: PdRouter | None = None,
+        via: str = "proxy",
+    ) -> None:
         self.prep = prep
         self.trace = trace  # binding's match and decide spans go to the request's trace
+        self.exclude = exclude  # workers or targets it may never go to (a gateway's subset)
+        self.pd = pd  # a disaggregated pool's router: binding chooses both sides
+        self.via = via
         self.future: asyncio.Future[None] | None = None
         self.decision: Decision | None = None
+        self.choice: PdChoice | None = None  # with ``pd``: both sides' choice
         self.views: list[WorkerView] = []
         self.error: ApiError | None = None
         self.started = False
@@ -110,6 +137,11 @@ class Gate:
         self.costs = costs or EngineCosts()
         self._reserved: Counter[str] = Counter()  # bound, flight not begun, per target
         self._seen: dict[str, float] = {}  # worker -> the report last handed on
+        self.via: Counter[tuple[str, str]] = Counter()  # (path, outcome) -> requests
+        self.default_via = "proxy"  # the proxy's path ("gateway" in gateway mode)
+        # gateway mode: a request's home cluster (router.routing.gateway), held for as a
+        # prefix holder is: the gateway sees no prompt hashes, a cluster holds the session
+        self.home: Callable[[Prepared], str | None] | None = None
         self.core = Admission(settings, self._inflight, self._bind, self._evicted, time.monotonic)
 
     # -- who and how urgent ------------------------------------------------------------
@@ -148,18 +180,51 @@ class Gate:
         return tenant, priority
 
     def ticket(
-        self, prep: Prepared, tenant: str, priority: int, trace: Trace | None = None
+        self,
+        prep: Prepared,
+        tenant: str,
+        priority: int,
+        trace: Trace | None = None,
+        *,
+        exclude: frozenset[str] = frozenset(),
+        timeout: float | None = None,
+        pd: PdRouter | None = None,
+        via: str = "proxy",
     ) -> Ticket:
+        """The request's ticket: its candidates are the targets it may be bound to (not in
+        ``exclude``, by worker or target; in a disaggregated pool, the prefill engines)."""
         body = prep.parsed.body
         asked = body.get("max_completion_tokens") or body.get("max_tokens")
         output = asked if isinstance(asked, int) and asked > 0 else self.expected_output
-        candidates = tuple(t for w in prep.workers for t in w.targets)
+        candidates = _candidates(prep, exclude, pd)
         saved: dict[str, float] = {}
         limit = self.core.capacity.limit
+        if pd is not None and candidates and self._full(candidates) and pd.prefills_locally(prep):
+            candidates = ()  # its decode engine prefills it: no prefill slot to wait for
         if self.core.queued or any(limit(t) is not None for t in candidates):
             saved = self._saved(prep)  # only a full pool binds late: nothing to pay before
-        held = Waiter(prep, trace)
-        return Ticket(tenant, priority, prep.request.num_tokens, output, candidates, saved, held)
+            if exclude or pd is not None:
+                # a holder it may not go to (outside the gateway's subset; a decode
+                # engine) is none of its business: it would wait for it in vain
+                allowed = set(candidates)
+                saved = {t: s for t, s in saved.items() if t in allowed}
+            if self.home is not None:
+                home = self.home(prep)
+                if home is not None and home in candidates:
+                    # what another cluster would recompute: the whole prompt
+                    saved = {home: self.costs.prefill_ms(prep.request.num_tokens) / 1000.0}
+        held = Waiter(prep, trace, exclude, pd, via)
+        return Ticket(
+            tenant, priority, prep.request.num_tokens, output, candidates, saved, held,
+            timeout=timeout,
+        )  # fmt: skip
+
+    def _full(self, targets: tuple[str, ...]) -> bool:
+        """Whether a request for ``targets`` would wait now: others wait, or none has room."""
+        if self.core.queued:
+            return True
+        room, inflight = self.core.capacity.room, self._inflight
+        return all(room(t, inflight(t)) <= 0 for t in targets)
 
     def _saved(self, prep: Prepared) -> dict[str, float]:
         """Seconds of prefill each worker's cache saves the request."""
@@ -179,11 +244,36 @@ class Gate:
         prep: Prepared,
         headers: Iterable[tuple[bytes, bytes]],
         trace: Trace | None = None,
+        *,
+        exclude: frozenset[str] = frozenset(),
+        timeout: float | None = None,
+        pd: PdRouter | None = None,
+        via: str | None = None,
     ) -> Ticket:
         """Admit a request: its ticket once bound (``waiter(t).decision`` is where it
-        goes); ``ShedError`` if it is shed, the routing error if it could not be placed."""
+        goes, ``waiter(t).choice`` with ``pd``); ``ShedError`` if it is shed, the routing
+        error if it could not be placed. ``exclude``: workers or targets it may never go
+        to; ``timeout``: seconds it may be held at most, when less than ``queue_timeout``
+        (``via`` names the path, for the counts; None: the proxy's, or the gateway's)."""
+        via = via or self.default_via
         tenant, priority = self.identify(headers, prep.parsed.body)
-        ticket = self.ticket(prep, tenant, priority, trace)
+        ticket = self.ticket(
+            prep, tenant, priority, trace, exclude=exclude, timeout=timeout, pd=pd, via=via
+        )
+        try:
+            await self._wait(ticket)
+        finally:
+            self.via[via, _outcome(ticket)] += 1
+        if ticket.state is State.SHED:
+            assert ticket.shed is not None
+            raise ShedError(ticket.shed)
+        w = waiter(ticket)
+        if w.error is not None:
+            raise w.error
+        return ticket
+
+    async def _wait(self, ticket: Ticket) -> None:
+        """Arrive, and wait while held (until bound, shed, or its deadline)."""
         state = self.core.arrive(ticket)
         if state is State.QUEUED:
             w = waiter(ticket)
@@ -195,16 +285,9 @@ class Gate:
                 self.core.expire(ticket)
             except asyncio.CancelledError:
                 if ticket.state is State.BOUND:  # bound, then cancelled before it woke
-                    self.finish(ticket)
+                    self.release(ticket)
                 self.core.leave(ticket)
                 raise
-        if ticket.state is State.SHED:
-            assert ticket.shed is not None
-            raise ShedError(ticket.shed)
-        w = waiter(ticket)
-        if w.error is not None:
-            raise w.error
-        return ticket
 
     def started(self, ticket: Ticket) -> None:
         """The request's flight began: its worker counts it now."""
@@ -217,6 +300,19 @@ class Gate:
         """The request ended (answered, failed or cancelled): its slot is free."""
         self.started(ticket)
         self.core.finish(ticket, output_tokens)
+
+    def release(self, ticket: Ticket) -> None:
+        """A bound request that will never be sent: its slot is free, and the policy
+        forgets the choice it counted (``on_finish``, as a request that ended)."""
+        w = waiter(ticket)
+        if ticket.state is State.BOUND and not w.started:
+            prep = w.prep
+            if w.choice is not None and w.pd is not None:
+                w.pd.finish(prep, w.choice.decision)
+            elif w.decision is not None:
+                policy = self.router.experiment.policy_for(prep.arm)
+                policy.on_finish(prep.request, w.decision.worker_id)
+        self.finish(ticket)
 
     def _release(self, target: str) -> None:
         self._reserved[target] -= 1
@@ -234,13 +330,20 @@ class Gate:
     def _bind(self, ticket: Ticket, allowed: frozenset[str]) -> str | None:
         w = waiter(ticket)
         exclude = frozenset(t for t in ticket.candidates if t not in allowed)
+        if w.exclude:
+            exclude |= w.exclude
         try:
-            w.decision, w.views = self.router.decide(w.prep, exclude, w.trace)
+            if w.pd is not None:  # both sides; the prefill engine's slot is the one held
+                w.choice = w.pd.decide(w.prep, exclude)
+                d = w.choice.decision
+                target = (d.decode if d.prefill is None else d.prefill).worker_id
+            else:
+                w.decision, w.views = self.router.decide(w.prep, exclude, w.trace)
+                target = w.decision.worker_id
         except ApiError as err:
             w.error = err
             self._wake(w)
             return None
-        target = w.decision.worker_id
         self._reserved[target] += 1
         self._wake(w)
         return target
@@ -277,10 +380,16 @@ class Gate:
                 self.poll()
 
     # -- telling -----------------------------------------------------------------------------
-    def explain(self, prep: Prepared, headers: Iterable[tuple[bytes, bytes]]) -> dict[str, Any]:
-        """Where a request would queue and why, without admitting it (``/admin/explain``)."""
+    def explain(
+        self,
+        prep: Prepared,
+        headers: Iterable[tuple[bytes, bytes]],
+        pd: PdRouter | None = None,
+    ) -> dict[str, Any]:
+        """Where a request would queue and why, without admitting it (``/admin/explain``;
+        with ``pd``: a disaggregated pool's, whose prefill engines are the ones held for)."""
         tenant, priority = self.identify(headers, prep.parsed.body)
-        ticket = self.ticket(prep, tenant, priority)
+        ticket = self.ticket(prep, tenant, priority, pd=pd)
         core = self.core
         now = time.monotonic()
         entitled = core.capacity.reserve <= 0 or core.entitled(ticket, now)
@@ -309,6 +418,30 @@ class Gate:
             "queued": core.snapshot(),
             "workers": workers,
         }
+
+
+def _candidates(prep: Prepared, exclude: frozenset[str], pd: PdRouter | None) -> tuple[str, ...]:
+    """The targets a ticket may be bound to: not excluded (by worker or target); in a
+    disaggregated pool the prefill engines (none when the request cannot take one: the
+    PD router then prefills on the decode engine, and nothing is held)."""
+    if pd is not None and not pd.remote_prefill(prep):
+        return ()
+    return tuple(
+        t
+        for w in prep.workers
+        if w.id not in exclude and (pd is None or w.role == "prefill")
+        for t in w.targets
+        if t not in exclude
+    )
+
+
+def _outcome(ticket: Ticket) -> str:
+    state = ticket.state
+    if state is State.SHED:
+        return "shed"
+    if state is State.LEFT or state is State.QUEUED:
+        return "left"
+    return "admitted" if ticket.worker is not None else "unplaced"
 
 
 def _share(count: int | None, ranks: int) -> int | None:
@@ -377,6 +510,17 @@ class AdmissionCollector:
         yield from families.values()
         yield shed
         yield wait
+        via = CounterMetricFamily(
+            "cache_router_admission_requests",
+            "Requests that went through admission, by the path they came by (proxy, epp: "
+            "the endpoint picker, pd: a disaggregated pool, gateway: gateway mode) and what "
+            "became of them "
+            "(admitted, shed, left while held, unplaced: no worker could take them)",
+            labels=["via", "outcome"],
+        )
+        for (path, outcome), n in sorted(self.gate.via.items()):
+            via.add_metric([path, outcome], n)
+        yield via
         limits = GaugeMetricFamily(
             "cache_router_admission_limit",
             "Requests a worker runs before it queues, as admission learnt it",

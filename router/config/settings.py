@@ -449,6 +449,11 @@ class EppSettings:
     # the request body mode of a gateway that does not say its own (Envoy before 1.34);
     # GIE's gateways run full_duplex_streamed
     epp_body_mode: EppBodyMode = setting("full_duplex_streamed")
+    # the gateway's ext_proc message_timeout (Envoy's default: 200 ms; GIE's Envoy Gateway
+    # manifests set 1000 s): in buffered mode a request held by admission is answered
+    # before it (a 503 rather than the gateway's own failure); full-duplex streams have
+    # no message timeout (Envoy), there the hold is bounded by queue_timeout alone
+    epp_message_timeout: float = setting(0.2, _DURATION)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,6 +13,15 @@ Requests the proxy would not tokenize go as its passthrough sends them: endpoint
 routes on load (``router.forward.passthrough.PATHS``, and any other path with a body) to the
 least-loaded engine of the body's model, a request without a body (``GET /v1/models``)
 to the least-loaded engine of all.
+
+Admission (router.admission) holds the requests the proxy would hold, in the same
+queue: ``Gate.enter`` with the workers outside the gateway's subset excluded (a held
+request is bound late, and only ever to an endpoint the gateway allowed; a prefix held
+outside the subset is no reason to wait) and, where the gateway times each message
+(buffered mode), a hold bounded by that timeout. A shed request is an immediate
+response with the proxy's status, body and ``retry-after``. The slot is freed when the
+response phase ends or the stream does, however it ends; a stream cancelled while its
+request is held leaves the queue.
 """
 
 from __future__ import annotations
@@ -20,11 +29,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from router.admission.gate import waiter
 from router.forward.passthrough import Passthrough, least_loaded
-from router.forward.proxy import CACHED_TOKENS, HEAD_BYTES, HIT_HEADER, Proxy
+from router.forward.proxy import CACHED_TOKENS, COMPLETION_TOKENS, HEAD_BYTES, HIT_HEADER, Proxy
 from router.forward.relay import ProxyDeps
 from router.http.errors import ApiError
 from router.routing.decide import Kind, Prepared, hit_blocks
@@ -33,6 +43,8 @@ from router.workers.load import WAITING, Flight
 
 if TYPE_CHECKING:
     from policies.base import Policy, RouteRequest
+    from router.admission.core import Ticket
+    from router.admission.gate import Gate
     from router.observe.metrics import Series
     from router.workers.registry import Worker
 
@@ -87,6 +99,9 @@ class Routed:
     tail: bytes = b""
     head: bytes = b""
     done: bool = False
+    gate: Gate | None = None  # admission's, with the request's ``ticket``
+    ticket: Ticket | None = None
+    output_tokens: int | None = None  # the answer's usage, when it gave one
 
     def response_headers(self, headers: dict[str, str]) -> list[tuple[str, str]]:
         """The engine answered: its status counts for the worker's health as in the proxy;
@@ -114,10 +129,14 @@ class Routed:
         if self.remember is not None and len(self.head) < HEAD_BYTES:
             self.head += chunk
         window = self.tail + chunk  # '"cached_tokens": 12' may be cut between chunks
-        if b"cached_tokens" in window:
+        if b"_tokens" in window:  # usage
             numbers = CACHED_TOKENS.findall(window)
             if numbers:
                 self.cached = int(numbers[-1])
+            if self.ticket is not None:  # settles admission's fair share
+                numbers = COMPLETION_TOKENS.findall(window)
+                if numbers:
+                    self.output_tokens = int(numbers[-1])
         self.tail = chunk[-32:]
         if end:
             self.finish(complete=True)
@@ -128,6 +147,8 @@ class Routed:
             return
         self.done = True
         self.flight.finish()
+        if self.gate is not None and self.ticket is not None:  # its slot is free
+            self.gate.finish(self.ticket, self.output_tokens)
         if complete and self.status < 400:
             if self.cached is not None and self.series is not None:
                 self.series.hit_tokens.inc(self.cached)
@@ -156,11 +177,17 @@ class Picker:
         return self.deps.edge.check({"headers": pairs, "path": path})
 
     async def pick(
-        self, path: str, raw: bytes | None, headers: dict[str, str], subset: list[str] | None
+        self,
+        path: str,
+        raw: bytes | None,
+        headers: dict[str, str],
+        subset: list[str] | None,
+        hold: float | None = None,
     ) -> Routed:
         """The engine for one request (``raw``: its body; None: it has none); ``ApiError``
         for the gateway to answer instead (400 malformed, 404 unknown model, 503 none
-        usable, 429 overloaded)."""
+        usable, 429/503 shed by admission with ``headers``). ``hold``: seconds admission
+        may hold it at most (the gateway's message timeout; None: ``queue_timeout``)."""
         exclude = self._excluded(subset)
         kind = KINDS.get(path)
         if kind is None or raw is None:
@@ -178,7 +205,37 @@ class Picker:
                 "prefill/decode pools are routed by the proxy, not by the endpoint picker",
                 "invalid_request",
             )
-        decision, views = st.router.decide(prep, exclude)
+        gate = st.gate
+        if gate is None or prep.pinned is not None:  # a stored response has one engine
+            return await self._decided(kind, prep, raw, headers, exclude, parsed.body)
+        # admission: held while the engines it may use are full, or shed
+        pairs = [(k.encode(), v.encode("latin-1")) for k, v in headers.items() if k[0] != ":"]
+        ticket = await gate.enter(prep, pairs, exclude=frozenset(exclude), timeout=hold, via="epp")
+        try:
+            routed = await self._decided(kind, prep, raw, headers, exclude, parsed.body, ticket)
+        except BaseException:
+            gate.release(ticket)  # never routed: its slot is free
+            raise
+        routed.gate, routed.ticket = gate, ticket
+        return routed
+
+    async def _decided(
+        self,
+        kind: Kind,
+        prep: Prepared,
+        raw: bytes,
+        headers: dict[str, str],
+        exclude: set[str],
+        body: dict[str, Any],
+        ticket: Ticket | None = None,
+    ) -> Routed:
+        """Routed where admission bound it (``ticket``), else where the policy decides."""
+        st = self.deps
+        bound = None if ticket is None else waiter(ticket)
+        if bound is not None and bound.decision is not None:
+            decision, views = bound.decision, bound.views
+        else:
+            decision, views = st.router.decide(prep, exclude)
         tid = decision.worker_id
         found = st.registry.target(tid)
         if found is None:
@@ -188,6 +245,8 @@ class Picker:
         hit = hit_blocks(views, decision) * req.block_size
         prefetched = await self.proxies[kind].hint(decision, prep)
         flight = worker.rank_load(rank).begin(max(0, req.num_tokens - hit))
+        if ticket is not None and st.gate is not None:
+            st.gate.started(ticket)  # its worker counts it now
         st.router.predict(prep, tid)
         series = st.metrics.series(prep.arm, tid)
         series.requests.inc()
@@ -199,7 +258,7 @@ class Picker:
                 req.model, req.block_size, tid, req.block_hashes, req.num_tokens, prefetched
             )
         remember = None
-        if kind == "responses" and parsed.body.get("store") is not False:
+        if kind == "responses" and body.get("store") is not False:
             remember = st.affinity.remembers(worker.id)
         routed = self._routed(worker, tid, flight, headers, raw, prep, rank)
         routed.series = series

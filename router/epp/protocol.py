@@ -13,7 +13,9 @@ v1.0.0) and the reference pickers (that repository's ``pkg/lwepp/handlers`` and
 - the gateway may narrow the choice with the filter metadata
   ``envoy.lb.subset_hint / x-gateway-destination-endpoint-subset`` (a list, or one
   comma-separated string: both occur); none eligible is a 503 immediate response;
-- no ready endpoint: an immediate response 503; a request dropped (overload): 429;
+- no ready endpoint: an immediate response 503; a request dropped (overload): 429
+  (admission's shed answers, 429 or 503, carry ``retry-after`` in the immediate
+  response's headers and the OpenAI error body, as the proxy answers them);
 - in the response phase the gateway reports ``envoy.lb /
   x-gateway-destination-endpoint-served``, the endpoint that answered (it may have
   retried down the list);
@@ -163,12 +165,19 @@ def trailers(phase: str) -> Any:
     return out
 
 
-def immediate(status: int, body: bytes, content_type: str = "application/json") -> Any:
-    """The gateway answers the client itself with ``status`` and ``body``."""
+def immediate(
+    status: int,
+    body: bytes,
+    content_type: str = "application/json",
+    headers: Sequence[tuple[str, str]] = (),
+) -> Any:
+    """The gateway answers the client itself with ``status``, ``body`` and ``headers``
+    (a shed request's ``retry-after``)."""
+    pairs = [("content-type", content_type), *headers]
     return ep.ProcessingResponse(
         immediate_response=ep.ImmediateResponse(
             status=ep.HttpStatus(code=status),
-            headers=ep.HeaderMutation(set_headers=_headers([("content-type", content_type)])),
+            headers=ep.HeaderMutation(set_headers=_headers(pairs)),
             body=body,
         )
     )

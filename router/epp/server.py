@@ -21,8 +21,18 @@ gateway that does not say gets ``epp_body_mode``):
   ``failureMode``: FailClose answers 5xx, FailOpen picks an endpoint itself).
 
 Refusals (malformed body 400, unknown model 404, no usable engine 503, overload 429,
-header limits 431, API key 401) are immediate responses with the OpenAI error body,
-exactly what the proxy would have answered. The gRPC health service answers
+header limits 431, API key 401, admission's sheds 429/503 with ``retry-after``) are
+immediate responses with the OpenAI error body, exactly what the proxy would have
+answered.
+
+Admission may hold a request before it is routed (router.admission, as the proxy's
+are). Envoy times each message it sends the processor (``message_timeout``, 200 ms by
+default) except in ``FULL_DUPLEX_STREAMED`` mode, where it sets no timer: there a hold
+lasts up to ``queue_timeout``; in buffered mode (and for a gateway that sends no body)
+it ends ``HOLD_MARGIN`` before ``epp_message_timeout``, the gateway's setting as the
+router is told it, so the request is answered (routed, or shed with a 503) before the
+gateway gives up on the picker. A gateway that cancels the stream while the request is
+held (its client went away) takes it out of the queue. The gRPC health service answers
 ``liveness``, ``readiness`` and the ``ext_proc`` service name, as the protocol's
 "Health Checking" section lists them.
 """
@@ -51,15 +61,22 @@ log = logging.getLogger(__name__)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 READY_INTERVAL = 1.0  # seconds between readiness updates (the discovery's first lists)
+HOLD_MARGIN = 0.05  # seconds (at most a quarter of it) a hold ends before a message timeout
+
+
+def hold_bound(message_timeout: float) -> float:
+    """Seconds a request may be held where the gateway gives up after ``message_timeout``."""
+    return max(0.0, message_timeout - min(HOLD_MARGIN, message_timeout / 4))
 
 
 class ExternalProcessor:
     """``envoy.service.ext_proc.v3.ExternalProcessor``, answered by ``Picker``."""
 
-    def __init__(self, deps: ProxyDeps, default_mode: int) -> None:
+    def __init__(self, deps: ProxyDeps, default_mode: int, message_timeout: float = 0.2) -> None:
         self.picker = Picker(deps)
         self.deps = deps
         self.default_mode = default_mode
+        self.hold = hold_bound(message_timeout)  # buffered mode's bound on a hold
         self.streams = 0
         self.refused = 0
 
@@ -114,7 +131,8 @@ class ExternalProcessor:
                         return
                     if not msg.request_body.end_of_stream:
                         continue
-                    answer = await self._pick(headers, bytes(body), subset)
+                    hold = None if request_mode == pr.FULL_DUPLEX else self.hold
+                    answer = await self._pick(headers, bytes(body), subset, hold)
                     if not isinstance(answer, Routed):
                         await send(answer)
                         return
@@ -158,18 +176,23 @@ class ExternalProcessor:
                 routed.finish()
 
     async def _pick(
-        self, headers: dict[str, str], raw: bytes | None, subset: list[str] | None
+        self,
+        headers: dict[str, str],
+        raw: bytes | None,
+        subset: list[str] | None,
+        hold: float | None = None,
     ) -> Routed | Any:
         """The routed request, or the immediate response that refuses it."""
         try:
-            return await self.picker.pick(_path(headers), raw, headers, subset)
+            return await self.picker.pick(_path(headers), raw, headers, subset, hold)
         except ApiError as err:
             return self._refuse(err)
 
     def _refuse(self, err: ApiError) -> Any:
         self.refused += 1
         self.deps.metrics.error("-", "-", err.code)
-        return pr.immediate(err.status, err.body())
+        extra = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in err.headers]
+        return pr.immediate(err.status, err.body(), headers=extra)
 
     @staticmethod
     def _answer(
@@ -197,8 +220,9 @@ class EppServer:
         port: int,
         body_mode: str = "full_duplex_streamed",
         ready: Callable[[], bool] | None = None,
+        message_timeout: float = 0.2,
     ) -> None:
-        self.processor = ExternalProcessor(deps, pr.MODE_NAMES[body_mode])
+        self.processor = ExternalProcessor(deps, pr.MODE_NAMES[body_mode], message_timeout)
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server()
         process = grpc.stream_stream_rpc_method_handler(
@@ -256,7 +280,9 @@ async def start_picker(
     def ready() -> bool:
         return all(getattr(s, "synced", True) for s in sources)
 
-    server = EppServer(deps, host, cfg.epp_port or 0, cfg.epp_body_mode, ready)
+    server = EppServer(
+        deps, host, cfg.epp_port or 0, cfg.epp_body_mode, ready, cfg.epp_message_timeout
+    )
     await server.start()
     return server
 

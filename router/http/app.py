@@ -155,12 +155,9 @@ class RouterState:
             self.metrics.add_collector(CapacityCollector(self.capacity, self.metrics))
         self.client: httpx.AsyncClient = _client(cfg, tls)  # cold paths: health, scrapes
         self.upstream = Upstream(tls=tls)  # the hot path's engine connections
-        # admission at the router (router.admission); a gateway's workers are clusters
-        self.gate = (
-            make_gate(cfg, self.router, self.registry)
-            if cfg.admission and not cfg.gateway
-            else None
-        )
+        # admission at the router (router.admission); in gateway mode its workers are
+        # clusters, held for only under a fixed per-cluster limit (docs/overload.md)
+        self.gate = make_gate(cfg, self.router, self.registry) if cfg.admission else None
         if self.gate is not None:
             self.metrics.add_collector(AdmissionCollector(self.gate))
         self.pd = PdRouter(cfg.section(PdSettings), self.proxy_deps())  # disaggregated pools

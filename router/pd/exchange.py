@@ -36,6 +36,19 @@ Failures, without duplicated work:
 - the decode engine dies mid-stream: the stream ends with an error event, as for any
   engine (``Relay.stream``).
 
+Admission (router.admission, the proxy's queue and counts): a request is held before
+its prefill leg while every prefill engine it may use is full, since the prefill pool is
+the scarce side and the first leg; it is bound (both sides chosen, the full prefill
+engines excluded) when one has room, and its slot is that prefill engine's, freed when
+the prefill leg ends (the vLLM prefill answer read; SGLang's prefill answer drained),
+not when the decode stream does. Decode engines are not held for: a decode engine's
+load is the decode policy's (its streams and KV room), and one that queues is passed
+over there. A request that takes no prefill engine (the Responses and Messages APIs; a
+stored response's engine) is never held, nor one its decode engine would prefill
+itself (uncached suffix under ``pd_local_prefill_tokens``, asked when the prefill side
+is full); one bound and then prefilled locally has the decode engine's slot until its
+stream ends. docs/overload.md says more.
+
 Metrics per role: ``cache_router_pd_phase_seconds{phase}`` splits the TTFT into the
 prefill engine's queue as the policy estimated it, the prefill exchange and the transfer
 (the decode engine's first byte after the prefill answered: KV pull plus its first
@@ -78,6 +91,8 @@ from router.workers.dp import forward_rank, rank_body, rank_headers
 from router.workers.load import Flight
 
 if TYPE_CHECKING:
+    from router.admission.core import Ticket
+    from router.admission.gate import Gate
     from router.config import PdSettings
     from router.forward.relay import Exchange, ProxyDeps, Relay
     from router.http.asgi import Message, Scope, Send
@@ -252,6 +267,26 @@ class PdRouter:
     def disaggregated(prep: Prepared) -> bool:
         return any(w.role != "mixed" for w in prep.workers)
 
+    @staticmethod
+    def remote_prefill(prep: Prepared) -> bool:
+        """Whether the request may take a prefill engine (both protocols carry chat and
+        completions only; a stored response's engine decodes and prefills it)."""
+        return prep.parsed.kind in PD_KINDS and prep.pinned is None
+
+    def prefills_locally(self, prep: Prepared) -> bool:
+        """Whether the decode engine would prefill the request itself now (its uncached
+        suffix under ``pd_local_prefill_tokens``): a choice made and undone, asked only
+        by admission while the prefill side is full, since such a request takes no
+        prefill slot and is not held for one."""
+        if self.local_prefill_tokens <= 0:
+            return False
+        try:
+            choice = self.decide(prep)
+        except ApiError:
+            return False  # binding will answer why
+        self.finish(prep, choice.decision)  # nothing is sent: the policies forget it
+        return choice.decision.prefill is None
+
     # -- deciding ---------------------------------------------------------------------
     def decide(self, prep: Prepared, exclude: set[str] | frozenset[str] = frozenset()) -> PdChoice:
         """Both choices among usable targets (a worker, or one of its DP ranks:
@@ -316,7 +351,28 @@ class PdRouter:
     async def forward(
         self, proxy: Relay, scope: Scope, raw: bytes, prep: Prepared, ex: Exchange
     ) -> None:
-        """Prefill (unless local), then stream the decode engine's answer to the client."""
+        """Admitted (held while the prefill engines are full, or shed: ``ShedError``),
+        then prefill (unless local), then stream the decode engine's answer."""
+        gate = self.state.gate
+        if gate is None:
+            await self._forward(proxy, scope, raw, prep, ex, None)
+            return
+        ticket = await gate.enter(prep, scope["headers"], pd=self, via="pd")
+        slot = Slot(gate, ticket)
+        try:
+            await self._forward(proxy, scope, raw, prep, ex, slot)
+        finally:
+            slot.free(ex.output_tokens)  # if the prefill leg did not already
+
+    async def _forward(
+        self,
+        proxy: Relay,
+        scope: Scope,
+        raw: bytes,
+        prep: Prepared,
+        ex: Exchange,
+        slot: Slot | None,
+    ) -> None:
         st = self.state
         req = prep.request
         headers = [(k, v) for k, v in scope["headers"] if k not in proxy.drop]
@@ -332,7 +388,8 @@ class PdRouter:
         # answered and the blocks a hint pulled into it
         done: tuple[Target, dict[str, Any] | None, float, int] | None = None
         while True:
-            choice = self.decide(prep, exclude)
+            bound = None if slot is None else slot.take()
+            choice = bound if bound is not None else self.decide(prep, exclude)
             d = choice.decision
             decode = _target(st, d.decode.worker_id)
             prefill = None if d.prefill is None else _target(st, d.prefill.worker_id)
@@ -346,12 +403,14 @@ class PdRouter:
             try:
                 if prefill is None:
                     resp, flight = await self._local(decode, choice, prep, raw, body, headers, path)
+                    if slot is not None:
+                        slot.begun()  # the decode engine prefills: the slot is its own
                     prefilled, prefetched = time.perf_counter(), 0
                 elif self.protocol == "vllm":
                     if done is None:
                         hinted = await proxy.hint(d.prefill, prep)
                         params = await self._vllm_prefill(
-                            prefill, choice, prep, body, headers, path
+                            prefill, choice, prep, body, headers, path, slot
                         )
                         done = (prefill, params, time.perf_counter(), hinted)
                     prefill, params, prefilled, prefetched = done
@@ -365,7 +424,7 @@ class PdRouter:
                 else:
                     prefetched = await proxy.hint(d.prefill, prep)
                     resp, flight = await self._sglang_pair(
-                        prefill, decode, choice, prep, body, headers, path
+                        prefill, decode, choice, prep, body, headers, path, slot
                     )
                     prefilled = time.perf_counter()
             except _Failed as f:
@@ -486,6 +545,7 @@ class PdRouter:
         body: dict[str, Any],
         headers: list[tuple[bytes, bytes]],
         path: str,
+        slot: Slot | None = None,
     ) -> dict[str, Any] | None:
         """The prefill exchange; the ``kv_transfer_params`` its answer carries. None from
         a connector that keys the KV by the prompt itself (vLLM's ExampleConnector and
@@ -496,7 +556,7 @@ class PdRouter:
         field = prefill.worker.dp_field
         sent = rank_headers(headers, prefill.rank, field)
         out = vllm_prefill_body(rank_body(body, prefill.rank, field))
-        answer = await self._prefill_exchange(prefill, choice, prep, sent, out, path)
+        answer = await self._prefill_exchange(prefill, choice, prep, sent, out, path, None, slot)
         params = transfer_params(answer)
         if params is None:
             self.metrics.requests.labels("prefill", prefill.id, "no_transfer_params").inc()
@@ -511,6 +571,7 @@ class PdRouter:
         body: bytes,
         path: str,
         accepted: list[tuple[Response, Flight, Callable[[bytes | None], None]]] | None = None,
+        slot: Slot | None = None,
     ) -> bytes:
         """Send the prefill request; its whole answer, or b"" once its headers are in when
         ``accepted`` takes the response and its load (SGLang: the answer comes after the
@@ -523,6 +584,8 @@ class PdRouter:
         w, tid = prefill.worker, prefill.id
         hit = choice.hit(tid, req.block_size)
         flight = w.rank_load(prefill.rank).begin(max(0, req.num_tokens - hit))
+        if slot is not None:
+            slot.begun()  # admission's slot is this prefill engine's now
         queue_ms = d.prefill.scores.get(tid, {}).get("queue_ms")
         if queue_ms is not None:
             self.metrics.phase.labels("prefill_queue", tid).observe(queue_ms / 1000.0)
@@ -545,6 +608,8 @@ class PdRouter:
         finally:
             if accepted is None or not accepted:
                 flight.finish()
+                if slot is not None:
+                    slot.free()  # the prefill leg is over: the next held request may go
                 if resp is not None:
                     resp.close()
         status = resp.status
@@ -585,6 +650,7 @@ class PdRouter:
         body: dict[str, Any],
         headers: list[tuple[bytes, bytes]],
         path: str,
+        slot: Slot | None = None,
     ) -> tuple[Response, Flight]:
         """Both engines at once with one bootstrap room; the decode engine's response
         once the prefill engine has accepted the request too (its headers are in).
@@ -610,7 +676,7 @@ class PdRouter:
         d_headers = rank_headers(headers, decode.rank, dec.dp_field)
         accepted: list[tuple[Response, Flight, Callable[[bytes | None], None]]] = []
         p_task = asyncio.ensure_future(
-            self._prefill_exchange(prefill, choice, prep, p_headers, p_body, path, accepted)
+            self._prefill_exchange(prefill, choice, prep, p_headers, p_body, path, accepted, slot)
         )
         d_task = asyncio.ensure_future(self._send_decode(decode, prep, d_body, d_headers, 0, path))
         try:
@@ -619,13 +685,19 @@ class PdRouter:
             for r, f, _ in accepted:
                 r.close()  # the prefill engine sees its client leave and frees the room
                 f.finish()
+            if slot is not None:
+                slot.free()
             raise
         for r, f, done in accepted:
-            self._drain(r, f, done)
+            self._drain(r, f, done, slot)
         return d_task.result()
 
     def _drain(
-        self, resp: Response, flight: Flight, done: Callable[[bytes | None], None]
+        self,
+        resp: Response,
+        flight: Flight,
+        done: Callable[[bytes | None], None],
+        slot: Slot | None = None,
     ) -> None:
         """Read the prefill engine's answer to its end in the background (its prefill load
         counts until then), then ``done(answer)``, ``done(None)`` if it broke off."""
@@ -641,6 +713,8 @@ class PdRouter:
             finally:
                 resp.close()
                 flight.finish()
+                if slot is not None:
+                    slot.free()  # the prefill engine is done with it
 
         task = asyncio.ensure_future(drain())
         self._drains.add(task)
@@ -651,6 +725,36 @@ class PdRouter:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Slot:
+    """Admission's hold on one request of a disaggregated pool (router.admission): the
+    choice it was bound with (for the first try), its engine counting it once the
+    prefill flight begins (``begun``), free once the prefill leg ends (``free``, once;
+    the decode stream goes on)."""
+
+    __slots__ = ("choice", "freed", "gate", "ticket")
+
+    def __init__(self, gate: Gate, ticket: Ticket) -> None:
+        from router.admission.gate import waiter
+
+        self.gate = gate
+        self.ticket = ticket
+        self.choice = waiter(ticket).choice
+        self.freed = False
+
+    def take(self) -> PdChoice | None:
+        """The bound choice, the first time (a retry decides again)."""
+        choice, self.choice = self.choice, None
+        return choice
+
+    def begun(self) -> None:
+        self.gate.started(self.ticket)
+
+    def free(self, output_tokens: int | None = None) -> None:
+        if not self.freed:
+            self.freed = True
+            self.gate.finish(self.ticket, output_tokens)
 
 
 @dataclass(slots=True, frozen=True)

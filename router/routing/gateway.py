@@ -6,13 +6,19 @@ engine. It needs no tokenizer, index or NATS: the policies it may run
 (``config.GATEWAY_POLICIES``) read only sessions and in-flight counts, so ``prepare``
 skips tokenizing and hashing and the request costs one dict lookup more than a parse.
 Cluster health is the cluster router's ``/health`` (503 when it has no usable engine).
+
+Admission (router.admission) runs on the proxy's path here as on a cluster's router,
+with clusters for engines; a held session's cluster is its ``home`` (where its cache
+is), which late binding waits for as it waits for a prompt's prefix holder.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from policies.base import RouteRequest
+from policies.session_affinity import SessionAffinity
 from router.routing.decide import Parsed, Prepared, Router, max_tokens
 
 if TYPE_CHECKING:
@@ -25,9 +31,7 @@ _BYTES_PER_TOKEN = 4
 class GatewayRouter(Router):
     """A ``Router`` whose requests carry no tokens or block hashes."""
 
-    async def prepare(
-        self, parsed: Parsed, size_hint: int, trace: Trace | None = None
-    ) -> Prepared:
+    async def prepare(self, parsed: Parsed, size_hint: int, trace: Trace | None = None) -> Prepared:
         workers = self.workers_for(parsed.model)
         request = RouteRequest(
             request_id=parsed.request_id,
@@ -39,3 +43,13 @@ class GatewayRouter(Router):
             max_tokens=max_tokens(parsed.body),
         )
         return self.prepared(parsed, workers, request)
+
+    def home(self, prep: Prepared) -> str | None:
+        """The cluster a request's session belongs to, load aside (the first usable
+        owner on ``session_affinity``'s ring): the one holding its conversation's cache.
+        None without a session key, or for a policy that keeps no sessions."""
+        policy = self.experiment.policy_for(prep.arm)
+        if prep.request.session_key is None or not isinstance(policy, SessionAffinity):
+            return None
+        views = [replace(v, inflight_requests=0) for v in self.views(prep)]
+        return policy.select(prep.request, views).worker_id if views else None
