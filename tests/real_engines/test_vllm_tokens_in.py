@@ -9,8 +9,8 @@ reset before each (``VLLM_SERVER_DEV_MODE``'s ``POST /reset_prefix_cache``) and 
 ``created`` (a clock), usage with ``cached_tokens`` and ``created_cache_tokens`` included;
 streams must say the same (role, text, logprobs, finish, usage, one ``[DONE]``), however
 the engine's steps cut them into events (a loaded machine cuts two streams of the same
-tokens differently: seen once at 12 events against 11). Then a conversation growing turn by turn, warm: the
-router's ``cached_tokens`` are vLLM's.
+tokens differently: seen once at 12 events against 11). Then a conversation growing turn
+by turn, warm: the router's ``cached_tokens`` are vLLM's.
 """
 
 from __future__ import annotations
