@@ -60,7 +60,10 @@ class Bodies:
 async def start(seqs: int = 256, **settings: Any) -> tuple[EngineStack, Bodies]:
     """One slow mock engine (50 tokens/s a request) behind a router with ``settings``."""
     stack = EngineStack()
-    cfg = mock_engine_config("w0", max_num_seqs=seqs, timing=Timing(speed=1.0, decode_tps=50.0))
+    cfg = mock_engine_config(
+        "w0", max_num_seqs=seqs, timing=Timing(speed=1.0, decode_tps=50.0),
+        scheduling_policy="priority",  # as vLLM, it takes a body's priority only then
+    )  # fmt: skip
     engine = MockEngine(cfg)
     bodies = Bodies(engine.app)
     engine.app = bodies
