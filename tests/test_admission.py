@@ -512,10 +512,10 @@ class Paced:
         return pool.bound[-1] if len(pool.bound) > n else None
 
 
-def _standing(queue_timeout: float, steps: int = 300) -> tuple[int, int]:
+def _standing(queue_timeout: float, steps: int = 300, lifo: bool = True) -> tuple[int, int]:
     """One tenant at twice the worker's pace for 30 s: (requests bound within 0.5 s of
     arriving, requests bound)."""
-    pool = Pool(1, engine_queue=0, queue_timeout=queue_timeout, queue_size=100_000)
+    pool = Pool(1, engine_queue=0, queue_timeout=queue_timeout, queue_size=100_000, lifo=lifo)
     paced = Paced(pool)
     for k in range(steps):
         paced.step(k, 2)
@@ -534,6 +534,11 @@ def test_a_standing_queue_goes_newest_first_so_goodput_does_not_depend_on_the_ti
     assert served_short >= 290 and served_long >= 290
     assert good_long >= 0.95 * served_long
     assert good_long >= 0.95 * good_short
+    # in arrival order (queue_lifo off) the same load meets the bound with the short
+    # timeout only
+    good_fifo, served_fifo = _standing(2.0, lifo=False)
+    assert served_fifo >= 290 and good_fifo <= 0.05 * served_fifo
+    assert _standing(0.5, lifo=False)[0] >= 0.95 * served_short
 
 
 def test_a_queue_goes_newest_first_only_once_it_stands() -> None:

@@ -93,6 +93,8 @@ class AdmissionSettings:
     # --scheduling-policy priority): an urgent request (below its tenant's default
     # priority) is sent to a full engine where it goes first (see ``urgent_room``)
     engine_priority: bool = False
+    # a tenant's standing queue goes newest first (``Admission._lifo``); off: arrival order
+    lifo: bool = True
     tenants: Mapping[str, TenantSpec] = field(default_factory=dict)
 
 
@@ -385,7 +387,7 @@ class Admission:
         request waits about one drain interval whatever the timeout, and the oldest, the
         ones about to time out anyway, are the ones shed (adaptive LIFO, as Facebook's
         queues and CoDel's standing-queue test). Not congested (a burst), arrival order."""
-        if len(queue) < 2:
+        if len(queue) < 2 or not self.settings.lifo:
             return False
         head = queue[0]
         waited = now - head.arrival
