@@ -12,7 +12,7 @@ and everything speeds up by ``speed`` for tests. Blocks are cached as their pref
 chunk is scheduled; the step's KV events go out as one batch after it.
 
 The waiting queue's order is vLLM's ``--scheduling-policy`` (vllm/v1/core/sched/
-scheduler.py and request_queue.py, read at vLLM main of 2026): ``fcfs``, arrival order;
+scheduler.py and request_queue.py, read in vLLM 0.32.0 and at main of 2026): ``fcfs``, arrival order;
 ``priority``, a request's ``priority`` (lower first), then its arrival. Under either, a
 waiting request never preempts a running one when ``max_num_seqs`` run: vLLM's waiting
 loop stops there whatever the priorities (vLLM issue 40004, open; its PRs 45558, 45561
