@@ -238,21 +238,39 @@ def _engine_load(port: int) -> tuple[float, float]:
     return running, waiting
 
 
+def _router_limits(port: int) -> dict[str, float]:
+    """The limits admission learnt, per worker (``cache_router_admission_limit``)."""
+    out = {}
+    for line in http_get(port, "/metrics")[1].decode().splitlines():
+        if line.startswith("cache_router_admission_limit{"):
+            name, _, value = line.rpartition(" ")
+            out[name[name.index('"') + 1 : name.rindex('"')]] = float(value)
+    return out
+
+
 class Sampler(threading.Thread):
     """The engines' running and waiting every ``every`` seconds while a run lasts: where
-    the requests wait (in the engines' queues, or at the router)."""
+    the requests wait (in the engines' queues, or at the router); with ``router``, the
+    limits its admission learnt, every fifth sample."""
 
-    def __init__(self, ports: list[int], every: float = 0.05) -> None:
+    def __init__(self, ports: list[int], every: float = 0.05, router: int | None = None) -> None:
         super().__init__(daemon=True)
-        self.ports, self.every = ports, every
+        self.ports, self.every, self.router = ports, every, router
         self.samples: list[list[tuple[float, float]]] = [[] for _ in ports]
+        self.limits: dict[str, list[float]] = defaultdict(list)
         self.stop = threading.Event()
 
     def run(self) -> None:
+        tick = 0
         while not self.stop.wait(self.every):
             for i, port in enumerate(self.ports):
                 with contextlib.suppress(OSError):
                     self.samples[i].append(_engine_load(port))
+            tick += 1
+            if self.router is not None and tick % 5 == 0:
+                with contextlib.suppress(OSError):
+                    for worker, limit in _router_limits(self.router).items():
+                        self.limits[worker].append(limit)
 
     def summary(self) -> dict[str, Any]:
         out = {}
@@ -266,6 +284,11 @@ class Sampler(threading.Thread):
                 "waiting_max": max(waiting),
                 "waiting_share": round(sum(w > 0 for w in waiting) / len(waiting), 2),
             }
+        for worker, limits in sorted(self.limits.items()):
+            out.setdefault(worker, {})["learnt_limit"] = {
+                "mean": round(sum(limits) / len(limits), 2), "min": min(limits),
+                "max": max(limits), "samples": len(limits),
+            }  # fmt: skip
         return out
 
 
@@ -453,7 +476,7 @@ def _run(args: argparse.Namespace, vllm_ports: list[int] | None) -> dict[str, An
                 offered = {**rates, "flood": flood}
                 t0 = time.perf_counter()
                 waits = _router_waits(port) if admission else {}
-                sampler = Sampler(engine_ports)
+                sampler = Sampler(engine_ports, router=port if admission else None)
                 sampler.start()
                 run_ = asyncio.run(
                     _offer(url, offered, args.duration, args.client_timeout, args.seed)

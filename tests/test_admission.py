@@ -12,7 +12,14 @@ from collections import Counter
 import pytest
 
 from router.admission.capacity import WINDOW, Capacity
-from router.admission.core import Admission, AdmissionSettings, State, TenantSpec, Ticket
+from router.admission.core import (
+    STANDING,
+    Admission,
+    AdmissionSettings,
+    State,
+    TenantSpec,
+    Ticket,
+)
 from router.admission.fair import TokenBucket, VirtualCounters, retry_after
 from router.admission.stats import MAX_TENANTS, OTHER, AdmissionStats
 
@@ -542,9 +549,9 @@ def test_a_standing_queue_goes_newest_first_so_goodput_does_not_depend_on_the_ti
 
 
 def test_a_queue_goes_newest_first_only_once_it_stands() -> None:
-    """Arrival order while the oldest held ticket has waited no longer than a request
-    takes end to end (4 slots freeing every 0.1 s: 0.4 s), so a burst is served in
-    order; newest first past that; arrival order again once it has drained."""
+    """Arrival order while the oldest held ticket has waited no longer than twice what a
+    request takes end to end (4 slots freeing every 0.1 s: 0.8 s), so a burst is served
+    in order; newest first past that; arrival order again once it has drained."""
     pool = Pool(1, engine_queue=0, queue_size=1000, queue_timeout=100.0)
     paced = Paced(pool)
     took = {"oldest": 0, "newest": 0}
@@ -564,7 +571,7 @@ def test_a_queue_goes_newest_first_only_once_it_stands() -> None:
         went = paced.step(k, 0) if held_before else None
         if not held_before or went is None:
             continue
-        turn = pool.adm.capacity.free_in("w0") * 4  # as the slot freed
+        turn = STANDING * pool.adm.capacity.free_in("w0") * 4  # as the slot freed
         standing = len(held_before) > 1 and pool.now - held_before[0].arrival > turn
         assert went is (held_before[-1] if standing else held_before[0]), k
         took["newest" if standing else "oldest"] += 1
