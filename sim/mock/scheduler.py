@@ -12,16 +12,17 @@ and everything speeds up by ``speed`` for tests. Blocks are cached as their pref
 chunk is scheduled; the step's KV events go out as one batch after it.
 
 The waiting queue's order is vLLM's ``--scheduling-policy`` (vllm/v1/core/sched/
-scheduler.py and request_queue.py, read in vLLM 0.32.0 and at main of 2026): ``fcfs``, arrival order;
-``priority``, a request's ``priority`` (lower first), then its arrival. Under either, a
-waiting request never preempts a running one when ``max_num_seqs`` run: vLLM's waiting
-loop stops there whatever the priorities (vLLM issue 40004, open; its PRs 45558, 45561
-and 54530 to preempt there are not merged), so an urgent request takes the *next* slot
-that frees on its engine, ahead of every less urgent request waiting there, and never a
-slot someone holds. vLLM preempts only when a running request cannot get a KV block for
-its next tokens (the victim is the least urgent, latest arrival under ``priority``, the
-last scheduled under ``fcfs``); this scheduler reserves a request's whole answer when it
-is admitted, so a running request never needs a block and that case never arises here.
+scheduler.py and request_queue.py, read in vLLM 0.32.0 and at main of 2026): ``fcfs``,
+arrival order; ``priority``, a request's ``priority`` (lower first), then its arrival.
+Under either, a waiting request never preempts a running one when ``max_num_seqs``
+run: vLLM's waiting loop stops there whatever the priorities (vLLM issue 40004, open;
+its PRs 45558, 45561 and 54530 to preempt there are not merged), so an urgent request
+takes the *next* slot that frees on its engine, ahead of every less urgent request
+waiting there, and never a slot someone holds. vLLM preempts only when a running
+request cannot get a KV block for its next tokens (the victim is the least urgent,
+latest arrival under ``priority``, the last scheduled under ``fcfs``); this scheduler
+reserves a request's whole answer when it is admitted, so a running request never needs
+a block and that case never arises here.
 """
 
 from __future__ import annotations
