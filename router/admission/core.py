@@ -15,7 +15,11 @@ an engine reported), in this order:
    the oldest such ticket even while more urgent ones wait (the anti-starvation bound:
    a lower priority keeps a known share of the pool, an urgent one loses at most that);
 2. within a priority, the tenant with the lowest virtual token counter (``fair``);
-3. within a tenant, arrival order.
+3. within a tenant, arrival order, or newest first once its queue stands (``_lifo``).
+
+With engines that order their own queue by priority (``engine_priority``), an urgent
+ticket may also go past a full engine, to wait at the head of that engine's queue
+(``_jump_to``).
 
 Late binding: a ticket is bound only when a worker it may use has room (``capacity``),
 so it goes where the capacity is at that moment, not where it was when it came. It
@@ -62,11 +66,11 @@ _ALPHA = 0.125
 # than the gap between two requests of a steady tenant, so that it is still counted
 # when its next one comes.
 ACTIVE = 2.0
-MAX_SEEN = 4096
+MAX_SEEN = 4096  # tenants remembered as seen before the quiet ones are forgotten
 # A tenant's queue stands (``Admission._lifo``) once its oldest ticket has waited this
 # many times what a request takes end to end on an engine it may use: about one such
 # wait is common in a queue at capacity, which arrival order serves best.
-STANDING = 2.0  # tenants remembered as seen before the quiet ones are forgotten
+STANDING = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +99,7 @@ class AdmissionSettings:
     reserve: float = 0.0
     # the engines order their waiting queue by the body's priority (vLLM's
     # --scheduling-policy priority): an urgent request (below its tenant's default
-    # priority) is sent to a full engine where it goes first (see ``urgent_room``)
+    # priority) is sent to a full engine where it goes first (``Admission._jump_to``)
     engine_priority: bool = False
     # a tenant's standing queue goes newest first (``Admission._lifo``); off: arrival order
     lifo: bool = True
@@ -500,10 +504,10 @@ class Admission:
 
         An engine takes urgent tickets past its limit and headroom up to its headroom
         again, at least one (one for an engine of fewer than 16 slots, or none waiting
-        otherwise): a bound per engine, so a flood
-        of urgent requests waits at the router, in strict priority order and behind the
-        anti-starvation share (``_may_jump``), as it would without this, and its tokens
-        are charged to its tenant's fair share like any other's. Engines never preempt
+        otherwise): a bound per engine, so a flood of urgent requests waits at the
+        router, in strict priority order and behind the anti-starvation share
+        (``_may_jump``), as it would without this, and its tokens are charged to its
+        tenant's fair share like any other's. Engines never preempt
         a running request for a waiting one (vLLM: not at ``max_num_seqs``), so the
         ticket waits for the next slot to free there: the engine where one frees first,
         taken as the one whose oldest request in flight was bound first (requests of
