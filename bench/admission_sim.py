@@ -5,7 +5,8 @@ router's, used to hold the backlog).
 The trace is tests/test_sim_admission.py's: chat over four shared system prompts, 150
 sessions at 3 a second, four engines, arrivals sped up ``--loads`` times (2x: the pool
 just past saturation). Per (seed, load, policy): hit rate, TTFT p50/p90/p99 (ms) and
-requests shed, without admission and with the defaults.
+requests shed, without admission and with the defaults (``--lifo on,off``: with
+``queue_lifo`` on and off, each its own row).
 
     flock /tmp/cpu-heavy.lock python bench/admission_sim.py [--seeds 1,2,3] [--loads 2,3]
 
@@ -42,12 +43,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for load in (float(x) for x in args.loads.split(",")):
                 trace = load_trace(path, block_size=16, speedup=load)
                 for policy in args.policies.split(","):
-                    for admission in (None, AdmissionSettings()):
+                    settings = [AdmissionSettings(lifo=x == "on") for x in args.lifo.split(",")]
+                    for admission in (None, *settings):
                         config = SimConfig(workers=args.workers, admission=admission)
                         r = Simulation(trace, policy, config).run()
                         rows.append({
                             "seed": seed, "load": load, "policy": policy,
                             "admission": admission is not None,
+                            "lifo": None if admission is None else admission.lifo,
                             "hit_rate": round(r["hit_rate"], 3),
                             **{k: round(r[k]) for k in TTFT},
                             "shed": r["shed"],
@@ -62,6 +65,7 @@ def main() -> None:
     ap.add_argument("--loads", default="2,3", help="arrival speed-ups of the trace")
     ap.add_argument("--policies", default="cache_aware")
     ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--lifo", default="on", help="queue_lifo with admission: on, off or on,off")
     print(orjson.dumps(run(ap.parse_args()), option=orjson.OPT_INDENT_2).decode())
 
 

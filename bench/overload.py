@@ -25,7 +25,12 @@ and *lost*: requests with no complete answer (an error, a cut stream, no answer 
     flock /tmp/cpu-heavy.lock python bench/overload.py [--loads 0.5,1,2,3] [--duration 6]
 
 Prints one JSON object; never asserts. The router's admission settings come from its
-config (defaults; ``--queue-timeout`` here sets ``CACHE_ROUTER_QUEUE_TIMEOUT``).
+config (defaults), but for what this script varies per configuration, each a list:
+``--queue-timeout`` (``CACHE_ROUTER_QUEUE_TIMEOUT``), ``--lifo on,off``
+(``queue_lifo``: a standing queue newest first) and ``--engine-priority off,on``
+(``engine_priority_scheduling``: urgent requests sent past a full engine). The mock
+engines run ``--scheduling-policy priority`` (as the vLLM ones: vLLM refuses a request's
+priority under FCFS). Each result carries the machine's load average (``loadavg``).
 """
 
 from __future__ import annotations
@@ -233,21 +238,39 @@ def _engine_load(port: int) -> tuple[float, float]:
     return running, waiting
 
 
+def _router_limits(port: int) -> dict[str, float]:
+    """The limits admission learnt, per worker (``cache_router_admission_limit``)."""
+    out = {}
+    for line in http_get(port, "/metrics")[1].decode().splitlines():
+        if line.startswith("cache_router_admission_limit{"):
+            name, _, value = line.rpartition(" ")
+            out[name[name.index('"') + 1 : name.rindex('"')]] = float(value)
+    return out
+
+
 class Sampler(threading.Thread):
     """The engines' running and waiting every ``every`` seconds while a run lasts: where
-    the requests wait (in the engines' queues, or at the router)."""
+    the requests wait (in the engines' queues, or at the router); with ``router``, the
+    limits its admission learnt, every fifth sample."""
 
-    def __init__(self, ports: list[int], every: float = 0.05) -> None:
+    def __init__(self, ports: list[int], every: float = 0.05, router: int | None = None) -> None:
         super().__init__(daemon=True)
-        self.ports, self.every = ports, every
+        self.ports, self.every, self.router = ports, every, router
         self.samples: list[list[tuple[float, float]]] = [[] for _ in ports]
+        self.limits: dict[str, list[float]] = defaultdict(list)
         self.stop = threading.Event()
 
     def run(self) -> None:
+        tick = 0
         while not self.stop.wait(self.every):
             for i, port in enumerate(self.ports):
                 with contextlib.suppress(OSError):
                     self.samples[i].append(_engine_load(port))
+            tick += 1
+            if self.router is not None and tick % 5 == 0:
+                with contextlib.suppress(OSError):
+                    for worker, limit in _router_limits(self.router).items():
+                        self.limits[worker].append(limit)
 
     def summary(self) -> dict[str, Any]:
         out = {}
@@ -261,6 +284,11 @@ class Sampler(threading.Thread):
                 "waiting_max": max(waiting),
                 "waiting_share": round(sum(w > 0 for w in waiting) / len(waiting), 2),
             }
+        for worker, limits in sorted(self.limits.items()):
+            out.setdefault(worker, {})["learnt_limit"] = {
+                "mean": round(sum(limits) / len(limits), 2), "min": min(limits),
+                "max": max(limits), "samples": len(limits),
+            }  # fmt: skip
         return out
 
 
@@ -324,18 +352,35 @@ def _idle(ports: list[int], timeout: float = 120.0) -> None:
         time.sleep(0.2)
 
 
-def _router(procs: list[subprocess.Popen[bytes]], port: int, engines: list[int], policy: str,
-            admission: bool, args: argparse.Namespace) -> subprocess.Popen[bytes]:  # fmt: skip
+@dataclass(frozen=True)
+class Config:
+    policy: str
+    admission: bool
+    queue_timeout: float
+    lifo: bool = True
+    engine_priority: bool = False
+
+
+def _loadavg() -> str:
+    with contextlib.suppress(OSError):
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    return "?"
+
+
+def _router(procs: list[subprocess.Popen[bytes]], port: int, engines: list[int],
+            c: Config) -> subprocess.Popen[bytes]:  # fmt: skip
     env = {
         **os.environ,
-        "CACHE_ROUTER_ADMISSION": "true" if admission else "false",
-        "CACHE_ROUTER_QUEUE_TIMEOUT": str(args.queue_timeout),
+        "CACHE_ROUTER_ADMISSION": "true" if c.admission else "false",
+        "CACHE_ROUTER_QUEUE_TIMEOUT": str(c.queue_timeout),
+        "CACHE_ROUTER_QUEUE_LIFO": "true" if c.lifo else "false",
+        "CACHE_ROUTER_ENGINE_PRIORITY_SCHEDULING": "true" if c.engine_priority else "false",
         # the engines' load as /metrics scrapes, 4 a second (no NATS in this run)
         "CACHE_ROUTER_HEALTH_INTERVAL": "0.25",
         "CACHE_ROUTER_LOAD_STALE_AFTER": "0.2",
     }
     workers = [f"--worker=e{i}=http://127.0.0.1:{p}" for i, p in enumerate(engines)]
-    cmd = [sys.executable, "-m", "router.cli", "serve", "--port", str(port), "--policy", policy,
+    cmd = [sys.executable, "-m", "router.cli", "serve", "--port", str(port), "--policy", c.policy,
            "--log-level", "error", *workers]  # fmt: skip
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -381,8 +426,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _run(args: argparse.Namespace, vllm_ports: list[int] | None) -> dict[str, Any]:
     py = sys.executable
     quiet = {"cwd": ROOT, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    configs = [(p, False) for p in args.policies.split(",") if p]
-    configs += [(p, True) for p in args.admission_policies.split(",") if p]
+    timeouts = [float(x) for x in str(args.queue_timeout).split(",")]
+    onoff = {"on": True, "off": False}
+    lifos = [onoff[x] for x in args.lifo.split(",")]
+    prios = [onoff[x] for x in args.engine_priority.split(",")]
+    configs = [Config(p, False, timeouts[0]) for p in args.policies.split(",") if p]
+    configs += [
+        Config(p, True, t, lifo, prio)
+        for p in args.admission_policies.split(",")
+        if p
+        for t in timeouts
+        for lifo in lifos
+        for prio in prios
+    ]
     loads = [float(x) for x in args.loads.split(",")]
     results: list[dict[str, Any]] = []
     with processes() as procs:
@@ -390,27 +446,29 @@ def _run(args: argparse.Namespace, vllm_ports: list[int] | None) -> dict[str, An
         for i, port in enumerate([] if vllm_ports else engine_ports):
             cmd = [py, "-m", "router.cli", "mock-engine", "--port", str(port), "--model", MODEL,
                    "--worker-id", f"e{i}", "--max-num-seqs", str(args.max_num_seqs),
+                   "--scheduling-policy", "priority",
                    "--decode-tps", str(args.decode_tps), "--log-level", "WARNING"]  # fmt: skip
             procs.append(subprocess.Popen(cmd, **quiet))  # type: ignore[call-overload]
         for port, proc in zip(engine_ports, procs, strict=False):
             wait_ready(port, proc)
         # the pool's capacity, and each stream alone, through a router without admission
         (port,) = free_ports(1)
-        router = _router(procs, port, engine_ports, "least_load", False, args)
+        router = _router(procs, port, engine_ports, Config("least_load", False, timeouts[0]))
         url = f"http://127.0.0.1:{port}"
         capacity = asyncio.run(_capacity(url, args.capacity_seconds, 4 * args.max_num_seqs))
         _idle(engine_ports)
         rates = {"steady": args.steady_share * capacity, "urgent": args.urgent_share * capacity}
         alone = _summary(
             asyncio.run(_offer(url, rates, args.duration, args.client_timeout, args.seed)),
-            args.duration, args.slo, args.queue_timeout,
+            args.duration, args.slo, timeouts[0],
         )  # fmt: skip
         router.terminate()
         router.wait(10)
         base = {s: alone["streams"][s]["ttft_p99_s"] for s in ("steady", "urgent")}
-        for policy, admission in configs:
+        for c in configs:
+            admission = c.admission
             (port,) = free_ports(1)
-            router = _router(procs, port, engine_ports, policy, admission, args)
+            router = _router(procs, port, engine_ports, c)
             url = f"http://127.0.0.1:{port}"
             for load in loads:
                 _idle(engine_ports)
@@ -418,22 +476,26 @@ def _run(args: argparse.Namespace, vllm_ports: list[int] | None) -> dict[str, An
                 offered = {**rates, "flood": flood}
                 t0 = time.perf_counter()
                 waits = _router_waits(port) if admission else {}
-                sampler = Sampler(engine_ports)
+                sampler = Sampler(engine_ports, router=port if admission else None)
                 sampler.start()
                 run_ = asyncio.run(
                     _offer(url, offered, args.duration, args.client_timeout, args.seed)
                 )
                 sampler.stop.set()
                 sampler.join()
-                summary = _summary(run_, args.duration, args.slo, args.queue_timeout)
+                summary = _summary(run_, args.duration, args.slo, c.queue_timeout)
                 st = summary["streams"]
                 steady = st.get("steady", {}).get("ttft_p99_s")
                 urgent = st.get("urgent", {}).get("ttft_p99_s")
                 results.append(
                     {
-                        "policy": policy,
+                        "policy": c.policy,
                         "admission": admission,
+                        "queue_timeout_s": c.queue_timeout if admission else None,
+                        "lifo": c.lifo if admission else None,
+                        "engine_priority": c.engine_priority if admission else None,
                         "load": load,
+                        "loadavg": _loadavg(),
                         "offered_rps": {k: round(v, 2) for k, v in offered.items()},
                         "steady_p99_over_alone": _ratio(steady, base["steady"]),
                         "urgent_p99_over_unloaded": _ratio(urgent, base["urgent"]),
@@ -457,7 +519,8 @@ def _run(args: argparse.Namespace, vllm_ports: list[int] | None) -> dict[str, An
         "capacity_rps": round(capacity, 2),
         "slo_ttft_s": args.slo,
         "duration_s": args.duration,
-        "queue_timeout_s": args.queue_timeout,
+        "queue_timeouts_s": timeouts,
+        "loadavg_at_end": _loadavg(),
         "alone": alone,
         "cpu_count": os.cpu_count(),
         "results": results,
@@ -489,7 +552,12 @@ def main() -> None:
     ap.add_argument("--steady-share", type=float, default=0.12)
     ap.add_argument("--urgent-share", type=float, default=0.1)
     ap.add_argument("--slo", type=float, default=0.5, help="goodput's TTFT bound, seconds")
-    ap.add_argument("--queue-timeout", type=float, default=2.0)
+    ap.add_argument("--queue-timeout", default="2", help="seconds, a list: each a configuration")
+    ap.add_argument("--lifo", default="on", help="queue_lifo per configuration: on, off or on,off")
+    ap.add_argument(
+        "--engine-priority", default="off",
+        help="engine_priority_scheduling per configuration: off, on or off,on",
+    )  # fmt: skip
     ap.add_argument("--client-timeout", type=float, default=60.0)
     ap.add_argument("--capacity-seconds", type=float, default=4.0)
     ap.add_argument("--seed", type=int, default=0)

@@ -12,7 +12,14 @@ from collections import Counter
 import pytest
 
 from router.admission.capacity import WINDOW, Capacity
-from router.admission.core import Admission, AdmissionSettings, State, TenantSpec, Ticket
+from router.admission.core import (
+    STANDING,
+    Admission,
+    AdmissionSettings,
+    State,
+    TenantSpec,
+    Ticket,
+)
 from router.admission.fair import TokenBucket, VirtualCounters, retry_after
 from router.admission.stats import MAX_TENANTS, OTHER, AdmissionStats
 
@@ -220,13 +227,15 @@ def test_a_deadline_that_cannot_be_met_is_shed_at_once_with_503() -> None:
     current = pool.ticket()
     pool.full(1)
     for _ in range(20):
-        pool.ticket()
+        pool.ticket(priority=-1)
     for _ in range(5):  # the queue drains one every 0.1 s
         pool.now += 0.1
         pool.end(current)
         current = pool.bound[-1]
-    assert pool.adm.expected_wait(pool.adm._held[max(pool.adm._held)]) == pytest.approx(1.5)
-    # 15 held (the last bound after 15 more slots free); one more would wait 1.6 s
+    # 15 held, newest first now (a standing queue): the oldest is bound after 15 more
+    # slots free
+    assert pool.adm.expected_wait(pool.adm._held[min(pool.adm._held)]) == pytest.approx(1.5)
+    # one less urgent would wait for all 15 and its own: 1.6 s
     late = pool.ticket()
     assert late.state is State.SHED and late.shed is not None
     assert (late.shed.status, late.shed.code, late.shed.retry_after) == (503, "overloaded", 2)
@@ -408,3 +417,162 @@ def test_without_headroom_a_limit_cut_by_a_passing_wait_comes_back() -> None:
     cap.report("w", 4, 1, 0.6)  # it runs 4: the fifth waits, twice: back to 4
     cap.report("w", 4, 1, 0.7)
     assert cap.limit("w") == 4
+
+
+def _saturated(pool: Pool, limit: int) -> list[Ticket]:
+    """Every worker full at ``limit``, its tickets bound 0.1 s apart (w0's first)."""
+    pool.full(limit)
+    running = []
+    for _ in range(limit * len(pool.workers)):
+        running.append(pool.ticket())
+        pool.now += 0.1
+    return running
+
+
+def test_an_urgent_request_goes_to_a_priority_scheduling_engine_past_its_limit() -> None:
+    """With engines that order their queue by priority, an urgent request (below its
+    tenant's default) is not held for a slot: it goes to the full engine where a slot is
+    expected to free first (the one whose oldest request began first), one past the
+    limit per engine; more urgent ones wait at the router, in priority order."""
+    tenants = {"gold": TenantSpec(priority=-5)}
+    pool = Pool(2, engine_queue=0, engine_priority=True, tenants=tenants)
+    running = _saturated(pool, 2)  # w0: bound at 0.0, 0.1; w1: at 0.2, 0.3
+    held = pool.ticket("flood")
+    assert held.state is State.QUEUED
+    pool.end(running[0])  # w0 frees; the held ticket takes it (bound at 0.4)
+    assert held.worker == "w0"
+    # w0's oldest now began at 0.1, w1's at 0.2: w0's slot frees first
+    urgent = pool.ticket("flood", priority=-10)
+    assert urgent.state is State.BOUND and pool.allowed[-1] == frozenset({"w0"})
+    # w0 has one urgent request waiting: the next goes to w1
+    second = pool.ticket("flood", priority=-1)
+    assert second.state is State.BOUND and second.worker == "w1"
+    # one past the limit on each: the third waits at the router, first in line
+    third = pool.ticket("flood", priority=-10)
+    assert third.state is State.QUEUED
+    # not urgent: its tenant's default priority, or the flood's own 0
+    assert pool.ticket("gold", priority=-5).state is State.QUEUED
+    assert pool.ticket("flood").state is State.QUEUED
+    pool.end(running[2])
+    assert pool.bound[-1] is third
+
+
+def test_without_priority_scheduling_engines_an_urgent_request_waits_for_a_slot() -> None:
+    pool = Pool(2, engine_queue=0)
+    _saturated(pool, 2)
+    assert pool.ticket("flood", priority=-10).state is State.QUEUED
+
+
+def test_urgent_requests_do_not_jump_past_a_starved_ones_turn() -> None:
+    """The anti-starvation share holds for urgent requests sent past a full engine: once
+    a starved ticket's turn is due, the next urgent one waits at the router."""
+    pool = Pool(2, engine_queue=1, engine_priority=True, starve_after=1.0, starve_share=2)
+    running = _saturated(pool, 2)  # headroom 1: three a worker
+    for _ in range(2):
+        pool.ticket()  # fills each worker's headroom
+    low = pool.ticket(priority=5)
+    assert low.state is State.QUEUED
+    pool.now += 1.5  # low is starved now
+    jumped = pool.ticket(priority=-10)
+    # the first dispatch past the starved ticket is allowed (one in starve_share = 2 is its)
+    assert jumped.state is State.BOUND
+    blocked = pool.ticket(priority=-10)
+    assert blocked.state is State.QUEUED
+    pool.end(running[0])  # w0 back to its limit and headroom (the urgent one is there)
+    assert low.state is blocked.state is State.QUEUED
+    pool.end(running[1])  # a slot: the starved ticket's turn, then the urgent one again
+    assert pool.bound[-2:] == [low, blocked]
+
+
+class Paced:
+    """One worker of 4 slots of 0.4 s each on the pool's fake clock: every 0.1 s its
+    oldest request ends (once all 4 run), after requests arrive at ``per_step`` a step
+    (0.05 s apart; 2 a step is twice its pace), held ones past their deadline expire."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        pool.full(4)
+        pool.adm.capacity.freed("w0", -0.2)  # its pace, as if measured
+        pool.adm.capacity.freed("w0", -0.1)
+        self.seen = 0  # of pool.bound, how many are in flying
+        self.flying: list[Ticket] = []
+
+    def _track(self) -> None:
+        self.flying.extend(self.pool.bound[self.seen :])
+        self.seen = len(self.pool.bound)
+
+    def step(self, k: int, per_step: int) -> Ticket | None:
+        """Step ``k``; the ticket the freed slot went to (None: none was held)."""
+        pool = self.pool
+        for i in range(per_step):
+            pool.now = round(k * 0.1 + i * 0.1 / per_step, 6)
+            for t in [t for t in pool.adm._held.values() if t.deadline <= pool.now]:
+                pool.adm.expire(t)
+            pool.ticket("flood")
+            self._track()
+        pool.now = round((k + 1) * 0.1, 6)
+        if len(self.flying) < 4:
+            return None
+        n = len(pool.bound)
+        pool.end(self.flying.pop(0))
+        self._track()
+        return pool.bound[-1] if len(pool.bound) > n else None
+
+
+def _standing(queue_timeout: float, steps: int = 300, lifo: bool = True) -> tuple[int, int]:
+    """One tenant at twice the worker's pace for 30 s: (requests bound within 0.5 s of
+    arriving, requests bound)."""
+    pool = Pool(1, engine_queue=0, queue_timeout=queue_timeout, queue_size=100_000, lifo=lifo)
+    paced = Paced(pool)
+    for k in range(steps):
+        paced.step(k, 2)
+    waits = [t.bound_at - t.arrival for t in pool.bound]
+    return sum(w <= 0.5 for w in waits), len(waits)
+
+
+def test_a_standing_queue_goes_newest_first_so_goodput_does_not_depend_on_the_timeout() -> None:
+    """Past saturation, arrival order made every request wait about queue_timeout (those
+    ahead of it timed out first): with a 2 s timeout none of them met a 0.5 s bound.
+    Newest first once the queue stands, the served ones wait about a slot's interval
+    whatever the timeout, and the oldest time out instead."""
+    good_short, served_short = _standing(0.5)
+    good_long, served_long = _standing(2.0)
+    # a slot frees every 0.1 s for 30 s: ~300 served either way
+    assert served_short >= 290 and served_long >= 290
+    assert good_long >= 0.95 * served_long
+    assert good_long >= 0.95 * good_short
+    # in arrival order (queue_lifo off) the same load meets the bound with the short
+    # timeout only
+    good_fifo, served_fifo = _standing(2.0, lifo=False)
+    assert served_fifo >= 290 and good_fifo <= 0.05 * served_fifo
+    assert _standing(0.5, lifo=False)[0] >= 0.95 * served_short
+
+
+def test_a_queue_goes_newest_first_only_once_it_stands() -> None:
+    """Arrival order while the oldest held ticket has waited no longer than twice what a
+    request takes end to end (4 slots freeing every 0.1 s: 0.8 s), so a burst is served
+    in order; newest first past that; arrival order again once it has drained."""
+    pool = Pool(1, engine_queue=0, queue_size=1000, queue_timeout=100.0)
+    paced = Paced(pool)
+    took = {"oldest": 0, "newest": 0}
+    for k in range(60):
+        per_step = 2 if k < 20 else 0  # twice the pace, then nothing
+        held_before = None
+        if per_step == 0:
+            held_before = list(pool.adm._held.values())
+        if per_step:
+            # arrivals first, then the slot frees: judge the queue as it is then
+            for i in range(per_step):
+                pool.now = round(k * 0.1 + i * 0.05, 6)
+                pool.ticket("flood")
+                paced._track()
+            per_step = 0
+            held_before = list(pool.adm._held.values())
+        went = paced.step(k, 0) if held_before else None
+        if not held_before or went is None:
+            continue
+        turn = STANDING * pool.adm.capacity.free_in("w0") * 4  # as the slot freed
+        standing = len(held_before) > 1 and pool.now - held_before[0].arrival > turn
+        assert went is (held_before[-1] if standing else held_before[0]), k
+        took["newest" if standing else "oldest"] += 1
+    assert took["oldest"] >= 5 and took["newest"] >= 5

@@ -60,7 +60,10 @@ class Bodies:
 async def start(seqs: int = 256, **settings: Any) -> tuple[EngineStack, Bodies]:
     """One slow mock engine (50 tokens/s a request) behind a router with ``settings``."""
     stack = EngineStack()
-    cfg = mock_engine_config("w0", max_num_seqs=seqs, timing=Timing(speed=1.0, decode_tps=50.0))
+    cfg = mock_engine_config(
+        "w0", max_num_seqs=seqs, timing=Timing(speed=1.0, decode_tps=50.0),
+        scheduling_policy="priority",  # as vLLM, it takes a body's priority only then
+    )  # fmt: skip
     engine = MockEngine(cfg)
     bodies = Bodies(engine.app)
     engine.app = bodies
@@ -275,3 +278,45 @@ async def test_fair_shares_are_settled_with_the_tokens_generated(
     assert series[("bare", "0")].tokens == streamed_usage["prompt_tokens"] + sum(
         '"text"' in line for line in bare.text.splitlines()
     )
+
+
+@pytest.mark.parametrize("engine_priority", [True, False])
+async def test_an_urgent_request_goes_ahead_in_a_priority_scheduling_engine(
+    stacks: list[EngineStack], engine_priority: bool
+) -> None:
+    """One slot and one request waiting in the engine: an urgent request is sent on past
+    the full engine (engine_priority_scheduling) and runs before the one that waited
+    there (the engine orders its queue by priority); without the setting it waits at the
+    router until the slot frees."""
+    stack, bodies = await start(
+        1, engine_max_inflight=1, engine_queue=1, engine_priority_scheduling=engine_priority
+    )
+    stacks.append(stack)
+    done: list[str] = []
+
+    async def run(http: httpx.AsyncClient, prompt: str, tokens: int = 15, **body: Any) -> None:
+        resp = await complete(http, tokens, prompt=prompt, **body)
+        assert resp.status_code == 200
+        done.append(prompt)
+
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+        # holds the slot until it is cancelled (500 tokens: 10 s), whatever the machine's pace
+        first = asyncio.create_task(run(http, "first", 500))
+        await until(lambda: len(bodies.seen) == 1, what="the first request on the engine")
+        tasks = []
+        tasks.append(asyncio.create_task(run(http, "waiting")))
+        await until(lambda: len(bodies.seen) == 2, what="one request waiting in the engine")
+        tasks.append(asyncio.create_task(run(http, "urgent", priority=-5)))
+        if engine_priority:
+            await until(lambda: len(bodies.seen) == 3, what="the urgent one on the engine")
+            assert held(stack) == 0
+        else:
+            await until(lambda: held(stack) == 1, what="the urgent one held")
+            assert len(bodies.seen) == 2
+        assert not first.done()
+        first.cancel()  # its client leaves: the slot frees
+        await asyncio.gather(*tasks)
+    if engine_priority:
+        assert done == ["urgent", "waiting"]
+    # else: the urgent one reaches the engine as the slot frees, racing the engine's
+    # next step to the waiting one: no order to assert

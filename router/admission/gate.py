@@ -59,6 +59,8 @@ def make_gate(cfg: RouterConfig, router: Router, registry: WorkerRegistry) -> Ga
         starve_after=cfg.priority_starve_after,
         starve_share=cfg.priority_starve_share,
         reserve=cfg.reserve_share,
+        engine_priority=cfg.engine_priority_scheduling,
+        lifo=cfg.queue_lifo,
         tenants=cfg.tenants,
     )
     keys = {key: name for name, spec in cfg.tenants.items() for key in spec.api_keys}

@@ -427,6 +427,14 @@ class OverloadSettings:
     # a share of a full engine's slots kept for tenants under their fair share and for
     # urgent requests (priority < 0); 0: none, every slot works (docs/overload.md)
     reserve_share: float = setting(0.0, Range(0, 0.9))
+    # the engines run vLLM's --scheduling-policy priority (their waiting queue ordered by
+    # the body's priority): a request below its tenant's default priority goes to a full
+    # engine, one past its limit, instead of waiting at the router (docs/overload.md)
+    engine_priority_scheduling: bool = setting(False)
+    # a tenant's standing queue (its oldest waited longer than an engine takes to serve a
+    # request) goes newest first; off: arrival order, each waits ~queue_timeout past
+    # saturation (docs/overload.md)
+    queue_lifo: bool = setting(True)
     priority_starve_after: float = setting(5.0, _DURATION)  # waited this long: its turn comes
     priority_starve_share: int = setting(8, Range(2, 1 << 20))  # one dispatch in this many then
     tenant_header: str = setting("x-tenant-id")  # names a request's tenant (after API keys)

@@ -75,7 +75,7 @@ from sim.mock.responses import (
     stream_events,
 )
 from sim.mock.responses import usage as responses_usage
-from sim.mock.scheduler import Scheduler, Sequence, Timing
+from sim.mock.scheduler import SCHEDULING_POLICIES, Scheduler, SchedulingPolicy, Sequence, Timing
 from sim.mock.text import MockText
 from sim.mock.tokens_in import Generate
 
@@ -101,6 +101,9 @@ class MockEngineConfig:
     max_model_len: int = 32_768
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # vLLM --scheduling-policy: the waiting queue's order (sim.mock.scheduler); under
+    # fcfs a request naming a priority other than 0 is refused with 400, as vLLM does
+    scheduling_policy: SchedulingPolicy = "fcfs"
     timing: Timing | None = None
     # data-parallel ranks, each its own cache, scheduler and KV-event publisher (its
     # endpoints' ports offset by the rank, as vLLM's ``offset_endpoint_port``)
@@ -259,6 +262,7 @@ class Rank:
             self._publish,
             max_num_seqs=cfg.max_num_seqs,
             max_batched_tokens=cfg.max_num_batched_tokens,
+            policy=cfg.scheduling_policy,
         )
 
     def start(self, cfg: MockEngineConfig) -> None:
@@ -572,6 +576,7 @@ class MockEngine:
         p = parse_params("chat", chat, self.cfg.model)
         prompt = self.text.chat(chat)
         seq = self._sequence(p, prompt)
+        seq.priority = self._priority(body)
         sched = self._submit(request, body, seq)
         rid, mid = new_ids()
         created = now()
@@ -655,6 +660,7 @@ class MockEngine:
         else:
             prompt = self.text.completion(body["prompt"])
         seq = self._sequence(p, prompt, lora, keys)  # checked before any transfer
+        seq.priority = self._priority(body)
         sched = rank.scheduler
         await self.pd.receive(
             plan, body, prompt, rank.cache, sched.flush_events, request.is_disconnected
@@ -690,6 +696,7 @@ class MockEngine:
         model = self._served(body)
         g = tokens_in.parse_generate(body, model, request.headers.get("x-request-id"))
         seq = self._sequence(g.params, g.token_ids, model if model != self.cfg.model else None)
+        seq.priority = self._priority(body)
         sched = self.pick_rank(request.headers, body).scheduler
         sched.submit(seq)
         if g.params.stream:
@@ -777,6 +784,22 @@ class MockEngine:
             sched.abort(seq)
         if seq.error:
             raise RuntimeError(seq.error)  # cuts the stream, as a dying engine does
+
+    def _priority(self, body: Any) -> int:
+        """The body's ``priority`` (vLLM's field: an integer, 0 when absent); 400 for one
+        that is not an integer, or not 0 under ``fcfs`` (vLLM's "Got priority N but
+        Priority scheduling is not enabled.")."""
+        found = body.get("priority") if isinstance(body, dict) else None
+        if found is None:
+            return 0
+        if isinstance(found, bool) or not isinstance(found, int):
+            raise ApiError(400, "priority must be an integer", "invalid_value", "priority")
+        if found != 0 and self.cfg.scheduling_policy != "priority":
+            raise ApiError(
+                400, f"Got priority {found} but Priority scheduling is not enabled.",
+                "invalid_value", "priority",
+            )  # fmt: skip
+        return found
 
     def _sequence(
         self,
@@ -1008,6 +1031,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     parser.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default=d.scheduling_policy,
+        help="the waiting queue's order, as vLLM's: fcfs, or priority (the body's priority, "
+        "lower first; no preemption at --max-num-seqs)",
+    )
+    parser.add_argument(
         "--stream-interval",
         type=int,
         default=d.stream_interval,
@@ -1081,6 +1111,7 @@ def config_from_args(args: argparse.Namespace) -> MockEngineConfig:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        scheduling_policy=args.scheduling_policy,
         stream_interval=max(1, args.stream_interval),
         timing=Timing(speed=args.speed, decode_tps=args.decode_tps, prefill_tps=args.prefill_tps),
         role=args.role,

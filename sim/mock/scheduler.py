@@ -1,32 +1,49 @@
 """The mock engine's continuous-batching scheduler over the shared ``PrefixCache``.
 
 Like vLLM's scheduler, each step spends a token budget: one token for every decoding
-request, then prefill chunks for running requests, then new requests in arrival order
-(the head of the queue waits when its pages cannot be freed, so later ones wait too).
-The step then "runs" for a modelled time:
+request, then prefill chunks for running requests, then new requests from the head of
+the waiting queue (the head waits when its pages cannot be freed, so later ones wait
+too) while fewer than ``max_num_seqs`` run. The step then "runs" for a modelled time:
 
     (1 / decode_tps + prefill tokens / prefill_tps + host blocks loaded * load_s) / speed
 
 so prefill latency grows with uncached tokens, a lone request decodes at ``decode_tps``
 and everything speeds up by ``speed`` for tests. Blocks are cached as their prefill
 chunk is scheduled; the step's KV events go out as one batch after it.
+
+The waiting queue's order is vLLM's ``--scheduling-policy`` (vllm/v1/core/sched/
+scheduler.py and request_queue.py, read in vLLM 0.32.0 and at main of 2026): ``fcfs``,
+arrival order; ``priority``, a request's ``priority`` (lower first), then its arrival.
+Under either, a waiting request never preempts a running one when ``max_num_seqs``
+run: vLLM's waiting loop stops there whatever the priorities (vLLM issue 40004, open;
+its PRs 45558, 45561 and 54530 to preempt there are not merged), so an urgent request
+takes the *next* slot that frees on its engine, ahead of every less urgent request
+waiting there, and never a slot someone holds. vLLM preempts only when a running
+request cannot get a KV block for its next tokens (the victim is the least urgent,
+latest arrival under ``priority``, the last scheduled under ``fcfs``); this scheduler
+reserves a request's whole answer when it is admitted, so a running request never needs
+a block and that case never arises here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from index.codec import Event
 from sim.cache import CacheFullError, PrefixCache
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()  # request ids, "seq-N"
+_arrivals = itertools.count()  # submission order, the tie-break within a priority
+SchedulingPolicy = Literal["fcfs", "priority"]
+SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority")
 
 
 @dataclass(slots=True)
@@ -54,6 +71,8 @@ class Sequence:
     lora: str | None = None  # the LoRA adapter it runs with (its own prefix space)
     keys: dict[int, list[Any]] | None = None  # per block, its multimodal items' keys
     id: str = field(default_factory=lambda: f"seq-{next(_ids)}")
+    priority: int = 0  # the body's ``priority`` (lower first; only under ``priority``)
+    arrival: int = 0  # set when submitted
     cached_tokens: int = 0
     computed: int = 0  # prompt tokens done (hits included)
     generated: int = 0
@@ -73,12 +92,17 @@ class Scheduler:
         *,
         max_num_seqs: int = 256,
         max_batched_tokens: int = 2048,
+        policy: SchedulingPolicy = "fcfs",
     ) -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"unknown scheduling policy {policy!r}")
+        self.policy = policy
         self.cache = cache
         self.timing = timing
         self.publish = publish
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
+        # in the order they are scheduled: arrival (fcfs), or (priority, arrival)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.prefix_queries = 0  # prompt tokens looked up (vllm:prefix_cache_queries)
@@ -88,7 +112,13 @@ class Scheduler:
         self._wake = asyncio.Event()
 
     def submit(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        seq.arrival = next(_arrivals)
+        if self.policy == "priority":
+            # behind every request at least as urgent, ahead of every less urgent one
+            at = bisect.bisect_right(self.waiting, seq.priority, key=_priority)
+            self.waiting.insert(at, seq)
+        else:
+            self.waiting.append(seq)
         self._wake.set()
 
     def abort(self, seq: Sequence) -> None:
@@ -161,7 +191,7 @@ class Scheduler:
                 self._finish(seq)
                 continue
             if alloc is None:
-                break  # first come, first served: nobody overtakes the head
+                break  # nobody overtakes the head (the most urgent under ``priority``)
             self.waiting.popleft()
             self.running.append(seq)
             hit = (alloc.gpu_hit_blocks + alloc.host_hit_blocks) * self.cache.block_size
@@ -200,3 +230,7 @@ class Scheduler:
     def _finish(self, seq: Sequence) -> None:
         seq.done = True
         seq.out.put_nowait(None)
+
+
+def _priority(seq: Sequence) -> int:
+    return seq.priority
