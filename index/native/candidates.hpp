@@ -9,6 +9,11 @@
 // happens when it does not). Work per decision: the index walk, then two linear passes
 // over the targets per order here; Python sees only the few kept (17 to 23 of 1,024
 // targets in bench/scale.py --only targets).
+//
+// A policy that does not weigh hits (least_load) needs no walk and no class: ``least``
+// keeps the least loaded of the whole pool from a min tree per order (each node: the least
+// key under it and how many leaves hold it), kept current by ``set``/``block``/``drop``
+// in O(log n). A decision then costs O((k + cap) log n), not a pass over every target.
 #pragma once
 
 #include <algorithm>
@@ -40,15 +45,20 @@ class LoadBoard {
         key_[0][slot] = (r << 40) | t;
         key_[1][slot] = (t << 23) | r;
         present_[slot] = 1;
+        refresh(static_cast<size_t>(slot));
     }
     // A target that may not be chosen now (unhealthy, draining, excluded): never kept.
     void block(int slot, bool blocked) {
         grow(slot);
         blocked_[slot] = blocked ? 1 : 0;
+        if (slot >= 0) refresh(static_cast<size_t>(slot));
     }
     // A target gone: no longer a candidate.
     void drop(int slot) {
-        if (slot >= 0 && static_cast<size_t>(slot) < present_.size()) present_[slot] = 0;
+        if (slot >= 0 && static_cast<size_t>(slot) < present_.size()) {
+            present_[slot] = 0;
+            refresh(static_cast<size_t>(slot));
+        }
     }
     bool candidate(int slot) const {
         return slot >= 0 && static_cast<size_t>(slot) < present_.size() && present_[slot] &&
@@ -112,11 +122,45 @@ class LoadBoard {
         }
     }
 
+    // The pool's least loaded without any walk (a policy that does not weigh hits): onto
+    // ``out``, the ``k`` least in each of the two orders and the tie class at the k-th key
+    // (whole when at most ``cap`` more, else a uniform sample fills the k), as ``pick``
+    // keeps among the targets holding nothing, then the ``also`` slots; each once.
+    // O((k + cap) log n) from the min trees, none of it a pass over the targets.
+    void least(int k, int cap, const std::vector<int>& also, std::vector<int>& out) {
+        const size_t from = out.size();
+        for (int o = 0; o < 2; ++o) least_tree(o, static_cast<size_t>(k), static_cast<size_t>(cap), out);
+        for (int slot : also)
+            if (candidate(slot)) out.push_back(slot);
+        // once each: a stamp per slot, no pass to clear it
+        if (++epoch_ == 0) {
+            std::fill(stamp_.begin(), stamp_.end(), 0);
+            epoch_ = 1;
+        }
+        size_t w = from;
+        for (size_t i = from; i < out.size(); ++i) {
+            const size_t s = static_cast<size_t>(out[i]);
+            if (stamp_[s] == epoch_) continue;
+            stamp_[s] = epoch_;
+            out[w++] = out[i];
+        }
+        out.resize(w);
+    }
+
    private:
+    static constexpr uint64_t NONE = ~uint64_t{0};  // a leaf no one may pick
     std::vector<int64_t> req_, tok_;
     std::vector<uint64_t> key_[2];  // per order, per slot (``set``)
     std::vector<uint8_t> present_, blocked_;
     uint64_t rng_ = 0x9E3779B97F4A7C15ULL;
+    // per order, a min tree over the slots: node i's children 2i and 2i+1, leaf of slot s
+    // at leaves_ + s (its key, NONE when absent or blocked); cnt_: the leaves under a node
+    // holding its minimum (0 under NONE)
+    size_t leaves_ = 0;  // a power of two, at least every slot
+    std::vector<uint64_t> min_[2];
+    std::vector<uint32_t> cnt_[2];
+    std::vector<uint32_t> stamp_;  // ``least``'s once-each marks
+    uint32_t epoch_ = 0;
 
     void grow(int slot) {
         if (slot < 0) return;
@@ -128,7 +172,87 @@ class LoadBoard {
             key_[1].resize(n, 0);
             present_.resize(n, 0);
             blocked_.resize(n, 0);
+            stamp_.resize(n, 0);
         }
+        if (n > leaves_) {  // a larger tree, rebuilt from the leaves: O(n), once a doubling
+            size_t cap = leaves_ ? leaves_ : 64;
+            while (cap < n) cap <<= 1;
+            leaves_ = cap;
+            for (int o = 0; o < 2; ++o) {
+                min_[o].assign(2 * cap, NONE);
+                cnt_[o].assign(2 * cap, 0);
+                for (size_t s = 0; s < present_.size(); ++s) {
+                    const uint64_t v = value(o, s);
+                    min_[o][cap + s] = v;
+                    cnt_[o][cap + s] = v == NONE ? 0 : 1;
+                }
+                for (size_t i = cap - 1; i >= 1; --i) pull(o, i);
+            }
+        }
+    }
+    uint64_t value(int o, size_t s) const {
+        return present_[s] && !blocked_[s] ? key_[o][s] : NONE;
+    }
+    void pull(int o, size_t i) {
+        const uint64_t a = min_[o][2 * i], b = min_[o][2 * i + 1];
+        const uint64_t m = a < b ? a : b;
+        min_[o][i] = m;
+        cnt_[o][i] = m == NONE ? 0 : (a == m ? cnt_[o][2 * i] : 0) + (b == m ? cnt_[o][2 * i + 1] : 0);
+    }
+    void put(int o, size_t s, uint64_t v) {
+        size_t i = leaves_ + s;
+        min_[o][i] = v;
+        cnt_[o][i] = v == NONE ? 0 : 1;
+        for (i >>= 1; i >= 1; i >>= 1) pull(o, i);
+    }
+    void refresh(size_t s) {
+        if (s >= present_.size()) return;
+        put(0, s, value(0, s));
+        put(1, s, value(1, s));
+    }
+    // the ``r``-th leaf, in slot order, of those holding the tree's least key
+    size_t select(int o, uint32_t r) const {
+        const uint64_t m = min_[o][1];
+        size_t i = 1;
+        while (i < leaves_) {
+            const size_t l = 2 * i;
+            if (min_[o][l] == m) {
+                if (r < cnt_[o][l]) {
+                    i = l;
+                    continue;
+                }
+                r -= cnt_[o][l];
+            }
+            i = l + 1;
+        }
+        return i - leaves_;
+    }
+    // ``least``'s part for order ``o``: the leaves are taken least first, each hidden
+    // (NONE) once taken so the next least is the tree's minimum, and shown again after.
+    // The k least and the tie at the k-th key as ``least`` below keeps them from a run.
+    void least_tree(int o, size_t want, size_t cap, std::vector<int>& out) {
+        if (!leaves_) return;
+        std::vector<size_t> hidden;
+        auto take = [&](size_t s) {
+            out.push_back(static_cast<int>(s));
+            hidden.push_back(s);
+            put(o, s, NONE);
+        };
+        size_t have = 0;
+        while (have < want && min_[o][1] != NONE) {
+            const size_t c = cnt_[o][1];  // the leaves at the least key left
+            const size_t room = want - have;
+            if (c <= room + cap) {  // all below the k-th key, or the tie at it kept whole
+                for (size_t i = 0; i < c; ++i) take(select(o, 0));
+                have += c;
+                if (have >= want) break;
+                continue;
+            }
+            for (size_t i = 0; i < room; ++i)  // a uniform sample of the tie fills the k
+                take(select(o, static_cast<uint32_t>(next() % (c - i))));
+            break;
+        }
+        for (size_t s : hidden) put(o, s, value(o, s));
     }
     uint64_t next() {
         uint64_t x = rng_;
