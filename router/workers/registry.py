@@ -104,6 +104,7 @@ class Worker:
 
     @models.setter
     def models(self, models: frozenset[str]) -> None:
+        models = frozenset(models)  # never a set changed in place behind the registry
         if models != self._models:
             self._models = models
             if self._changed is not None:
