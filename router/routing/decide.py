@@ -536,18 +536,24 @@ def _view(
     target: Target, match: TierMatch, synced: bool, now: float, now_ms: float, stale: float
 ) -> WorkerView:
     """One kept candidate's view, as ``Router.views`` builds each (``WorkerView.of``,
-    which the per-candidate loop there inlines): out of sync, no match."""
+    inlined as in the per-candidate loop there: a frame less each): out of sync, no match."""
     w, tid, load = target
     wload = w.load
     running = waiting = kv_usage = None
     if now - wload.engine_seen <= stale:
         engine = wload.engine
-        share = len(w.rank_loads) or 1
-        running, waiting = _share(engine.running, share), _share(engine.waiting, share)
+        ranks = w.rank_loads
+        if ranks:
+            share = len(ranks)
+            running, waiting = _share(engine.running, share), _share(engine.waiting, share)
+        else:
+            running, waiting = engine.running, engine.waiting
         kv_usage = engine.kv_usage
-    return WorkerView.of(
-        tid, match, synced, load.inflight_requests, load.inflight_prefill_tokens,
-        load.decode_streams, running, waiting, kv_usage, load.prefills.oldest(now_ms),
+    tokens, ran = load.prefills.oldest(now_ms)
+    return WorkerView(
+        tid, match if synced else NO_MATCH, load.inflight_requests,
+        load.inflight_prefill_tokens, load.decode_streams, running, waiting, kv_usage, True,
+        synced, tokens, ran,
     )  # fmt: skip
 
 
