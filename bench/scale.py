@@ -39,7 +39,7 @@ Prints one JSON object (never asserts). Sections:
   on two identical routers for ``cache_aware``, ``least_load`` and ``dynamo_kv``, with how
   many of their decisions agree; ingest (``ingest`` above, at that many workers) and memory
   (``memory`` above); ratios of the largest size to the smallest. ``--target-baseline
-  DIR``: another checkout's match and decision at each size, run just before ours.
+  DIR``: another checkout's match and decision at each size beside ours, each in a child.
 
 ``--nats-pin`` (2+ CPUs) gives the router's process and the prober CPU 0, nats-server and
 the publisher CPU 1: the router with a core of its own, as where the engines publish
@@ -620,8 +620,9 @@ def bench_targets(
     baseline: str | None = None,
 ) -> dict[str, Any]:
     """Each part at each size; ratios of the largest size to the smallest. ``baseline``:
-    another checkout's match and decision at each size too, run just before ours (same
-    machine, same minute: ``before`` and ``after`` side by side)."""
+    another checkout's match and decision at each size too (same machine, same minute:
+    ``before`` and ``after`` side by side), each side in a fresh child process, in turn
+    first (in this process ours ran after the sizes before it, on a larger heap)."""
     out: dict[str, Any] = {
         "sizes": sizes,
         "dp_ranks_per_node": DP,
@@ -633,12 +634,19 @@ def bench_targets(
     }
     if NativePrefixIndex is None:
         return out
-    for n in sizes:
-        before = None if baseline is None else baseline_targets(baseline, n, block, reps)
-        row: dict[str, Any] = {"match": match_at(n, block, reps)}
-        if before is not None:
-            row["baseline"] = before
-        row["decide"] = {p: decide_at(n, block, p, reps) for p in TARGET_POLICIES}
+    for i, n in enumerate(sizes):
+        row: dict[str, Any]
+        if baseline is None:
+            row = {"match": match_at(n, block, reps)}
+            row["decide"] = {p: decide_at(n, block, p, reps) for p in TARGET_POLICIES}
+        else:  # both in a fresh child each, first one then the other in turn
+            trees = [("baseline", baseline), ("ours", str(_ROOT))]
+            runs = {
+                name: baseline_targets(tree, n, block, reps)
+                for name, tree in (trees if i % 2 == 0 else trees[::-1])
+            }
+            row = {k: runs["ours"][k] for k in ("match", "decide")}
+            row["baseline"] = runs["baseline"]
         if pairs:
             row["ingest"] = bench_ingest(pairs, n, 512, reps, python=False)
         if memory_pairs:
