@@ -267,68 +267,134 @@ def test_views_keep_what_the_policy_must_see() -> None:
 def _reference(
     keys: dict[int, tuple[int, int]], k: int, cap: int
 ) -> list[tuple[set[int], set[int], int]]:
-    """Per order (requests then tokens; tokens then requests): the slots below the k-th
-    key, the tie class at it, and how many of the tie fill the k (``room``)."""
+    """Per order (requests then tokens; tokens then requests) over ``keys``' slots: the
+    slots below the k-th key, the tie class at it, and how many of the tie fill the k."""
     out = []
-    for order in (lambda v: v, lambda v: (v[1], v[0])):
-        ranked = sorted(keys, key=lambda s: order(keys[s]))
+    for order in ((0, 1), (1, 0)):
+
+        def key(s: int, order: tuple[int, int] = order) -> tuple[int, int]:
+            return keys[s][order[0]], keys[s][order[1]]
+
+        ranked = sorted(keys, key=key)
         if len(ranked) <= k:
             out.append((set(ranked), set(), 0))
             continue
-        kth = order(keys[ranked[k - 1]])
-        below = {s for s in ranked if order(keys[s]) < kth}
-        ties = {s for s in ranked if order(keys[s]) == kth}
+        kth = key(ranked[k - 1])
+        below = {s for s in ranked if key(s) < kth}
+        ties = {s for s in ranked if key(s) == kth}
         out.append((below, ties, k - len(below)))
     return out
 
 
+def _check(got: set[int], ref: list[tuple[set[int], set[int], int]], cap: int) -> bool:
+    """``got`` holds each order's k least as ``_reference`` gives them: every slot below
+    the k-th key, the tie whole up to the cap, else ``room`` of it. Whether nothing was
+    drawn (then it is exactly those)."""
+    drawn = False
+    for below, ties, room in ref:
+        assert below <= got
+        if len(ties) <= room + cap:
+            assert ties <= got
+        else:
+            assert len(ties & got) >= room
+            drawn = True
+    return drawn
+
+
+def _board(rng: random.Random, n: int) -> tuple[_native.LoadBoard, dict[int, tuple[int, int]]]:
+    """A board grown slot by slot in any order (its trees past several sizes), some
+    slots blocked or dropped, some moved since: and the keys of those left."""
+    board = _native.LoadBoard()
+    keys: dict[int, tuple[int, int]] = {}
+    for s in rng.sample(range(n), n):
+        keys[s] = (rng.randrange(rng.choice([1, 3, 8])), rng.choice([0, 512, 4096]))
+        board.set(s, *keys[s])
+    for s in rng.sample(range(n), n // 10):
+        if rng.random() < 0.5:
+            board.block(s, True)
+        else:
+            board.drop(s)
+        del keys[s]
+    for s in rng.sample(sorted(keys), len(keys) // 5):
+        keys[s] = (rng.randrange(3), rng.choice([0, 512]))
+        board.set(s, *keys[s])
+    return board, keys
+
+
 @pytest.mark.skipif(not hasattr(_native.LoadBoard, "least"), reason="a build before the min trees")
-def test_the_least_loaded_from_the_min_trees_are_the_pass_over_every_target() -> None:
-    """``LoadBoard.least`` (min trees, O(log n)) keeps what the pass over the targets
-    holding nothing keeps (``pick`` without holders): the k least in each order and the
-    tie at the k-th key, whole up to the cap, else ``room`` of it drawn; on boards grown
-    past several tree sizes, with slots blocked, dropped and moved between picks."""
+def test_the_least_loaded_from_the_min_trees() -> None:
+    """``LoadBoard.least`` (min trees, O(log n)) keeps, in each of the two orders, the
+    k least and the tie at the k-th key, whole up to the cap, else ``room`` of it drawn,
+    and the ``also`` slots; each once. Against a sort of every slot's key."""
     rng = random.Random(5)
     sampled = whole = 0
     for _ in range(300):
-        board = _native.LoadBoard()
-        keys: dict[int, tuple[int, int]] = {}
         n = rng.choice([5, 70, 300, 1100])
-        for s in rng.sample(range(n), n):  # slots in any order: the trees grow as they come
-            keys[s] = (rng.randrange(rng.choice([1, 3, 8])), rng.choice([0, 512, 4096]))
-            board.set(s, *keys[s])
-        for s in rng.sample(range(n), n // 10):
-            if rng.random() < 0.5:
-                board.block(s, True)
-            else:
-                board.drop(s)
-            del keys[s]
-        for s in rng.sample(sorted(keys), len(keys) // 5):  # moved since
-            keys[s] = (rng.randrange(3), rng.choice([0, 512]))
-            board.set(s, *keys[s])
+        board, keys = _board(rng, n)
         k, cap = rng.randint(1, 6), rng.choice([0, 2, 32])
         also = rng.sample(range(n), 2)
         for _ in range(3):  # again: each pick leaves the trees as it found them
             got = board.least(k, cap, also)
             assert len(got) == len(set(got))
-            slow = {p[0] for p in board.pick([], [], True, 0.0, k, cap, also)}
             ref = _reference(keys, k, cap)
-            allowed = {a for a in also if a in keys}
+            kept = {a for a in also if a in keys}
+            allowed = set(kept)
             for below, ties, _ in ref:
                 allowed |= below | ties
-            assert set(got) <= allowed and below <= set(got)
-            for below, ties, room in ref:
-                assert below <= set(got)
-                if len(ties) <= room + cap:
-                    assert ties <= set(got)
-                else:
-                    assert len(ties & set(got)) >= room
-            if all(len(t) <= r + cap for _, t, r in ref):
-                assert set(got) == slow  # nothing drawn: the same slots as the pass
-                whole += 1
-            else:
+            assert set(got) <= allowed
+            if _check(set(got), ref, cap):
                 sampled += 1
+            else:
+                assert set(got) == kept.union(*(b | t for b, t, _ in ref))
+                whole += 1
     assert whole > 100 and sampled > 100
+
+
+def test_pick_keeps_each_class_and_the_non_holders_least_loaded() -> None:
+    """``LoadBoard.pick`` over a real index (several groups): per class of equal hits
+    and among the targets holding nothing (taken from the min trees past the holders, or
+    by a pass where holders are many), the k least in each order and the tie at the
+    k-th key, whole up to the cap, else drawn. Against ``match_tiers`` and a sort."""
+    from index.native_index import NativePrefixIndex
+
+    rng = random.Random(9)
+    sampled = whole = 0
+    for _ in range(60):
+        n = rng.choice([40, 150, 700])
+        index = NativePrefixIndex()
+        names = [f"w{s}" for s in range(n)]
+        for name in names:
+            index.add_worker(name)
+        board, keys = _board(rng, n)
+        chain = [rng.getrandbits(63) for _ in range(6)]
+        share = rng.choice([0.02, 0.3, 0.8])  # few holders, many, most
+        for s in range(n):
+            if rng.random() < share:
+                index.store(names[s], chain[: rng.randrange(1, 7)])
+        k, cap = rng.randint(1, 5), rng.choice([0, 3, 32])
+        got = {p[0]: p[1:] for p in index.pick(board, chain, k, cap)}
+        matches = index.match_tiers(chain)
+        classes: dict[tuple[int, int, int, int], dict[int, tuple[int, int]]] = {}
+        for s, key in keys.items():
+            m = matches.get(names[s])
+            cls = (0, 0, 0, 0) if m is None else (m.gpu, m.cpu, m.disk, m.total)
+            classes.setdefault(cls, {})[s] = key
+        drawn = False
+        allowed: set[int] = set()
+        for cls, members in classes.items():
+            ref = _reference(members, k, cap)
+            mine = {s for s in got if s in members}
+            assert all(got[s] == cls for s in mine)  # each slot with its own hit
+            drawn |= _check(mine, ref, cap)
+            for below, ties, _ in ref:
+                allowed |= below | ties
+        assert set(got) <= allowed
+        if drawn:
+            sampled += 1
+        else:
+            assert set(got) == allowed
+            whole += 1
+    assert whole > 10 and sampled > 10
 
 
 def _wide_least_load(seed: int) -> tuple[RouterState, list[list[int]]]:
