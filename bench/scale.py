@@ -38,7 +38,8 @@ Prints one JSON object (never asserts). Sections:
   decision per request (``for_model`` + ``decide`` + ``hit_blocks``) pruned and unpruned
   on two identical routers for ``cache_aware``, ``least_load`` and ``dynamo_kv``, with how
   many of their decisions agree; ingest (``ingest`` above, at that many workers) and memory
-  (``memory`` above); ratios of the largest size to the smallest.
+  (``memory`` above); ratios of the largest size to the smallest. ``--target-baseline
+  DIR``: another checkout's match and decision at each size beside ours, each in a child.
 
 ``--nats-pin`` (2+ CPUs) gives the router's process and the prober CPU 0, nats-server and
 the publisher CPU 1: the router with a core of its own, as where the engines publish
@@ -569,6 +570,10 @@ def match_at(n: int, block: int, reps: int) -> dict[str, Any]:
         "match_tiers_us": _per_call(index.match_tiers, hashes, reps),
         "pick_us": _per_call(lambda h: index.pick(board, h, 4, 32), hashes, reps),
     }
+    if hasattr(board, "least"):  # the min trees: a policy that weighs no hit (least_load)
+        out["least_us"] = _per_call(lambda h: board.least(4, 32), hashes, reps)
+        tid = next(iter(st.registry)).targets[0]
+        out["match_of_us"] = _per_call(lambda h: index.match_of(tid, h), hashes, reps)
     if RadixTree is not None:
         tree = RadixTree()
         held, _ = population(n, block, 7)
@@ -590,10 +595,34 @@ def match_at(n: int, block: int, reps: int) -> dict[str, Any]:
     return out
 
 
+def baseline_targets(tree: str, n: int, block: int, reps: int) -> dict[str, Any]:
+    """The checkout ``tree``'s own ``targets`` section at ``n`` targets (its match and
+    decision, no ingest or memory), in a child process importing that tree first."""
+    env = {**os.environ, "PYTHONPATH": tree}
+    cmd = [sys.executable, str(Path(tree) / "bench" / "scale.py"), "--only", "targets",
+           "--target-sizes", str(n), "--target-block", str(block), "--reps", str(reps),
+           "--target-pairs", "0", "--target-memory-pairs", "0"]  # fmt: skip
+    done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=True)
+    row: dict[str, Any] = json.loads(done.stdout)["targets"]["by_size"][str(n)]
+    row["tree"] = tree
+    row["commit"] = subprocess.run(
+        ["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    return row
+
+
 def bench_targets(
-    sizes: list[int], block: int, reps: int, pairs: int, memory_pairs: int
+    sizes: list[int],
+    block: int,
+    reps: int,
+    pairs: int,
+    memory_pairs: int,
+    baseline: str | None = None,
 ) -> dict[str, Any]:
-    """Each part at each size; ratios of the largest size to the smallest."""
+    """Each part at each size; ratios of the largest size to the smallest. ``baseline``:
+    another checkout's match and decision at each size too (same machine, same minute:
+    ``before`` and ``after`` side by side), each side in a fresh child process, in turn
+    first (in this process ours ran after the sizes before it, on a larger heap)."""
     out: dict[str, Any] = {
         "sizes": sizes,
         "dp_ranks_per_node": DP,
@@ -605,9 +634,19 @@ def bench_targets(
     }
     if NativePrefixIndex is None:
         return out
-    for n in sizes:
-        row: dict[str, Any] = {"match": match_at(n, block, reps)}
-        row["decide"] = {p: decide_at(n, block, p, reps) for p in TARGET_POLICIES}
+    for i, n in enumerate(sizes):
+        row: dict[str, Any]
+        if baseline is None:
+            row = {"match": match_at(n, block, reps)}
+            row["decide"] = {p: decide_at(n, block, p, reps) for p in TARGET_POLICIES}
+        else:  # both in a fresh child each, first one then the other in turn
+            trees = [("baseline", baseline), ("ours", str(_ROOT))]
+            runs = {
+                name: baseline_targets(tree, n, block, reps)
+                for name, tree in (trees if i % 2 == 0 else trees[::-1])
+            }
+            row = {k: runs["ours"][k] for k in ("match", "decide")}
+            row["baseline"] = runs["baseline"]
         if pairs:
             row["ingest"] = bench_ingest(pairs, n, 512, reps, python=False)
         if memory_pairs:
@@ -615,12 +654,17 @@ def bench_targets(
         out["by_size"][str(n)] = row
     lo, hi = out["by_size"][str(sizes[0])], out["by_size"][str(sizes[-1])]
     ratios: dict[str, float] = {}
-    for key in ("match_tiers_us", "pick_us", "dynamo_find_matches_us"):
+    for key in ("match_tiers_us", "pick_us", "least_us", "match_of_us", "dynamo_find_matches_us"):
         if key in lo["match"]:
             ratios[f"match.{key}"] = hi["match"][key] / lo["match"][key]
     for p in TARGET_POLICIES:
         for key in ("pruned_us", "unpruned_us"):
             ratios[f"decide.{p}.{key}"] = hi["decide"][p][key] / lo["decide"][p][key]
+        if "baseline" in hi:
+            for key in ("pruned_us", "unpruned_us"):
+                ratios[f"baseline.decide.{p}.{key}"] = (
+                    hi["baseline"]["decide"][p][key] / lo["baseline"]["decide"][p][key]
+                )
     out[f"ratio_{sizes[-1]}_over_{sizes[0]}"] = ratios
     return out
 
@@ -1099,6 +1143,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--target-memory-pairs", type=int, default=500_000, help="targets: memory pairs (0: skip)"
     )
+    p.add_argument(
+        "--target-baseline",
+        metavar="DIR",
+        help="targets: also this checkout's match and decision at each size (before/after)",
+    )
     args = p.parse_args(argv)
     global ENGINE_HASHES, PIN
     ENGINE_HASHES = args.engine_hashes
@@ -1157,6 +1206,7 @@ def main(argv: list[str] | None = None) -> int:
             args.reps,
             args.target_pairs,
             args.target_memory_pairs,
+            args.target_baseline,
         ),
     }
     wanted = args.only.split(",") if args.only else list(sections)

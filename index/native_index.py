@@ -26,6 +26,7 @@ from index.prefix_index import TIERS, IndexStats, Tier, TierMatch
 
 GROUP: int = _native.MAX_WORKERS
 TIER_NUM: dict[Tier, int] = {name: pos for pos, name in enumerate(TIERS)}
+_NONE = TierMatch(0, 0, 0, 0)
 
 
 class NativePrefixIndex:
@@ -203,6 +204,22 @@ class NativePrefixIndex:
             for s, gpu, cpu, disk, total in core.match_tiers(hashes, speculative, now, shared):
                 out[names[base + s]] = TierMatch(gpu, cpu, disk, total)  # type: ignore[index]
         return out
+
+    def match_of(
+        self, worker_id: str, hashes: Sequence[int], *, speculative: bool = True
+    ) -> TierMatch:
+        """``match_tiers``'s entry for one worker, from its own group's walk alone (a
+        wide pool's other groups are not read)."""
+        at = self._at.get(worker_id)
+        if at is None or not hashes:
+            return _NONE
+        core, slot = at
+        now = self._clock() if speculative else 0.0
+        shared = self._shared(hashes) if len(self.cores) > 1 else None
+        for s, gpu, cpu, disk, total in core.match_tiers(hashes, speculative, now, shared):
+            if s == slot:
+                return TierMatch(gpu, cpu, disk, total)
+        return _NONE
 
     def pick(
         self,

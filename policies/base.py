@@ -152,6 +152,13 @@ class Policy(ABC):
         default): every candidate."""
         return False
 
+    def weighs_hits(self, request: RouteRequest) -> bool:
+        """Whether ``select`` reads the candidates' matches. False (``least_load``): in a
+        wide pool the router walks the index for none of them (router/routing/prune.py),
+        the views show ``NO_MATCH``, and it looks up the chosen target's alone (its
+        predicted hit). True (the default): every candidate's match."""
+        return True
+
     def must_see(self, request: RouteRequest) -> Collection[str]:
         """Candidates a pruned list must keep whatever their load: those the policy's
         own state favours (a session's request in flight there, say)."""

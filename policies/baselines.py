@@ -57,6 +57,9 @@ class LeastLoad(Policy):
     def prunable(self, request: RouteRequest) -> bool:
         return True  # the load board orders by ``load_key``: the winner is always kept
 
+    def weighs_hits(self, request: RouteRequest) -> bool:
+        return False  # its choice is the load alone: no candidate's match is looked up
+
     def select(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
         cands = healthy(workers)
         i = argmin_random([load_key(w) for w in cands], self.rng)

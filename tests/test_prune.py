@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 
 from index import _native
-from policies.base import Decision, RouteRequest, WorkerView
+from policies.base import NO_MATCH, Decision, RouteRequest, WorkerView
 from policies.selection import load_key
 from router.config import RouterConfig, WorkerSpec
 from router.http.app import RouterState
-from router.routing.decide import Parsed, Prepared
+from router.routing.decide import Parsed, Prepared, hit_blocks
 from router.routing.prune import KEEP, PRUNE_ABOVE, TIE_CAP
 from router.workers.load import EngineLoad, Flight
 
@@ -155,6 +155,13 @@ def _compare(policy: str, seed: int, steps: int = 24) -> tuple[int, int, int, in
         kept_ids = {v.worker_id for v in kept}
         assert d.worker_id in kept_ids and d.worker_id not in exclude
         ties = _tie_class(policy, views, e, tie_ms)
+        if d.worker_id == e.worker_id:
+            # the chosen target's match as every candidate's views show it (least_load's
+            # looked up alone, the others' from the walk): the hit the router counts
+            mine = next(v for v in kept if v.worker_id == d.worker_id)
+            full = next(v for v in views if v.worker_id == e.worker_id)
+            assert (mine.match, mine.in_sync) == (full.match, full.in_sync)
+            assert hit_blocks(kept, d) == hit_blocks(views, e)
         if ties <= kept_ids:
             assert (d.worker_id, d.reason, d.prefetch) == (e.worker_id, e.reason, e.prefetch)
             assert {w: e.scores[w] for w in d.scores} == d.scores
@@ -255,3 +262,246 @@ def test_views_keep_what_the_policy_must_see() -> None:
     _, kept = st.router.decide(_prep(st, 1, [*chain, 5], "sess"))
     assert busy.targets[2] in {v.worker_id for v in kept}
     assert len(kept) < 80
+
+
+def _reference(
+    keys: dict[int, tuple[int, int]], k: int, cap: int
+) -> list[tuple[set[int], set[int], int]]:
+    """Per order (requests then tokens; tokens then requests) over ``keys``' slots: the
+    slots below the k-th key, the tie class at it, and how many of the tie fill the k."""
+    out = []
+    for order in ((0, 1), (1, 0)):
+
+        def key(s: int, order: tuple[int, int] = order) -> tuple[int, int]:
+            return keys[s][order[0]], keys[s][order[1]]
+
+        ranked = sorted(keys, key=key)
+        if len(ranked) <= k:
+            out.append((set(ranked), set(), 0))
+            continue
+        kth = key(ranked[k - 1])
+        below = {s for s in ranked if key(s) < kth}
+        ties = {s for s in ranked if key(s) == kth}
+        out.append((below, ties, k - len(below)))
+    return out
+
+
+def _check(got: set[int], ref: list[tuple[set[int], set[int], int]], cap: int) -> bool:
+    """``got`` holds each order's k least as ``_reference`` gives them: every slot below
+    the k-th key, the tie whole up to the cap, else ``room`` of it. Whether nothing was
+    drawn (then it is exactly those)."""
+    drawn = False
+    for below, ties, room in ref:
+        assert below <= got
+        if len(ties) <= room + cap:
+            assert ties <= got
+        else:
+            assert len(ties & got) >= room
+            drawn = True
+    return drawn
+
+
+def _board(rng: random.Random, n: int) -> tuple[_native.LoadBoard, dict[int, tuple[int, int]]]:
+    """A board grown slot by slot in any order (its trees past several sizes), some
+    slots blocked or dropped, some moved since: and the keys of those left."""
+    board = _native.LoadBoard()
+    keys: dict[int, tuple[int, int]] = {}
+    for s in rng.sample(range(n), n):
+        keys[s] = (rng.randrange(rng.choice([1, 3, 8])), rng.choice([0, 512, 4096]))
+        board.set(s, *keys[s])
+    for s in rng.sample(range(n), n // 10):
+        if rng.random() < 0.5:
+            board.block(s, True)
+        else:
+            board.drop(s)
+        del keys[s]
+    for s in rng.sample(sorted(keys), len(keys) // 5):
+        keys[s] = (rng.randrange(3), rng.choice([0, 512]))
+        board.set(s, *keys[s])
+    return board, keys
+
+
+@pytest.mark.skipif(not hasattr(_native.LoadBoard, "least"), reason="a build before the min trees")
+def test_the_least_loaded_from_the_min_trees() -> None:
+    """``LoadBoard.least`` (min trees, O(log n)) keeps, in each of the two orders, the
+    k least and the tie at the k-th key, whole up to the cap, else ``room`` of it drawn,
+    and the ``also`` slots; each once. Against a sort of every slot's key."""
+    rng = random.Random(5)
+    sampled = whole = 0
+    for _ in range(300):
+        n = rng.choice([5, 70, 300, 1100])
+        board, keys = _board(rng, n)
+        k, cap = rng.randint(1, 6), rng.choice([0, 2, 32])
+        also = rng.sample(range(n), 2)
+        for _ in range(3):  # again: each pick leaves the trees as it found them
+            got = board.least(k, cap, also)
+            assert len(got) == len(set(got))
+            ref = _reference(keys, k, cap)
+            kept = {a for a in also if a in keys}
+            allowed = set(kept)
+            for below, ties, _ in ref:
+                allowed |= below | ties
+            assert set(got) <= allowed
+            if _check(set(got), ref, cap):
+                sampled += 1
+            else:
+                assert set(got) == kept.union(*(b | t for b, t, _ in ref))
+                whole += 1
+    assert whole > 100 and sampled > 100
+
+
+def test_pick_keeps_each_class_and_the_non_holders_least_loaded() -> None:
+    """``LoadBoard.pick`` over a real index (several groups): per class of equal hits
+    and among the targets holding nothing (taken from the min trees past the holders, or
+    by a pass where holders are many), the k least in each order and the tie at the
+    k-th key, whole up to the cap, else drawn. Against ``match_tiers`` and a sort."""
+    from index.native_index import NativePrefixIndex
+
+    rng = random.Random(9)
+    sampled = whole = 0
+    for _ in range(60):
+        n = rng.choice([40, 150, 700])
+        index = NativePrefixIndex()
+        names = [f"w{s}" for s in range(n)]
+        for name in names:
+            index.add_worker(name)
+        board, keys = _board(rng, n)
+        chain = [rng.getrandbits(63) for _ in range(6)]
+        share = rng.choice([0.02, 0.3, 0.8])  # few holders, many, most
+        for s in range(n):
+            if rng.random() < share:
+                index.store(names[s], chain[: rng.randrange(1, 7)])
+        k, cap = rng.randint(1, 5), rng.choice([0, 3, 32])
+        got = {p[0]: p[1:] for p in index.pick(board, chain, k, cap)}
+        matches = index.match_tiers(chain)
+        classes: dict[tuple[int, int, int, int], dict[int, tuple[int, int]]] = {}
+        for s, key in keys.items():
+            m = matches.get(names[s])
+            cls = (0, 0, 0, 0) if m is None else (m.gpu, m.cpu, m.disk, m.total)
+            classes.setdefault(cls, {})[s] = key
+        drawn = False
+        allowed: set[int] = set()
+        for cls, members in classes.items():
+            ref = _reference(members, k, cap)
+            mine = {s for s in got if s in members}
+            assert all(got[s] == cls for s in mine)  # each slot with its own hit
+            drawn |= _check(mine, ref, cap)
+            for below, ties, _ in ref:
+                allowed |= below | ties
+        assert set(got) <= allowed
+        if drawn:
+            sampled += 1
+        else:
+            assert set(got) == allowed
+            whole += 1
+    assert whole > 10 and sampled > 10
+
+
+def _wide_least_load(seed: int) -> tuple[RouterState, list[list[int]]]:
+    st = _state(12, 8, "least_load", seed)
+    rng = random.Random(seed)
+    index = next(iter(st.registry)).pool.index
+    targets = [t for w in st.registry for t in w.targets]
+    fam = [rng.getrandbits(63) for _ in range(6)]
+    chains = []
+    for t in targets:
+        chain = fam + [rng.getrandbits(63) for _ in range(rng.randrange(1, 20))]
+        index.store(t, chain[: rng.randrange(1, len(chain) + 1)])
+        if rng.random() < 0.2:
+            index.store(t, chain, rng.choice(["cpu", "disk"]))
+        chains.append(chain)
+    for w in st.registry:
+        for load in w.rank_loads:
+            for _ in range(rng.randrange(3)):
+                load.begin(rng.choice([0, 512]))
+    return st, chains
+
+
+def test_least_load_walks_no_index_group_and_counts_its_choice_exactly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``least_load`` weighs no hit: in a wide pool its views come from the board alone
+    (no walk of the index's groups, no sync state asked group by group), and the chosen
+    target's match, looked up alone, is the one every candidate's views show: what
+    ``hit_blocks`` counts for the request; out of sync, none."""
+    st, chains = _wide_least_load(3)
+    pool = next(iter(st.registry)).pool
+    index, ingest = pool.index, pool.ingest
+    behind = next(iter(st.registry)).targets[1]
+    ingest.mark_out_of_sync(behind)
+    rng = random.Random(3)
+    preps = []
+    for i in range(40):
+        chain = [*rng.choice(chains), rng.getrandbits(63)]
+        preps.append(_prep(st, i, chain, None))
+    full = [index.match_tiers(p.request.block_hashes[:-1]) for p in preps]
+
+    def walked(*_a: Any, **_k: Any) -> Any:
+        raise AssertionError("a group walked for a policy that weighs no hit")
+
+    monkeypatch.setattr(index, "match_tiers", walked)
+    monkeypatch.setattr(index, "pick", walked)
+    monkeypatch.setattr(ingest, "out_of_sync", walked)
+    for p, matches in zip(preps, full, strict=True):
+        d, views = st.router.decide(p)
+        assert len(views) <= 2 * (KEEP + TIE_CAP)
+        chosen = next(v for v in views if v.worker_id == d.worker_id)
+        want = matches.get(d.worker_id, NO_MATCH) if d.worker_id != behind else NO_MATCH
+        assert chosen.match == want and chosen.in_sync == (d.worker_id != behind)
+        assert hit_blocks(views, d) == want.total
+        assert all(v.match == NO_MATCH for v in views if v is not chosen)
+    # the target out of sync, chosen: no hit counted there
+    for w in st.registry:
+        for tid, load in w.candidates:
+            for _ in range(5 if tid != behind else 0):  # the others busier than it
+                load.begin(0)
+    d, views = st.router.decide(preps[0])
+    assert d.worker_id == behind and hit_blocks(views, d) == 0
+
+
+def test_admission_saves_the_best_and_the_holder_from_the_kept_holders() -> None:
+    """A full pool's ticket weighs what each holder's cache saves (``Gate._saved``); in
+    a wide pool from the kept candidates alone (each hit class's least loaded): the best
+    saving is every candidate's, the savings kept are theirs, and the holder (the first
+    best) is the same whenever the kept set holds it."""
+    from router.admission.gate import Gate
+
+    same_holder = 0
+    for seed in range(8):
+        pair, rng, chains = _world(seed, "cache_aware")
+        st = pair[0]
+        gate = Gate(_settings(), st.router, st.registry)
+        for i in range(12):
+            chain = rng.choice(chains)
+            chain = [*chain[: rng.randrange(1, len(chain) + 1)], rng.getrandbits(63)]
+            prep = _prep(st, i, chain, None)
+            kept = gate._saved(prep)
+            every = _saved_every(gate, prep)
+            assert all(every[w] == v for w, v in kept.items())
+            assert max(kept.values(), default=0.0) == max(every.values(), default=0.0)
+            if every:
+                holder = max(every, key=every.__getitem__)
+                if holder in kept:
+                    assert max(kept, key=kept.__getitem__) == holder
+                    same_holder += 1
+            assert len(kept) <= len(every)
+    assert same_holder > 20
+
+
+def _settings() -> Any:
+    from router.admission.core import AdmissionSettings
+
+    return AdmissionSettings(max_inflight=1)
+
+
+def _saved_every(gate: Any, prep: Prepared) -> dict[str, float]:
+    """``Gate._saved`` over every candidate's view (what it read before the pruning)."""
+    req = prep.request
+    n = req.num_tokens
+    full = gate.costs.prefill_ms(n)
+    saved = {}
+    for view in gate.router.views(prep):
+        hit = min(view.match.total * req.block_size, n - 1)
+        if hit > 0:
+            saved[view.worker_id] = (full - gate.costs.prefill_ms(n - hit, hit)) / 1000.0
+    return saved

@@ -9,6 +9,11 @@
 // happens when it does not). Work per decision: the index walk, then two linear passes
 // over the targets per order here; Python sees only the few kept (17 to 23 of 1,024
 // targets in bench/scale.py --only targets).
+//
+// A policy that does not weigh hits (least_load) needs no walk and no class: ``least``
+// keeps the least loaded of the whole pool from a min tree per order (each node: the least
+// key under it and how many leaves hold it), kept current by ``set``/``block``/``drop``
+// in O(log n). A decision then costs O((k + cap) log n), not a pass over every target.
 #pragma once
 
 #include <algorithm>
@@ -40,15 +45,20 @@ class LoadBoard {
         key_[0][slot] = (r << 40) | t;
         key_[1][slot] = (t << 23) | r;
         present_[slot] = 1;
+        refresh(static_cast<size_t>(slot));
     }
     // A target that may not be chosen now (unhealthy, draining, excluded): never kept.
     void block(int slot, bool blocked) {
         grow(slot);
         blocked_[slot] = blocked ? 1 : 0;
+        if (slot >= 0) refresh(static_cast<size_t>(slot));
     }
     // A target gone: no longer a candidate.
     void drop(int slot) {
-        if (slot >= 0 && static_cast<size_t>(slot) < present_.size()) present_[slot] = 0;
+        if (slot >= 0 && static_cast<size_t>(slot) < present_.size()) {
+            present_[slot] = 0;
+            refresh(static_cast<size_t>(slot));
+        }
     }
     bool candidate(int slot) const {
         return slot >= 0 && static_cast<size_t>(slot) < present_.size() && present_[slot] &&
@@ -67,12 +77,12 @@ class LoadBoard {
     // ``also``: slots kept whatever their load (those the policy asks for by name).
     void pick(std::vector<Held>& held, int k, int cap, const std::vector<int>& also,
               std::vector<Held>& out) {
-        std::vector<uint8_t> is_holder(present_.size(), 0);
+        const uint32_t ep = next_epoch();  // mark_[s] == ep: a holder; stamp_[s] == ep: kept
         std::vector<Held> live;
         live.reserve(held.size());
         for (const Held& h : held) {
             if (!candidate(h.slot)) continue;
-            is_holder[h.slot] = 1;
+            mark_[h.slot] = ep;
             live.push_back(h);
         }
         // by class, deepest first: each class a contiguous run
@@ -90,13 +100,23 @@ class LoadBoard {
             for (int o = 0; o < 2; ++o) least(live.data() + i, j - i, k, cap, o, kept);
             i = j;
         }
-        // the targets holding nothing
+        // the targets holding nothing: from the min trees, passing over the holders met
+        // there; a pass over every target only where the trees would cost more (many
+        // holders among the least loaded)
+        std::vector<int> idle;
         std::vector<Held> none;
-        none.reserve(present_.size());
-        for (size_t s = 0; s < present_.size(); ++s)
-            if (present_[s] && !blocked_[s] && !is_holder[s])
-                none.push_back(Held{static_cast<int>(s), 0, 0, 0, 0});
-        for (int o = 0; o < 2; ++o) least(none.data(), none.size(), k, cap, o, kept);
+        for (int o = 0; o < 2; ++o) {
+            if (least_tree(o, static_cast<size_t>(k), static_cast<size_t>(cap), idle, &live, ep))
+                continue;
+            if (none.empty()) {
+                none.reserve(present_.size());
+                for (size_t s = 0; s < present_.size(); ++s)
+                    if (present_[s] && !blocked_[s] && mark_[s] != ep)
+                        none.push_back(Held{static_cast<int>(s), 0, 0, 0, 0});
+            }
+            least(none.data(), none.size(), k, cap, o, kept);
+        }
+        for (int slot : idle) kept.push_back(Held{slot, 0, 0, 0, 0});
         for (int slot : also) {
             if (!candidate(slot)) continue;
             Held add{slot, 0, 0, 0, 0};
@@ -104,19 +124,58 @@ class LoadBoard {
                 if (h.slot == slot) add = h;
             kept.push_back(add);
         }
-        std::vector<uint8_t> seen(present_.size(), 0);  // once each
-        for (const Held& h : kept) {
-            if (seen[h.slot]) continue;
-            seen[h.slot] = 1;
+        for (const Held& h : kept) {  // once each
+            if (stamp_[h.slot] == ep) continue;
+            stamp_[h.slot] = ep;
             out.push_back(h);
         }
     }
 
+    // The pool's least loaded without any walk (a policy that does not weigh hits): onto
+    // ``out``, the ``k`` least in each of the two orders and the tie class at the k-th key
+    // (whole when at most ``cap`` more, else a uniform sample fills the k), as ``pick``
+    // keeps among the targets holding nothing, then the ``also`` slots; each once.
+    // O((k + cap) log n) from the min trees, none of it a pass over the targets.
+    void least(int k, int cap, const std::vector<int>& also, std::vector<int>& out) {
+        const size_t from = out.size();
+        const uint32_t ep = next_epoch();
+        for (int o = 0; o < 2; ++o)
+            least_tree(o, static_cast<size_t>(k), static_cast<size_t>(cap), out, nullptr, ep);
+        for (int slot : also)
+            if (candidate(slot)) out.push_back(slot);
+        size_t w = from;  // once each: a stamp per slot, no pass to clear it
+        for (size_t i = from; i < out.size(); ++i) {
+            const size_t s = static_cast<size_t>(out[i]);
+            if (stamp_[s] == ep) continue;
+            stamp_[s] = ep;
+            out[w++] = out[i];
+        }
+        out.resize(w);
+    }
+
    private:
+    static constexpr uint64_t NONE = ~uint64_t{0};  // a leaf no one may pick
     std::vector<int64_t> req_, tok_;
     std::vector<uint64_t> key_[2];  // per order, per slot (``set``)
     std::vector<uint8_t> present_, blocked_;
     uint64_t rng_ = 0x9E3779B97F4A7C15ULL;
+    // per order, a min tree over the slots: node i's children 2i and 2i+1, leaf of slot s
+    // at leaves_ + s (its key, NONE when absent or blocked); cnt_: the leaves under a node
+    // holding its minimum (0 under NONE)
+    size_t leaves_ = 0;  // a power of two, at least every slot
+    std::vector<uint64_t> min_[2];
+    std::vector<uint32_t> cnt_[2];
+    std::vector<uint32_t> stamp_, mark_;  // per call (its epoch): kept once; a holder
+    uint32_t epoch_ = 0;
+
+    uint32_t next_epoch() {  // marks of earlier calls are stale, no pass to clear them
+        if (++epoch_ == 0) {
+            std::fill(stamp_.begin(), stamp_.end(), 0);
+            std::fill(mark_.begin(), mark_.end(), 0);
+            epoch_ = 1;
+        }
+        return epoch_;
+    }
 
     void grow(int slot) {
         if (slot < 0) return;
@@ -128,7 +187,125 @@ class LoadBoard {
             key_[1].resize(n, 0);
             present_.resize(n, 0);
             blocked_.resize(n, 0);
+            stamp_.resize(n, 0);
+            mark_.resize(n, 0);
         }
+        if (n > leaves_) {  // a larger tree, rebuilt from the leaves: O(n), once a doubling
+            size_t cap = leaves_ ? leaves_ : 64;
+            while (cap < n) cap <<= 1;
+            leaves_ = cap;
+            for (int o = 0; o < 2; ++o) {
+                min_[o].assign(2 * cap, NONE);
+                cnt_[o].assign(2 * cap, 0);
+                for (size_t s = 0; s < present_.size(); ++s) {
+                    const uint64_t v = value(o, s);
+                    min_[o][cap + s] = v;
+                    cnt_[o][cap + s] = v == NONE ? 0 : 1;
+                }
+                for (size_t i = cap - 1; i >= 1; --i) pull(o, i);
+            }
+        }
+    }
+    uint64_t value(int o, size_t s) const {
+        return present_[s] && !blocked_[s] ? key_[o][s] : NONE;
+    }
+    void pull(int o, size_t i) {
+        const uint64_t a = min_[o][2 * i], b = min_[o][2 * i + 1];
+        const uint64_t m = a < b ? a : b;
+        min_[o][i] = m;
+        cnt_[o][i] = m == NONE ? 0 : (a == m ? cnt_[o][2 * i] : 0) + (b == m ? cnt_[o][2 * i + 1] : 0);
+    }
+    void put(int o, size_t s, uint64_t v) {
+        size_t i = leaves_ + s;
+        min_[o][i] = v;
+        cnt_[o][i] = v == NONE ? 0 : 1;
+        for (i >>= 1; i >= 1; i >>= 1) pull(o, i);
+    }
+    void refresh(size_t s) {
+        if (s >= present_.size()) return;
+        put(0, s, value(0, s));
+        put(1, s, value(1, s));
+    }
+    // the ``r``-th leaf, in slot order, of those holding the tree's least key
+    size_t select(int o, uint32_t r) const {
+        const uint64_t m = min_[o][1];
+        size_t i = 1;
+        while (i < leaves_) {
+            const size_t l = 2 * i;
+            if (min_[o][l] == m) {
+                if (r < cnt_[o][l]) {
+                    i = l;
+                    continue;
+                }
+                r -= cnt_[o][l];
+            }
+            i = l + 1;
+        }
+        return i - leaves_;
+    }
+    // The k least of order ``o`` from its tree and the tie at the k-th key, as ``least``
+    // below keeps them from a run: leaves are taken least first, each hidden (NONE) once
+    // taken so the next least is the tree's minimum, and shown again after. ``holders``
+    // (marked ``mark_[s] == ep``): passed over, hidden where met (a holder drawn from a
+    // tie is drawn again: the draw stays uniform over the others). False, with nothing
+    // added, when the holders met would cost more than a pass over every target.
+    bool least_tree(int o, size_t want, size_t cap, std::vector<int>& out,
+                    const std::vector<Held>* holders, uint32_t ep) {
+        if (!leaves_) return true;
+        // holders past half the pool: the pass is the cheaper (their scan at each key)
+        if (holders != nullptr && 2 * holders->size() > present_.size()) return false;
+        const size_t from = out.size();
+        size_t depth = 1;
+        while ((size_t{1} << depth) < leaves_) ++depth;
+        // work in tree steps (a hide or a show: ``depth`` each) and holders scanned; no
+        // bound without holders (at most k + cap hides a key, k keys)
+        const size_t budget = holders != nullptr ? 4 * present_.size() : SIZE_MAX;
+        size_t work = 0;
+        std::vector<size_t> hidden;
+        auto hide = [&](size_t s) {
+            hidden.push_back(s);
+            put(o, s, NONE);
+            work += 2 * depth;
+        };
+        auto holder = [&](size_t s) { return holders != nullptr && mark_[s] == ep; };
+        bool ok = true;
+        size_t have = 0;
+        while (ok && have < want && min_[o][1] != NONE) {
+            const uint64_t v = min_[o][1];
+            const size_t c = cnt_[o][1];  // the leaves at the least key left
+            size_t held_here = 0;  // holders among them
+            if (holders != nullptr) {
+                for (const Held& h : *holders) held_here += key_[o][h.slot] == v;
+                work += holders->size();
+            }
+            const size_t open = c - held_here;
+            const size_t room = want - have;
+            if (open <= room + cap) {  // below the k-th key, or the tie at it kept whole
+                for (size_t i = 0; i < c && ok; ++i) {
+                    const size_t s = select(o, 0);
+                    hide(s);
+                    if (!holder(s)) out.push_back(static_cast<int>(s));
+                    ok = work <= budget;
+                }
+                have += open;
+                continue;
+            }
+            size_t left = c;  // a uniform sample of the tie fills the k
+            for (size_t taken = 0; taken < room && ok;) {
+                const size_t s = select(o, static_cast<uint32_t>(next() % left));
+                hide(s);
+                --left;
+                if (!holder(s)) {
+                    out.push_back(static_cast<int>(s));
+                    ++taken;
+                }
+                ok = work <= budget;
+            }
+            break;
+        }
+        for (size_t s : hidden) put(o, s, value(o, s));
+        if (!ok) out.resize(from);
+        return ok;
     }
     uint64_t next() {
         uint64_t x = rng_;

@@ -1255,6 +1255,20 @@ PYBIND11_MODULE(_native, m) {
         .def("seed", &LoadBoard::seed, py::arg("seed"))
         .def("__len__", &LoadBoard::size)
         .def(
+            "least",
+            [](LoadBoard& b, int k, int cap, std::vector<int> also) {
+                if (k < 1 || k > 64 || cap < 0)
+                    throw py::value_error("least: k in 1..64 and cap >= 0");
+                std::vector<int> out;
+                b.least(k, cap, also, out);
+                return out;
+            },
+            py::arg("k"), py::arg("cap"), py::arg("also") = std::vector<int>{},
+            "The pool's least loaded slots without an index walk (a policy that does not\n"
+            "weigh hits): the k least in each of the two orders and the tie at the k-th key\n"
+            "(whole when at most ``cap`` more, else sampled), then the ``also`` slots; each\n"
+            "once. O((k + cap) log n).")
+        .def(
             "pick",
             [](LoadBoard& b, py::list cores, py::handle hashes, bool speculative, double now,
                int k, int cap, std::vector<int> also) {

@@ -229,12 +229,14 @@ class Gate:
         return all(room(t, inflight(t)) <= 0 for t in targets)
 
     def _saved(self, prep: Prepared) -> dict[str, float]:
-        """Seconds of prefill each worker's cache saves the request."""
+        """Seconds of prefill each worker's cache saves the request; in a wide pool, each
+        hit class's least loaded (``Router.views(pruned=True)``, router/routing/prune.py):
+        the best saving and, when kept, the holder are those of every candidate."""
         req = prep.request
         n = req.num_tokens
         full = self.costs.prefill_ms(n)
         saved = {}
-        for view in self.router.views(prep):
+        for view in self.router.views(prep, pruned=True):
             hit = min(view.match.total * req.block_size, n - 1)
             if hit > 0:
                 saved[view.worker_id] = (full - self.costs.prefill_ms(n - hit, hit)) / 1000.0

@@ -12,7 +12,7 @@ import itertools
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import orjson
@@ -309,38 +309,66 @@ class Router:
         prep: Prepared,
         exclude: frozenset[str] | set[str] = frozenset(),
         policy: Policy | None = None,
+        *,
+        pruned: bool = False,
     ) -> list[WorkerView]:
         """The usable candidates as the policy sees them (index matches and load); in a
         wide pool, with ``policy`` given and willing, only those that can win
-        (router/routing/prune.py)."""
+        (router/routing/prune.py): for a policy that does not weigh hits
+        (``Policy.weighs_hits``), the least loaded, their matches not looked up
+        (``NO_MATCH``; ``decide`` looks up the chosen one's). ``pruned``: in a wide pool
+        only the candidates the board keeps whatever the policy (each hit class's and the
+        non-holders' least loaded, every class kept: admission's prefix holders,
+        router/admission/gate.py)."""
+        return self._views(prep, exclude, policy, pruned)[0]
+
+    def _pruner(self, pool: Pool, index: NativePrefixIndex) -> Pruner:
+        pruner = self._pruners.get(pool.name)
+        if pruner is None or pruner.index is not index:
+            pruner = self._pruners[pool.name] = Pruner(index)
+        return pruner
+
+    def _views(
+        self,
+        prep: Prepared,
+        exclude: frozenset[str] | set[str],
+        policy: Policy | None,
+        pruned: bool = False,
+    ) -> tuple[list[WorkerView], bool]:
+        """``views``, and whether their matches were looked up (False: none was, for a
+        policy that does not weigh hits in a wide pool)."""
         now = time.monotonic()
         now_ms = now * 1000.0
         pool = prep.pool
         ingest = pool.ingest
-        # the engines never count the block holding the prompt's last token as cached
-        hashes = prep.request.block_hashes
-        cap = cacheable_blocks(prep.request.num_tokens, prep.request.block_size)
-        if cap < len(hashes):
-            hashes = hashes[:cap]
         stale = self.cfg.load_stale_after
+        groups = ingest.group_specs()
+        index = pool.index
+        wide = (
+            PRUNING
+            and isinstance(index, NativePrefixIndex)
+            and index.size > PRUNE_ABOVE
+            and groups is None
+            and (pruned or (policy is not None and policy.prunable(prep.request)))
+        )
+        if wide and policy is not None and not policy.weighs_hits(prep.request):
+            # its choice never reads a hit: the least loaded from the board's min trees,
+            # O(log n), no walk of the index's groups and no sync state asked per group
+            assert isinstance(index, NativePrefixIndex)
+            pruner = self._pruner(pool, index)
+            least = pruner.least(prep.workers, exclude, now, policy.must_see(prep.request))
+            if least is not None:
+                return [_view(t, NO_MATCH, True, now, now_ms, stale) for t in least], False
+        # the engines never count the block holding the prompt's last token as cached
+        hashes = _cacheable(prep.request)
         blind = self.blind is not None and self.blind(now)
         # the workers out of sync, asked once for all candidates (one native call a core:
         # ``in_sync`` per candidate cost 0.21 us each, BENCHMARKS.md session 13)
         behind = ingest.out_of_sync()
-        groups = ingest.group_specs()
-        index = pool.index
-        if (
-            policy is not None
-            and PRUNING
-            and isinstance(index, NativePrefixIndex)
-            and index.size > PRUNE_ABOVE
-            and groups is None
-            and policy.prunable(prep.request)
-        ):
-            pruner = self._pruners.get(pool.name)
-            if pruner is None or pruner.index is not index:
-                pruner = self._pruners[pool.name] = Pruner(index)
-            must = policy.must_see(prep.request)
+        if wide:
+            assert isinstance(index, NativePrefixIndex)
+            pruner = self._pruner(pool, index)
+            must = () if policy is None else policy.must_see(prep.request)
             if behind:  # no hit counts there: each is kept, as one that holds nothing
                 must = [*must, *behind]
             kept = pruner.pick(prep.workers, () if blind else hashes, exclude, now, must)
@@ -348,7 +376,7 @@ class Router:
                 return [
                     _view(t, m, not blind and t[1] not in behind, now, now_ms, stale)
                     for t, m in kept
-                ]
+                ], True
         matches = index.match_tiers(hashes) if hashes else {}
         if groups is not None and matches:
             # a hybrid model: a hit counts only as deep as every KV-cache group reuses it
@@ -390,7 +418,25 @@ class Router:
                         tokens, ran,
                     )
                 )  # fmt: skip
-        return views
+        return views, True
+
+    def _match_chosen(self, prep: Prepared, views: list[WorkerView], tid: str) -> None:
+        """The chosen target's view with its match, where the policy saw none (one
+        target's walk of one index group): the hit the router counts for the request
+        (``hit_blocks``: its in-flight prefill, ``routed_hit_tokens``, the trace) is the
+        one the full views would show. Out of sync or the event feed down: none, as there."""
+        i = next((i for i, v in enumerate(views) if v.worker_id == tid), None)
+        if i is None:
+            return
+        pool = prep.pool
+        synced = not (self.blind is not None and self.blind(time.monotonic()))
+        synced = synced and pool.ingest.in_sync(tid)
+        index = pool.index
+        hashes = _cacheable(prep.request)
+        match = NO_MATCH
+        if synced and hashes and isinstance(index, NativePrefixIndex):
+            match = index.match_of(tid, hashes)
+        views[i] = replace(views[i], match=match, in_sync=synced)
 
     def decide(
         self,
@@ -401,7 +447,7 @@ class Router:
         """The policy's decision among usable workers; ``ApiError`` 503 when there is none."""
         t0 = time.time_ns() if trace is not None else 0
         policy = self.experiment.policy_for(prep.arm)
-        views = self.views(prep, exclude, policy)
+        views, matched = self._views(prep, exclude, policy)
         if prep.pinned is not None:
             return self._pinned(prep, prep.pinned, exclude), views
         if trace is not None:
@@ -415,6 +461,8 @@ class Router:
             decision = policy.select(prep.request, views)
         except NoWorkerError as exc:
             raise ApiError(503, str(exc), "no_healthy_worker") from exc
+        if not matched:
+            self._match_chosen(prep, views, decision.worker_id)
         if trace is not None:
             chosen = {"cache_router.worker": decision.worker_id,
                       "cache_router.reason": decision.reason}  # fmt: skip
@@ -472,6 +520,14 @@ def max_tokens(body: dict[str, Any]) -> Any:
     return body.get("max_completion_tokens") or body.get("max_tokens")
 
 
+def _cacheable(request: RouteRequest) -> Sequence[int]:
+    """The request's hashes an engine can serve from cache: never the block holding the
+    prompt's last token."""
+    hashes = request.block_hashes
+    cap = cacheable_blocks(request.num_tokens, request.block_size)
+    return hashes[:cap] if cap < len(hashes) else hashes
+
+
 def _share(count: int | None, ranks: int) -> int | None:
     return count if count is None or ranks == 1 else -(-count // ranks)
 
@@ -480,18 +536,24 @@ def _view(
     target: Target, match: TierMatch, synced: bool, now: float, now_ms: float, stale: float
 ) -> WorkerView:
     """One kept candidate's view, as ``Router.views`` builds each (``WorkerView.of``,
-    which the per-candidate loop there inlines): out of sync, no match."""
+    inlined as in the per-candidate loop there: a frame less each): out of sync, no match."""
     w, tid, load = target
     wload = w.load
     running = waiting = kv_usage = None
     if now - wload.engine_seen <= stale:
         engine = wload.engine
-        share = len(w.rank_loads) or 1
-        running, waiting = _share(engine.running, share), _share(engine.waiting, share)
+        ranks = w.rank_loads
+        if ranks:
+            share = len(ranks)
+            running, waiting = _share(engine.running, share), _share(engine.waiting, share)
+        else:
+            running, waiting = engine.running, engine.waiting
         kv_usage = engine.kv_usage
-    return WorkerView.of(
-        tid, match, synced, load.inflight_requests, load.inflight_prefill_tokens,
-        load.decode_streams, running, waiting, kv_usage, load.prefills.oldest(now_ms),
+    tokens, ran = load.prefills.oldest(now_ms)
+    return WorkerView(
+        tid, match if synced else NO_MATCH, load.inflight_requests,
+        load.inflight_prefill_tokens, load.decode_streams, running, waiting, kv_usage, True,
+        synced, tokens, ran,
     )  # fmt: skip
 
 

@@ -14,6 +14,16 @@ the whole tie class at the k-th key (up to ``TIE_CAP`` more, else a uniform samp
 What the policy must see (``Policy.must_see``: a session's request in flight there, a
 hinted target) and every target out of sync are kept whatever their load.
 
+A policy that weighs no hit (``Policy.weighs_hits`` false: ``least_load``) needs no walk
+at all: ``Pruner.least`` keeps the pool's least loaded from the board's min trees
+(``LoadBoard.least``, O((k + cap) log n): the same k least per order and tie at the k-th
+key as among the targets holding nothing above), their views show no match, and
+``Router.decide`` looks up the chosen target's alone (``NativePrefixIndex.match_of``, one
+group's walk): the hit the router counts for the request is the one every candidate's
+views show. Admission's prefix holders (``Gate._saved``) read the kept candidates too
+(``Router.views(pruned=True)``): every hit class keeps a member, so the best saving is
+every candidate's, and the holder (the first best) is whenever the kept set holds it.
+
 When the decision is the unpruned one. A policy opts in per request (``Policy.prunable``;
 plugins and ``sglang_cache_aware`` never do) where each candidate's cost depends only on
 its own view and the policy's state; the one pool-wide term a pruned policy reads, the
@@ -52,6 +62,7 @@ if TYPE_CHECKING:
 
 # a native core built before the board (a stale build) routes as before
 AVAILABLE = NATIVE and hasattr(_native, "LoadBoard")
+LEAST = AVAILABLE and hasattr(_native.LoadBoard, "least")  # the min trees (O(log n))
 PRUNE_ABOVE = 64  # candidates: up to here every one is seen (16 workers: 48 us a decision)
 KEEP = 4  # least loaded kept per hit class (and non-holders), in each of two orders
 TIE_CAP = 32  # a tie class at the k-th key is kept whole up to this many more
@@ -94,18 +105,16 @@ class Pruner:
                 load.watch(board, slot)
         self._workers = list(workers)
 
-    def pick(
-        self,
-        workers: list[Worker],
-        hashes: Sequence[int],
-        exclude: Collection[str],
-        now: float,
-        must: Collection[str] = (),
-    ) -> list[tuple[Target, TierMatch]] | None:
-        """The candidates that can win, with their hits, in candidate order; None when
-        too many are unusable to say (the caller sees every one)."""
-        if workers != self._workers:
+    def _ready(
+        self, workers: list[Worker], exclude: Collection[str], now: float, must: Collection[str]
+    ) -> list[int]:
+        """The board made current for this request (what is excluded or unusable held
+        back, what is usable again let back); the slots the policy must see."""
+        # the registry hands the same list while its membership holds (``for_model``):
+        # only a new list is compared, element by element
+        if workers is not self._workers and workers != self._workers:
             self.bind(workers)
+        self._workers = workers
         board, at, blocked, slots = self.board, self._at, self._blocked, self._slots
         for slot in list(blocked):  # held back before: back once usable and not excluded
             w, tid, _ = at[slot]
@@ -117,17 +126,61 @@ class Pruner:
                 if slot not in blocked:
                     board.block(slot, True)
                     blocked.add(slot)
-        also = [s for name in must for s in slots.get(name, ())]
+        return [s for name in must for s in slots.get(name, ())]
+
+    def _held_back(self, picked: Sequence[int], now: float) -> bool:
+        """Whether a picked slot's worker is down or draining: then held back until it is
+        not, and the caller picks again."""
+        at = self._at
+        bad = [s for s in picked if not at[s][0].usable(now)]
+        for slot in bad:
+            self.board.block(slot, True)
+            self._blocked.add(slot)
+        return bool(bad)
+
+    def pick(
+        self,
+        workers: list[Worker],
+        hashes: Sequence[int],
+        exclude: Collection[str],
+        now: float,
+        must: Collection[str] = (),
+    ) -> list[tuple[Target, TierMatch]] | None:
+        """The candidates that can win, with their hits, in candidate order; None when
+        too many are unusable to say (the caller sees every one)."""
+        also = self._ready(workers, exclude, now, must)
         for _ in range(3):
-            picked = self.index.pick(board, hashes, self.keep, self.cap, also)
-            bad = [p[0] for p in picked if not at[p[0]][0].usable(now)]
-            if not bad:
+            picked = self.index.pick(self.board, hashes, self.keep, self.cap, also)
+            if not self._held_back([p[0] for p in picked], now):
                 break
-            for slot in bad:  # a worker down or draining: held back until it is not
-                board.block(slot, True)
-                blocked.add(slot)
         else:
             return None
-        pos = self._pos
+        pos, at = self._pos, self._at
         picked.sort(key=lambda p: pos[p[0]])
         return [(at[s], TierMatch(g, c, d, t)) for s, g, c, d, t in picked]
+
+    def least(
+        self,
+        workers: list[Worker],
+        exclude: Collection[str],
+        now: float,
+        must: Collection[str] = (),
+    ) -> list[Target] | None:
+        """For a policy that does not weigh hits (``Policy.weighs_hits``): the pool's least
+        loaded, as ``pick`` keeps among the targets holding nothing, without walking the
+        index: O(log n) on the board's min trees (``LoadBoard.least``). In candidate
+        order; None when too many are unusable to say."""
+        also = self._ready(workers, exclude, now, must)
+        board = self.board
+        for _ in range(3):
+            if LEAST:
+                picked = board.least(self.keep, self.cap, also)
+            else:  # a build before the min trees: the board's pass over every target
+                picked = [p[0] for p in board.pick([], (), True, 0.0, self.keep, self.cap, also)]
+            if not self._held_back(picked, now):
+                break
+        else:
+            return None
+        pos, at = self._pos, self._at
+        picked.sort(key=pos.__getitem__)
+        return [at[s] for s in picked]

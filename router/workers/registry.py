@@ -43,6 +43,8 @@ class Worker:
     """One engine endpoint as the router knows it."""
 
     __slots__ = (
+        "_changed",
+        "_models",
         "base_models",
         "bootstrap_port",
         "breaker_until",
@@ -56,7 +58,6 @@ class Worker:
         "last_error",
         "load",
         "lora",
-        "models",
         "ok_streak",
         "pool",
         "rank_loads",
@@ -69,9 +70,11 @@ class Worker:
     def __init__(self, spec: WorkerSpec, pool: Pool) -> None:
         self.id = spec.id
         self.url = spec.url
-        self.models: set[str] = {spec.model} if spec.model else set()
+        # told when ``models`` changes (the registry's ``for_model`` cache; None: no one)
+        self._changed: Callable[[], None] | None = None
+        self._models: frozenset[str] = frozenset((spec.model,)) if spec.model else frozenset()
         # what the config says it serves: adapters it lists are added (router/workers/lora.py)
-        self.base_models = frozenset(self.models)
+        self.base_models = self._models
         self.lora: LoraSlots | None = None  # its adapter slots, when it reports them
         self.pool = pool
         self.role = spec.role  # "mixed", or one side of a disaggregated pool (router.pd.exchange)
@@ -93,6 +96,19 @@ class Worker:
         self.request_failures = 0
         self.breaker_until = 0.0
         self.last_error: str | None = None
+
+    @property
+    def models(self) -> frozenset[str]:
+        """The models it serves (its base model and the adapters it lists)."""
+        return self._models
+
+    @models.setter
+    def models(self, models: frozenset[str]) -> None:
+        models = frozenset(models)  # never a set changed in place behind the registry
+        if models != self._models:
+            self._models = models
+            if self._changed is not None:
+                self._changed()
 
     def usable(self, now: float) -> bool:
         return self.healthy and not self.draining and now >= self.breaker_until
@@ -139,6 +155,8 @@ class WorkerRegistry:
         self.on_up: list[Callable[[Worker], None]] = []  # run when a worker is healthy again
         self.on_failing: list[Callable[[Worker], None]] = []  # each failed check while down
         self._workers: dict[str, Worker] = {}
+        # model -> its workers (``for_model``), dropped on any change of who serves what
+        self._for_model: dict[str, list[Worker]] = {}
         self._sources: dict[str, Worker] = {}  # target name -> its worker (router/workers/dp.py)
         self._client: httpx.AsyncClient | None = None
         # /health and /metrics every health_interval per worker: on the raw client, as an
@@ -187,6 +205,8 @@ class WorkerRegistry:
                 raise ValueError(f"pool {pool.name} has other kv_groups than {spec.kv_groups!r}")
             pool.ingest.declare_groups(groups)
         self._workers[spec.id] = worker
+        worker._changed = self._changed
+        self._changed()
         for tid in worker.targets:
             self._sources[tid] = worker
             pool.index.add_worker(tid)
@@ -195,6 +215,8 @@ class WorkerRegistry:
     def remove(self, worker_id: str) -> Worker:
         """Forget the worker and its blocks; requests already on it run to the end."""
         worker = self._workers.pop(worker_id)
+        worker._changed = None
+        self._changed()
         worker.forget_blocks()
         for tid in worker.targets:
             self._sources.pop(tid, None)
@@ -203,6 +225,7 @@ class WorkerRegistry:
     def drain(self, worker_id: str) -> Worker:
         worker = self._workers[worker_id]
         worker.draining = True
+        self._changed()
         return worker
 
     def get(self, worker_id: str) -> Worker | None:
@@ -239,15 +262,29 @@ class WorkerRegistry:
     def for_model(self, model: str) -> list[Worker]:
         """Workers that serve ``model``, in any state ([] means the model is unknown).
 
-        An adapter the config names is served wherever its base is."""
+        An adapter the config names is served wherever its base is. Kept per model until
+        the registry changes (a worker added, removed, draining, up or down, its models
+        or the adapters learnt): O(1) a request, where a pass over every worker cost
+        ~8 us at 128 (BENCHMARKS.md, wide pools). The same list object while nothing
+        changes (the pruner compares it by identity): callers never change it."""
+        found = self._for_model.get(model)
+        if found is not None:
+            return found
         known = [w for w in self._workers.values() if model in w.models]
         base = self.adapters.get(model)
         if not known and base is not None:
+            # not kept: which engines have a free adapter slot changes with each scrape
             known = [w for w in self._workers.values() if base in w.models]
             # no engine has the adapter loaded: those with a free adapter slot first
             free = [w for w in known if w.lora is not None and w.lora.can_take(model)]
-            known = free or known
-        return known or [w for w in self._workers.values() if not w.models]
+            return free or known
+        found = known or [w for w in self._workers.values() if not w.models]
+        self._for_model[model] = found
+        return found
+
+    def _changed(self) -> None:
+        """Who serves what may have changed: ``for_model`` looks again."""
+        self._for_model = {}
 
     def lora_name(self, model: str) -> str | None:
         """The adapter name engines key ``model``'s blocks under; None for a base model."""
@@ -316,6 +353,7 @@ class WorkerRegistry:
         worker.ok_streak += 1
         if not worker.healthy and worker.ok_streak >= self.cfg.healthy_after:
             worker.healthy = True
+            self._changed()
             worker.request_failures = 0
             worker.breaker_until = 0.0
             log.info("worker %s is healthy again", worker.id)
@@ -334,10 +372,12 @@ class WorkerRegistry:
                     for m in cards:
                         parent = m.get("parent")
                         if isinstance(parent, str) and parent and parent != str(m["id"]):
-                            self.adapters.setdefault(str(m["id"]), parent)
+                            if str(m["id"]) not in self.adapters:
+                                self.adapters[str(m["id"])] = parent
+                                self._changed()
                             if parent in base:
                                 adapters.add(str(m["id"]))
-                    worker.models = set(base | adapters) if base else ids
+                    worker.models = base | adapters if base else frozenset(ids)
             if worker.load.engine_fresh(self.cfg.load_stale_after) is None:
                 seen = worker.load.engine_seen
                 status, body = await self._get(worker, "/metrics")
@@ -371,6 +411,7 @@ class WorkerRegistry:
         worker.last_error = error
         if worker.healthy and worker.fail_streak >= self.cfg.unhealthy_after:
             worker.healthy = False
+            self._changed()
             # Its engine may restart empty: forget its blocks; events resync it on return.
             worker.forget_blocks()
             for tid in worker.targets:
