@@ -215,6 +215,7 @@ class RouterState:
         else:
             # a worker back from the dead resyncs from its agent (its engine restarted)
             self.registry.on_up.append(self._resync_worker)
+            self.registry.on_leave.append(self._worker_left)
             if self.feed is not None:
                 self.bus.on_connect(self.feed.on_connect)
                 self.bus.on_reconnect(self.feed.on_reconnect)
@@ -251,6 +252,16 @@ class RouterState:
     def _resync_worker(self, worker: Worker) -> None:
         for tid in worker.targets:  # each DP rank is its own event source
             self.events.resync(tid)
+
+    def _worker_left(self, worker: Worker) -> None:
+        """The native reader's counts for a leaving worker are taken while it is known
+        (they are collected on a tick), and its routes end: a slot the index gives the
+        next newcomer must not take the old worker's late batches."""
+        native = self.feed.native if self.feed is not None else None
+        if native is not None:
+            native.collect()
+            for tid in worker.targets:
+                native.unroute(tid)
 
     def _events_seen(self, worker_id: str) -> bool:
         worker = self.registry.source(worker_id)  # a worker or one of its DP ranks

@@ -153,6 +153,8 @@ class WorkerRegistry:
         self.keep_names = keep_names
         self.pools: dict[str, Pool] = {}
         self.on_up: list[Callable[[Worker], None]] = []  # run when a worker is healthy again
+        # run when a worker is removed, before its blocks are forgotten
+        self.on_leave: list[Callable[[Worker], None]] = []
         self.on_failing: list[Callable[[Worker], None]] = []  # each failed check while down
         self._workers: dict[str, Worker] = {}
         # model -> its workers (``for_model``), dropped on any change of who serves what
@@ -217,6 +219,8 @@ class WorkerRegistry:
         worker = self._workers.pop(worker_id)
         worker._changed = None
         self._changed()
+        for hook in self.on_leave:
+            hook(worker)
         worker.forget_blocks()
         for tid in worker.targets:
             self._sources.pop(tid, None)
