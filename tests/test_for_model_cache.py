@@ -101,3 +101,35 @@ def test_a_change_is_seen_by_the_next_request() -> None:
     for _ in range(cfg.unhealthy_after):
         reg._unhealthy(a, "down")
     assert not a.usable(time.monotonic()) and route() == "b"
+
+
+def test_the_admission_ticket_keeps_its_candidates_while_the_list_is_the_same() -> None:
+    """The gate builds a plain request's candidates (and their set) once per list of the
+    model's workers: the same objects while nothing changes, a new worker's targets (each
+    data-parallel rank) in the next request's after a change; an excluded target or
+    worker is left out of that request's alone."""
+    cfg = RouterConfig(workers=[WorkerSpec("a", "http://h/a", model="m")], block_size=BS)
+    st = RouterState(cfg)
+    router, reg, gate = st.router, st.registry, st.gate
+    assert gate is not None  # admission is on by default
+
+    def ticket(exclude: frozenset[str] = frozenset()) -> tuple[tuple[str, ...], frozenset[str]]:
+        parsed = Parsed("chat", {"model": "m"}, "m", False, None, "r", None)
+        request = RouteRequest("r", "m", 64, [1, 2, 3], BS)
+        t = gate.ticket(router.prepared(parsed, router.workers_for("m"), request), "t", 0,
+                        exclude=exclude)  # fmt: skip
+        assert t.every == frozenset(t.candidates)
+        return t.candidates, t.every
+
+    first, every = ticket()
+    assert first == ("a",)
+    again, every_again = ticket()
+    assert again is first and every_again is every  # no pass over the targets
+    reg.add(WorkerSpec("b", "http://h/b", model="m", dp_size=2))
+    grown, _ = ticket()
+    assert grown == ("a", "b-dp0", "b-dp1")
+    assert ticket(frozenset({"b-dp1"}))[0] == ("a", "b-dp0")
+    assert ticket(frozenset({"b"}))[0] == ("a",)
+    assert ticket()[0] is grown  # the plain list's, kept
+    reg.remove("a")
+    assert ticket()[0] == ("b-dp0", "b-dp1")

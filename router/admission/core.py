@@ -132,6 +132,7 @@ class Ticket:
         "candidates",
         "charged",
         "deadline",
+        "every",
         "output_tokens",
         "payload",
         "priority",
@@ -155,12 +156,16 @@ class Ticket:
         saved: Mapping[str, float] | None = None,
         payload: object = None,
         timeout: float | None = None,
+        every: frozenset[str] | None = None,
     ) -> None:
         self.tenant = tenant
         self.priority = priority
         self.prompt_tokens = prompt_tokens
         self.output_tokens = output_tokens  # expected; settled by ``Admission.finish``
         self.candidates = candidates
+        # the candidates as a set, where the caller keeps one (a wide pool's thousand
+        # targets: not built again for every ticket that goes at once)
+        self.every = frozenset(candidates) if every is None else every
         self.saved = saved or {}  # seconds of prefill each worker's cache saves
         self.payload = payload
         # seconds it may wait at most, when its caller allows less than ``queue_timeout``
@@ -266,7 +271,7 @@ class Admission:
                 )  # fmt: skip
         if not ticket.candidates or (not self._held and not self.capacity.limited):
             # no engine ever full: go; no engine at all: routing answers why
-            self._dispatch(ticket, frozenset(ticket.candidates), now)
+            self._dispatch(ticket, ticket.every, now)
             return ticket.state
         if not self._held:  # nobody waits: no ordering to respect
             allowed = self.allowed(ticket, now)
