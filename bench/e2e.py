@@ -226,12 +226,33 @@ def metrics(url: str) -> dict[str, float]:
         "vllm:prompt_tokens_total",
         "vllm:prefix_cache_queries_total",
         "vllm:num_requests_running",
+        "vllm:num_preemptions_total",
     )
     out = dict.fromkeys(want, 0.0)
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in out and not line.startswith("#"):
             out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def admission(url: str) -> dict[str, Any]:
+    """cache-router's admission over the run (its process is fresh each run): requests
+    held at the router, their wait, and the engine limits it learnt."""
+    out: dict[str, Any] = {"held": 0.0, "wait_s_sum": 0.0, "limit": {}}
+    with contextlib.suppress(httpx.HTTPError):
+        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("#") or " " not in line:
+                continue
+            name, value = line.rsplit(" ", 1)
+            if name.startswith("cache_router_admission_queued_total"):
+                out["held"] += float(value)
+            elif name.startswith("cache_router_admission_wait_seconds_sum"):
+                out["wait_s_sum"] += float(value)
+            elif name.startswith("cache_router_admission_limit{"):
+                out["limit"][name.split('worker="', 1)[1].split('"', 1)[0]] = float(value)
+    out["held"] = round(out["held"])
+    out["wait_s_sum"] = round(out["wait_s_sum"], 2)
     return out
 
 
@@ -595,6 +616,11 @@ def one_run(
         )
         duration = time.monotonic() - t0
         cpu, side_cpu = proc.cpu_s() - cpu0, sum(p.cpu_s() for p in side) - side0
+        held = (
+            admission(url)
+            if kind in ("cache_aware", "cache_aware_predict", "round_robin")
+            else None
+        )
     after = [metrics(e.url) for e in engines]
     hits = sum(
         a["vllm:prefix_cache_hits_total"] - b["vllm:prefix_cache_hits_total"]
@@ -608,6 +634,10 @@ def one_run(
         round(a["vllm:prompt_tokens_total"] - b["vllm:prompt_tokens_total"])
         for a, b in zip(after, before, strict=True)
     ]
+    preempted = sum(
+        a["vllm:num_preemptions_total"] - b["vllm:num_preemptions_total"]
+        for a, b in zip(after, before, strict=True)
+    )
     recs = records(work / "aiperf" / tag)
     span = span_s(recs)
     placed = None
@@ -625,6 +655,8 @@ def one_run(
         "span_s": round(span, 1),
         "engine_hit_rate": round(hits / prompt, 4) if prompt else None,
         "prompt_tokens_by_engine": per_engine,
+        "engine_preemptions": round(preempted),
+        **({"admission": held} if held is not None else {}),
         "router_cpu_s": round(cpu, 2),
         "router_idle_cpu_ms_per_s": round(1000 * idle, 1),
         # the load's share: the run's CPU less its idle rate over the same time
