@@ -201,7 +201,9 @@ def engines_for(args: argparse.Namespace, model: Path, work: Path) -> list[Engin
             "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache
             "PYTHONUNBUFFERED": "1",
         }
-        extra = ("--max-model-len", str(args.max_model_len))
+        extra: tuple[str, ...] = ("--max-model-len", str(args.max_model_len))
+        if args.placement:  # "Received request chatcmpl-<X-Request-ID>..." per request
+            extra += ("--enable-log-requests",)
         out.append(
             Engine(
                 f"e{i}",
@@ -224,12 +226,33 @@ def metrics(url: str) -> dict[str, float]:
         "vllm:prompt_tokens_total",
         "vllm:prefix_cache_queries_total",
         "vllm:num_requests_running",
+        "vllm:num_preemptions_total",
     )
     out = dict.fromkeys(want, 0.0)
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in out and not line.startswith("#"):
             out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def admission(url: str) -> dict[str, Any]:
+    """cache-router's admission over the run (its process is fresh each run): requests
+    held at the router, their wait, and the engine limits it learnt."""
+    out: dict[str, Any] = {"held": 0.0, "wait_s_sum": 0.0, "limit": {}}
+    with contextlib.suppress(httpx.HTTPError):
+        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("#") or " " not in line:
+                continue
+            name, value = line.rsplit(" ", 1)
+            if name.startswith("cache_router_admission_queued_total"):
+                out["held"] += float(value)
+            elif name.startswith("cache_router_admission_wait_seconds_sum"):
+                out["wait_s_sum"] += float(value)
+            elif name.startswith("cache_router_admission_limit{"):
+                out["limit"][name.split('worker="', 1)[1].split('"', 1)[0]] = float(value)
+    out["held"] = round(out["held"])
+    out["wait_s_sum"] = round(out["wait_s_sum"], 2)
     return out
 
 
@@ -570,6 +593,7 @@ def one_run(
     logs.mkdir(parents=True, exist_ok=True)
     reset(engines)
     before = [metrics(e.url) for e in engines]
+    offsets = log_offsets(engines, work) if args.placement else []
     settings = dict(s.split("=", 1) for s in args.cache_router_env)
     with router_stack(kind, engines, model, args.peers_python, logs, settings) as (
         url,
@@ -592,6 +616,11 @@ def one_run(
         )
         duration = time.monotonic() - t0
         cpu, side_cpu = proc.cpu_s() - cpu0, sum(p.cpu_s() for p in side) - side0
+        held = (
+            admission(url)
+            if kind in ("cache_aware", "cache_aware_predict", "round_robin")
+            else None
+        )
     after = [metrics(e.url) for e in engines]
     hits = sum(
         a["vllm:prefix_cache_hits_total"] - b["vllm:prefix_cache_hits_total"]
@@ -605,8 +634,18 @@ def one_run(
         round(a["vllm:prompt_tokens_total"] - b["vllm:prompt_tokens_total"])
         for a, b in zip(after, before, strict=True)
     ]
+    preempted = sum(
+        a["vllm:num_preemptions_total"] - b["vllm:num_preemptions_total"]
+        for a, b in zip(after, before, strict=True)
+    )
     recs = records(work / "aiperf" / tag)
     span = span_s(recs)
+    placed = None
+    if args.placement:
+        where = engine_of_requests(engines, work, offsets)
+        rows = [json.loads(x) for x in slice_file.read_text().splitlines() if x.strip()]
+        placed = placement(recs, rows, where)
+        (logs / "requests.json").write_text(json.dumps(placed.pop("requests")))
     run = {
         "router": kind,
         "workload": workload,
@@ -616,6 +655,8 @@ def one_run(
         "span_s": round(span, 1),
         "engine_hit_rate": round(hits / prompt, 4) if prompt else None,
         "prompt_tokens_by_engine": per_engine,
+        "engine_preemptions": round(preempted),
+        **({"admission": held} if held is not None else {}),
         "router_cpu_s": round(cpu, 2),
         "router_idle_cpu_ms_per_s": round(1000 * idle, 1),
         # the load's share: the run's CPU less its idle rate over the same time
@@ -624,6 +665,7 @@ def one_run(
         else None,
         "events_cpu_s": round(side_cpu, 2),
         **summarize(recs, args.slo_ms, span),
+        **({"placement": placed} if placed is not None else {}),
     }
     print(json.dumps(run), file=sys.stderr, flush=True)
     return run
@@ -651,6 +693,118 @@ def pooled(args: argparse.Namespace, runs: list[dict[str, Any]], work: Path) -> 
         ),
     )
     return out
+
+
+# -- where each request went (``--placement``) ------------------------------------------------
+
+
+def engine_of_requests(engines: list[Engine], work: Path, offsets: list[int]) -> dict[str, str]:
+    """aiperf's ``X-Request-ID`` -> the engine that logged it (vLLM's request id is
+    ``chatcmpl-<X-Request-ID>`` when a router forwards the header), from each engine's
+    log past ``offsets``."""
+    out: dict[str, str] = {}
+    for e, off in zip(engines, offsets, strict=True):
+        with (work / f"{e.name}.log").open("rb") as f:
+            f.seek(off)
+            text = f.read().decode(errors="replace")
+        for line in text.splitlines():
+            i = line.find("Received request ")
+            if i < 0:
+                continue
+            rid = line[i + len("Received request ") :].split(":", 1)[0].split(" ", 1)[0]
+            out[rid.removeprefix("chatcmpl-").removeprefix("cmpl-")] = e.name
+    return out
+
+
+def log_offsets(engines: list[Engine], work: Path) -> list[int]:
+    return [(work / f"{e.name}.log").stat().st_size for e in engines]
+
+
+def placement(
+    recs: list[dict[str, Any]], rows: list[dict[str, Any]], where: dict[str, str]
+) -> dict[str, Any]:
+    """Per request: its engine, its parent's (the earlier trace row sharing its longest
+    ``hash_ids`` prefix) and what was in flight on each engine when it was sent; pooled:
+    how often a step left its parent's engine, and the TTFT of those that stayed and
+    those that left, with the queue they met."""
+    by_row: dict[int, dict[str, Any]] = {}
+    for r in recs:
+        meta = r.get("metadata", {})
+        conv = str(meta.get("conversation_id", ""))
+        digits = "".join(ch for ch in conv if ch.isdigit())
+        if not digits or "request_start_ns" not in meta:
+            continue
+        m = r.get("metrics", {})
+        ttft = m.get("time_to_first_token", {}).get("value")
+        rid = str(meta.get("x_request_id", ""))
+        engine = next((e for k, e in where.items() if k.startswith(rid)), None) if rid else None
+        by_row[int(digits)] = {
+            "row": int(digits),
+            "engine": engine,
+            "start": meta["request_start_ns"] / 1e9,
+            "first": meta["request_start_ns"] / 1e9 + ttft / 1000 if ttft is not None else None,
+            "end": meta.get("request_end_ns", meta["request_start_ns"]) / 1e9,
+            "ttft_ms": ttft,
+            "prompt": m.get("usage_prompt_tokens", {}).get("value"),
+            "cached": m.get("usage_prompt_cache_read_tokens", {}).get("value"),
+        }
+    out_rows = []
+    for i, req in sorted(by_row.items()):
+        ids = rows[i]["hash_ids"] if i < len(rows) else []
+        parent, shared = None, 0
+        for j in range(i - 1, -1, -1):  # rows are in time order
+            other = rows[j]["hash_ids"]
+            k = 0
+            while k < min(len(ids), len(other)) and ids[k] == other[k]:
+                k += 1
+            if k > shared:
+                parent, shared = j, k
+        req["parent"], req["shared_blocks"], req["blocks"] = parent, shared, len(ids)
+        p = by_row.get(parent) if parent is not None else None
+        req["parent_engine"] = p["engine"] if p else None
+        req["parent_done"] = bool(p and p["first"] is not None and p["first"] <= req["start"])
+        ahead: dict[str, dict[str, float]] = {}
+        for o in by_row.values():  # what each engine had when this one was sent
+            if o is req or o["engine"] is None or o["start"] > req["start"]:
+                continue
+            if o["end"] <= req["start"]:
+                continue
+            a = ahead.setdefault(o["engine"], {"prefilling": 0, "decoding": 0, "tokens": 0})
+            if o["first"] is None or o["first"] > req["start"]:
+                a["prefilling"] += 1
+                a["tokens"] += max((o["prompt"] or 0) - (o["cached"] or 0), 0)
+            else:
+                a["decoding"] += 1
+        req["ahead"] = ahead
+        out_rows.append(req)
+    steps = [r for r in out_rows if r["parent_engine"] and r["shared_blocks"] >= 2]
+
+    def band(rs: list[dict[str, Any]]) -> dict[str, Any]:
+        t = [r["ttft_ms"] for r in rs if r["ttft_ms"] is not None]
+        prompt = sum(r["prompt"] or 0 for r in rs)
+        return {
+            "n": len(rs),
+            "ttft_p50": pct(t, 50),
+            "ttft_p90": pct(t, 90),
+            "hit": round(sum(r["cached"] or 0 for r in rs) / prompt, 3) if prompt else None,
+            "tokens_ahead_mean": round(
+                statistics.fmean(r["ahead"].get(r["engine"], {}).get("tokens", 0) for r in rs)
+            )
+            if rs
+            else None,
+        }
+
+    stayed = [r for r in steps if r["engine"] == r["parent_engine"]]
+    left = [r for r in steps if r["engine"] != r["parent_engine"]]
+    return {
+        "attributed": sum(r["engine"] is not None for r in out_rows),
+        "steps": len(steps),
+        "stayed": band(stayed),
+        "left": band(left),
+        "left_parent_in_flight": sum(not r["parent_done"] for r in left),
+        "stayed_parent_in_flight": sum(not r["parent_done"] for r in stayed),
+        "requests": out_rows,
+    }
 
 
 # -- main -------------------------------------------------------------------------------------
@@ -714,6 +868,12 @@ def main() -> None:
         default=[],
         metavar="CACHE_ROUTER_NAME=VALUE",
         help="a setting of every cache-router run, e.g. CACHE_ROUTER_ADMISSION=false",
+    )
+    ap.add_argument(
+        "--placement",
+        action="store_true",
+        help="engines log each request (vLLM --enable-log-requests); per run, where each "
+        "request went against its trace parent's engine (logs/<tag>/requests.json)",
     )
     ap.add_argument("--workdir", type=Path)
     ap.add_argument("--out", type=Path)

@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -84,6 +85,25 @@ COSTS: dict[str, dict[str, float]] = {
         "decode_ms_per_step": 3,
     },
     "decode2x": {"decode_ms_per_kv_token": 8e-5},
+    # bench/e2e.py's engines: vLLM's CPU build, the tiny Llama (4 layers of 256), one core
+    # each. Measured alone (one engine, nothing else running): 0.1 ms a prompt token,
+    # 1.3e-4 per token of context (1,024 tokens 192 ms, 2,048 500 ms, 64 after 2,048
+    # cached 44 ms), 8 ms a decode step, 2,048 tokens a step; here 1.5x that, the engines
+    # sharing two cores with the router, their API servers and the client
+    "cpu": {
+        "prefill_ms_per_token": 0.15,
+        "attn_ms_per_token_ctx": 2e-4,
+        "decode_ms_per_step": 12,
+        "decode_ms_per_kv_token": 1e-6,
+        "max_batch_tokens": 2048,
+    },
+    "cpu-slow": {
+        "prefill_ms_per_token": 0.225,
+        "attn_ms_per_token_ctx": 3e-4,
+        "decode_ms_per_step": 18,
+        "decode_ms_per_kv_token": 1e-6,
+        "max_batch_tokens": 2048,
+    },
 }
 # trace name -> (gen-trace shape, sessions) or a Mooncake file (and a request limit)
 TRACES: dict[str, tuple[str, int] | tuple[Path, int | None]] = {
@@ -91,6 +111,9 @@ TRACES: dict[str, tuple[str, int] | tuple[Path, int | None]] = {
     "agent": ("agent", 40),
     "mooncake-conv": (DATA / "conversation_trace.jsonl", 1500),
     "mooncake-syn": (DATA / "synthetic_trace.jsonl", 2000),
+    # bench/e2e.py's agent slice (its ``scaled``: 100 requests, 32-token blocks, outputs of
+    # 16 at most), from gen-trace's agent shape with 60 sessions and the setting's seed
+    "agent-e2e": ("agent", 60),
 }
 
 
@@ -112,6 +135,8 @@ class Setting:
     # own key, as the router derives it from a conversation's opening (bench/e2e.py)
     anon: bool = False
     event_lag_ms: float = 10.0  # engine -> agent -> NATS -> router
+    block_size: int = 64  # tokens a page
+    max_num_seqs: int = 256  # requests an engine runs at once
 
     @property
     def name(self) -> str:
@@ -121,6 +146,8 @@ class Setting:
         gen += f" think{self.think}" if self.think is not None else ""
         gen += f" n{self.sessions}" if self.sessions is not None else ""
         tail = " anon" if self.anon else ""
+        tail += f" bs{self.block_size}" if self.block_size != 64 else ""
+        tail += f" seqs{self.max_num_seqs}" if self.max_num_seqs != 256 else ""
         tail += f" lag{self.event_lag_ms:g}" if self.event_lag_ms != 10.0 else ""
         return f"{self.trace}{gen} x{self.speedup:g} w{self.workers} p{mem} {self.costs}{tail}"
 
@@ -208,6 +235,22 @@ FAMILIES: dict[str, list[Setting]] = {
         Setting("chat", speedup=2.0, anon=True),
         Setting("chat", speedup=2.5, prompts=12, think="0.1-1", sessions=250, anon=True),
     ],
+    # bench/e2e.py's set-up (issue 35): two one-core vLLM CPU engines of 256 pages of 32
+    # tokens, 8 requests at once, aiperf's one-message prompts; its moderate and high load
+    "e2e": [
+        Setting(
+            "agent-e2e",
+            speedup=x,
+            workers=2,
+            l1_blocks=256,
+            costs=c,
+            anon=True,
+            block_size=32,
+            max_num_seqs=8,
+        )
+        for c in ("cpu", "cpu-slow")
+        for x in (1.5, 3.0)
+    ],
 }
 
 
@@ -216,8 +259,33 @@ def expand(settings: list[Setting], seeds: list[int]) -> list[Setting]:
     return [dataclasses.replace(s, seed=seed) for seed in seeds for s in settings]
 
 
+def _e2e_slice(seed: int, path: Path) -> Path:
+    """bench/e2e.py's agent slice as prompts of token ids (a hash block's 32 tokens the
+    same wherever it recurs; a prompt's last, partial block its own)."""
+    from bench.e2e import BLOCK, scaled
+
+    rows = [dict(r) for r in generate("agent", sessions=60, seed=seed)]
+    for r in rows:
+        r.pop("session_id", None)
+    with path.open("wb") as out:
+        for i, r in enumerate(scaled(rows, 100, 4096, 16, 1.0)):
+            ids, tokens = r["hash_ids"], []
+            for k, h in enumerate(ids):
+                rng = random.Random(h * 1_000_003 + (0 if k < len(ids) - 1 else 7 + 31 * i))
+                tokens += [rng.randrange(100, 30_000) for _ in range(BLOCK)]
+            line = {"timestamp": r["timestamp"], "output_length": r["output_length"]}
+            out.write(orjson.dumps({**line, "token_ids": tokens[: r["input_length"]]}) + b"\n")
+    return path
+
+
 def _trace(s: Setting, tmp: Path) -> Any:
     spec = TRACES[s.trace]
+    if s.trace == "agent-e2e":
+        path = _e2e_slice(s.seed, tmp / f"{s.trace}.{s.seed}.jsonl")
+        trace = load_trace(path, s.block_size, seed=s.seed, engine_seed=s.seed, speedup=s.speedup)
+        for i, r in enumerate(trace.requests):
+            r.session = f"conv-{i}"
+        return trace
     if isinstance(spec[0], str):
         think = None
         if s.think is not None:
@@ -260,6 +328,7 @@ def run_setting(
         engine_seed=s.seed,
         costs=EngineCosts.from_config(COSTS[s.costs]),
         event_lag_ms=s.event_lag_ms,
+        max_num_seqs=s.max_num_seqs,
     )
     start = time.perf_counter()
     params = {p: v for p, v in (params or {}).items() if p in policies}

@@ -147,6 +147,7 @@ class CacheAware(Policy):
         running_discount: bool = False,
         fade: bool = True,
         common: bool = True,
+        live_whole: bool = True,
     ) -> None:
         super().__init__(rng)
         if not 0 < prefetch_fraction <= 1:
@@ -184,6 +185,7 @@ class CacheAware(Policy):
         self.running_discount = bool(running_discount)
         self.fade = bool(fade)
         self.common = bool(common)
+        self.live_whole = bool(live_whole)
         # Blocks each worker computed for the requests this policy routed (new content in
         # its cache): a cold prefix goes where the least was placed (``_place``).
         self._placed: OrderedDict[str, float] = OrderedDict()
@@ -862,7 +864,12 @@ class CacheAware(Policy):
             live = self._live_sessions(self._decisions - _LIVE_GAPS * self._gap)
             self._live = (live, sum(live.values()))
         live, total = self._live
-        return live.get(worker_id, 0) + 1 <= math.ceil(c * (total + 1) / workers)
+        if not self.live_whole:
+            return live.get(worker_id, 0) + 1 <= math.ceil(c * (total + 1) / workers)
+        # whole sessions: the fair share rounded up, then the factor. Rounded after the
+        # factor, a handful of live sessions let one worker take all but one of them
+        # (2 workers: 3 of 4, ceil(1.25 * 4 / 2); 4 of 5), as on bench/e2e.py's agent trace
+        return live.get(worker_id, 0) + 1 <= c * math.ceil((total + 1) / workers)
 
     def _spare_holders(
         self,

@@ -61,3 +61,30 @@ def test_a_run_is_summarized_from_aiperf_records() -> None:
     assert out["ttft_ms"]["p50"] == 300 and out["ttft_ms"]["p99"] == 2000
     assert out["client_hit_rate"] == 0.5  # 150 of the answered requests' 300 prompt tokens
     assert out["goodput_rps"] == 0.5 and out["within_slo"] == 0.5  # 2 of 4 within 1 s, in 4 s
+
+
+def test_placement_names_each_requests_engine_parent_and_the_queue_it_met() -> None:
+    e2e = _e2e()
+
+    def rec(row: int, rid: str, start: float, ttft: float, end: float, cached: int) -> Any:
+        meta = {"conversation_id": f"session_{row:06d}", "x_request_id": rid,
+                "request_start_ns": int(start * 1e9), "request_end_ns": int(end * 1e9)}  # fmt: skip
+        metrics = {"time_to_first_token": {"value": ttft}, "usage_prompt_tokens": {"value": 100},
+                   "usage_prompt_cache_read_tokens": {"value": cached}}  # fmt: skip
+        return {"metadata": meta, "metrics": metrics}
+
+    rows = [{"hash_ids": [1, 2, 3]}, {"hash_ids": [9]}, {"hash_ids": [1, 2, 3, 4]}]
+    recs = [rec(0, "a", 0.0, 500, 2.0, 0), rec(1, "b", 0.1, 100, 0.5, 0),
+            rec(2, "c", 1.0, 900, 3.0, 90)]  # fmt: skip
+    where = {"a-0": "e0", "b": "e1", "c-0": "e1"}  # vLLM's ids: the header's, a suffix
+    out = e2e.placement(recs, rows, where)
+    a, b, c = out["requests"]
+    assert (a["engine"], b["engine"], c["engine"]) == ("e0", "e1", "e1")
+    # c builds on a (3 blocks shared), sent after a's first token, to the other engine
+    assert (c["parent"], c["shared_blocks"], c["parent_engine"], c["parent_done"]) == (
+        0, 3, "e0", True,
+    )  # fmt: skip
+    # when c was sent a was decoding on e0; b had finished
+    assert c["ahead"] == {"e0": {"prefilling": 0, "decoding": 1, "tokens": 0}}
+    assert b["ahead"] == {"e0": {"prefilling": 1, "decoding": 0, "tokens": 100}}
+    assert out["steps"] == 1 and out["left"]["n"] == 1 and out["stayed"]["n"] == 0
