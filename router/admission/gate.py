@@ -29,7 +29,7 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from policies.cost_model import EngineCosts
 from router.admission.core import Admission, AdmissionSettings, Shed, State, Ticket
@@ -38,9 +38,9 @@ from router.http.errors import ApiError
 
 if TYPE_CHECKING:
     from policies.base import Decision, WorkerView
+    from policies.pd import PdDecision
     from router.config import RouterConfig
     from router.observe.tracing import Trace
-    from router.pd.exchange import PdChoice, PdRouter
     from router.routing.decide import Prepared, Router
     from router.workers.registry import Worker, WorkerRegistry
 
@@ -82,6 +82,25 @@ class ShedError(ApiError):
         self.headers = ((b"retry-after", b"%d" % shed.retry_after),)
 
 
+class PdChosen(Protocol):
+    """Both sides' choice for a request of a disaggregated pool
+    (``router.pd.exchange.PdChoice``)."""
+
+    @property
+    def decision(self) -> PdDecision: ...
+
+
+class TwoSided(Protocol):
+    """What binding a request of a disaggregated pool asks of its router
+    (``router.pd.exchange.PdRouter``): a protocol, so that admission imports nothing of
+    router.pd, which holds its requests through the gate."""
+
+    def remote_prefill(self, prep: Prepared) -> bool: ...
+    def prefills_locally(self, prep: Prepared) -> bool: ...
+    def decide(self, prep: Prepared, exclude: frozenset[str]) -> PdChosen: ...
+    def finish(self, prep: Prepared, d: PdDecision) -> None: ...
+
+
 class Waiter:
     """A ticket's request, and what binding it decided."""
 
@@ -95,7 +114,7 @@ class Waiter:
         prep: Prepared,
         trace: Trace | None = None,
         exclude: frozenset[str] = frozenset(),
-        pd: PdRouter | None = None,
+        pd: TwoSided | None = None,
         via: str = "proxy",
     ) -> None:
         self.prep = prep
@@ -105,7 +124,7 @@ class Waiter:
         self.via = via
         self.future: asyncio.Future[None] | None = None
         self.decision: Decision | None = None
-        self.choice: PdChoice | None = None  # with ``pd``: both sides' choice
+        self.choice: PdChosen | None = None  # with ``pd``: both sides' choice
         self.views: list[WorkerView] = []
         self.error: ApiError | None = None
         self.started = False
@@ -192,7 +211,7 @@ class Gate:
         *,
         exclude: frozenset[str] = frozenset(),
         timeout: float | None = None,
-        pd: PdRouter | None = None,
+        pd: TwoSided | None = None,
         via: str = "proxy",
     ) -> Ticket:
         """The request's ticket: its candidates are the targets it may be bound to (not in
@@ -226,7 +245,7 @@ class Gate:
         )  # fmt: skip
 
     def _candidates(
-        self, prep: Prepared, exclude: frozenset[str], pd: PdRouter | None
+        self, prep: Prepared, exclude: frozenset[str], pd: TwoSided | None
     ) -> tuple[tuple[str, ...], frozenset[str]]:
         """``_candidates`` and their set; for the plain case (nothing excluded, no PD) kept
         while the registry hands out the same list of the model's workers (``for_model``
@@ -272,7 +291,7 @@ class Gate:
         *,
         exclude: frozenset[str] = frozenset(),
         timeout: float | None = None,
-        pd: PdRouter | None = None,
+        pd: TwoSided | None = None,
         via: str | None = None,
     ) -> Ticket:
         """Admit a request: its ticket once bound (``waiter(t).decision`` is where it
@@ -414,7 +433,7 @@ class Gate:
         self,
         prep: Prepared,
         headers: Iterable[tuple[bytes, bytes]],
-        pd: PdRouter | None = None,
+        pd: TwoSided | None = None,
     ) -> dict[str, Any]:
         """Where a request would queue and why, without admitting it (``/admin/explain``;
         with ``pd``: a disaggregated pool's, whose prefill engines are the ones held for)."""
@@ -450,7 +469,7 @@ class Gate:
         }
 
 
-def _candidates(prep: Prepared, exclude: frozenset[str], pd: PdRouter | None) -> tuple[str, ...]:
+def _candidates(prep: Prepared, exclude: frozenset[str], pd: TwoSided | None) -> tuple[str, ...]:
     """The targets a ticket may be bound to: not excluded (by worker or target); in a
     disaggregated pool the prefill engines (none when the request cannot take one: the
     PD router then prefills on the decode engine, and nothing is held)."""

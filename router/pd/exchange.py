@@ -76,7 +76,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
 
 import orjson
@@ -746,7 +746,8 @@ class Slot:
     def take(self) -> PdChoice | None:
         """The bound choice, the first time (a retry decides again)."""
         choice, self.choice = self.choice, None
-        return choice
+        # the gate holds it as its protocol's PdChosen; this router's decide made it
+        return cast("PdChoice | None", choice)
 
     def begun(self) -> None:
         self.gate.started(self.ticket)
