@@ -28,7 +28,7 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import nats
@@ -393,6 +393,28 @@ class EngineDouble:
 # -- engine doubles behind one router ------------------------------------------------------
 
 ADMIN_TOKEN = "s3cret"  # DoubleStack's admin_token
+
+
+async def read_body(receive: Any) -> tuple[bytes, Callable[[], Awaitable[dict[str, Any]]]]:
+    """An ASGI request's whole body, and a ``receive`` that gives it again to the app an
+    engine wrapper passes the request on to."""
+    chunks: list[bytes] = []
+    more = True
+    while more:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    body = b"".join(chunks)
+    sent = False
+
+    async def replay() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return cast("dict[str, Any]", await receive())
+
+    return body, replay
 
 
 class Routed:

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from stack import BS, MODEL, EngineStack, mock_engine_config, until
+from stack import BS, MODEL, EngineStack, mock_engine_config, read_body, until
 
 from router.admission.core import TenantSpec
 from router.config import RouterConfig, WorkerSpec
@@ -36,24 +36,9 @@ class Bodies:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             await self.app(scope, receive, send)
             return
-        chunks: list[bytes] = []
-        more = True
-        while more:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
+        body, replay = await read_body(receive)
         if body:
             self.seen.append(orjson.loads(body))
-        sent = False
-
-        async def replay() -> dict[str, Any]:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
         await self.app(scope, replay, send)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from stack import ADMIN_TOKEN, BS, MODEL, EngineStack, mock_engine_config, until
+from stack import ADMIN_TOKEN, BS, MODEL, EngineStack, mock_engine_config, read_body, until
 
 from router.config import RouterConfig, WorkerSpec
 from sim.mock.engine import MockEngine
@@ -49,28 +49,13 @@ class Held:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             await self.app(scope, receive, send)
             return
-        chunks: list[bytes] = []
-        more = True
-        while more:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
+        body, replay = await read_body(receive)
         self.seen.append(str(orjson.loads(body).get("prompt")) if body else "")
         self.waiting += 1
         try:
             await self.open.wait()
         finally:
             self.waiting -= 1
-        sent = False
-
-        async def replay() -> dict[str, Any]:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
         await self.app(scope, replay, send)
 
 
