@@ -54,3 +54,18 @@ async def make_stack() -> AsyncIterator[Callable[..., Awaitable[DoubleStack]]]:
     yield make
     for stack in stacks:
         await stack.stop()
+
+
+@pytest.fixture
+async def closing() -> AsyncIterator[list[Any]]:
+    """What a test appends is closed after it, last first: a picker (``stop``), an httpx
+    client (``aclose``), anything else (``close``)."""
+    held: list[Any] = []
+    yield held
+    for item in reversed(held):
+        if hasattr(item, "stop"):
+            await item.stop(0)
+        elif hasattr(item, "aclose"):
+            await item.aclose()
+        else:
+            await item.close()

@@ -28,6 +28,9 @@ from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
 )
 from envoy_data_plane.envoy.service.ext_proc import v3 as ep
 from envoy_data_plane.google.protobuf import Struct
+from stack import DoubleStack
+
+from router.epp.server import EppServer
 
 FULL_DUPLEX = Mode.FULL_DUPLEX_STREAMED
 BUFFERED = Mode.BUFFERED
@@ -225,3 +228,10 @@ class Gateway:
                 answer = await call.read()
                 assert which(answer) == "response_body"
                 ex.response += piece
+
+
+async def picker(stack: DoubleStack, **kw: Any) -> tuple[EppServer, Gateway]:
+    """An endpoint picker on the stack's router, on a free port, and a gateway of it."""
+    server = EppServer(stack.state.proxy_deps(), "127.0.0.1", 0, **kw)
+    await server.start()
+    return server, Gateway(server.port)

@@ -16,32 +16,22 @@ import grpc
 import orjson
 import pytest
 from envoy_data_plane.envoy.service.ext_proc import v3 as ep
-from epp_gateway import BUFFERED, FULL_DUPLEX, Gateway, Mode, headers_msg, streamed, which
+from epp_gateway import (
+    BUFFERED,
+    FULL_DUPLEX,
+    Gateway,
+    Mode,
+    headers_msg,
+    picker,
+    streamed,
+    which,
+)
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stack import ADMIN_TOKEN, DoubleStack, until
 
 from router.epp.server import EppServer
 
 SYSTEM = "You are a careful assistant. " * 8
-
-
-async def picker(stack: DoubleStack, **kw: Any) -> tuple[EppServer, Gateway]:
-    server = EppServer(stack.state.proxy_deps(), "127.0.0.1", 0, **kw)
-    await server.start()
-    return server, Gateway(server.port)
-
-
-@pytest.fixture
-async def closing() -> Any:
-    held: list[Any] = []
-    yield held
-    for item in reversed(held):
-        if isinstance(item, EppServer):
-            await item.stop(0)
-        elif hasattr(item, "aclose"):
-            await item.aclose()
-        else:
-            await item.close()
 
 
 def chat(conversation: int, turn: int, stream: bool = False) -> bytes:

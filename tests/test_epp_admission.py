@@ -16,31 +16,20 @@ from typing import Any
 import orjson
 import pytest
 from envoy_data_plane.envoy.service.ext_proc import v3 as ep
-from epp_gateway import BUFFERED, FULL_DUPLEX, Gateway, headers_msg, set_headers
+from epp_gateway import (
+    BUFFERED,
+    FULL_DUPLEX,
+    Gateway,
+    headers_msg,
+    picker,
+    set_headers,
+)
 from stack import DoubleStack, until
 
 from router.admission.core import State
-from router.epp.server import EppServer
 
 SYSTEM = "You are a careful assistant. " * 8
 FULL = {"engine_max_inflight": 1, "engine_queue": 0}
-
-
-async def picker(stack: DoubleStack, **kw: Any) -> tuple[EppServer, Gateway]:
-    server = EppServer(stack.state.proxy_deps(), "127.0.0.1", 0, **kw)
-    await server.start()
-    return server, Gateway(server.port)
-
-
-@pytest.fixture
-async def closing() -> Any:
-    held: list[Any] = []
-    yield held
-    for item in reversed(held):
-        if isinstance(item, EppServer):
-            await item.stop(0)
-        else:
-            await item.close()
 
 
 def chat(conversation: int, turn: int) -> bytes:
