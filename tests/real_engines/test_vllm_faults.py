@@ -50,6 +50,10 @@ from router.config import RouterConfig, WorkerSpec
 from router.http.app import RouterApp
 
 TOKENS = 160  # per stream: long enough that a kill lands mid-stream
+# The killed stream's: a quiet machine's engine generated 160 tokens into the socket
+# buffers before the client had read 6 chunks, and the kill then broke nothing (seen once,
+# session 18); 900 tokens are seconds of decode ahead of the kill at ~24 tokens in.
+KILL_TOKENS = 900
 INTERVAL = 4  # tokens per SSE chunk (vLLM --stream-interval)
 
 
@@ -95,11 +99,11 @@ async def router_in_front(
         await served.stop()
 
 
-def chat(i: int, stream: bool = True) -> dict[str, Any]:
+def chat(i: int, stream: bool = True, tokens: int = TOKENS) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": MODEL,
         "messages": [{"role": "user", "content": f"question {i}: tell me about caches"}],
-        "max_tokens": TOKENS,
+        "max_tokens": tokens,
         "temperature": 0.0,
         "ignore_eos": True,
     }
@@ -215,7 +219,7 @@ async def test_a_stream_whose_engine_is_killed_goes_on_from_the_other(
 
     real = migrate.continuation
     monkeypatch.setattr(migrate, "continuation", spy)
-    body = chat(7)
+    body = chat(7, tokens=KILL_TOKENS)
     async with router_in_front(pair, model_dir) as (app, url):
         async with httpx.AsyncClient(base_url=url, timeout=300) as http:
             killed: list[str] = []
@@ -242,13 +246,13 @@ async def test_a_stream_whose_engine_is_killed_goes_on_from_the_other(
         assert r.status_code == 200, r.text
         rest = r.json()["choices"][0]["message"]["content"]
         rest_tokens = r.json()["usage"]["completion_tokens"]
-        r = await http.post("/v1/chat/completions", json=chat(7, False))
+        r = await http.post("/v1/chat/completions", json=chat(7, False, KILL_TOKENS))
         reference = r.json()["choices"][0]["message"]["content"]
     # the splice: what came before the break, then exactly the survivor's continuation
     assert seen.text == partial + rest
     # the first engine's part is the start of the survivor's own answer (same weights)
     assert reference.startswith(partial)
-    sent = TOKENS - grown[0]["max_tokens"]  # the tokens the router counted before the break
+    sent = KILL_TOKENS - grown[0]["max_tokens"]  # the tokens the router counted before the break
     assert seen.usage is not None
     assert seen.usage["completion_tokens"] == sent + rest_tokens
     # counted from the text, not the chunks: up to four tokens a chunk (vLLM holds back
