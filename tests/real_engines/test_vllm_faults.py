@@ -50,9 +50,9 @@ from router.config import RouterConfig, WorkerSpec
 from router.http.app import RouterApp
 
 TOKENS = 160  # per stream: long enough that a kill lands mid-stream
-# The killed stream's: a quiet machine's engine generated 160 tokens into the socket
-# buffers before the client had read 6 chunks, and the kill then broke nothing (seen once,
-# session 18); 900 tokens are seconds of decode ahead of the kill at ~24 tokens in.
+# The killed stream's: on a quiet machine the engine decodes ~1 ms a token, so 160 tokens
+# could all be sent before the client had read 6 chunks (session 18); 900 leave the kill
+# at ~24 tokens in well before the end.
 KILL_TOKENS = 900
 INTERVAL = 4  # tokens per SSE chunk (vLLM --stream-interval)
 
@@ -229,6 +229,11 @@ async def test_a_stream_whose_engine_is_killed_goes_on_from_the_other(
                     killed.append(seen.text)
                     group_signal(next(e for e in pair if e.name == seen.worker), signal.SIGKILL)
 
+            # the router's first request pays its one-time costs (the tokenizer's load)
+            # on the loop the client reads on: meanwhile a fast engine had streamed the
+            # whole answer into the socket buffers, and the kill then broke nothing
+            warm = await http.post("/v1/chat/completions", json=chat(8, False, tokens=1))
+            assert warm.status_code == 200, warm.text
             seen = await asyncio.wait_for(watch(http, body, kill_mid_stream), 600)
         assert killed, "the stream ended before the kill"
         victim = next(e for e in pair if e.name == seen.worker)
