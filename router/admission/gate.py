@@ -231,8 +231,7 @@ class Gate:
             if exclude or pd is not None:
                 # a holder it may not go to (outside the gateway's subset; a decode
                 # engine) is none of its business: it would wait for it in vain
-                allowed = set(candidates)
-                saved = {t: s for t, s in saved.items() if t in allowed}
+                saved = {t: s for t, s in saved.items() if t in every}
             if self.home is not None:
                 home = self.home(prep)
                 if home is not None and home in candidates:
