@@ -542,12 +542,8 @@ def _view(
     running = waiting = kv_usage = None
     if now - wload.engine_seen <= stale:
         engine = wload.engine
-        ranks = w.rank_loads
-        if ranks:
-            share = len(ranks)
-            running, waiting = _share(engine.running, share), _share(engine.waiting, share)
-        else:
-            running, waiting = engine.running, engine.waiting
+        share = len(w.rank_loads) or 1
+        running, waiting = _share(engine.running, share), _share(engine.waiting, share)
         kv_usage = engine.kv_usage
     tokens, ran = load.prefills.oldest(now_ms)
     return WorkerView(
