@@ -284,8 +284,7 @@ class LoadBoard {
             const size_t c = cnt_[o][1];  // the leaves at the least key left
             const size_t room = want - have;
             // holders among them: counted only where the key's leaves are more than
-            // could be kept whole (a scan of every holder; at each key it was 13 of the
-            // 17 us a pick took at 1,024 targets with 327 holders, bench/scale.py)
+            // could be kept whole (a scan of every holder, which ran at each key)
             size_t held_here = 0;
             if (holders != nullptr && c > room + cap) {
                 for (const Held& h : *holders) held_here += key_[o][h.slot] == v;
@@ -332,8 +331,8 @@ class LoadBoard {
     // ``live`` ordered by class, deepest first, then by slot: as a sort by (class, slot)
     // orders it. The holders are few classes (a prefix's holders share one; bench/
     // scale.py: ~3 among 327 at 1,024 targets), so each is found among those seen and
-    // the run is placed by a counting sort (a sort of every holder was a tenth of a pick
-    // there); with many classes, the sort. ``live`` comes in slot order (the groups'
+    // the run is placed by a counting sort (a sort of every holder was ~1/6 of a pick's
+    // samples there under perf); with many classes, the sort. ``live`` comes in slot order (the groups'
     // walks, each slot's bit in turn), which the counting sort keeps.
     static void by_class(std::vector<Held>& live) {
         constexpr size_t FEW = 16;

@@ -1301,8 +1301,9 @@ PYBIND11_MODULE(_native, m) {
                     // the boundaries the groups walked so far found (each hit depth d: its
                     // last block d - 1 and d), probed first in the next groups' walks: the
                     // same prefixes are held in many groups, so most find their holders'
-                    // ends in a few probes (a gallop and bisect cost ~16 each; 16 groups'
-                    // walks were 2/3 of a pick at 1,024 targets, bench/scale.py)
+                    // ends in a few probes (a gallop and bisect cost ~16 each: at 1,024
+                    // targets, bench/scale.py, the walks were half a pick's samples under
+                    // perf, ~3/4 of them waiting on the tables' memory)
                     std::vector<int64_t> seeds;
                     constexpr size_t MAX_SEEDS = 16;
                     for (size_t g = 0; g < cs.size(); ++g) {

@@ -24,6 +24,14 @@ views show. Admission's prefix holders (``Gate._saved``) read the kept candidate
 (``Router.views(pruned=True)``): every hit class keeps a member, so the best saving is
 every candidate's, and the holder (the first best) is whenever the kept set holds it.
 
+What a pick costs at 1,024 targets (16 index groups). The walk takes each group in turn,
+but probes first where the groups before it found their holders' ends (a prefix held in
+many groups ends at the same block in each: three probes a group, not a gallop and
+bisect's ~16); the holders are grouped by class without sorting them all; the board hands
+out the kept slots in candidate order (``LoadBoard.place``, set in ``bind``), so nothing
+is sorted here; every group's out-of-sync mask comes in one call
+(``NativePrefixIndex.out_of_sync``).
+
 When the decision is the unpruned one. A policy opts in per request (``Policy.prunable``;
 plugins and ``sglang_cache_aware`` never do) where each candidate's cost depends only on
 its own view and the policy's state; the one pool-wide term a pruned policy reads, the
