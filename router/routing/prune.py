@@ -161,16 +161,21 @@ class Pruner:
         at = self._at
         for _ in range(3):
             picked = self.index.pick(self.board, hashes, self.keep, self.cap, also)
-            bad = [p[0] for p in picked if not at[p[0]][0].usable(now)]
+            if not PLACED:  # a build before ``place``: in candidate order here
+                pos = self._pos
+                picked.sort(key=lambda p: pos[p[0]])
+            out: list[tuple[Target, TierMatch]] = []
+            bad = []
+            for s, g, c, d, t in picked:  # one pass: each kept one's target, usable
+                target = at[s]
+                if target[0].usable(now):
+                    out.append((target, TierMatch(g, c, d, t)))
+                else:
+                    bad.append(s)
             if not bad:
-                break
+                return out
             self._hold_back(bad)
-        else:
-            return None
-        if not PLACED:  # a build before ``place``: in candidate order here
-            pos = self._pos
-            picked.sort(key=lambda p: pos[p[0]])
-        return [(at[s], TierMatch(g, c, d, t)) for s, g, c, d, t in picked]
+        return None
 
     def least(
         self,
