@@ -572,3 +572,44 @@ def test_every_groups_out_of_sync_slots_in_one_call() -> None:
         assert _native.out_of_sync_groups(index.cores) == each
         behind = {n for n in names if index.slot_of(n) is not None and not ingest.in_sync(n)}
         assert set(ingest.out_of_sync()) == behind == set(index.out_of_sync())
+
+
+def test_pick_walks_give_each_holder_its_match() -> None:
+    """``LoadBoard.pick``'s walk of every group (each group probing first where the
+    groups before it found their holders' ends) gives every target the hit its group's
+    own ``match_tiers`` gives: over prefixes shared in part across groups, holders with
+    holes, predictions and lower tiers. The board keeps every target (one load, a cap
+    past the pool), so every hit is compared."""
+    from index.native_index import NativePrefixIndex
+
+    rng = random.Random(21)
+    for _ in range(40):
+        n = rng.choice([70, 200, 520])
+        index = NativePrefixIndex(bisect_min_blocks=rng.choice([4, 24]))
+        names = [f"w{s}" for s in range(n)]
+        for name in names:
+            index.add_worker(name)
+        base = [rng.getrandbits(63) for _ in range(rng.choice([30, 90]))]
+        chains = [base[: rng.randrange(5, len(base))] + [rng.getrandbits(63) for _ in range(20)]
+                  for _ in range(4)]  # fmt: skip
+        for s in range(n):
+            if rng.random() < 0.5:
+                chain = rng.choice(chains)
+                index.store(names[s], chain[: rng.randrange(1, len(chain) + 1)])
+                r = rng.random()
+                if r < 0.1:  # a hole: a block in the middle gone
+                    index.remove(names[s], [chain[rng.randrange(1, 5)]])
+                elif r < 0.2:
+                    index.store(names[s], chain[:4], rng.choice(["cpu", "disk"]))
+            if rng.random() < 0.05:
+                index.predict(names[s], rng.choice(chains)[:10], 60.0)
+        board = _native.LoadBoard()
+        for s in range(n):
+            board.set(s, 0, 0)
+        request = [*rng.choice(chains), rng.getrandbits(63)]
+        got = {p[0]: p[1:] for p in index.pick(board, request, 64, 10 * n)}
+        assert set(got) == set(range(n))
+        matches = index.match_tiers(request)
+        for s, hit in got.items():
+            m = matches.get(names[s])
+            assert hit == ((0, 0, 0, 0) if m is None else (m.gpu, m.cpu, m.disk, m.total))
