@@ -57,7 +57,6 @@ _STATUS = (
     SeqStatus.REFUSED,
 )
 _SLOW = 7
-_NONE: frozenset[str] = frozenset()
 _RUN = 64  # batches per native call at most: a resync waits for one run (~1 ms)
 _APPLIED_BATCH, _RESTARTED, _WAS_RESET = 1, 2, 4
 Outcome = tuple[int, int | None, int, dict[str, int] | None, dict[str, int] | None, int]
@@ -105,12 +104,7 @@ class NativeEventIngest(EventIngest):
         return at is None or at[0].in_sync(at[1])
 
     def out_of_sync(self) -> AbstractSet[str]:
-        out: AbstractSet[str] = _NONE
-        for g, core in enumerate(self.index.cores):
-            mask = core.out_of_sync()  # one call for the group's workers, under its lock
-            if mask:
-                out = {*out, *self.index.named(g, mask)}
-        return out
+        return self.index.out_of_sync()
 
     def mark_out_of_sync(self, worker_id: str) -> None:
         core, slot = self.index.locate(worker_id)

@@ -366,11 +366,14 @@ def test_pick_keeps_each_class_and_the_non_holders_least_loaded() -> None:
         for name in names:
             index.add_worker(name)
         board, keys = _board(rng, n)
-        chain = [rng.getrandbits(63) for _ in range(6)]
+        # short chains walked block by block; long ones galloped and bisected
+        chain = [rng.getrandbits(63) for _ in range(rng.choice([6, 40]))]
         share = rng.choice([0.02, 0.3, 0.8])  # few holders, many, most
         for s in range(n):
             if rng.random() < share:
-                index.store(names[s], chain[: rng.randrange(1, 7)])
+                index.store(names[s], chain[: rng.randrange(1, len(chain) + 1)])
+                if rng.random() < 0.1:
+                    index.store(names[s], chain[:3], rng.choice(["cpu", "disk"]))
         k, cap = rng.randint(1, 5), rng.choice([0, 3, 32])
         got = {p[0]: p[1:] for p in index.pick(board, chain, k, cap)}
         matches = index.match_tiers(chain)
@@ -505,3 +508,108 @@ def _saved_every(gate: Any, prep: Prepared) -> dict[str, float]:
         if hit > 0:
             saved[view.worker_id] = (full - gate.costs.prefill_ms(n - hit, hit)) / 1000.0
     return saved
+
+
+@pytest.mark.skipif(not hasattr(_native.LoadBoard, "place"), reason="a build before ``place``")
+def test_the_board_hands_out_its_slots_in_candidate_order() -> None:
+    """``LoadBoard.place`` gives each slot its place in the candidate order: ``pick``
+    and ``least`` hand out the same slots as a board never placed (same keys, same
+    draws), ordered by place, so the pruner sorts nothing."""
+    from index.native_index import NativePrefixIndex
+
+    rng = random.Random(11)
+    for _ in range(60):
+        n = rng.choice([40, 150, 700])
+        seed = rng.getrandbits(32)
+        board, _ = _board(random.Random(seed), n)
+        placed, _ = _board(random.Random(seed), n)
+        order = rng.sample(range(n), n)  # slot -> its place
+        for slot, rank in enumerate(order):
+            placed.place(slot, rank)
+        index = NativePrefixIndex()
+        names = [f"w{s}" for s in range(n)]
+        for name in names:
+            index.add_worker(name)
+        chain = [rng.getrandbits(63) for _ in range(rng.choice([6, 40]))]
+        for s in rng.sample(range(n), n // 3):
+            index.store(names[s], chain[: rng.randrange(1, len(chain) + 1)])
+        k, cap = rng.randint(1, 5), rng.choice([0, 3, 32])
+        also = rng.sample(range(n), 2)
+        for b in (board, placed):
+            b.seed(7)
+        plain = index.pick(board, chain, k, cap, also)
+        got = index.pick(placed, chain, k, cap, also)
+        assert sorted(got) == sorted(plain)
+        assert [order[p[0]] for p in got] == sorted(order[p[0]] for p in got)
+        plain_least, got_least = board.least(k, cap, also), placed.least(k, cap, also)
+        assert sorted(got_least) == sorted(plain_least)
+        assert [order[s] for s in got_least] == sorted(order[s] for s in got_least)
+
+
+@pytest.mark.skipif(not hasattr(_native, "out_of_sync_groups"), reason="a build before it")
+def test_every_groups_out_of_sync_slots_in_one_call() -> None:
+    """``out_of_sync_groups`` (one native call for a wide pool's groups) gives each
+    core's ``out_of_sync`` mask, and the index names exactly the workers ``in_sync``
+    is false for."""
+    from index.backend import make_ingest
+    from index.hashing import BlockHasher
+    from index.native_index import NativePrefixIndex
+
+    rng = random.Random(4)
+    for _ in range(40):
+        index = NativePrefixIndex()
+        ingest = make_ingest(index, BlockHasher(BLOCK))
+        names = [f"w{i}" for i in range(rng.choice([3, 70, 300]))]
+        for name in names:
+            index.add_worker(name)
+        marked = rng.choice([0, 1, min(5, len(names)), len(names) // 2])
+        for name in rng.sample(names, marked):
+            ingest.mark_out_of_sync(name)
+        for name in rng.sample(names, min(3, len(names))):
+            if rng.random() < 0.3:
+                ingest.remove_worker(name)
+        each = [(g, m) for g, core in enumerate(index.cores) if (m := core.out_of_sync())]
+        assert _native.out_of_sync_groups(index.cores) == each
+        behind = {n for n in names if index.slot_of(n) is not None and not ingest.in_sync(n)}
+        assert set(ingest.out_of_sync()) == behind == set(index.out_of_sync())
+
+
+def test_pick_walks_give_each_holder_its_match() -> None:
+    """``LoadBoard.pick``'s walk of every group (each group probing first where the
+    groups before it found their holders' ends) gives every target the hit its group's
+    own ``match_tiers`` gives: over prefixes shared in part across groups, holders with
+    holes, predictions and lower tiers. The board keeps every target (one load, a cap
+    past the pool), so every hit is compared."""
+    from index.native_index import NativePrefixIndex
+
+    rng = random.Random(21)
+    for _ in range(40):
+        n = rng.choice([70, 200, 520])
+        index = NativePrefixIndex(bisect_min_blocks=rng.choice([4, 24]))
+        names = [f"w{s}" for s in range(n)]
+        for name in names:
+            index.add_worker(name)
+        base = [rng.getrandbits(63) for _ in range(rng.choice([30, 90]))]
+        chains = [base[: rng.randrange(5, len(base))] + [rng.getrandbits(63) for _ in range(20)]
+                  for _ in range(4)]  # fmt: skip
+        for s in range(n):
+            if rng.random() < 0.5:
+                chain = rng.choice(chains)
+                index.store(names[s], chain[: rng.randrange(1, len(chain) + 1)])
+                r = rng.random()
+                if r < 0.1:  # a hole: a block in the middle gone
+                    index.remove(names[s], [chain[rng.randrange(1, 5)]])
+                elif r < 0.2:
+                    index.store(names[s], chain[:4], rng.choice(["cpu", "disk"]))
+            if rng.random() < 0.05:
+                index.predict(names[s], rng.choice(chains)[:10], 60.0)
+        board = _native.LoadBoard()
+        for s in range(n):
+            board.set(s, 0, 0)
+        request = [*rng.choice(chains), rng.getrandbits(63)]
+        got = {p[0]: p[1:] for p in index.pick(board, request, 64, 10 * n)}
+        assert set(got) == set(range(n))
+        matches = index.match_tiers(request)
+        for s, hit in got.items():
+            m = matches.get(names[s])
+            assert hit == ((0, 0, 0, 0) if m is None else (m.gpu, m.cpu, m.disk, m.total))

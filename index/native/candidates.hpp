@@ -17,6 +17,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -64,6 +65,13 @@ class LoadBoard {
         return slot >= 0 && static_cast<size_t>(slot) < present_.size() && present_[slot] &&
                !blocked_[slot];
     }
+    // The slot's place in the caller's candidate order: ``pick`` and ``least`` hand out
+    // their slots in it (a slot never placed: its own number), so the caller need not
+    // sort them (ties break in candidate order in the policies).
+    void place(int slot, int64_t rank) {
+        grow(slot);
+        if (slot >= 0) rank_[slot] = rank;
+    }
     size_t size() const { return present_.size(); }
     int64_t requests(int slot) const { return req_[slot]; }
     int64_t tokens(int slot) const { return tok_[slot]; }
@@ -77,6 +85,7 @@ class LoadBoard {
     // ``also``: slots kept whatever their load (those the policy asks for by name).
     void pick(std::vector<Held>& held, int k, int cap, const std::vector<int>& also,
               std::vector<Held>& out) {
+        const size_t from = out.size();
         const uint32_t ep = next_epoch();  // mark_[s] == ep: a holder; stamp_[s] == ep: kept
         std::vector<Held> live;
         live.reserve(held.size());
@@ -85,14 +94,8 @@ class LoadBoard {
             mark_[h.slot] = ep;
             live.push_back(h);
         }
-        // by class, deepest first: each class a contiguous run
-        std::sort(live.begin(), live.end(), [](const Held& a, const Held& b) {
-            if (a.total != b.total) return a.total > b.total;
-            if (a.gpu != b.gpu) return a.gpu > b.gpu;
-            if (a.cpu != b.cpu) return a.cpu > b.cpu;
-            if (a.disk != b.disk) return a.disk > b.disk;
-            return a.slot < b.slot;
-        });
+        // by class, deepest first: each class a contiguous run, slots ascending in it
+        by_class(live);
         std::vector<Held> kept;
         for (size_t i = 0; i < live.size();) {
             size_t j = i + 1;
@@ -129,6 +132,8 @@ class LoadBoard {
             stamp_[h.slot] = ep;
             out.push_back(h);
         }
+        std::sort(out.begin() + static_cast<std::ptrdiff_t>(from), out.end(),
+                  [this](const Held& a, const Held& b) { return rank_[a.slot] < rank_[b.slot]; });
     }
 
     // The pool's least loaded without any walk (a policy that does not weigh hits): onto
@@ -151,6 +156,8 @@ class LoadBoard {
             out[w++] = out[i];
         }
         out.resize(w);
+        std::sort(out.begin() + static_cast<std::ptrdiff_t>(from), out.end(),
+                  [this](int a, int b) { return rank_[a] < rank_[b]; });
     }
 
    private:
@@ -158,6 +165,7 @@ class LoadBoard {
     std::vector<int64_t> req_, tok_;
     std::vector<uint64_t> key_[2];  // per order, per slot (``set``)
     std::vector<uint8_t> present_, blocked_;
+    std::vector<int64_t> rank_;  // per slot, its place in the candidate order (``place``)
     uint64_t rng_ = 0x9E3779B97F4A7C15ULL;
     // per order, a min tree over the slots: node i's children 2i and 2i+1, leaf of slot s
     // at leaves_ + s (its key, NONE when absent or blocked); cnt_: the leaves under a node
@@ -189,6 +197,7 @@ class LoadBoard {
             blocked_.resize(n, 0);
             stamp_.resize(n, 0);
             mark_.resize(n, 0);
+            for (size_t s = rank_.size(); s < n; ++s) rank_.push_back(static_cast<int64_t>(s));
         }
         if (n > leaves_) {  // a larger tree, rebuilt from the leaves: O(n), once a doubling
             size_t cap = leaves_ ? leaves_ : 64;
@@ -273,21 +282,27 @@ class LoadBoard {
         while (ok && have < want && min_[o][1] != NONE) {
             const uint64_t v = min_[o][1];
             const size_t c = cnt_[o][1];  // the leaves at the least key left
-            size_t held_here = 0;  // holders among them
-            if (holders != nullptr) {
+            const size_t room = want - have;
+            // holders among them: counted only where the key's leaves are more than
+            // could be kept whole (a scan of every holder, which ran at each key)
+            size_t held_here = 0;
+            if (holders != nullptr && c > room + cap) {
                 for (const Held& h : *holders) held_here += key_[o][h.slot] == v;
                 work += holders->size();
             }
             const size_t open = c - held_here;
-            const size_t room = want - have;
             if (open <= room + cap) {  // below the k-th key, or the tie at it kept whole
+                size_t taken = 0;  // the key's leaves that hold nothing (``open`` exactly)
                 for (size_t i = 0; i < c && ok; ++i) {
                     const size_t s = select(o, 0);
                     hide(s);
-                    if (!holder(s)) out.push_back(static_cast<int>(s));
+                    if (!holder(s)) {
+                        out.push_back(static_cast<int>(s));
+                        ++taken;
+                    }
                     ok = work <= budget;
                 }
-                have += open;
+                have += taken;
                 continue;
             }
             size_t left = c;  // a uniform sample of the tie fills the k
@@ -307,6 +322,60 @@ class LoadBoard {
         if (!ok) out.resize(from);
         return ok;
     }
+    static bool deeper(const Held& a, const Held& b) {
+        if (a.total != b.total) return a.total > b.total;
+        if (a.gpu != b.gpu) return a.gpu > b.gpu;
+        if (a.cpu != b.cpu) return a.cpu > b.cpu;
+        return a.disk > b.disk;
+    }
+    // ``live`` ordered by class, deepest first, then by slot: as a sort by (class, slot)
+    // orders it. The holders are few classes (a prefix's holders share one; bench/
+    // scale.py: ~3 among 327 at 1,024 targets), so each is found among those seen and
+    // the run is placed by a counting sort (a sort of every holder was ~1/6 of a pick's
+    // samples there under perf); with many classes, the sort. ``live`` comes in slot order (the groups'
+    // walks, each slot's bit in turn), which the counting sort keeps.
+    static void by_class(std::vector<Held>& live) {
+        constexpr size_t FEW = 16;
+        Held kinds[FEW];
+        size_t nk = 0, last = 0;
+        std::vector<uint8_t> kind(live.size());
+        bool ordered = true;  // slots ascending (kept by the counting sort)
+        for (size_t i = 0; i < live.size(); ++i) {
+            const Held& h = live[i];
+            if (i && live[i - 1].slot > h.slot) ordered = false;
+            if (nk && kinds[last].same_class(h)) {
+                kind[i] = static_cast<uint8_t>(last);
+                continue;
+            }
+            size_t j = 0;
+            while (j < nk && !kinds[j].same_class(h)) ++j;
+            if (j == nk) {
+                if (nk == FEW) {
+                    ordered = false;
+                    break;
+                }
+                kinds[nk++] = h;
+            }
+            kind[i] = static_cast<uint8_t>(last = j);
+        }
+        if (!ordered) {
+            std::sort(live.begin(), live.end(), [](const Held& a, const Held& b) {
+                if (!a.same_class(b)) return deeper(a, b);
+                return a.slot < b.slot;
+            });
+            return;
+        }
+        size_t rank[FEW], order[FEW], start[FEW + 1] = {0};
+        for (size_t j = 0; j < nk; ++j) order[j] = j;
+        std::sort(order, order + nk, [&](size_t a, size_t b) { return deeper(kinds[a], kinds[b]); });
+        for (size_t r = 0; r < nk; ++r) rank[order[r]] = r;
+        for (size_t i = 0; i < live.size(); ++i) ++start[rank[kind[i]] + 1];
+        for (size_t r = 0; r < nk; ++r) start[r + 1] += start[r];
+        std::vector<Held> out(live.size());
+        for (size_t i = 0; i < live.size(); ++i) out[start[rank[kind[i]]]++] = live[i];
+        live.swap(out);
+    }
+
     uint64_t next() {
         uint64_t x = rng_;
         x ^= x << 13;

@@ -1253,6 +1253,9 @@ PYBIND11_MODULE(_native, m) {
         .def("block", &LoadBoard::block, py::arg("slot"), py::arg("blocked"))
         .def("drop", &LoadBoard::drop, py::arg("slot"))
         .def("seed", &LoadBoard::seed, py::arg("seed"))
+        .def("place", &LoadBoard::place, py::arg("slot"), py::arg("rank"),
+             "The slot's place in the candidate order: ``pick`` and ``least`` hand out their\n"
+             "slots ordered by it (a slot never placed: by its own number).")
         .def("__len__", &LoadBoard::size)
         .def(
             "least",
@@ -1295,13 +1298,22 @@ PYBIND11_MODULE(_native, m) {
                 const uint8_t* shared = ext.empty() ? nullptr : reinterpret_cast<const uint8_t*>(ext.data());
                 std::vector<Held> held;
                 if (!hs.empty()) {
+                    // the boundaries the groups walked so far found (each hit depth d: its
+                    // last block d - 1 and d), probed first in the next groups' walks: the
+                    // same prefixes are held in many groups, so most find their holders'
+                    // ends in a few probes (a gallop and bisect cost ~16 each: at 1,024
+                    // targets, bench/scale.py, the walks were half a pick's samples under
+                    // perf, ~3/4 of them waiting on the tables' memory)
+                    std::vector<int64_t> seeds;
+                    constexpr size_t MAX_SEEDS = 16;
                     for (size_t g = 0; g < cs.size(); ++g) {
                         Depths d;
                         TierDepths t;
                         Mask split;
                         {
                             Core::Lock l(cs[g]->mu);
-                            cs[g]->index.depths(hs.data(), hs.size(), speculative, now, d, shared);
+                            cs[g]->index.depths(hs.data(), hs.size(), speculative, now, d, shared,
+                                                &seeds);
                             split = cs[g]->index.split_tiers(hs.data(), hs.size(), speculative, d, t,
                                                              shared != nullptr);
                         }
@@ -1309,6 +1321,12 @@ PYBIND11_MODULE(_native, m) {
                         for (Mask m = d.found; m; m &= m - 1) {
                             const int s = __builtin_ctzll(m);
                             const int total = d.depth[s];
+                            if (seeds.size() < MAX_SEEDS &&
+                                !std::binary_search(seeds.begin(), seeds.end(), int64_t{total})) {
+                                for (int64_t p : {int64_t{total} - 1, int64_t{total}})
+                                    if (p > 0 && !std::binary_search(seeds.begin(), seeds.end(), p))
+                                        seeds.insert(std::upper_bound(seeds.begin(), seeds.end(), p), p);
+                            }
                             if (split & (Mask{1} << s))
                                 held.push_back(Held{base + s, t.gpu[s], t.cpu[s], t.disk[s], total});
                             else
@@ -1333,6 +1351,29 @@ PYBIND11_MODULE(_native, m) {
             "tokens; tokens then requests) and the tie at the k-th key (whole\n"
             "when at most ``cap`` more, else sampled), and the ``also`` slots whatever their\n"
             "load. [(slot, gpu, cpu, disk, total)].");
+
+    m.def(
+        "out_of_sync_groups",
+        [](py::list cores) {
+            py::list out;
+            int g = 0;
+            for (py::handle h : cores) {
+                Core& c = h.cast<Core&>();
+                Mask mask = 0;
+                {
+                    Core::Lock l(c.mu);
+                    for (int s = 0; s < MAX_SLOTS; ++s)
+                        if (!c.seq[static_cast<size_t>(s)].in_sync) mask |= Mask{1} << s;
+                }
+                if (mask) out.append(py::make_tuple(g, mask));
+                ++g;
+            }
+            return out;
+        },
+        py::arg("cores"),
+        "``Core.out_of_sync`` of every core in one call: [(position in ``cores``, mask)] for\n"
+        "those with a slot out of sync (a wide pool's 16 groups asked one by one cost ~4 us\n"
+        "a request).");
 
     py::class_<LiveFeed>(m, "EventReader")
         .def(py::init([](const std::vector<std::pair<std::string, int>>& servers,

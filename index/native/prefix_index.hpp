@@ -256,8 +256,12 @@ class PrefixCore {
     // -- matching --------------------------------------------------------------------
     // ``shared_elsewhere`` (n flags, or null): blocks another group's core holds in the
     // shared tier, which every worker here can load as well.
+    // ``seeds`` (ascending positions, or null): probed first by the bisect, after block 0
+    // (LoadBoard.pick passes the boundaries other groups' walks found: where a group's
+    // holders stop at the same blocks, two probes find it instead of a gallop's ~16).
     void depths(const uint64_t* hashes, size_t n, bool speculative, double now, Depths& out,
-                const uint8_t* shared_elsewhere = nullptr) {
+                const uint8_t* shared_elsewhere = nullptr,
+                const std::vector<int64_t>* seeds = nullptr) {
         if (speculative && !heap_.empty()) expire(now);
         const FlatMap<Mask>* spec = speculative && spec_.size() ? &spec_ : nullptr;
         ++tick_;
@@ -271,7 +275,7 @@ class PrefixCore {
             return;
         }
         const Mask fast = live & ~holey_;
-        if (fast) bisect(hashes, n, fast, spec, out);
+        if (fast) bisect(hashes, n, fast, spec, out, seeds);
         if (live & holey_) walk(hashes, n, live & holey_, spec, out);
     }
 
@@ -490,8 +494,11 @@ class PrefixCore {
 
     // Gallop (probe 0, 1, 3, 7, ...) then bisect: for hole-free slots the holders of
     // block i only shrink as i grows, so an interval whose ends agree needs no probe.
+    // With ``seeds``: block 0, then each seed while some slot still holds, then the gallop
+    // on from the last one probed; any probes will do, since every interval whose ends
+    // differ is bisected.
     void bisect(const uint64_t* hashes, size_t n, Mask active, const FlatMap<Mask>* spec,
-                Depths& out) {
+                Depths& out, const std::vector<int64_t>* seeds = nullptr) {
         struct Span {
             int64_t lo, hi;
             Mask at_lo, at_hi;
@@ -500,6 +507,16 @@ class PrefixCore {
         int64_t lo = -1, pos = 0, step = 1;
         Mask at_lo = active;
         const int64_t len = static_cast<int64_t>(n);
+        if (seeds != nullptr && !seeds->empty()) {
+            for (size_t i = 0; at_lo && i <= seeds->size(); ++i) {
+                const int64_t p = i == 0 ? 0 : (*seeds)[i - 1];
+                if (p <= lo || p >= len) continue;
+                const Mask m = probe(hashes[p], spec) & at_lo;
+                if (m != at_lo) pending.push_back({lo, p, at_lo, m});
+                lo = p, at_lo = m;
+            }
+            pos = lo + 1;
+        }
         while (at_lo) {
             if (pos >= len) {
                 pending.push_back({lo, len, at_lo, 0});

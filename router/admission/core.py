@@ -192,6 +192,72 @@ Bind = Callable[[Ticket, frozenset[str]], "str | None"]
 ShedHook = Callable[[Ticket], None]
 
 
+class Rooms:
+    """Which workers have no room, kept as their counts move, so that a full pool's pump
+    does not ask every candidate's room (``Admission.allowed``: at 1,024 targets a pass
+    over them all for every pump, each pump a request ending; issue 34).
+
+    Exact when told every change of a worker's room: its in-flight count (``dirty``: the
+    caller's ``Admission.moved`` for the loads, the core's own binds and ends) and its
+    limit (a report). A worker told is asked again at the next ``free``, once however
+    often it moved. Per candidate set (the tickets of one model share one), the members
+    with room are kept too: a full pool's free workers are read, not searched for.
+    """
+
+    __slots__ = ("_capacity", "_inflight", "_known", "_sets", "closed", "dirty", "tracking")
+
+    SETS = 8  # candidate sets kept (one a model; a retry's set without a target is new)
+
+    def __init__(self, capacity: Capacity, inflight: Callable[[str], int]) -> None:
+        self._capacity = capacity
+        self._inflight = inflight
+        self.tracking = False
+        self.dirty: set[str] = set()  # workers whose room may have changed
+        self._known: set[str] = set()  # workers whose room was asked once
+        # per ``entitled`` (False, True): the workers without room
+        self.closed: tuple[set[str], set[str]] = (set(), set())
+        # a candidate set -> per ``entitled``, its members with room; the same frozen
+        # (None: to freeze again, a member's room changed)
+        self._sets: dict[frozenset[str], tuple[list[set[str]], list[frozenset[str] | None]]] = {}
+
+    def _settle(self) -> None:
+        dirty, room, inflight = self.dirty, self._capacity.room, self._inflight
+        self._known |= dirty
+        while dirty:
+            w = dirty.pop()
+            n = inflight(w)
+            for e in (False, True):
+                has = room(w, n, e) > 0
+                closed = self.closed[e]
+                if has == (w not in closed):
+                    continue
+                (closed.discard if has else closed.add)(w)
+                for every, (kept, frozen) in self._sets.items():
+                    if w in every:
+                        (kept[e].add if has else kept[e].discard)(w)
+                        frozen[e] = None
+
+    def free(self, every: frozenset[str], entitled: bool) -> frozenset[str]:
+        """``every``'s members with room now (``entitled``: its headroom too)."""
+        found = self._sets.get(every)
+        if found is None:  # a new candidate set: those never asked are asked once
+            self.dirty |= every - self._known
+            self._settle()
+            if len(self._sets) >= self.SETS:
+                del self._sets[next(iter(self._sets))]
+            kept = [set(every) - self.closed[False], set(every) - self.closed[True]]
+            found = self._sets[every] = (kept, [None, None])
+        elif self.dirty:
+            self._settle()
+        if not self.closed[entitled]:
+            return every
+        kept, frozen = found
+        free = frozen[entitled]
+        if free is None:
+            free = frozen[entitled] = frozenset(kept[entitled])
+        return free
+
+
 class Admission:
     def __init__(
         self,
@@ -224,6 +290,7 @@ class Admission:
         self._seen: dict[str, float] = {}  # tenant -> its last arrival
         # worker -> its bound tickets not finished, in the order they were bound
         self._bound: dict[str, dict[int, Ticket]] = {}
+        self._rooms = Rooms(self.capacity, inflight)  # once told each move (``track_moves``)
 
     # -- tenants ------------------------------------------------------------------------
     def spec(self, tenant: str) -> TenantSpec:
@@ -322,6 +389,7 @@ class Admission:
         ticket.state = State.DONE
         now = self._clock()
         if ticket.worker is not None:
+            self._rooms.dirty.add(ticket.worker)  # the slot it frees there
             on = self._bound.get(ticket.worker)
             if on is not None:
                 on.pop(ticket.seq, None)
@@ -344,8 +412,10 @@ class Admission:
 
     def report(self, worker: str, running: int | None, waiting: int | None) -> None:
         """An engine's load; a raised limit may let held tickets go."""
-        if self.capacity.report(worker, running, waiting, self._clock()) and self._held:
-            self.pump()
+        if self.capacity.report(worker, running, waiting, self._clock()):
+            self._rooms.dirty.add(worker)
+            if self._held:
+                self.pump()
 
     # -- binding ---------------------------------------------------------------------------
     def pump(self) -> int:
@@ -453,6 +523,16 @@ class Admission:
         share = total * weight(ticket.tenant) / sum(weight(t) for t in active)
         return self._flying[ticket.tenant] < share
 
+    def track_moves(self) -> None:
+        """The caller tells ``moved`` every change of a worker's in-flight count made
+        outside this class: ``allowed`` then reads the workers without room from counts
+        kept as they move (``Rooms``), not from every candidate's room on each pump."""
+        self._rooms.tracking = True
+
+    def moved(self, worker: str) -> None:
+        """``worker``'s in-flight count may have changed (``track_moves``)."""
+        self._rooms.dirty.add(worker)
+
     def allowed(
         self, ticket: Ticket, now: float, rooms: dict[tuple[str, bool], bool] | None = None
     ) -> frozenset[str] | None:
@@ -460,14 +540,19 @@ class Admission:
         whether each worker has room over one pass of the queue."""
         rooms = {} if rooms is None else rooms
         entitled = self.capacity.reserve <= 0 or self.entitled(ticket, now)
-        free = []
-        for w in ticket.candidates:
-            has = rooms.get((w, entitled))
-            if has is None:
-                room = self.capacity.room(w, self._inflight(w), entitled)
-                has = rooms[w, entitled] = room > 0
-            if has:
-                free.append(w)
+        free: frozenset[str]
+        if self._rooms.tracking:
+            free = self._rooms.free(ticket.every, entitled)
+        else:
+            found = []
+            for w in ticket.candidates:
+                has = rooms.get((w, entitled))
+                if has is None:
+                    room = self.capacity.room(w, self._inflight(w), entitled)
+                    has = rooms[w, entitled] = room > 0
+                if has:
+                    found.append(w)
+            free = frozenset(found)
         if not free:
             if self.settings.engine_priority and self.urgent(ticket) and self._may_jump(now):
                 jump = self._jump_to(ticket)
@@ -477,7 +562,13 @@ class Admission:
         saved = ticket.saved
         if saved:
             best = max(saved.values())
-            loss = best - max((saved.get(w, 0.0) for w in free), default=0.0)
+            # the best saving among the free ones (0 for one saving nothing), read from
+            # the few holders, not from every free candidate
+            mine = [v for w, v in saved.items() if w in free]
+            most = max(mine, default=0.0)
+            if len(mine) < len(free):
+                most = max(most, 0.0)
+            loss = best - most
             if loss > 0:
                 holder = max(saved, key=saved.__getitem__)
                 # wait for the holder while the tickets held for it are expected to
@@ -496,7 +587,7 @@ class Admission:
                 queue = self._holders[holder] + (ticket.state is not State.QUEUED)
                 if self.capacity.free_in(holder) * queue < ticket.deadline - now:
                     return None
-        return frozenset(free)
+        return free
 
     def urgent(self, ticket: Ticket) -> bool:
         """More urgent than its tenant's default priority."""
@@ -567,6 +658,8 @@ class Admission:
         waited = now - ticket.arrival
         ticket.state = State.BOUND
         ticket.worker = self._bind(ticket, allowed)
+        if ticket.worker is not None:
+            self._rooms.dirty.add(ticket.worker)  # the slot it takes there
         if ticket.worker is None:
             self._refund(ticket)
             return

@@ -166,6 +166,11 @@ class Gate:
         # prefix holder is: the gateway sees no prompt hashes, a cluster holds the session
         self.home: Callable[[Prepared], str | None] | None = None
         self.core = Admission(settings, self._inflight, self._bind, self._evicted, time.monotonic)
+        # every move of a target's in-flight count told to the core (the loads' through
+        # the registry, the slots reserved here in ``_release``): its pumps read which
+        # workers have room from counts kept as they move, not from every candidate's
+        self.core.track_moves()
+        registry.watch_moves(self.core.moved)
 
     # -- who and how urgent ------------------------------------------------------------
     def identify(
@@ -361,6 +366,7 @@ class Gate:
         self._reserved[target] -= 1
         if self._reserved[target] <= 0:
             del self._reserved[target]
+        self.core.moved(target)
 
     # -- the core's callbacks --------------------------------------------------------------
     def _inflight(self, target: str) -> int:

@@ -24,6 +24,14 @@ views show. Admission's prefix holders (``Gate._saved``) read the kept candidate
 (``Router.views(pruned=True)``): every hit class keeps a member, so the best saving is
 every candidate's, and the holder (the first best) is whenever the kept set holds it.
 
+What a pick costs at 1,024 targets (16 index groups). The walk takes each group in turn,
+but probes first where the groups before it found their holders' ends (a prefix held in
+many groups ends at the same block in each: three probes a group, not a gallop and
+bisect's ~16); the holders are grouped by class without sorting them all; the board hands
+out the kept slots in candidate order (``LoadBoard.place``, set in ``bind``), so nothing
+is sorted here; every group's out-of-sync mask comes in one call
+(``NativePrefixIndex.out_of_sync``).
+
 When the decision is the unpruned one. A policy opts in per request (``Policy.prunable``;
 plugins and ``sglang_cache_aware`` never do) where each candidate's cost depends only on
 its own view and the policy's state; the one pool-wide term a pruned policy reads, the
@@ -63,6 +71,8 @@ if TYPE_CHECKING:
 # a native core built before the board (a stale build) routes as before
 AVAILABLE = NATIVE and hasattr(_native, "LoadBoard")
 LEAST = AVAILABLE and hasattr(_native.LoadBoard, "least")  # the min trees (O(log n))
+# the board hands out its slots in candidate order (``LoadBoard.place``): no sort here
+PLACED = AVAILABLE and hasattr(_native.LoadBoard, "place")
 PRUNE_ABOVE = 64  # candidates: up to here every one is seen (16 workers: 48 us a decision)
 KEEP = 4  # least loaded kept per hit class (and non-holders), in each of two orders
 TIE_CAP = 32  # a tie class at the k-th key is kept whole up to this many more
@@ -99,6 +109,8 @@ class Pruner:
             for tid, load in w.candidates:
                 slot = index.slot(tid)
                 self._pos[slot] = len(self._at)
+                if PLACED:
+                    board.place(slot, len(self._at))
                 self._at[slot] = (w, tid, load)
                 self._slots[tid] = [slot]
                 mine.append(slot)
@@ -128,15 +140,12 @@ class Pruner:
                     blocked.add(slot)
         return [s for name in must for s in slots.get(name, ())]
 
-    def _held_back(self, picked: Sequence[int], now: float) -> bool:
-        """Whether a picked slot's worker is down or draining: then held back until it is
-        not, and the caller picks again."""
-        at = self._at
-        bad = [s for s in picked if not at[s][0].usable(now)]
+    def _hold_back(self, bad: Sequence[int]) -> None:
+        """Picked slots whose worker is down or draining: held back until it is not (the
+        caller picks again)."""
         for slot in bad:
             self.board.block(slot, True)
             self._blocked.add(slot)
-        return bool(bad)
 
     def pick(
         self,
@@ -149,15 +158,24 @@ class Pruner:
         """The candidates that can win, with their hits, in candidate order; None when
         too many are unusable to say (the caller sees every one)."""
         also = self._ready(workers, exclude, now, must)
+        at = self._at
         for _ in range(3):
             picked = self.index.pick(self.board, hashes, self.keep, self.cap, also)
-            if not self._held_back([p[0] for p in picked], now):
-                break
-        else:
-            return None
-        pos, at = self._pos, self._at
-        picked.sort(key=lambda p: pos[p[0]])
-        return [(at[s], TierMatch(g, c, d, t)) for s, g, c, d, t in picked]
+            if not PLACED:  # a build before ``place``: in candidate order here
+                pos = self._pos
+                picked.sort(key=lambda p: pos[p[0]])
+            out: list[tuple[Target, TierMatch]] = []
+            bad = []
+            for s, g, c, d, t in picked:  # one pass: each kept one's target, usable
+                target = at[s]
+                if target[0].usable(now):
+                    out.append((target, TierMatch(g, c, d, t)))
+                else:
+                    bad.append(s)
+            if not bad:
+                return out
+            self._hold_back(bad)
+        return None
 
     def least(
         self,
@@ -171,16 +189,18 @@ class Pruner:
         index: O(log n) on the board's min trees (``LoadBoard.least``). In candidate
         order; None when too many are unusable to say."""
         also = self._ready(workers, exclude, now, must)
-        board = self.board
+        board, at = self.board, self._at
         for _ in range(3):
             if LEAST:
                 picked = board.least(self.keep, self.cap, also)
             else:  # a build before the min trees: the board's pass over every target
                 picked = [p[0] for p in board.pick([], (), True, 0.0, self.keep, self.cap, also)]
-            if not self._held_back(picked, now):
+            bad = [s for s in picked if not at[s][0].usable(now)]
+            if not bad:
                 break
+            self._hold_back(bad)
         else:
             return None
-        pos, at = self._pos, self._at
-        picked.sort(key=pos.__getitem__)
+        if not PLACED:
+            picked.sort(key=self._pos.__getitem__)
         return [at[s] for s in picked]

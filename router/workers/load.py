@@ -24,6 +24,7 @@ from __future__ import annotations
 import enum
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -93,11 +94,14 @@ class WorkerLoad:
         "engine_seen",
         "inflight_prefill_tokens",
         "inflight_requests",
+        "listener",
+        "name",
         "peer_decode_streams",
         "peer_prefill_tokens",
         "peer_requests",
         "prefills",
         "slot",
+        "watched",
     )
 
     def __init__(self) -> None:
@@ -117,16 +121,30 @@ class WorkerLoad:
         # counters it orders by, so no decision reads every target's load
         self.board: LoadBoard | None = None
         self.slot = 0
+        # told this load's name on each move (admission's count of the workers without
+        # room, ``Admission.moved``: no pass over every target to find one with room)
+        self.listener: Callable[[str], None] | None = None
+        self.name = ""
+        self.watched = False  # a board or a listener: the moves are told
 
     def watch(self, board: LoadBoard | None, slot: int = 0) -> None:
         """Tell ``board`` (None: stop) this load's moves, as its ``slot``."""
         self.board, self.slot = board, slot
+        self.watched = board is not None or self.listener is not None
         self.moved()
+
+    def listen(self, listener: Callable[[str], None] | None, name: str = "") -> None:
+        """Call ``listener(name)`` (None: stop) on each move of this load."""
+        self.listener, self.name = listener, name
+        self.watched = self.board is not None or listener is not None
 
     def moved(self) -> None:
         board = self.board
         if board is not None:
             board.set(self.slot, self.inflight_requests, self.inflight_prefill_tokens)
+        listener = self.listener
+        if listener is not None:
+            listener(self.name)
 
     def begin(self, prefill_tokens: int, now: float | None = None) -> Flight:
         self.inflight_requests += 1
@@ -134,7 +152,7 @@ class WorkerLoad:
         flight = Flight(self, prefill_tokens)
         if prefill_tokens > 0:  # a passthrough's unknown prompt neither waits nor discounts
             self.prefills.add(flight, prefill_tokens, _now_ms() if now is None else now)
-        if self.board is not None:
+        if self.watched:
             self.moved()
         return flight
 
@@ -154,7 +172,7 @@ class WorkerLoad:
         self.peer_requests += requests
         self.peer_prefill_tokens += prefill_tokens
         self.peer_decode_streams += decode_streams
-        if self.board is not None:
+        if self.watched:
             self.moved()
 
     def report(self, engine: EngineLoad, now: float | None = None) -> None:
@@ -207,7 +225,7 @@ class Flight:
             load.prefills.remove(self, _now_ms())
             load.decode_streams += 1
             self.state = DECODING
-            if load.board is not None:
+            if load.watched:
                 load.moved()
 
     def finish(self) -> None:
@@ -220,7 +238,7 @@ class Flight:
             return
         self.load.inflight_requests -= 1
         self.state = FINISHED
-        if self.load.board is not None:
+        if self.load.watched:
             self.load.moved()
 
 

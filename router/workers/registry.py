@@ -160,6 +160,8 @@ class WorkerRegistry:
         # model -> its workers (``for_model``), dropped on any change of who serves what
         self._for_model: dict[str, list[Worker]] = {}
         self._sources: dict[str, Worker] = {}  # target name -> its worker (router/workers/dp.py)
+        # told a target's name on each move of its load (``watch_moves``), and on its leaving
+        self._on_move: list[Callable[[str], None]] = []
         self._client: httpx.AsyncClient | None = None
         # /health and /metrics every health_interval per worker: on the raw client, as an
         # httpx GET cost ~1.5 ms of CPU here against ~0.13 ms (a loopback engine; session
@@ -212,6 +214,10 @@ class WorkerRegistry:
         for tid in worker.targets:
             self._sources[tid] = worker
             pool.index.add_worker(tid)
+        if self._on_move:
+            for tid, load in worker.candidates:
+                load.listen(self._moved, tid)
+                self._moved(tid)  # its load counts there now
         return worker
 
     def remove(self, worker_id: str) -> Worker:
@@ -224,7 +230,24 @@ class WorkerRegistry:
         worker.forget_blocks()
         for tid in worker.targets:
             self._sources.pop(tid, None)
+        if self._on_move:
+            for tid, load in worker.candidates:
+                load.listen(None)
+                self._moved(tid)  # its load no longer counts there
         return worker
+
+    def watch_moves(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(target)`` on each move of a target's load (a flight begun, its
+        first byte, its end, a peer's count) and when it leaves: what admission counts
+        the workers without room by (``Admission.moved``)."""
+        self._on_move.append(listener)
+        for worker in self._workers.values():
+            for tid, load in worker.candidates:
+                load.listen(self._moved, tid)
+
+    def _moved(self, target: str) -> None:
+        for listener in self._on_move:
+            listener(target)
 
     def drain(self, worker_id: str) -> Worker:
         worker = self._workers[worker_id]
