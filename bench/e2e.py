@@ -53,11 +53,14 @@ and named in ``skipped``. Never asserts.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import itertools
 import json
 import math
 import os
 import platform
+import random
 import shutil
 import signal
 import socket
@@ -807,6 +810,105 @@ def placement(
     }
 
 
+# -- one engine's costs (``--measure-engine``) ----------------------------------------------
+
+# What the simulator's ``cpu`` engines run on (bench/sweep.py's COSTS), divided by the 1.5x
+# they carry for the shared machine: one engine alone, as measured here
+MODEL_SHARE = 1.5
+PREFILL_SIZES = (64, 256, 580, 1024, 2048)
+DECODES = (1, 2, 4, 7)  # streams decoding at once (the engines run 8)
+CONTEXTS = (32, 600)  # their prompts' tokens
+PROBE = 580  # a prefill sent beside them: the conversation slice's mean prompt
+
+
+async def _stream(
+    http: httpx.AsyncClient, url: str, ids: list[int], out: int, times: list[float]
+) -> None:
+    """One streamed completion of ``ids``; each chunk's arrival (s after the request)."""
+    body = {"model": MODEL, "prompt": ids, "max_tokens": out, "stream": True,
+            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    t0 = time.perf_counter()
+    async with http.stream("POST", url + "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                times.append(time.perf_counter() - t0)
+
+
+async def _measure(url: str, seed: int = 1) -> dict[str, float]:
+    """Median TTFT of prompts alone (3 each, distinct tokens: no hit), the step time with
+    ``d`` streams decoding (their inter-token time, tokens 10-60), and a ``PROBE``-token
+    prefill's TTFT beside them, in ms."""
+    rng = random.Random(seed)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(100, 30_000) for _ in range(n)]
+
+    out: dict[str, float] = {}
+    async with httpx.AsyncClient(timeout=120) as http:
+        for _ in range(3):  # warm-up: the first shapes compile
+            await _stream(http, url, prompt(PROBE), 4, [])
+        for n in PREFILL_SIZES:
+            ttft = []
+            for _ in range(3):
+                t: list[float] = []
+                await _stream(http, url, prompt(n), 1, t)
+                ttft.append(1000 * t[0])
+            out[f"prefill_{n}"] = round(statistics.median(ttft), 1)
+        for ctx in CONTEXTS:
+            for d in DECODES:
+                times: list[list[float]] = [[] for _ in range(d)]
+                tasks = [
+                    asyncio.create_task(_stream(http, url, prompt(ctx), 120, times[i]))
+                    for i in range(d)
+                ]
+                await asyncio.sleep(1.5 + 0.05 * ctx / BLOCK)  # all past their prefill
+                probe: list[float] = []
+                await _stream(http, url, prompt(PROBE), 1, probe)
+                out[f"prefill_{PROBE}_beside_{d}_ctx{ctx}"] = round(1000 * probe[0], 1)
+                await asyncio.gather(*tasks)
+                gaps = [b - a for ts in times for a, b in itertools.pairwise(ts[10:61])]
+                out[f"step_{d}_ctx{ctx}"] = round(1000 * statistics.median(gaps), 2)
+    return out
+
+
+def modelled() -> dict[str, float]:
+    """The same numbers as the simulator's ``cpu`` engines say, over ``MODEL_SHARE``."""
+    from bench.sweep import COSTS
+    from policies.cost_model import EngineCosts
+
+    cpu = COSTS["cpu"]
+    timed = ("prefill_ms_per_token", "attn_ms_per_token_ctx", "decode_ms_per_step",
+             "decode_ms_per_kv_token")  # fmt: skip
+    c = EngineCosts(**{k: v / MODEL_SHARE if k in timed else v for k, v in cpu.items()})
+    out = {f"prefill_{n}": round(c.step_ms() + c.prefill_ms(n), 1) for n in PREFILL_SIZES}
+    for ctx in CONTEXTS:
+        for d in DECODES:
+            kv = d * ctx
+            out[f"prefill_{PROBE}_beside_{d}_ctx{ctx}"] = round(c.step_ms(PROBE, 0, d, kv), 1)
+            out[f"step_{d}_ctx{ctx}"] = round(c.step_ms(0, 0, d, kv), 2)
+    return out
+
+
+def measure_engine(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """One engine alone, as ``engines_for`` starts them: what its prefills and decode
+    steps cost, beside what the simulator's ``cpu`` engines assume."""
+    model = make_model(args.vllm_python, work, args.layers, args.hidden)
+    args.engines, args.placement = 1, False
+    (engine,) = engines_for(args, model, work)
+    engine.start()
+    try:
+        engine.wait_ready()
+        measured = asyncio.run(_measure(engine.url))
+    finally:
+        engine.stop()
+    return {
+        "versions": versions(args),
+        "setup": {"layers": args.layers, "hidden": args.hidden, "gpu_blocks": args.gpu_blocks},
+        "measured_ms": measured,
+        "simulator_cpu_over_1.5_ms": modelled(),
+    }
+
+
 # -- main -------------------------------------------------------------------------------------
 
 
@@ -878,6 +980,12 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path)
     ap.add_argument("--out", type=Path)
     ap.add_argument(
+        "--measure-engine",
+        action="store_true",
+        help="only one engine alone: its prefill and decode-step times beside the "
+        "simulator's cpu costs (bench/sweep.py) over 1.5, JSON out",
+    )
+    ap.add_argument(
         "--smoke",
         action="store_true",
         help="cache_aware and round_robin, 10 agent-shaped requests at 4x, once",
@@ -895,6 +1003,12 @@ def main() -> None:
     workloads = [w for w in args.workloads.split(",") if w]
     work = args.workdir or Path(tempfile.mkdtemp(prefix="cache-router-e2e-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.measure_engine:
+        text = json.dumps(measure_engine(args, work), indent=1)
+        if args.out:
+            args.out.write_text(text + "\n")
+        print(text)
+        return
     skipped = {}
     peers_ok = (
         subprocess.run([args.peers_python, "-c", "import aiperf"], capture_output=True).returncode
