@@ -12,6 +12,9 @@ each router under test started in turn on the same engines:
 - ``cache_aware_predict``: ``cache_aware`` with ``predict_ttl`` (a routed prompt's blocks
   count as cached on its engine for ``PREDICT_TTL`` s, until the engine's events say so),
   as sglang-router inserts a prompt into its tree at dispatch (not in the default set);
+- ``cache_aware_open``: ``cache_aware`` without admission (``CACHE_ROUTER_ADMISSION=false``:
+  every request goes to an engine at once), so one command alternates the two (not in the
+  default set);
 - ``sglang_router``: PyPI's ``sglang-router`` with ``--policy cache_aware``;
 - ``vllm_router``: PyPI's ``vllm-router`` with ``--policy cache_aware``.
 
@@ -86,6 +89,7 @@ from vllm_engine import BLOCK, MODEL, Engine  # noqa: E402
 from sim.mock.natsd import free_ports, nats_server_binary  # noqa: E402
 
 ROUTERS = ("cache_aware", "round_robin", "sglang_router", "vllm_router")
+OURS = ("cache_aware", "cache_aware_predict", "cache_aware_open", "round_robin")
 PREDICT_TTL = 10.0  # seconds: the agent trace's slowest prefills on these engines
 WORKLOADS = ("conversation", "synthetic", "agent")
 MOONCAKE_BLOCK = 512
@@ -354,7 +358,7 @@ def router_command(
     nats_url: str | None,
 ) -> list[str] | None:
     urls = [e.url for e in engines]
-    if kind in ("cache_aware", "cache_aware_predict", "round_robin"):
+    if kind in OURS:
         workers = [a for e in engines for a in ("--worker", f"{e.name}={e.url}")]
         cmd = [
             sys.executable,
@@ -365,7 +369,7 @@ def router_command(
             str(port),
             *workers,
             "--policy",
-            kind.removesuffix("_predict"),
+            kind.removesuffix("_predict").removesuffix("_open"),
             "--tokenizer",
             str(model),
             "--block-size",
@@ -454,8 +458,10 @@ def router_stack(
         cmd = router_command(kind, port, port2, engines, model, peers_python, nats_url)
         assert cmd is not None
         env = {"CACHE_ROUTER_PREDICT_TTL": str(PREDICT_TTL)} if kind.endswith("_predict") else {}
-        if kind in ("cache_aware", "cache_aware_predict", "round_robin"):
+        if kind in OURS:
             env |= settings or {}
+        if kind.endswith("_open"):
+            env["CACHE_ROUTER_ADMISSION"] = "false"
         proc = spawn(kind, cmd, logs / f"{kind}.log", env)
         url = f"http://127.0.0.1:{port}"
         try:
@@ -619,11 +625,7 @@ def one_run(
         )
         duration = time.monotonic() - t0
         cpu, side_cpu = proc.cpu_s() - cpu0, sum(p.cpu_s() for p in side) - side0
-        held = (
-            admission(url)
-            if kind in ("cache_aware", "cache_aware_predict", "round_robin")
-            else None
-        )
+        held = admission(url) if kind in OURS else None
     after = [metrics(e.url) for e in engines]
     hits = sum(
         a["vllm:prefix_cache_hits_total"] - b["vllm:prefix_cache_hits_total"]

@@ -102,3 +102,10 @@ def test_measure_engine_sets_the_simulators_cpu_engine_beside_what_it_measures()
     keys |= {f"{k}_{d}_ctx{c}" for k in (f"prefill_{e2e.PROBE}_beside", "step")
              for d in e2e.DECODES for c in e2e.CONTEXTS}  # fmt: skip
     assert set(model) == keys
+
+
+def test_the_open_variant_is_cache_aware_started_without_admission() -> None:
+    e2e = _e2e()
+    cmd = e2e.router_command("cache_aware_open", 1, 2, [], Path("/m"), "/p/python", "nats://n")
+    assert cmd[cmd.index("--policy") + 1] == "cache_aware" and "nats://n" in cmd
+    assert "cache_aware_open" in e2e.OURS and "cache_aware_open" not in e2e.ROUTERS
