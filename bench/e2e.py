@@ -13,8 +13,10 @@ each router under test started in turn on the same engines:
   count as cached on its engine for ``PREDICT_TTL`` s, until the engine's events say so),
   as sglang-router inserts a prompt into its tree at dispatch (not in the default set);
 - ``cache_aware_open``: ``cache_aware`` without admission (``CACHE_ROUTER_ADMISSION=false``:
-  every request goes to an engine at once), so one command alternates the two (not in the
-  default set);
+  every request goes to an engine at once), and ``cache_aware_blind``: ``cache_aware``
+  whose policy sees none of the engines' own counts (``CACHE_ROUTER_LOAD_STALE_AFTER``
+  0.001 s: running, waiting and KV usage always stale, only what the router routed), so
+  one command alternates them with ``cache_aware`` (not in the default set);
 - ``sglang_router``: PyPI's ``sglang-router`` with ``--policy cache_aware``;
 - ``vllm_router``: PyPI's ``vllm-router`` with ``--policy cache_aware``.
 
@@ -89,8 +91,14 @@ from vllm_engine import BLOCK, MODEL, Engine  # noqa: E402
 from sim.mock.natsd import free_ports, nats_server_binary  # noqa: E402
 
 ROUTERS = ("cache_aware", "round_robin", "sglang_router", "vllm_router")
-OURS = ("cache_aware", "cache_aware_predict", "cache_aware_open", "round_robin")
 PREDICT_TTL = 10.0  # seconds: the agent trace's slowest prefills on these engines
+# cache-router's variants: their settings beside the run's own (``--cache-router-env``)
+VARIANTS = {
+    "_predict": {"CACHE_ROUTER_PREDICT_TTL": str(PREDICT_TTL)},
+    "_open": {"CACHE_ROUTER_ADMISSION": "false"},
+    "_blind": {"CACHE_ROUTER_LOAD_STALE_AFTER": "0.001"},
+}
+OURS = ("cache_aware", *(f"cache_aware{v}" for v in VARIANTS), "round_robin")
 WORKLOADS = ("conversation", "synthetic", "agent")
 MOONCAKE_BLOCK = 512
 SCALE = MOONCAKE_BLOCK // BLOCK  # 512-token hash blocks replayed as 32-token ones
@@ -369,7 +377,7 @@ def router_command(
             str(port),
             *workers,
             "--policy",
-            kind.removesuffix("_predict").removesuffix("_open"),
+            kind.split("_", 2)[0] + "_" + kind.split("_", 2)[1],
             "--tokenizer",
             str(model),
             "--block-size",
@@ -457,11 +465,12 @@ def router_stack(
                 )
         cmd = router_command(kind, port, port2, engines, model, peers_python, nats_url)
         assert cmd is not None
-        env = {"CACHE_ROUTER_PREDICT_TTL": str(PREDICT_TTL)} if kind.endswith("_predict") else {}
+        env: dict[str, str] = {}
         if kind in OURS:
             env |= settings or {}
-        if kind.endswith("_open"):
-            env["CACHE_ROUTER_ADMISSION"] = "false"
+            for suffix, extra in VARIANTS.items():
+                if kind.endswith(suffix):
+                    env |= extra
         proc = spawn(kind, cmd, logs / f"{kind}.log", env)
         url = f"http://127.0.0.1:{port}"
         try:

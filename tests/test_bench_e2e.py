@@ -104,8 +104,12 @@ def test_measure_engine_sets_the_simulators_cpu_engine_beside_what_it_measures()
     assert set(model) == keys
 
 
-def test_the_open_variant_is_cache_aware_started_without_admission() -> None:
+def test_the_variants_are_cache_aware_started_with_their_settings() -> None:
     e2e = _e2e()
-    cmd = e2e.router_command("cache_aware_open", 1, 2, [], Path("/m"), "/p/python", "nats://n")
-    assert cmd[cmd.index("--policy") + 1] == "cache_aware" and "nats://n" in cmd
-    assert "cache_aware_open" in e2e.OURS and "cache_aware_open" not in e2e.ROUTERS
+    for kind in ("cache_aware_open", "cache_aware_blind", "cache_aware_predict"):
+        cmd = e2e.router_command(kind, 1, 2, [], Path("/m"), "/p/python", "nats://n")
+        assert cmd[cmd.index("--policy") + 1] == "cache_aware" and "nats://n" in cmd
+        assert kind in e2e.OURS and kind not in e2e.ROUTERS
+    assert e2e.VARIANTS["_open"] == {"CACHE_ROUTER_ADMISSION": "false"}
+    cmd = e2e.router_command("round_robin", 1, 2, [], Path("/m"), "/p/python", None)
+    assert cmd[cmd.index("--policy") + 1] == "round_robin"
