@@ -320,23 +320,6 @@ def test_a_held_request_waits_for_its_holder_while_the_holders_queue_drains_in_t
     assert b.worker == "w1" and c.state is State.QUEUED
 
 
-def test_an_open_worker_takes_no_more_than_a_full_one_carries() -> None:
-    # w0's limit is learnt (1), w1 was never seen full: room alone would send w1 every
-    # request (bench/e2e.py's conversation slice: 12 of a burst of 12, the full engine
-    # idle meanwhile); once w1 carries as many as w0, the policy chooses among both
-    pool = Pool(2, engine_queue=1)
-    pool.adm.report("w0", 1, 1)
-    pool.adm.report("w0", 1, 1)
-    assert pool.adm.capacity.limit("w0") == 1 and pool.adm.capacity.limit("w1") is None
-    pool.inflight["w0"] = 2  # its limit and its headroom: full
-    for _ in range(4):
-        pool.ticket()
-    assert pool.allowed[:2] == [frozenset({"w1"})] * 2
-    assert pool.allowed[2] == frozenset({"w0", "w1"})  # w1 carries 2 now, as w0 does
-    assert [t.worker for t in pool.bound] == ["w1", "w1", "w0", "w1"]
-    assert pool.adm.queued == 0
-
-
 def test_capacity_learns_each_engines_limit_from_its_reports() -> None:
     cap = Capacity(engine_queue=1)
     assert cap.limit("w") is None and cap.room("w", 10_000) > 0

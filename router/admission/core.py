@@ -474,8 +474,6 @@ class Admission:
                 if jump is not None:
                     return frozenset((jump,))
             return None
-        if len(free) < len(ticket.candidates):
-            free = self._level(ticket, free)
         saved = ticket.saved
         if saved:
             best = max(saved.values())
@@ -499,24 +497,6 @@ class Admission:
                 if self.capacity.free_in(holder) * queue < ticket.deadline - now:
                     return None
         return frozenset(free)
-
-    def _level(self, ticket: Ticket, free: list[str]) -> list[str]:
-        """The open workers and every full one carrying no more requests than the least
-        busy open one: the policy picks among them by its estimate.
-
-        A worker is full by its own learnt limit, and one never seen full has none, so an
-        open worker may already carry more than a full one: room by the limits alone sends
-        it every request until it too is seen full. On bench/e2e.py's conversation slice
-        (two vLLM CPU engines of 8 slots, bursts of ~12 requests within 10 ms) one engine,
-        its limit learnt (7), its 8 slots held by streams that all ended within 300 ms,
-        was passed over by a whole burst: 12 of 12 to the other engine, never seen full,
-        TTFT up to 2.4 s there, while the full one idled from 16.3 to 18.0 s. A full
-        worker carrying no more than an open one is no fuller than it by anything the
-        router counts; the policy's estimate tells them apart (queued prefill, decodes)."""
-        inflight = self._inflight
-        least = min(inflight(w) for w in free)
-        seen = set(free)
-        return [w for w in ticket.candidates if w in seen or inflight(w) <= least]
 
     def urgent(self, ticket: Ticket) -> bool:
         """More urgent than its tenant's default priority."""
