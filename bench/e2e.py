@@ -12,6 +12,11 @@ each router under test started in turn on the same engines:
 - ``cache_aware_predict``: ``cache_aware`` with ``predict_ttl`` (a routed prompt's blocks
   count as cached on its engine for ``PREDICT_TTL`` s, until the engine's events say so),
   as sglang-router inserts a prompt into its tree at dispatch (not in the default set);
+- ``cache_aware_open``: ``cache_aware`` without admission (``CACHE_ROUTER_ADMISSION=false``:
+  every request goes to an engine at once), and ``cache_aware_blind``: ``cache_aware``
+  whose policy sees none of the engines' own counts (``CACHE_ROUTER_LOAD_STALE_AFTER``
+  0.001 s: running, waiting and KV usage always stale, only what the router routed), so
+  one command alternates them with ``cache_aware`` (not in the default set);
 - ``sglang_router``: PyPI's ``sglang-router`` with ``--policy cache_aware``;
 - ``vllm_router``: PyPI's ``vllm-router`` with ``--policy cache_aware``.
 
@@ -53,11 +58,14 @@ and named in ``skipped``. Never asserts.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import itertools
 import json
 import math
 import os
 import platform
+import random
 import shutil
 import signal
 import socket
@@ -84,6 +92,13 @@ from sim.mock.natsd import free_ports, nats_server_binary  # noqa: E402
 
 ROUTERS = ("cache_aware", "round_robin", "sglang_router", "vllm_router")
 PREDICT_TTL = 10.0  # seconds: the agent trace's slowest prefills on these engines
+# cache-router's variants: their settings beside the run's own (``--cache-router-env``)
+VARIANTS = {
+    "_predict": {"CACHE_ROUTER_PREDICT_TTL": str(PREDICT_TTL)},
+    "_open": {"CACHE_ROUTER_ADMISSION": "false"},
+    "_blind": {"CACHE_ROUTER_LOAD_STALE_AFTER": "0.001"},
+}
+OURS = ("cache_aware", *(f"cache_aware{v}" for v in VARIANTS), "round_robin")
 WORKLOADS = ("conversation", "synthetic", "agent")
 MOONCAKE_BLOCK = 512
 SCALE = MOONCAKE_BLOCK // BLOCK  # 512-token hash blocks replayed as 32-token ones
@@ -351,7 +366,7 @@ def router_command(
     nats_url: str | None,
 ) -> list[str] | None:
     urls = [e.url for e in engines]
-    if kind in ("cache_aware", "cache_aware_predict", "round_robin"):
+    if kind in OURS:
         workers = [a for e in engines for a in ("--worker", f"{e.name}={e.url}")]
         cmd = [
             sys.executable,
@@ -362,7 +377,7 @@ def router_command(
             str(port),
             *workers,
             "--policy",
-            kind.removesuffix("_predict"),
+            kind.split("_", 2)[0] + "_" + kind.split("_", 2)[1],
             "--tokenizer",
             str(model),
             "--block-size",
@@ -450,9 +465,12 @@ def router_stack(
                 )
         cmd = router_command(kind, port, port2, engines, model, peers_python, nats_url)
         assert cmd is not None
-        env = {"CACHE_ROUTER_PREDICT_TTL": str(PREDICT_TTL)} if kind.endswith("_predict") else {}
-        if kind in ("cache_aware", "cache_aware_predict", "round_robin"):
+        env: dict[str, str] = {}
+        if kind in OURS:
             env |= settings or {}
+            for suffix, extra in VARIANTS.items():
+                if kind.endswith(suffix):
+                    env |= extra
         proc = spawn(kind, cmd, logs / f"{kind}.log", env)
         url = f"http://127.0.0.1:{port}"
         try:
@@ -616,11 +634,7 @@ def one_run(
         )
         duration = time.monotonic() - t0
         cpu, side_cpu = proc.cpu_s() - cpu0, sum(p.cpu_s() for p in side) - side0
-        held = (
-            admission(url)
-            if kind in ("cache_aware", "cache_aware_predict", "round_robin")
-            else None
-        )
+        held = admission(url) if kind in OURS else None
     after = [metrics(e.url) for e in engines]
     hits = sum(
         a["vllm:prefix_cache_hits_total"] - b["vllm:prefix_cache_hits_total"]
@@ -807,6 +821,105 @@ def placement(
     }
 
 
+# -- one engine's costs (``--measure-engine``) ----------------------------------------------
+
+# What the simulator's ``cpu`` engines run on (bench/sweep.py's COSTS), divided by the 1.5x
+# they carry for the shared machine: one engine alone, as measured here
+MODEL_SHARE = 1.5
+PREFILL_SIZES = (64, 256, 580, 1024, 2048)
+DECODES = (1, 2, 4, 7)  # streams decoding at once (the engines run 8)
+CONTEXTS = (32, 600)  # their prompts' tokens
+PROBE = 580  # a prefill sent beside them: the conversation slice's mean prompt
+
+
+async def _stream(
+    http: httpx.AsyncClient, url: str, ids: list[int], out: int, times: list[float]
+) -> None:
+    """One streamed completion of ``ids``; each chunk's arrival (s after the request)."""
+    body = {"model": MODEL, "prompt": ids, "max_tokens": out, "stream": True,
+            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    t0 = time.perf_counter()
+    async with http.stream("POST", url + "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                times.append(time.perf_counter() - t0)
+
+
+async def _measure(url: str, seed: int = 1) -> dict[str, float]:
+    """Median TTFT of prompts alone (3 each, distinct tokens: no hit), the step time with
+    ``d`` streams decoding (their inter-token time, tokens 10-60), and a ``PROBE``-token
+    prefill's TTFT beside them, in ms."""
+    rng = random.Random(seed)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(100, 30_000) for _ in range(n)]
+
+    out: dict[str, float] = {}
+    async with httpx.AsyncClient(timeout=120) as http:
+        for _ in range(3):  # warm-up: the first shapes compile
+            await _stream(http, url, prompt(PROBE), 4, [])
+        for n in PREFILL_SIZES:
+            ttft = []
+            for _ in range(3):
+                t: list[float] = []
+                await _stream(http, url, prompt(n), 1, t)
+                ttft.append(1000 * t[0])
+            out[f"prefill_{n}"] = round(statistics.median(ttft), 1)
+        for ctx in CONTEXTS:
+            for d in DECODES:
+                times: list[list[float]] = [[] for _ in range(d)]
+                tasks = [
+                    asyncio.create_task(_stream(http, url, prompt(ctx), 120, times[i]))
+                    for i in range(d)
+                ]
+                await asyncio.sleep(1.5 + 0.05 * ctx / BLOCK)  # all past their prefill
+                probe: list[float] = []
+                await _stream(http, url, prompt(PROBE), 1, probe)
+                out[f"prefill_{PROBE}_beside_{d}_ctx{ctx}"] = round(1000 * probe[0], 1)
+                await asyncio.gather(*tasks)
+                gaps = [b - a for ts in times for a, b in itertools.pairwise(ts[10:61])]
+                out[f"step_{d}_ctx{ctx}"] = round(1000 * statistics.median(gaps), 2)
+    return out
+
+
+def modelled() -> dict[str, float]:
+    """The same numbers as the simulator's ``cpu`` engines say, over ``MODEL_SHARE``."""
+    from bench.sweep import COSTS
+    from policies.cost_model import EngineCosts
+
+    cpu = COSTS["cpu"]
+    timed = ("prefill_ms_per_token", "attn_ms_per_token_ctx", "decode_ms_per_step",
+             "decode_ms_per_kv_token")  # fmt: skip
+    c = EngineCosts(**{k: v / MODEL_SHARE if k in timed else v for k, v in cpu.items()})
+    out = {f"prefill_{n}": round(c.step_ms() + c.prefill_ms(n), 1) for n in PREFILL_SIZES}
+    for ctx in CONTEXTS:
+        for d in DECODES:
+            kv = d * ctx
+            out[f"prefill_{PROBE}_beside_{d}_ctx{ctx}"] = round(c.step_ms(PROBE, 0, d, kv), 1)
+            out[f"step_{d}_ctx{ctx}"] = round(c.step_ms(0, 0, d, kv), 2)
+    return out
+
+
+def measure_engine(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """One engine alone, as ``engines_for`` starts them: what its prefills and decode
+    steps cost, beside what the simulator's ``cpu`` engines assume."""
+    model = make_model(args.vllm_python, work, args.layers, args.hidden)
+    args.engines, args.placement = 1, False
+    (engine,) = engines_for(args, model, work)
+    engine.start()
+    try:
+        engine.wait_ready()
+        measured = asyncio.run(_measure(engine.url))
+    finally:
+        engine.stop()
+    return {
+        "versions": versions(args),
+        "setup": {"layers": args.layers, "hidden": args.hidden, "gpu_blocks": args.gpu_blocks},
+        "measured_ms": measured,
+        "simulator_cpu_over_1.5_ms": modelled(),
+    }
+
+
 # -- main -------------------------------------------------------------------------------------
 
 
@@ -878,6 +991,12 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path)
     ap.add_argument("--out", type=Path)
     ap.add_argument(
+        "--measure-engine",
+        action="store_true",
+        help="only one engine alone: its prefill and decode-step times beside the "
+        "simulator's cpu costs (bench/sweep.py) over 1.5, JSON out",
+    )
+    ap.add_argument(
         "--smoke",
         action="store_true",
         help="cache_aware and round_robin, 10 agent-shaped requests at 4x, once",
@@ -895,6 +1014,12 @@ def main() -> None:
     workloads = [w for w in args.workloads.split(",") if w]
     work = args.workdir or Path(tempfile.mkdtemp(prefix="cache-router-e2e-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.measure_engine:
+        text = json.dumps(measure_engine(args, work), indent=1)
+        if args.out:
+            args.out.write_text(text + "\n")
+        print(text)
+        return
     skipped = {}
     peers_ok = (
         subprocess.run([args.peers_python, "-c", "import aiperf"], capture_output=True).returncode

@@ -115,6 +115,15 @@ TRACES: dict[str, tuple[str, int] | tuple[Path, int | None]] = {
     # 16 at most), from gen-trace's agent shape with 60 sessions and the setting's seed
     "agent-e2e": ("agent", 60),
 }
+# bench/e2e.py's slices (``load_rows`` and ``scaled``) by trace name: the workload, and for
+# the Mooncake ones the first line of seed 0 (``--offset 3700``) and how many lines later
+# seed k's starts per k (the synthetic trace's 3,993 lines end 293 after seed 0's, so its
+# seeds go back: 0-37)
+E2E_SLICES: dict[str, tuple[str, int, int]] = {
+    "agent-e2e": ("agent", 0, 0),
+    "conv-e2e": ("conversation", 3700, 100),
+    "syn-e2e": ("synthetic", 3700, -100),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,6 +260,23 @@ FAMILIES: dict[str, list[Setting]] = {
         for c in ("cpu", "cpu-slow")
         for x in (1.5, 3.0)
     ],
+    # bench/e2e.py's Mooncake slices on the same set-up (issue 35): the conversation slice
+    # at 1.5x (it shares only its first block: balance alone) and the synthetic one at 1x
+    # (a working set ~3x the two caches)
+    "e2e-mooncake": [
+        Setting(
+            trace,
+            speedup=x,
+            workers=2,
+            l1_blocks=256,
+            costs=c,
+            anon=True,
+            block_size=32,
+            max_num_seqs=8,
+        )
+        for c in ("cpu", "cpu-slow")
+        for trace, x in (("conv-e2e", 1.5), ("syn-e2e", 1.0))
+    ],
 }
 
 
@@ -259,14 +285,21 @@ def expand(settings: list[Setting], seeds: list[int]) -> list[Setting]:
     return [dataclasses.replace(s, seed=seed) for seed in seeds for s in settings]
 
 
-def _e2e_slice(seed: int, path: Path) -> Path:
-    """bench/e2e.py's agent slice as prompts of token ids (a hash block's 32 tokens the
-    same wherever it recurs; a prompt's last, partial block its own)."""
-    from bench.e2e import BLOCK, scaled
+def _e2e_slice(trace: str, seed: int, path: Path) -> Path:
+    """bench/e2e.py's slice of ``trace`` as prompts of token ids (a hash block's 32 tokens
+    the same wherever it recurs; a prompt's last, partial block its own)."""
+    from bench.e2e import BLOCK, load_rows, scaled
 
-    rows = [dict(r) for r in generate("agent", sessions=60, seed=seed)]
-    for r in rows:
-        r.pop("session_id", None)
+    workload, offset, step = E2E_SLICES[trace]
+    if workload == "agent":
+        rows = [dict(r) for r in generate("agent", sessions=60, seed=seed)]
+        for r in rows:
+            r.pop("session_id", None)
+    else:
+        start = offset + step * seed
+        if start < 0:
+            raise SystemExit(f"sweep: {trace} has no seed {seed} (its slices start at {start})")
+        rows = load_rows(workload, DATA, start)
     with path.open("wb") as out:
         for i, r in enumerate(scaled(rows, 100, 4096, 16, 1.0)):
             ids, tokens = r["hash_ids"], []
@@ -279,13 +312,13 @@ def _e2e_slice(seed: int, path: Path) -> Path:
 
 
 def _trace(s: Setting, tmp: Path) -> Any:
-    spec = TRACES[s.trace]
-    if s.trace == "agent-e2e":
-        path = _e2e_slice(s.seed, tmp / f"{s.trace}.{s.seed}.jsonl")
+    if s.trace in E2E_SLICES:
+        path = _e2e_slice(s.trace, s.seed, tmp / f"{s.trace}.{s.seed}.jsonl")
         trace = load_trace(path, s.block_size, seed=s.seed, engine_seed=s.seed, speedup=s.speedup)
         for i, r in enumerate(trace.requests):
             r.session = f"conv-{i}"
         return trace
+    spec = TRACES[s.trace]
     if isinstance(spec[0], str):
         think = None
         if s.think is not None:
@@ -316,9 +349,12 @@ def run_setting(
     jobs: int | None,
     params: dict[str, dict[str, Any]] | None = None,
     admission: AdmissionSettings | None = None,
+    only_admitted: bool = False,
 ) -> dict[str, Any]:
     """Every policy on one (setting, seed); ``params``: parameters by policy name; with
-    ``admission``, each policy also with admission at the router ('POLICY (admission)')."""
+    ``admission``, each policy also with admission at the router ('POLICY (admission)'),
+    or, ``only_admitted``, with admission alone (each named as without, so the table
+    judges ``cache_aware`` with admission against the others with it)."""
     trace = _trace(s, tmp)
     config = SimConfig(
         workers=s.workers,
@@ -329,12 +365,21 @@ def run_setting(
         costs=EngineCosts.from_config(COSTS[s.costs]),
         event_lag_ms=s.event_lag_ms,
         max_num_seqs=s.max_num_seqs,
+        admission=admission if only_admitted else None,
     )
     start = time.perf_counter()
     params = {p: v for p, v in (params or {}).items() if p in policies}
     reports = replay_trace(
-        trace, policies, config, jobs=jobs, policy_params=params, admission=admission
+        trace,
+        policies,
+        config,
+        jobs=jobs,
+        policy_params=params,
+        admission=None if only_admitted else admission,
     )
+    if only_admitted:
+        for r in reports:
+            r["policy"] = r["policy"].removesuffix(" (admission)")
     keep = ("hit_rate", "ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "busy_mean")
     keep += ("hinted_share", "off_best_worker_share", "prefill_tokens_computed")
     keep += ("shed",) if admission is not None else ()
@@ -520,6 +565,11 @@ def main(argv: list[str] | None = None) -> int:
         help="cache_aware's parameters, a JSON object (default: its defaults)",
     )
     ap.add_argument("--admission", action="store_true", help="each policy also with admission")
+    ap.add_argument(
+        "--admission-only",
+        action="store_true",
+        help="each policy with admission alone, named as without (the table judges them)",
+    )
     ap.add_argument("--jobs", type=int, help="parallel processes (default: one per core)")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="merge earlier outputs")
     ap.add_argument("--markdown", metavar="PATH", help="write the table")
@@ -541,8 +591,13 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         with tempfile.TemporaryDirectory() as tmp:
             for s in settings:
-                admission = AdmissionSettings() if args.admission else None
-                rows.append(run_setting(s, policies, Path(tmp), args.jobs, params, admission))
+                on = args.admission or args.admission_only
+                admission = AdmissionSettings() if on else None
+                rows.append(
+                    run_setting(
+                        s, policies, Path(tmp), args.jobs, params, admission, args.admission_only
+                    )
+                )
                 print(f"sweep: {s.label}: {rows[-1]['wall_s']:.0f} s", file=sys.stderr)
     for row in rows:
         if "cache_aware" in row["results"] and len(row["results"]) > 1:

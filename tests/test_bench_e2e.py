@@ -88,3 +88,28 @@ def test_placement_names_each_requests_engine_parent_and_the_queue_it_met() -> N
     assert c["ahead"] == {"e0": {"prefilling": 0, "decoding": 1, "tokens": 0}}
     assert b["ahead"] == {"e0": {"prefilling": 1, "decoding": 0, "tokens": 100}}
     assert out["steps"] == 1 and out["left"]["n"] == 1 and out["stayed"]["n"] == 0
+
+
+def test_measure_engine_sets_the_simulators_cpu_engine_beside_what_it_measures() -> None:
+    # the numbers --measure-engine prints against one vLLM engine alone: the simulator's
+    # ``cpu`` costs (bench/sweep.py, the engines on a shared machine) over 1.5
+    e2e = _e2e()
+    model = e2e.modelled()
+    # one step of 8 ms and 1,024 prompt tokens at 0.1 ms each, with their attention
+    assert model["prefill_1024"] == round(8 + 1024 * (0.1 + 2e-4 / 1.5 * 512), 1)
+    assert model[f"step_7_ctx{e2e.CONTEXTS[-1]}"] > model["step_1_ctx32"] > 8.0
+    keys = {f"prefill_{n}" for n in e2e.PREFILL_SIZES}
+    keys |= {f"{k}_{d}_ctx{c}" for k in (f"prefill_{e2e.PROBE}_beside", "step")
+             for d in e2e.DECODES for c in e2e.CONTEXTS}  # fmt: skip
+    assert set(model) == keys
+
+
+def test_the_variants_are_cache_aware_started_with_their_settings() -> None:
+    e2e = _e2e()
+    for kind in ("cache_aware_open", "cache_aware_blind", "cache_aware_predict"):
+        cmd = e2e.router_command(kind, 1, 2, [], Path("/m"), "/p/python", "nats://n")
+        assert cmd[cmd.index("--policy") + 1] == "cache_aware" and "nats://n" in cmd
+        assert kind in e2e.OURS and kind not in e2e.ROUTERS
+    assert e2e.VARIANTS["_open"] == {"CACHE_ROUTER_ADMISSION": "false"}
+    cmd = e2e.router_command("round_robin", 1, 2, [], Path("/m"), "/p/python", None)
+    assert cmd[cmd.index("--policy") + 1] == "round_robin"

@@ -229,3 +229,59 @@ def test_merged_results_are_judged_per_seed_and_on_the_means(
     line = next(x for x in table.read_text().splitlines() if x.startswith("| a |"))
     assert "| yes (2/3) | 4/4 |" in line
     assert "Pareto-best on 1 of 1" in table.read_text()
+
+
+def test_a_mooncake_e2e_slice_is_bench_e2e_s_own_at_the_seeds_offset(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the simulator replays what bench/e2e.py sends: its ``scaled`` rows from its
+    # ``load_rows`` at --offset, a hash block the same 32 tokens wherever it recurs
+    sweep = _sweep()
+    lines = [
+        {"timestamp": 1000 * i, "input_length": 1000 + 512 * (i % 3), "output_length": 40,
+         "hash_ids": [0, 100 + i % 2, 200 + i]}
+        for i in range(40)
+    ]  # fmt: skip
+    (tmp_path / "conversation_trace.jsonl").write_text(
+        "".join(orjson.dumps(x).decode() + "\n" for x in lines)
+    )
+    monkeypatch.setattr(sweep, "DATA", tmp_path)
+    monkeypatch.setitem(sweep.E2E_SLICES, "conv-e2e", ("conversation", 10, 5))
+    out = sweep._e2e_slice("conv-e2e", 2, tmp_path / "slice.jsonl")  # offset 10 + 2 * 5
+    rows = [orjson.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 20  # the 40 - 20 lines left, each fits
+    assert rows[0]["timestamp"] == 0 and rows[1]["timestamp"] == 1000
+    # 2024, 1000, 1512 tokens over 16, within aiperf's (2 * 32, 3 * 32]
+    assert [len(r["token_ids"]) for r in rows[:3]] == [96, 65, 95]
+    assert rows[0]["output_length"] == 3  # 40 / 16, rounded up
+    # the first block (hash 0) is the same 32 tokens in every prompt, the second in
+    # every other one, the third in none
+    assert all(r["token_ids"][:32] == rows[0]["token_ids"][:32] for r in rows)
+    assert rows[0]["token_ids"][32:64] == rows[2]["token_ids"][32:64]
+    assert rows[0]["token_ids"][32:64] != rows[1]["token_ids"][32:64]
+    with pytest.raises(SystemExit):  # before the file's first line
+        monkeypatch.setitem(sweep.E2E_SLICES, "syn-e2e", ("synthetic", 10, -5))
+        sweep._e2e_slice("syn-e2e", 3, tmp_path / "none.jsonl")
+
+
+def test_admission_only_runs_every_policy_admitted_under_its_own_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sweep = _sweep()
+    seen: dict[str, bool] = {}
+
+    class Seen(Simulation):
+        def __init__(self, trace: Trace, policy: str, config: SimConfig, **kw: Any) -> None:
+            super().__init__(trace, policy, config, **kw)
+            seen[policy] = config.admission is not None
+
+    monkeypatch.setattr(sim.trace_replay, "Simulation", Seen)
+    monkeypatch.setitem(sweep.TRACES, "tiny", ("chat", 6))
+    setting = sweep.Setting("tiny", workers=2, l1_blocks=512)
+    policies = ["cache_aware", "least_load"]
+    row = sweep.run_setting(
+        setting, policies, tmp_path, 1, None, sweep.AdmissionSettings(), only_admitted=True
+    )
+    assert seen == {"cache_aware": True, "least_load": True}
+    assert set(row["results"]) == set(policies) and "shed" in row["results"]["cache_aware"]
+    assert sweep.judge(row)["best_p90_other"] == "least_load"
