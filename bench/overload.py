@@ -27,8 +27,9 @@ and *lost*: requests with no complete answer (an error, a cut stream, no answer 
 Prints one JSON object; never asserts. The router's admission settings come from its
 config (defaults), but for what this script varies per configuration, each a list:
 ``--queue-timeout`` (``CACHE_ROUTER_QUEUE_TIMEOUT``), ``--lifo on,off``
-(``queue_lifo``: a standing queue newest first) and ``--engine-priority off,on``
-(``engine_priority_scheduling``: urgent requests sent past a full engine). The mock
+(``queue_lifo``: a standing queue newest first), ``--engine-priority off,on``
+(``engine_priority_scheduling``: urgent requests sent past a full engine) and
+``--pool-reserve off,on`` (``pool_reserve``: idle slots kept for entitled requests). The mock
 engines run ``--scheduling-policy priority`` (as the vLLM ones: vLLM refuses a request's
 priority under FCFS). Each result carries the machine's load average (``loadavg``).
 """
@@ -385,6 +386,7 @@ class Config:
     queue_timeout: float
     lifo: bool = True
     engine_priority: bool = False
+    pool_reserve: bool = False
 
 
 def _loadavg() -> str:
@@ -401,6 +403,7 @@ def _router(procs: list[subprocess.Popen[bytes]], port: int, engines: list[int],
         "CACHE_ROUTER_QUEUE_TIMEOUT": str(c.queue_timeout),
         "CACHE_ROUTER_QUEUE_LIFO": "true" if c.lifo else "false",
         "CACHE_ROUTER_ENGINE_PRIORITY_SCHEDULING": "true" if c.engine_priority else "false",
+        "CACHE_ROUTER_POOL_RESERVE": "true" if c.pool_reserve else "false",
         # the engines' load as /metrics scrapes, 4 a second (no NATS in this run)
         "CACHE_ROUTER_HEALTH_INTERVAL": "0.25",
         "CACHE_ROUTER_LOAD_STALE_AFTER": "0.2",
@@ -479,14 +482,16 @@ def _run(args: argparse.Namespace, vllm_ports: list[int] | None) -> dict[str, An
     onoff = {"on": True, "off": False}
     lifos = [onoff[x] for x in args.lifo.split(",")]
     prios = [onoff[x] for x in args.engine_priority.split(",")]
+    reserves = [onoff[x] for x in args.pool_reserve.split(",")]
     configs = [Config(p, False, timeouts[0]) for p in args.policies.split(",") if p]
     configs += [
-        Config(p, True, t, lifo, prio)
+        Config(p, True, t, lifo, prio, reserve)
         for p in args.admission_policies.split(",")
         if p
         for t in timeouts
         for lifo in lifos
         for prio in prios
+        for reserve in reserves
     ]
     loads = [float(x) for x in args.loads.split(",")]
     results: list[dict[str, Any]] = []
@@ -543,6 +548,7 @@ def _run(args: argparse.Namespace, vllm_ports: list[int] | None) -> dict[str, An
                         "queue_timeout_s": c.queue_timeout if admission else None,
                         "lifo": c.lifo if admission else None,
                         "engine_priority": c.engine_priority if admission else None,
+                        "pool_reserve": c.pool_reserve if admission else None,
                         "load": load,
                         "loadavg": _loadavg(),
                         "offered_rps": {k: round(v, 2) for k, v in offered.items()},
@@ -611,6 +617,10 @@ def main() -> None:
     ap.add_argument(
         "--engine-priority", default="off",
         help="engine_priority_scheduling per configuration: off, on or off,on",
+    )  # fmt: skip
+    ap.add_argument(
+        "--pool-reserve", default="off",
+        help="pool_reserve per configuration: off, on or off,on",
     )  # fmt: skip
     ap.add_argument("--client-timeout", type=float, default=60.0)
     ap.add_argument("--capacity-seconds", type=float, default=4.0)

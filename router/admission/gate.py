@@ -61,6 +61,7 @@ def make_gate(cfg: RouterConfig, router: Router, registry: WorkerRegistry) -> Ga
         reserve=cfg.reserve_share,
         engine_priority=cfg.engine_priority_scheduling,
         lifo=cfg.queue_lifo,
+        pool_reserve=cfg.pool_reserve,
         tenants=cfg.tenants,
     )
     keys = {key: name for name, spec in cfg.tenants.items() for key in spec.api_keys}
