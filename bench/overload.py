@@ -31,7 +31,12 @@ config (defaults), but for what this script varies per configuration, each a lis
 (``engine_priority_scheduling``: urgent requests sent past a full engine) and
 ``--pool-reserve off,on`` (``pool_reserve``: idle slots kept for entitled requests). The mock
 engines run ``--scheduling-policy priority`` (as the vLLM ones: vLLM refuses a request's
-priority under FCFS). Each result carries the machine's load average (``loadavg``).
+priority under FCFS). Each result carries the machine's load average (``loadavg``) and
+``starved``: the seconds the router's event-loop thread and the client's waited runnable
+for a CPU during the run (the kernel's ``schedstat`` run delay), and how late the
+client's loop woke at most. On the 2-core machine with real vLLM engines beside them both
+waited seconds: shed answers took up to 1-3 s from the client's clock while the router
+sent each within a few ms of its decision (``--engine-nice`` helps only in part).
 """
 
 from __future__ import annotations
@@ -84,6 +89,34 @@ class Outcome:
 @dataclass
 class Run:
     outcomes: list[Outcome] = field(default_factory=list)
+    loop_lag_max: float = 0.0  # the client's event loop, seconds late at most
+    loop_lags: int = 0  # wake-ups more than LAG late
+
+
+LAG = 0.02  # a wake-up of the client's loop this late counts as a lag
+
+
+def runnable_wait(tid: int | None = None) -> float:
+    """Seconds a thread (None: this one) has waited runnable for a CPU, in all: the
+    kernel's ``schedstat`` run delay (0 where there is none). A loop that is late while
+    this grows as much was starved by the machine, not busy."""
+    path = "/proc/thread-self/schedstat" if tid is None else f"/proc/{tid}/task/{tid}/schedstat"
+    try:
+        return int(Path(path).read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+async def _watch_loop(run: Run, every: float = 0.01) -> None:
+    """How late this loop wakes (a starved client measures every answer late)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        t = loop.time()
+        await asyncio.sleep(every)
+        late = loop.time() - t - every
+        if late > LAG:
+            run.loop_lags += 1
+            run.loop_lag_max = max(run.loop_lag_max, late)
 
 
 def _body(stream: str, i: int) -> bytes:
@@ -171,6 +204,7 @@ async def _offer(
     upstream = Upstream(connect_timeout=10.0, max_idle=512)
     run = Run()
     tasks: list[asyncio.Task[None]] = []
+    watch = asyncio.create_task(_watch_loop(run))
 
     async def stream(name: str, rate: float) -> None:
         rng = random.Random(f"{seed}:{name}")
@@ -188,6 +222,7 @@ async def _offer(
 
     await asyncio.gather(*(stream(n, r) for n, r in rates.items()))
     await asyncio.gather(*tasks)
+    watch.cancel()
     upstream.close()
     return run
 
@@ -532,11 +567,18 @@ def _run(args: argparse.Namespace, vllm_ports: list[int] | None) -> dict[str, An
                 waits = _router_waits(port) if admission else {}
                 sampler = Sampler(engine_ports, router=port if admission else None)
                 sampler.start()
+                waited = (runnable_wait(router.pid), runnable_wait())
                 run_ = asyncio.run(
                     _offer(url, offered, args.duration, args.client_timeout, args.seed)
                 )
                 sampler.stop.set()
                 sampler.join()
+                starved = {
+                    "router_runnable_wait_s": round(runnable_wait(router.pid) - waited[0], 2),
+                    "client_runnable_wait_s": round(runnable_wait() - waited[1], 2),
+                    "client_loop_lag_max_s": round(run_.loop_lag_max, 3),
+                    "client_loop_lags": run_.loop_lags,
+                }
                 summary = _summary(run_, args.duration, args.slo, c.queue_timeout)
                 st = summary["streams"]
                 steady = st.get("steady", {}).get("ttft_p99_s")
@@ -556,6 +598,7 @@ def _run(args: argparse.Namespace, vllm_ports: list[int] | None) -> dict[str, An
                         "urgent_p99_over_unloaded": _ratio(urgent, base["urgent"]),
                         **summary,
                         "engines": sampler.summary(),
+                        "starved": starved,
                         "router_wait": _wait_summary(waits, _router_waits(port))
                         if admission
                         else None,

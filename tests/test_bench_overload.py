@@ -3,7 +3,9 @@ counts as lost must be lost."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
+import time
 from pathlib import Path
 
 import orjson
@@ -11,7 +13,7 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from overload import stream_complete  # noqa: E402
+from overload import Run, _watch_loop, stream_complete  # noqa: E402
 
 from router.http.errors import sse_error  # noqa: E402
 
@@ -42,3 +44,19 @@ def test_a_cut_stream_or_an_error_event_is_not_complete() -> None:
     )
     assert not stream_complete(whole[: len(whole) // 2])
     assert stream_complete(whole)
+
+
+def test_the_clients_loop_lag_is_seen() -> None:
+    """A loop held 0.2 s (a starved client: every answer measured late) is reported."""
+
+    async def main() -> Run:
+        run = Run()
+        watch = asyncio.create_task(_watch_loop(run))
+        await asyncio.sleep(0.03)
+        time.sleep(0.2)  # the loop does not run meanwhile
+        await asyncio.sleep(0.03)
+        watch.cancel()
+        return run
+
+    run = asyncio.run(main())
+    assert run.loop_lags >= 1 and run.loop_lag_max >= 0.15
