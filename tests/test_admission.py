@@ -677,3 +677,19 @@ def test_the_pool_reserve_is_the_poisson_quantile_of_the_entitled_arrivals() -> 
     assert reserve_for(0.5, 8) == 4  # 0.39, 0.090, 0.014, 0.0018
     assert reserve_for(0.5, 3) == 3  # at most half the slots
     assert reserve_for(5.0, 4) == 4
+
+
+@pytest.mark.parametrize("reserve", [False, True])
+def test_under_the_pool_reserve_an_entitled_request_takes_an_idle_slot(reserve: bool) -> None:
+    """w0 has room only in its engine's queue (``engine_queue``), w1 an idle slot: the
+    steady tenant's request goes to w1 under the pool reserve (the bind would take w0,
+    the first allowed, and the request would wait there for a slot)."""
+    pool = Pool(2, engine_queue=1, queue_size=100, pool_reserve=reserve)
+    pool.full(4)
+    for _ in range(11):
+        pool.ticket("flood")
+    assert pool.inflight == Counter({"w0": 5, "w1": 5}) and pool.adm.queued == 1
+    pool.inflight.update({"w0": -1, "w1": -2})  # as if those had ended unseen
+    steady = pool.ticket("steady")
+    assert steady.state is State.BOUND
+    assert steady.worker == ("w1" if reserve else "w0")

@@ -371,6 +371,8 @@ class Admission:
                     continue
                 allowed = self.allowed(ticket, now, rooms)
                 if allowed is not None:
+                    if reserve:
+                        allowed = self._idle_first(ticket, allowed, now)
                     self._count_skip(ticket, now)
                     self._remove(ticket)
                     self._dispatch(ticket, allowed, now)
@@ -481,6 +483,19 @@ class Admission:
         free, keep = found
         idle[key] = kept = free <= keep
         return kept
+
+    def _idle_first(self, ticket: Ticket, allowed: frozenset[str], now: float) -> frozenset[str]:
+        """Under the pool reserve, an entitled ticket goes to a worker with an idle slot
+        when one is allowed: the slots kept are idle ones, and a worker with room only in
+        its engine's queue (``engine_queue``) would start it when its next slot frees,
+        the wait the reserve is there to spare it."""
+        if len(allowed) < 2 or not self.entitled(ticket, now):
+            return allowed
+        capacity, inflight = self.capacity, self._inflight
+        idle = frozenset(
+            w for w in allowed if (limit := capacity.limit(w)) is None or inflight(w) < limit
+        )
+        return idle or allowed
 
     def reserve_size(self, candidates: tuple[str, ...]) -> int:
         """Idle slots the pool reserve keeps among ``candidates``: the least k with
