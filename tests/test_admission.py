@@ -6,6 +6,7 @@ that places a ticket on the first allowed worker) and time moves only when a tes
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 
@@ -19,6 +20,7 @@ from router.admission.core import (
     State,
     TenantSpec,
     Ticket,
+    reserve_for,
 )
 from router.admission.fair import TokenBucket, VirtualCounters, retry_after
 from router.admission.stats import MAX_TENANTS, OTHER, AdmissionStats
@@ -576,3 +578,118 @@ def test_a_queue_goes_newest_first_only_once_it_stands() -> None:
         assert went is (held_before[-1] if standing else held_before[0]), k
         took["newest" if standing else "oldest"] += 1
     assert took["oldest"] >= 5 and took["newest"] >= 5
+
+
+def _two_tenants(
+    pool_reserve: bool, seconds: float = 20.0
+) -> tuple[list[Ticket], list[Ticket], Pool]:
+    """Two workers of 4 slots, every request 0.4 s (a slot frees every 0.05 s pool-wide
+    at full load), a flood at twice the pool's pace and a steady tenant every 0.35 s:
+    (the steady tenant's tickets, the flood's, the pool), on the fake clock."""
+    import heapq
+
+    pool = Pool(2, engine_queue=0, queue_size=100_000, queue_timeout=2.0, pool_reserve=pool_reserve)
+    pool.full(4)
+    events: list[tuple[float, int, str, Ticket | None]] = []
+    seq = itertools.count()
+    for i in range(int(seconds / 0.025)):
+        heapq.heappush(events, (round(i * 0.025, 6), next(seq), "flood", None))
+    for i in range(int(seconds / 0.35)):
+        heapq.heappush(events, (round(0.0123 + i * 0.35, 6), next(seq), "steady", None))
+    steady: list[Ticket] = []
+    flood: list[Ticket] = []
+    seen = 0
+    while events:
+        at, _, kind, ticket = heapq.heappop(events)
+        pool.now = at
+        for held in [t for t in pool.adm._held.values() if t.deadline <= at]:
+            pool.adm.expire(held)
+        if kind == "end":
+            assert ticket is not None
+            pool.end(ticket)
+        else:
+            (steady if kind == "steady" else flood).append(pool.ticket(kind))
+        for t in pool.bound[seen:]:  # what this event bound runs 0.4 s
+            heapq.heappush(events, (round(at + 0.4, 6), next(seq), "end", t))
+        seen = len(pool.bound)
+    return steady, flood, pool
+
+
+def test_the_pool_reserve_keeps_idle_slots_for_the_tenant_under_its_share() -> None:
+    """Past saturation every slot is taken: a steady tenant's request waits for the next
+    to free (here up to 0.05 s; on bench/overload.py's pool several times its TTFT
+    alone). With ``pool_reserve`` the flood, once its queue stands, is held back while
+    the pool has no more idle slots than the steady tenant's pace needs (here 3: with 5
+    slots busy one frees every 0.08 s, within which a second steady arrival has a chance
+    of 0.02, a third 0.002), so every steady request is bound at once; the flood still
+    runs in the rest."""
+    steady, _, _ = _two_tenants(pool_reserve=False)
+    waits = [t.bound_at - t.arrival for t in steady if t.arrival > 3.0]
+    assert sum(w > 0 for w in waits) >= len(waits) // 2  # without: most wait for a slot
+    steady, flood, _ = _two_tenants(pool_reserve=True)
+    waits = [t.bound_at - t.arrival for t in steady if t.arrival > 3.0]
+    assert waits and max(waits) == 0.0
+    served = sum(t.state in (State.BOUND, State.DONE) for t in flood)
+    # 8 slots of 0.4 s for 20 s: 400 requests; the steady tenant takes ~1.1 slots and
+    # three are kept idle, ~4 slots for the flood: ~190
+    assert served >= 170
+
+
+def test_the_pool_reserve_keeps_nothing_without_a_standing_queue_or_a_second_tenant() -> None:
+    """A burst (the flood's queue not standing yet) and a tenant alone (under its share
+    whatever it sends) take every slot; once the flood's queue stands, the freed slots
+    stay idle up to the reserve."""
+    pool = Pool(2, engine_queue=0, queue_size=100, pool_reserve=True)
+    pool.full(4)
+    pool.adm.reserve_size = lambda candidates: 2  # type: ignore[method-assign]
+    flying = [pool.ticket("flood") for _ in range(8)]
+    steady = pool.ticket("steady")
+    assert pool.inflight.total() == 8 and steady.state is State.QUEUED
+    pool.ticket("flood")
+    busy = []
+    for k in range(1, 41):  # a slot frees every 0.1 s, the flood comes twice as often
+        pool.now = round(k * 0.1, 6)
+        if flying:
+            pool.end(flying.pop(0))
+        pool.ticket("flood")
+        pool.ticket("flood")
+        flying += [t for t in pool.bound if t.tenant == "flood" and t.state is State.BOUND
+                   and t not in flying]  # fmt: skip
+        busy.append(pool.inflight.total())
+    assert steady.state is State.BOUND
+    assert busy[:7] == [8] * 7  # a burst: every slot taken
+    assert busy[-3:] == [6] * 3  # once the queue stands two slots are kept idle
+    alone = Pool(2, engine_queue=0, queue_size=100, pool_reserve=True)
+    alone.full(4)
+    alone.adm.reserve_size = lambda candidates: 2  # type: ignore[method-assign]
+    burst = [alone.ticket("flood") for _ in range(12)]
+    for k in range(1, 5):
+        alone.now = k * 0.5
+        alone.end(burst[k - 1])
+    assert alone.inflight.total() == 8  # alone, under its share: nothing kept
+
+
+def test_the_pool_reserve_is_the_poisson_quantile_of_the_entitled_arrivals() -> None:
+    """k idle slots: the least k such that k or more entitled arrivals within one slot
+    interval have a chance of at most 1 %."""
+    assert reserve_for(0.005, 4) == 1  # P(N >= 1) = 0.005
+    assert reserve_for(0.1, 4) == 2  # P(N >= 1) = 0.095, P(N >= 2) = 0.005
+    assert reserve_for(0.5, 8) == 4  # 0.39, 0.090, 0.014, 0.0018
+    assert reserve_for(0.5, 3) == 3  # at most half the slots
+    assert reserve_for(5.0, 4) == 4
+
+
+@pytest.mark.parametrize("reserve", [False, True])
+def test_under_the_pool_reserve_an_entitled_request_takes_an_idle_slot(reserve: bool) -> None:
+    """w0 has room only in its engine's queue (``engine_queue``), w1 an idle slot: the
+    steady tenant's request goes to w1 under the pool reserve (the bind would take w0,
+    the first allowed, and the request would wait there for a slot)."""
+    pool = Pool(2, engine_queue=1, queue_size=100, pool_reserve=reserve)
+    pool.full(4)
+    for _ in range(11):
+        pool.ticket("flood")
+    assert pool.inflight == Counter({"w0": 5, "w1": 5}) and pool.adm.queued == 1
+    pool.inflight.update({"w0": -1, "w1": -2})  # as if those had ended unseen
+    steady = pool.ticket("steady")
+    assert steady.state is State.BOUND
+    assert steady.worker == ("w1" if reserve else "w0")

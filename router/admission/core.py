@@ -67,6 +67,9 @@ _ALPHA = 0.125
 # when its next one comes.
 ACTIVE = 2.0
 MAX_SEEN = 4096  # tenants remembered as seen before the quiet ones are forgotten
+# The pool reserve (``Admission._kept_off``): the chance an entitled request may find
+# no idle slot kept for it, the p99 the targets are stated at.
+RESERVE_MISS = 0.01
 # A tenant's queue stands (``Admission._lifo``) once its oldest ticket has waited this
 # many times what a request takes end to end on an engine it may use: about one such
 # wait is common in a queue at capacity, which arrival order serves best.
@@ -103,6 +106,9 @@ class AdmissionSettings:
     engine_priority: bool = False
     # a tenant's standing queue goes newest first (``Admission._lifo``); off: arrival order
     lifo: bool = True
+    # while a tenant over its share has a standing queue, keep idle slots pool-wide for
+    # entitled requests, as many as their measured rate needs (``Admission._kept_off``)
+    pool_reserve: bool = False
     tenants: Mapping[str, TenantSpec] = field(default_factory=dict)
 
 
@@ -291,6 +297,10 @@ class Admission:
         # worker -> its bound tickets not finished, in the order they were bound
         self._bound: dict[str, dict[int, Ticket]] = {}
         self._rooms = Rooms(self.capacity, inflight)  # once told each move (``track_moves``)
+        # the pool reserve: seconds between two entitled requests bound (their pace), and
+        # when the last one was
+        self._entitled_gap: float | None = None
+        self._entitled_at = -math.inf
 
     # -- tenants ------------------------------------------------------------------------
     def spec(self, tenant: str) -> TenantSpec:
@@ -422,11 +432,17 @@ class Admission:
         """Bind held tickets while some may go; how many went."""
         now = self._clock()
         bound = 0
+        reserve = self.settings.pool_reserve
         while self._held:
             rooms: dict[tuple[str, bool], bool] = {}
+            idle: dict[object, tuple[int, int] | bool] = {}
             for ticket in self._order(now):
+                if reserve and self._kept_off(ticket, now, idle):
+                    continue
                 allowed = self.allowed(ticket, now, rooms)
                 if allowed is not None:
+                    if reserve:
+                        allowed = self._idle_first(ticket, allowed, now)
                     self._count_skip(ticket, now)
                     self._remove(ticket)
                     self._dispatch(ticket, allowed, now)
@@ -483,7 +499,12 @@ class Admission:
         first now and then, and their oldest waited to the timeout (goodput 34.0 and
         33.5 requests/s against 34.8 in arrival order, 2 mock engines); with two, 34.8,
         and at 2x 37.7-38.2 as with one."""
-        if len(queue) < 2 or not self.settings.lifo:
+        return self.settings.lifo and self._stands(queue, now)
+
+    def _stands(self, queue: deque[Ticket], now: float) -> bool:
+        """Whether a tenant's queue stands (``_lifo``): two tickets or more, its oldest held
+        past ``STANDING`` times an engine's turnover."""
+        if len(queue) < 2:
             return False
         head = queue[0]
         waited = now - head.arrival
@@ -493,6 +514,81 @@ class Admission:
             if limit is not None and waited > STANDING * capacity.free_in(w) * limit:
                 return True
         return False
+
+    def _kept_off(
+        self, ticket: Ticket, now: float, idle: dict[object, tuple[int, int] | bool]
+    ) -> bool:
+        """Whether the pool reserve keeps a held ticket waiting: it is not entitled, its
+        tenant's queue stands, and its candidates have no more idle slots than the
+        entitled requests are expected to need (``reserve_size``). ``idle`` keeps, over
+        one pass of the queue, each candidate set's (idle slots, reserve) and each
+        tenant's answer.
+
+        An entitled request (urgent, or of a tenant under its share) that finds every
+        slot taken waits for the next to free, ~one slot interval of the pool, several
+        times its TTFT alone on a short-answer pool: only an idle slot serves it at once,
+        and no order at the router gets there. The slots kept idle are sized by
+        construction, not a share of each engine: while one is being refilled (one slot
+        interval of the pool, once the flood is held back), entitled requests arrive at
+        their measured pace; enough are kept that more than that arrive within one
+        refill with a chance under ``RESERVE_MISS``."""
+        key = (ticket.tenant, ticket.priority, ticket.every)
+        known = idle.get(key)
+        if known is not None:
+            return known is True
+        idle[key] = False
+        tenants = self._levels.get(ticket.priority)
+        queue = None if tenants is None else tenants.get(ticket.tenant)
+        if queue is None or not self._stands(queue, now) or self.entitled(ticket, now):
+            return False
+        found = idle.get(ticket.every)
+        if not isinstance(found, tuple):
+            free = 0
+            for w in ticket.candidates:
+                limit = self.capacity.limit(w)
+                if limit is None:
+                    return False
+                free += max(0, limit - self._inflight(w))
+            found = idle[ticket.every] = (free, self.reserve_size(ticket.candidates))
+        free, keep = found
+        idle[key] = kept = free <= keep
+        return kept
+
+    def _idle_first(self, ticket: Ticket, allowed: frozenset[str], now: float) -> frozenset[str]:
+        """Under the pool reserve, an entitled ticket goes to a worker with an idle slot
+        when one is allowed: the slots kept are idle ones, and a worker with room only in
+        its engine's queue (``engine_queue``) would start it when its next slot frees,
+        the wait the reserve is there to spare it."""
+        if len(allowed) < 2 or not self.entitled(ticket, now):
+            return allowed
+        capacity, inflight = self.capacity, self._inflight
+        idle = frozenset(
+            w for w in allowed if (limit := capacity.limit(w)) is None or inflight(w) < limit
+        )
+        return idle or allowed
+
+    def reserve_size(self, candidates: tuple[str, ...]) -> int:
+        """Idle slots the pool reserve keeps among ``candidates``: the least k with
+        P(Poisson(m) >= k) <= ``RESERVE_MISS``, m the entitled requests expected within
+        one slot interval of the pool (0 while their pace or the pool's is unknown); at
+        most half their slots. Their pace is the measured one, or slower since the last
+        came (a pace that ended is not kept for)."""
+        gap = self._entitled_gap
+        if gap is None:
+            return 0
+        gap = max(gap, self._clock() - self._entitled_at)
+        if gap <= 0:
+            return 0
+        rate = 0.0  # slots freeing per second, pool-wide
+        slots = 0
+        for w in candidates:
+            free_in = self.capacity.free_in(w)
+            if math.isfinite(free_in) and free_in > 0:
+                rate += 1.0 / free_in
+            slots += self.capacity.limit(w) or 0
+        if rate <= 0 or slots < 2:
+            return 0
+        return reserve_for(1.0 / (rate * gap), slots // 2)
 
     def _saw(self, tenant: str, now: float) -> None:
         seen = self._seen
@@ -663,6 +759,12 @@ class Admission:
         if ticket.worker is None:
             self._refund(ticket)
             return
+        if self.settings.pool_reserve and self.entitled(ticket, now):  # its pace
+            gap = now - self._entitled_at
+            self._entitled_at = now
+            if math.isfinite(gap):
+                old = self._entitled_gap
+                self._entitled_gap = gap if old is None else old + _ALPHA * (gap - old)
         self._flying[ticket.tenant] += 1
         ticket.bound_at = now
         self._bound.setdefault(ticket.worker, {})[ticket.seq] = ticket
@@ -814,6 +916,18 @@ class Admission:
                 for p, tenants in sorted(self._levels.items())
             },
         }
+
+
+def reserve_for(expected: float, most: int) -> int:
+    """The least k >= 1 with P(N >= k) <= ``RESERVE_MISS`` for N ~ Poisson(``expected``),
+    at most ``most`` (and at least 1)."""
+    k, term = 0, math.exp(-expected)
+    tail = 1.0 - term  # P(N >= k + 1)
+    while tail > RESERVE_MISS and k + 1 < most:
+        k += 1
+        term *= expected / k
+        tail -= term
+    return k + 1
 
 
 _DEFAULT = TenantSpec()

@@ -61,6 +61,7 @@ def make_gate(cfg: RouterConfig, router: Router, registry: WorkerRegistry) -> Ga
         reserve=cfg.reserve_share,
         engine_priority=cfg.engine_priority_scheduling,
         lifo=cfg.queue_lifo,
+        pool_reserve=cfg.pool_reserve,
         tenants=cfg.tenants,
     )
     keys = {key: name for name, spec in cfg.tenants.items() for key in spec.api_keys}
@@ -446,7 +447,9 @@ class Gate:
         ticket = self.ticket(prep, tenant, priority, pd=pd)
         core = self.core
         now = time.monotonic()
-        entitled = core.capacity.reserve <= 0 or core.entitled(ticket, now)
+        reserves = core.capacity.reserve > 0 or core.settings.pool_reserve
+        entitled = not reserves or core.entitled(ticket, now)
+        shared = core.capacity.reserve <= 0 or entitled  # room past reserve_share's slots
         workers = {}
         for t in ticket.candidates:
             limit = core.capacity.limit(t)
@@ -454,7 +457,7 @@ class Gate:
             workers[t] = {
                 "limit": limit,
                 "inflight": inflight,
-                "room": None if limit is None else core.capacity.room(t, inflight, entitled),
+                "room": None if limit is None else core.capacity.room(t, inflight, shared),
                 "saved_prefill_s": ticket.saved.get(t, 0.0),
             }
         allowed = None if core.queued else core.allowed(ticket, now)

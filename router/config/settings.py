@@ -435,6 +435,10 @@ class OverloadSettings:
     # request) goes newest first; off: arrival order, each waits ~queue_timeout past
     # saturation (docs/overload.md)
     queue_lifo: bool = setting(True)
+    # while a tenant over its share has a standing queue, idle slots are kept pool-wide for
+    # tenants under their share and urgent requests, as many as their measured pace needs
+    # (docs/overload.md)
+    pool_reserve: bool = setting(False)
     priority_starve_after: float = setting(5.0, _DURATION)  # waited this long: its turn comes
     priority_starve_share: int = setting(8, Range(2, 1 << 20))  # one dispatch in this many then
     tenant_header: str = setting("x-tenant-id")  # names a request's tenant (after API keys)
