@@ -193,6 +193,26 @@ def grid(name: str) -> list[Setting]:
 
 # Issue 31's families (the module docstring): ``tune`` is what the collapse fix was looked
 # at on; ``heldout`` is only ever reported, on seeds 100 and up.
+def on_e2e_engines(shapes: tuple[tuple[str, float], ...]) -> list[Setting]:
+    """``shapes`` (trace, speedup) on bench/e2e.py's set-up (issue 35): two one-core vLLM
+    CPU engines of 256 pages of 32 tokens, 8 requests at once, aiperf's one-message
+    prompts, at the measured CPU costs and 1.5x slower."""
+    return [
+        Setting(
+            trace,
+            speedup=x,
+            workers=2,
+            l1_blocks=256,
+            costs=c,
+            anon=True,
+            block_size=32,
+            max_num_seqs=8,
+        )
+        for c in ("cpu", "cpu-slow")
+        for trace, x in shapes
+    ]
+
+
 FAMILIES: dict[str, list[Setting]] = {
     "tune": [
         Setting("chat", speedup=2.5, prompts=12, think="0.1-1", sessions=250),
@@ -244,39 +264,12 @@ FAMILIES: dict[str, list[Setting]] = {
         Setting("chat", speedup=2.0, anon=True),
         Setting("chat", speedup=2.5, prompts=12, think="0.1-1", sessions=250, anon=True),
     ],
-    # bench/e2e.py's set-up (issue 35): two one-core vLLM CPU engines of 256 pages of 32
-    # tokens, 8 requests at once, aiperf's one-message prompts; its moderate and high load
-    "e2e": [
-        Setting(
-            "agent-e2e",
-            speedup=x,
-            workers=2,
-            l1_blocks=256,
-            costs=c,
-            anon=True,
-            block_size=32,
-            max_num_seqs=8,
-        )
-        for c in ("cpu", "cpu-slow")
-        for x in (1.5, 3.0)
-    ],
-    # bench/e2e.py's Mooncake slices on the same set-up (issue 35): the conversation slice
+    # bench/e2e.py's agent trace at its moderate and high load
+    "e2e": on_e2e_engines((("agent-e2e", 1.5), ("agent-e2e", 3.0))),
+    # bench/e2e.py's Mooncake slices: the conversation slice
     # at 1.5x (it shares only its first block: balance alone) and the synthetic one at 1x
     # (a working set ~3x the two caches)
-    "e2e-mooncake": [
-        Setting(
-            trace,
-            speedup=x,
-            workers=2,
-            l1_blocks=256,
-            costs=c,
-            anon=True,
-            block_size=32,
-            max_num_seqs=8,
-        )
-        for c in ("cpu", "cpu-slow")
-        for trace, x in (("conv-e2e", 1.5), ("syn-e2e", 1.0))
-    ],
+    "e2e-mooncake": on_e2e_engines((("conv-e2e", 1.5), ("syn-e2e", 1.0))),
 }
 
 
