@@ -754,11 +754,10 @@ class Admission:
         waited = now - ticket.arrival
         ticket.state = State.BOUND
         ticket.worker = self._bind(ticket, allowed)
-        if ticket.worker is not None:
-            self._rooms.dirty.add(ticket.worker)  # the slot it takes there
         if ticket.worker is None:
             self._refund(ticket)
             return
+        self._rooms.dirty.add(ticket.worker)  # the slot it takes there
         if self.settings.pool_reserve and self.entitled(ticket, now):  # its pace
             gap = now - self._entitled_at
             self._entitled_at = now
