@@ -31,8 +31,9 @@ def test_holding_at_the_router_keeps_the_queue_where_it_can_be_late_bound(tmp: P
     """A policy that piles requests up on the shared prompts' holders (cache_aware with
     its recompute charge unfaded, as before issue 31: TTFT p90 ~33 s; ~16 s with the
     in-flight credit by prompt of session 17): held at the router and bound where a slot
-    frees, the same requests wait ~7 s at p90, for ~6 points of hit rate, none shed.
-    (The fading charge, now the default, no longer piles up here.)"""
+    frees, the same requests wait ~10 s at p90 (~7 s while a limit was learnt from one
+    report), for ~6 points of hit rate, 4 of 987 shed (none then). (The fading charge,
+    now the default, no longer piles up here.)"""
     trace = _chat(tmp, speedup=2.0)
     unfaded = {"fade": False, "common": False}
     off = Simulation(trace, "cache_aware", SimConfig(workers=4), policy_params=unfaded).run()
@@ -40,9 +41,28 @@ def test_holding_at_the_router_keeps_the_queue_where_it_can_be_late_bound(tmp: P
         trace, "cache_aware", SimConfig(workers=4, admission=AdmissionSettings()),
         policy_params=unfaded,
     ).run()  # fmt: skip
-    assert off["ttft_p90_ms"] > 2 * on["ttft_p90_ms"]
+    assert off["ttft_p90_ms"] > 1.4 * on["ttft_p90_ms"]
     assert on["hit_rate"] >= off["hit_rate"] - 0.07
-    assert on["shed"] == off["shed"] == 0
+    assert off["shed"] == 0 and on["shed"] <= 0.01 * len(trace.requests)
+
+
+def test_a_burst_in_one_report_does_not_set_a_limit(tmp: Path) -> None:
+    """bench/admission_sim.py's seed 5 at 3x: an engine of 256 slots reported 5 running
+    and 4 waiting once (a burst during one long prefill step); a limit of 5 learnt from
+    that held at the router what the engines could run, and admission served 0.13 of
+    the requests within 2 s against 0.59 without it (0.62 learning from two reports)."""
+    lines = generate("chat", sessions=150, rate=3.0, system_prompts=4, seed=5)
+    trace = load_trace(write(tmp / "chat5.jsonl", lines), block_size=16, speedup=3.0)
+    off = Simulation(trace, "cache_aware", SimConfig(workers=4))
+    off.run()
+    on = Simulation(trace, "cache_aware", SimConfig(workers=4, admission=AdmissionSettings()))
+    on.run()
+
+    def good(sim: Simulation) -> float:
+        fast = [r for r in sim.requests if 0 <= r.first_token_ms - r.arrival_ms <= 2000]
+        return len(fast) / len(sim.requests)
+
+    assert good(on) >= good(off) - 0.05, (good(on), good(off))
 
 
 @pytest.mark.parametrize("policy", ["least_load", "cache_aware"])
