@@ -29,7 +29,6 @@ GROUP: int = _native.MAX_WORKERS
 TIER_NUM: dict[Tier, int] = {name: pos for pos, name in enumerate(TIERS)}
 _NONE = TierMatch(0, 0, 0, 0)
 _NOBODY: frozenset[str] = frozenset()
-_GROUPS_IN_ONE_CALL = hasattr(_native, "out_of_sync_groups")
 
 
 class NativePrefixIndex:
@@ -239,10 +238,7 @@ class NativePrefixIndex:
     def out_of_sync(self) -> AbstractSet[str]:
         """The workers whose events are out of sync (``Core.out_of_sync``): every group
         asked in one native call (one a group cost ~4 us a request at 16 groups)."""
-        if _GROUPS_IN_ONE_CALL:
-            found = _native.out_of_sync_groups(self.cores)
-        else:  # a build before it
-            found = [(g, m) for g, core in enumerate(self.cores) if (m := core.out_of_sync())]
+        found = _native.out_of_sync_groups(self.cores)
         if not found:
             return _NOBODY
         return {name for g, mask in found for name in self.named(g, mask)}

@@ -546,7 +546,6 @@ def test_the_board_hands_out_its_slots_in_candidate_order() -> None:
         assert [order[s] for s in got_least] == sorted(order[s] for s in got_least)
 
 
-@pytest.mark.skipif(not hasattr(_native, "out_of_sync_groups"), reason="a build before it")
 def test_every_groups_out_of_sync_slots_in_one_call() -> None:
     """``out_of_sync_groups`` (one native call for a wide pool's groups) gives each
     core's ``out_of_sync`` mask, and the index names exactly the workers ``in_sync``

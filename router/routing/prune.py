@@ -71,8 +71,6 @@ if TYPE_CHECKING:
 # a native core built before the board (a stale build) routes as before
 AVAILABLE = NATIVE and hasattr(_native, "LoadBoard")
 LEAST = AVAILABLE and hasattr(_native.LoadBoard, "least")  # the min trees (O(log n))
-# the board hands out its slots in candidate order (``LoadBoard.place``): no sort here
-PLACED = AVAILABLE and hasattr(_native.LoadBoard, "place")
 PRUNE_ABOVE = 64  # candidates: up to here every one is seen (16 workers: 48 us a decision)
 KEEP = 4  # least loaded kept per hit class (and non-holders), in each of two orders
 TIE_CAP = 32  # a tie class at the k-th key is kept whole up to this many more
@@ -83,7 +81,7 @@ Target = tuple["Worker", str, "WorkerLoad"]
 class Pruner:
     """One pool's load board and the map from the index's slots to its targets."""
 
-    __slots__ = ("_at", "_blocked", "_pos", "_slots", "_workers", "board", "cap", "index", "keep")
+    __slots__ = ("_at", "_blocked", "_slots", "_workers", "board", "cap", "index", "keep")
 
     def __init__(self, index: NativePrefixIndex, keep: int = KEEP, cap: int = TIE_CAP) -> None:
         self.index = index
@@ -92,7 +90,6 @@ class Pruner:
         self.board = _native.LoadBoard()
         self._workers: list[Worker] = []
         self._at: dict[int, Target] = {}  # board slot (the index's) -> its target
-        self._pos: dict[int, int] = {}  # board slot -> place in the candidate order
         self._slots: dict[str, list[int]] = {}  # worker or target name -> board slots
         self._blocked: set[int] = set()  # slots held back: unusable or excluded
 
@@ -103,14 +100,12 @@ class Pruner:
             board.drop(slot)
             board.block(slot, False)
             load.watch(None)
-        self._at, self._pos, self._slots, self._blocked = {}, {}, {}, set()
+        self._at, self._slots, self._blocked = {}, {}, set()
         for w in workers:
             mine = self._slots.setdefault(w.id, [])
             for tid, load in w.candidates:
                 slot = index.slot(tid)
-                self._pos[slot] = len(self._at)
-                if PLACED:
-                    board.place(slot, len(self._at))
+                board.place(slot, len(self._at))  # it hands out slots in this order
                 self._at[slot] = (w, tid, load)
                 self._slots[tid] = [slot]
                 mine.append(slot)
@@ -161,9 +156,6 @@ class Pruner:
         at = self._at
         for _ in range(3):
             picked = self.index.pick(self.board, hashes, self.keep, self.cap, also)
-            if not PLACED:  # a build before ``place``: in candidate order here
-                pos = self._pos
-                picked.sort(key=lambda p: pos[p[0]])
             out: list[tuple[Target, TierMatch]] = []
             bad = []
             for s, g, c, d, t in picked:  # one pass: each kept one's target, usable
@@ -201,6 +193,4 @@ class Pruner:
             self._hold_back(bad)
         else:
             return None
-        if not PLACED:
-            picked.sort(key=self._pos.__getitem__)
         return [at[s] for s in picked]
