@@ -62,7 +62,7 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.load import http_get, processes, wait_ready  # noqa: E402
+from bench.load import http_get, processes, stream_complete, wait_ready  # noqa: E402
 from router.forward.upstream import Upstream, UpstreamError  # noqa: E402
 from sim.mock.natsd import free_ports  # noqa: E402
 
@@ -131,32 +131,6 @@ def _body(stream: str, i: int) -> bytes:
     if priority:
         body["priority"] = priority
     return orjson.dumps(body)
-
-
-def stream_complete(body: bytes) -> bool:
-    """Whether a streamed answer is whole: its last event is ``data: [DONE]`` and no event
-    is an error (an object with a top-level ``"error"``: the router's ``upstream_broken``
-    event, an engine's own). Parsed event by event: a token's text may be anything, and
-    a generated ``error`` (``"text":"error"``) made a whole answer count as cut when this
-    was a search of the body for ``"error"`` (the tiny model's random tokens, once in a
-    few real-vLLM runs)."""
-    last = None
-    for event in body.replace(b"\r\n", b"\n").split(b"\n\n"):
-        data = b"\n".join(
-            line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")
-        )
-        if not data:
-            continue
-        last = data
-        if data == b"[DONE]":
-            continue
-        try:
-            parsed = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return False
-        if isinstance(parsed, dict) and "error" in parsed:
-            return False
-    return last == b"[DONE]"
 
 
 async def _one(

@@ -1,5 +1,5 @@
-"""bench/overload.py's judgement of a streamed answer (``stream_complete``): what it
-counts as lost must be lost."""
+"""bench/overload.py's and bench/load.py's judgement of a streamed answer
+(``stream_complete``, in bench/load.py): what it counts as lost must be lost."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from overload import Run, _watch_loop, stream_complete  # noqa: E402
+from load import stream_complete  # noqa: E402
+from overload import Run, _watch_loop  # noqa: E402
 
 from router.http.errors import sse_error  # noqa: E402
 
