@@ -70,7 +70,6 @@ if TYPE_CHECKING:
 
 # a native core built before the board (a stale build) routes as before
 AVAILABLE = NATIVE and hasattr(_native, "LoadBoard")
-LEAST = AVAILABLE and hasattr(_native.LoadBoard, "least")  # the min trees (O(log n))
 PRUNE_ABOVE = 64  # candidates: up to here every one is seen (16 workers: 48 us a decision)
 KEEP = 4  # least loaded kept per hit class (and non-holders), in each of two orders
 TIE_CAP = 32  # a tie class at the k-th key is kept whole up to this many more
@@ -183,10 +182,7 @@ class Pruner:
         also = self._ready(workers, exclude, now, must)
         board, at = self.board, self._at
         for _ in range(3):
-            if LEAST:
-                picked = board.least(self.keep, self.cap, also)
-            else:  # a build before the min trees: the board's pass over every target
-                picked = [p[0] for p in board.pick([], (), True, 0.0, self.keep, self.cap, also)]
+            picked = board.least(self.keep, self.cap, also)
             bad = [s for s in picked if not at[s][0].usable(now)]
             if not bad:
                 break
