@@ -121,6 +121,8 @@ async def test_a_worker_without_events_is_flagged_in_admin_and_metrics(
     assert not audit["lonely"]["events_seen"] and audit["lonely"]["predicted_hit_tokens"] == 0
     assert 'cache_router_audit_warning{kind="no_events",worker="lonely"} 1.0' in metrics
     assert 'cache_router_audit_divergence{worker="m0"} 0.0' in metrics
+    assert set(index["loop"]) >= {"lag_max_s", "late_wakeups", "cpu_wait_s", "samples"}
+    assert "cache_router_event_loop_lag_seconds_count" in metrics
 
 
 async def test_doctor_names_what_is_wrong(half_blind: tuple[MockStack, Replica]) -> None:
@@ -141,6 +143,7 @@ async def test_doctor_names_what_is_wrong(half_blind: tuple[MockStack, Replica])
     assert by[("lonely", "events")].status == "fail"
     assert by[("lonely", "hits.no_events")].status == "fail"
     assert by[("lonely", "block_size")].status == "ok"  # it is the events, not the size
+    assert "wake-up(s) over 50 ms late" in by[("-", "event_loop")].detail
     text = render(checks)
     assert "FAIL lonely" in text and "problem(s)" in text
     assert all(isinstance(c, Check) for c in checks)

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from router.forward.hints import HintPublisher
     from router.observe.audit import HitAudit
     from router.observe.capacity import CapacityWatch
+    from router.observe.loop import LoopWatch
     from router.observe.metrics import RouterMetrics
     from router.pd.exchange import PdRouter
     from router.routing.decide import Router
@@ -71,6 +72,7 @@ class AdminDeps:
     metrics: RouterMetrics
     client: httpx.AsyncClient  # health checks of an added worker
     in_sync: Callable[[str, Pool], bool]  # what operators are told (``RouterState.in_sync``)
+    loop: LoopWatch | None = None  # the event loop's recent lateness (router.observe.loop)
     bus: Bus | None = None
     feed: EventFeed | None = None
     capacity: CapacityWatch | None = None

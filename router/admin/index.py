@@ -1,5 +1,6 @@
 """``GET /admin/index``: per pool the index and its ingest counters, the NATS side, the
-hit audit: is the index's view of the engines' caches to be trusted?"""
+hit audit: is the index's view of the engines' caches to be trusted? And how late the
+router's own event loop ran of late (``loop``, router.observe.loop)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,11 @@ def mount(api: APIRouter, state: AdminDeps) -> None:
             "hints_skipped": state.hints.skipped,
             "reader": reader(state.feed),
         }
-        return json_response({"pools": pools, "nats": nats, "audit": state.audit.snapshot()})
+        # the router's own loop: a late one delays every decision and answer (router.observe.loop)
+        loop = state.loop.recent() if state.loop is not None else None
+        return json_response(
+            {"pools": pools, "nats": nats, "audit": state.audit.snapshot(), "loop": loop}
+        )
 
 
 def reader(feed: EventFeed | None) -> dict[str, object]:

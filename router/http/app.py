@@ -48,6 +48,7 @@ from router.http.openapi import completion_paths
 from router.http.tls import ReloadingTls, engine_tls
 from router.observe.audit import AuditCollector, HitAudit
 from router.observe.capacity import CapacityCollector, CapacityWatch
+from router.observe.loop import LoopWatch
 from router.observe.metrics import RouterMetrics, StateCollector
 from router.observe.tracing import Tracing
 from router.pd.exchange import PdRouter
@@ -144,6 +145,7 @@ class RouterState:
         self.metrics = RouterMetrics()
         self.pd: PdRouter | None = None
         self.metrics.add_collector(StateCollector(self.registry, self.counts, self.events.lag))
+        self.loop = LoopWatch(self.metrics.registry)  # is the router's own loop late, and why
         self.metrics.add_collector(self.tokenize_pool)
         if self.prefixes is not None:
             self.metrics.add_collector(self.prefixes)
@@ -197,6 +199,7 @@ class RouterState:
             metrics=self.metrics,
             client=self.client,
             in_sync=self.in_sync,
+            loop=self.loop,
             bus=self.bus,
             feed=self.feed,
             capacity=self.capacity,
@@ -235,6 +238,7 @@ class RouterState:
         self.registry.on_failing.append(fail_stalled)
         if self.engine_tls is not None:
             self.engine_tls.follow()  # a renewed client certificate reaches new connections
+        self._tasks.append(asyncio.create_task(self.loop.run(), name="loop-watch"))
         self._tasks.append(asyncio.create_task(self.registry.monitor(self.client), name="health"))
         for source in self.discovery:
             self._tasks.append(asyncio.create_task(source.run(self.client), name="discovery"))

@@ -11,6 +11,8 @@ on one screen (``--json`` for scripts; exit status 1 when something is):
   hash can ever match;
 - hits: the router's predicted cached tokens against the engine-reported ones
   (the hit audit in ``/admin/index``), with its warnings.
+- event loop: how late the router's own loop ran in the last minute, and whether the
+  machine (CPU wait) or the router's work is why (``router.observe.loop``).
 - admission: each engine's limit as the router learnt it, its load and room, and
   whether a request would wait at the router now (``POST /admin/explain``).
 
@@ -27,6 +29,8 @@ from typing import Any
 
 import httpx
 import orjson
+
+from router.observe.loop import verdict as loop_verdict
 
 PROBE = "The cache-router doctor checks that router and engine tokenize alike: 12 ünïcode 🙂"
 _VLLM_BLOCK = re.compile(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"')
@@ -158,6 +162,9 @@ def diagnose(http: httpx.Client, router: str, token: str) -> list[Check]:
         else:
             status = "ok" if div is None or div == 0 else "warn"
             checks.append(Check(wid, "hits", status, detail))
+    if index.get("loop") is not None:
+        late, detail = loop_verdict(index["loop"])
+        checks.append(Check("-", "event_loop", "warn" if late else "ok", detail))
     checks.extend(admission(http, router, auth, workers.json()["workers"]))
     return checks
 
