@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from load import MODEL, complete, processes, request, serve_counted, wait_ready
+from load import MODEL, complete, processes, request, samples, serve_counted, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -458,10 +458,7 @@ def busiest(stack: Stack) -> str:
     counts = {}
     for i, port in enumerate(stack.engine_ports):
         status, body = http_get_auth(port, "/metrics")
-        running = 0.0
-        for line in body.decode().splitlines():
-            if line.startswith("vllm:num_requests_running"):
-                running = float(line.rsplit(" ", 1)[1])
+        running = sum(v for _, v in samples(body.decode(), "vllm:num_requests_running"))
         counts[f"e{i}"] = running if status == 200 else -1
     return max(counts, key=lambda k: counts[k])
 

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -247,6 +248,18 @@ def http_get(port: int, path: str) -> tuple[int, bytes]:
             data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
     return int(head[9:12]), body
+
+
+def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """Each sample named ``name`` in a Prometheus text scrape, with its labels: the client
+    library's parser, so a label value with a space or a name another starts with is not
+    misread as a split of the line would."""
+    return [
+        (s.labels, s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    ]
 
 
 def wait_ready(port: int, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
