@@ -44,6 +44,14 @@ within ``--slo-ms``), errors, and the router's CPU (psutil, its process tree; th
 and nats-server's apart): seconds per run, its idle rate (watched for 3 s before the load)
 and per request net of it. One JSON object on stdout (and ``--out``).
 
+The noise, paired (``paired`` in the JSON, and a line under each router in the markdown
+table printed on stderr): the routers of one round ran back to back on the same engines,
+so each round gives each router's difference from ``cache_aware`` on TTFT p50/p90/p99 and
+the clients' hit rate; their mean over the rounds, a 95 % interval (a two-stage bootstrap,
+rounds then the round's requests, beside Student's t over the rounds) and cache_aware's
+verdict: ahead, behind or within noise (``PAIRED_METHOD`` says why both intervals).
+``--analyze A.json [B.json ...]`` adds it to earlier reports and pools their rounds.
+
     flock /tmp/cpu-heavy.lock python3 bench/e2e.py \\
         --vllm-python /tmp/cache-router-vllm-venv/bin/python \\
         --peers-python /tmp/cache-router-peers-venv/bin/python  # ~20 min, 2 cores
@@ -709,6 +717,251 @@ def pooled(args: argparse.Namespace, runs: list[dict[str, Any]], work: Path) -> 
     return out
 
 
+# -- the noise, paired (every report) ---------------------------------------------------------
+
+BASELINE = "cache_aware"
+PAIRED_METRICS = ("p50", "p90", "p99", "hit")  # TTFT ms; the clients' hit rate
+BOOT = 2000
+LEVEL = 0.95
+# two-sided 97.5 % quantiles of Student's t, df 1..30 (beyond: the normal's)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
+PAIRED_METHOD = (
+    "paired by round (the routers of one round ran back to back on the same engines); "
+    "diff = router - cache_aware, its mean over rounds; ci: a two-stage bootstrap (rounds "
+    "with replacement, then the round's requests with replacement, the same draw for both "
+    "routers: the same slice) of that mean, 95 %; "
+    "ci_t: Student's t over the rounds' diffs; a verdict other than 'within noise' needs "
+    "both to exclude 0: with 4-8 rounds a bootstrap over rounds alone is too narrow (it "
+    "sees only the rounds drawn), the request stage puts back each run's own sampling "
+    "noise of a percentile, and t is the small-sample guard"
+)
+
+
+Sample = tuple[float, float, float]  # one answered request: TTFT ms, prompt and cached tokens
+
+
+def samples_of(recs: list[dict[str, Any]]) -> dict[str, Sample]:
+    """Each answered request's ``Sample`` by its place in the slice (aiperf's conversation
+    and turn: the same request in every router's run)."""
+    out: dict[str, Sample] = {}
+    for i, r in enumerate(recs):
+        m, meta = r.get("metrics", {}), r.get("metadata", {})
+        if r.get("error") or "time_to_first_token" not in m:
+            continue
+        key = f"{meta['conversation_id']}:{meta.get('turn_index', 0)}" if (
+            "conversation_id" in meta) else f"#{i}"  # fmt: skip
+        out[key] = (
+            float(m["time_to_first_token"]["value"]),
+            float(m.get("usage_prompt_tokens", {}).get("value", 0)),
+            float(m.get("usage_prompt_cache_read_tokens", {}).get("value", 0)),
+        )
+    return out
+
+
+def run_metrics(s: list[Sample]) -> dict[str, float | None]:
+    ttft = [x[0] for x in s]
+    prompt = sum(x[1] for x in s)
+    return {
+        "p50": pct(ttft, 50),
+        "p90": pct(ttft, 90),
+        "p99": pct(ttft, 99),
+        "hit": sum(x[2] for x in s) / prompt if prompt else None,
+    }
+
+
+def round_of(run: dict[str, Any]) -> Any:
+    """A run's round: ``round`` if the report has it, else its tag's first field."""
+    return run.get("round", run["tag"].split("-", 1)[0])
+
+
+def forward(rnd: Any) -> bool:
+    """Whether a round ran in the command's order (even ones; odd ones reversed). A round
+    of ``--analyze``'s is ``<report>:<round>``."""
+    return int(str(rnd).rsplit(":", 1)[-1]) % 2 == 0
+
+
+def _t_interval(diffs: list[float]) -> list[float] | None:
+    n = len(diffs)
+    if n < 2:
+        return None
+    t = _T975[n - 2] if n - 1 <= len(_T975) else 1.96
+    half = t * statistics.stdev(diffs) / math.sqrt(n)
+    m = statistics.fmean(diffs)
+    return [m - half, m + half]
+
+
+def verdict(metric: str, ci: list[float] | None, ci_t: list[float] | None) -> str:
+    """cache_aware's standing against the other router: ``ahead``, ``behind`` or ``within
+    noise`` (a lower TTFT is better, a higher hit rate is); both intervals must exclude 0
+    on the same side."""
+    if ci is None or ci_t is None:
+        return "within noise"
+    lo, hi = min(ci[0], ci_t[0]), max(ci[1], ci_t[1])  # the wider of the two
+    other_higher = lo > 0
+    if not other_higher and not hi < 0:
+        return "within noise"
+    return "ahead" if other_higher == (metric != "hit") else "behind"
+
+
+def _sd(xs: list[float], nd: int) -> float | None:
+    return round(statistics.stdev(xs), nd) if len(xs) > 1 else None
+
+
+def paired(
+    runs: list[dict[str, Any]],
+    samples: dict[str, dict[str, Sample]],
+    baseline: str = BASELINE,
+    boot: int = BOOT,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Per workload and router, each of ``PAIRED_METRICS`` against ``baseline``'s run of
+    the same round (see ``PAIRED_METHOD``): ``diffs`` (router - baseline, by round),
+    ``diff_mean``, its intervals ``ci`` and ``ci_t``, cache_aware's ``verdict``;
+    ``noise_sd``: the diffs' standard deviation (a comparison's run-to-run noise), ``sd``
+    and ``baseline_sd``: each one's own metric's over its runs; ``forward``/``reversed``:
+    the mean diff over the rounds run in the command's order and in reverse (an order
+    effect shows as their gap). ``samples``: a run's tag -> ``samples_of`` its records."""
+    rng = random.Random(seed)
+    out: dict[str, Any] = {}
+    cell: dict[tuple[str, str], dict[Any, str]] = {}  # (workload, router) -> round -> tag
+    for run in runs:
+        if "failed" not in run and samples.get(run["tag"]):
+            cell.setdefault((run["workload"], run["router"]), {})[round_of(run)] = run["tag"]
+    for (w, k), mine in cell.items():
+        base = cell.get((w, baseline))
+        if k == baseline or base is None:
+            continue
+        rounds = [rd for rd in mine if rd in base]
+        if not rounds:
+            continue
+        pairs = [(samples[mine[rd]], samples[base[rd]]) for rd in rounds]
+        # the request stage draws the same requests for both: the slice is the same
+        common = [sorted(a.keys() & b.keys()) for a, b in pairs]
+        dist: dict[str, list[float]] = {m: [] for m in PAIRED_METRICS}
+        for _ in range(boot):
+            acc: dict[str, list[float]] = {m: [] for m in PAIRED_METRICS}
+            for _ in pairs:
+                j = rng.randrange(len(pairs))
+                (a, b), keys = pairs[j], common[j]
+                if not keys:
+                    continue
+                drawn = [keys[rng.randrange(len(keys))] for _ in keys]
+                ma, mb = run_metrics([a[x] for x in drawn]), run_metrics([b[x] for x in drawn])
+                for m in PAIRED_METRICS:
+                    va, vb = ma[m], mb[m]
+                    if va is not None and vb is not None:
+                        acc[m].append(va - vb)
+            for m in PAIRED_METRICS:
+                if acc[m]:
+                    dist[m].append(statistics.fmean(acc[m]))
+        point = [(run_metrics(list(a.values())), run_metrics(list(b.values()))) for a, b in pairs]
+        res: dict[str, Any] = {"rounds": len(rounds)}
+        for m in PAIRED_METRICS:
+            nd = 4 if m == "hit" else 1
+            valid = [(pa[m], pb[m], rd) for (pa, pb), rd in zip(point, rounds, strict=True)
+                     if pa[m] is not None and pb[m] is not None]  # fmt: skip
+            diffs = [a - b for a, b, _ in valid]
+            if not diffs:
+                continue
+            d = sorted(dist[m])
+            ci = ([d[round((1 - LEVEL) / 2 * (len(d) - 1))],
+                   d[round((1 + LEVEL) / 2 * (len(d) - 1))]] if d else None)  # fmt: skip
+            ci_t = _t_interval(diffs)
+            fwd = [a - b for a, b, rd in valid if forward(rd)]
+            rev = [a - b for a, b, rd in valid if not forward(rd)]
+            res[m] = {
+                "diff_mean": round(statistics.fmean(diffs), nd),
+                "diffs": [round(x, nd) for x in diffs],
+                "ci": [round(x, nd) for x in ci] if ci else None,
+                "ci_t": [round(x, nd) for x in ci_t] if ci_t else None,
+                "noise_sd": _sd(diffs, nd),
+                "sd": _sd([a for a, _, _ in valid], nd),
+                "baseline_sd": _sd([b for _, b, _ in valid], nd),
+                "forward": round(statistics.fmean(fwd), nd) if fwd else None,
+                "reversed": round(statistics.fmean(rev), nd) if rev else None,
+                "verdict": verdict(m, ci, ci_t),
+            }
+        out.setdefault(w, {})[k] = res
+    return out
+
+
+def _ci(x: dict[str, Any], scale: float = 1.0, nd: int = 0) -> str:
+    def f(v: float) -> str:
+        return f"{v * scale:+.{nd}f}"
+
+    ci = x["ci"] or [x["diff_mean"], x["diff_mean"]]
+    return f"{f(x['diff_mean'])} [{f(ci[0])}, {f(ci[1])}] {x['verdict']}"
+
+
+def table(report: dict[str, Any]) -> str:
+    """The report as markdown: per workload the pooled numbers of each router, and under
+    each other router its paired diffs against ``cache_aware`` (router - cache_aware, 95 %
+    interval, cache_aware's verdict)."""
+    lines = []
+    for w, by_router in report.get("results", {}).items():
+        lines += [f"### {w}", "",
+                  "| router | runs | hit | TTFT p50 / p90 / p99 ms (pooled) | per run p50 "
+                  "| router CPU ms/req net |", "|---|---|---|---|---|---|"]  # fmt: skip
+        paired_w = report.get("paired", {}).get(w, {})
+        for k, res in by_router.items():
+            if res is None:
+                continue
+            t = res["ttft_ms"]
+            mine = [r for r in report.get("runs", []) if r.get("router") == k]
+            per_run = [r["ttft_ms"]["p50"] for r in mine if r["workload"] == w and "ttft_ms" in r]
+            hit = res.get("client_hit_rate")
+            lines.append(
+                f"| {k} | {res['runs']} | {100 * hit:.2f} % | {t['p50']} / {t['p90']} / "
+                f"{t['p99']} | {', '.join(str(round(x)) for x in per_run if x is not None)} "
+                f"| {res.get('router_cpu_ms_per_request_net')} |"
+                if hit is not None
+                else f"| {k} | {res['runs']} | - | {t['p50']} / {t['p90']} / {t['p99']} | | |"
+            )
+            pr = paired_w.get(k)
+            if pr and all(m in pr for m in PAIRED_METRICS):
+                lines.append(
+                    f"| {k} - {BASELINE}, {pr['rounds']} rounds | | "
+                    f"{_ci(pr['hit'], 100, 2)} pt | p50 {_ci(pr['p50'])}; p90 {_ci(pr['p90'])}; "
+                    f"p99 {_ci(pr['p99'])} | noise sd p50 {pr['p50']['noise_sd']} | |"
+                )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def analyze(paths: list[Path], boot: int = BOOT) -> dict[str, Any]:
+    """Earlier reports (their workdirs' aiperf records still on disk) as one: their runs
+    with rounds ``<i>:<round>`` (i: the report's place in ``paths``), ``paired`` over all
+    of them, and each report's own ``paired`` added to it (written back)."""
+    all_runs: list[dict[str, Any]] = []
+    all_samples: dict[str, dict[str, Sample]] = {}
+    reports = []
+    for i, path in enumerate(paths):
+        report = json.loads(path.read_text())
+        work = Path(report["setup"]["workdir"])
+        samples = {
+            run["tag"]: samples_of(records(work / "aiperf" / run["tag"]))
+            for run in report["runs"]
+            if "failed" not in run
+        }
+        report["paired"] = paired(report["runs"], samples, boot=boot)
+        report.setdefault("setup", {})["paired_method"] = PAIRED_METHOD
+        path.write_text(json.dumps(report, indent=1) + "\n")
+        reports.append(report)
+        for run in report["runs"]:
+            tag = f"{i}:{run['tag']}"
+            all_runs.append({**run, "tag": tag, "round": f"{i}:{round_of(run)}"})
+            if run["tag"] in samples:
+                all_samples[tag] = samples[run["tag"]]
+    return {
+        "reports": [str(p) for p in paths],
+        "paired_method": PAIRED_METHOD,
+        "paired": paired(all_runs, all_samples, boot=boot),
+        "each": [r["paired"] for r in reports],
+    }
+
+
 # -- where each request went (``--placement``) ------------------------------------------------
 
 
@@ -997,6 +1250,14 @@ def main() -> None:
         "simulator's cpu costs (bench/sweep.py) over 1.5, JSON out",
     )
     ap.add_argument(
+        "--analyze",
+        type=Path,
+        nargs="+",
+        metavar="REPORT",
+        help="no run: earlier --out reports (their workdirs still there) get their paired "
+        "analysis against cache_aware added; with several, one over all their rounds too",
+    )
+    ap.add_argument(
         "--smoke",
         action="store_true",
         help="cache_aware and round_robin, 10 agent-shaped requests at 4x, once",
@@ -1014,6 +1275,15 @@ def main() -> None:
     workloads = [w for w in args.workloads.split(",") if w]
     work = args.workdir or Path(tempfile.mkdtemp(prefix="cache-router-e2e-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.analyze:
+        both = analyze(args.analyze)
+        for path in args.analyze:
+            print(f"## {path}\n\n" + table(json.loads(path.read_text())), file=sys.stderr)
+        text = json.dumps(both, indent=1)
+        if args.out:
+            args.out.write_text(text + "\n")
+        print(text)
+        return
     if args.measure_engine:
         text = json.dumps(measure_engine(args, work), indent=1)
         if args.out:
@@ -1077,13 +1347,13 @@ def main() -> None:
                 for kind in order:
                     tag = f"{rep}-{w}-{kind}"
                     try:
-                        runs.append(
-                            one_run(args, kind, w, work / f"{w}.jsonl", engines, model, work, tag)
-                        )
+                        run = one_run(args, kind, w, work / f"{w}.jsonl", engines, model, work, tag)
+                        runs.append({**run, "round": rep})
                     except Exception as exc:  # one router's failure is reported, not fatal
                         runs.append(
-                            {"router": kind, "workload": w, "tag": tag, "failed": repr(exc)}
-                        )
+                            {"router": kind, "workload": w, "tag": tag, "round": rep,
+                             "failed": repr(exc)}
+                        )  # fmt: skip
                         print(f"{tag}: {exc!r}", file=sys.stderr, flush=True)
     finally:
         for e in engines:
@@ -1113,6 +1383,7 @@ def main() -> None:
             "engine_start_s": engine_start_s,
             "load_average_1m": os.getloadavg()[0],
             "workdir": str(work),
+            "paired_method": PAIRED_METHOD,
         },
         "slices": slices,
         "skipped": skipped,
@@ -1120,6 +1391,13 @@ def main() -> None:
         "runs": runs,
         "wall_s": round(time.monotonic() - started, 1),
     }
+    samples = {
+        run["tag"]: samples_of(records(work / "aiperf" / run["tag"]))
+        for run in runs
+        if "failed" not in run
+    }
+    report["paired"] = paired(runs, samples)
+    print(table(report), file=sys.stderr, flush=True)
     text = json.dumps(report, indent=1)
     if args.out:
         args.out.write_text(text + "\n")
