@@ -17,6 +17,9 @@ each router under test started in turn on the same engines:
   whose policy sees none of the engines' own counts (``CACHE_ROUTER_LOAD_STALE_AFTER``
   0.001 s: running, waiting and KV usage always stale, only what the router routed), so
   one command alternates them with ``cache_aware`` (not in the default set);
+- ``round_robin_events``: ``round_robin`` with ``cache_aware``'s nats-server and agents
+  running and the router ingesting their events, routing on none of it: what the event
+  path's CPU costs (not in the default set);
 - ``sglang_router``: PyPI's ``sglang-router`` with ``--policy cache_aware``;
 - ``vllm_router``: PyPI's ``vllm-router`` with ``--policy cache_aware``.
 
@@ -106,7 +109,11 @@ VARIANTS = {
     "_open": {"CACHE_ROUTER_ADMISSION": "false"},
     "_blind": {"CACHE_ROUTER_LOAD_STALE_AFTER": "0.001"},
 }
-OURS = ("cache_aware", *(f"cache_aware{v}" for v in VARIANTS), "round_robin")
+# ``round_robin_events``: round robin with cache_aware's event path running beside it (a
+# nats-server, an agent per engine reading its KV events and polling its /metrics, the router
+# ingesting both), routing on none of it: what that path's CPU costs the engines' TTFT
+OURS = ("cache_aware", *(f"cache_aware{v}" for v in VARIANTS), "round_robin",
+        "round_robin_events")  # fmt: skip
 WORKLOADS = ("conversation", "synthetic", "agent")
 MOONCAKE_BLOCK = 512
 SCALE = MOONCAKE_BLOCK // BLOCK  # 512-token hash blocks replayed as 32-token ones
@@ -424,7 +431,7 @@ def router_stack(
     side: list[Proc] = []
     try:
         nats_url = None
-        events = kind.startswith("cache_aware")
+        events = kind.startswith("cache_aware") or kind.endswith("_events")
         if events:
             store = logs / "jetstream"
             nats = spawn(
@@ -1226,6 +1233,13 @@ def main() -> None:
     ap.add_argument("--offset", type=int, default=0, help="first Mooncake line of a slice")
     ap.add_argument("--speedup", type=float, default=1.0)
     ap.add_argument("--repeat", type=int, default=2, help="rounds; odd ones in reverse order")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        help="runs of the first router on the first workload before the rounds, not counted "
+        "(the engines' first load; in the JSON as warmup_runs)",
+    )
     ap.add_argument("--slo-ms", type=float, default=1000.0)
     ap.add_argument("--run-timeout", type=float, default=600.0)
     ap.add_argument(
@@ -1334,6 +1348,7 @@ def main() -> None:
         }
     engines = engines_for(args, model, work)
     runs: list[dict[str, Any]] = []
+    warmups: list[dict[str, Any]] = []
     started = time.monotonic()
     try:
         for e in engines:
@@ -1341,6 +1356,10 @@ def main() -> None:
         for e in engines:
             e.wait_ready()
         engine_start_s = round(time.monotonic() - started, 1)
+        for _ in range(args.warmup):  # the engines' first load (shapes compiled), not counted
+            w, kind = workloads[0], routers[0]
+            tag = f"warmup{len(warmups)}-{w}-{kind}"
+            warmups.append(one_run(args, kind, w, work / f"{w}.jsonl", engines, model, work, tag))
         for rep in range(args.repeat):
             order = routers if rep % 2 == 0 else routers[::-1]
             for w in workloads:
@@ -1379,6 +1398,7 @@ def main() -> None:
             "speedup": args.speedup,
             "slo_ms": args.slo_ms,
             "repeat": args.repeat,
+            "warmup": args.warmup,
             "cache_router_env": args.cache_router_env,
             "engine_start_s": engine_start_s,
             "load_average_1m": os.getloadavg()[0],
@@ -1389,6 +1409,7 @@ def main() -> None:
         "skipped": skipped,
         "results": results,
         "runs": runs,
+        **({"warmup_runs": warmups} if warmups else {}),
         "wall_s": round(time.monotonic() - started, 1),
     }
     samples = {

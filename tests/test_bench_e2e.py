@@ -113,6 +113,10 @@ def test_the_variants_are_cache_aware_started_with_their_settings() -> None:
     assert e2e.VARIANTS["_open"] == {"CACHE_ROUTER_ADMISSION": "false"}
     cmd = e2e.router_command("round_robin", 1, 2, [], Path("/m"), "/p/python", None)
     assert cmd[cmd.index("--policy") + 1] == "round_robin"
+    # round robin beside cache_aware's event path: its policy, the events' nats
+    cmd = e2e.router_command("round_robin_events", 1, 2, [], Path("/m"), "/p/python", "nats://n")
+    assert cmd[cmd.index("--policy") + 1] == "round_robin" and "nats://n" in cmd
+    assert "round_robin_events" in e2e.OURS
 
 
 def _runs(ttft: dict[str, list[list[float]]], cached: dict[str, list[float]] | None = None) -> Any:
