@@ -1347,6 +1347,7 @@ def main() -> None:
             "unique_hash_blocks": len({h for r in rows for h in r["hash_ids"]}),
         }
     engines = engines_for(args, model, work)
+    versions_at_start = versions(args)  # the commit run, not the one checked out at the end
     runs: list[dict[str, Any]] = []
     warmups: list[dict[str, Any]] = []
     started = time.monotonic()
@@ -1386,7 +1387,7 @@ def main() -> None:
             ]
             results[w][kind] = pooled(args, mine, work) if mine else None
     report = {
-        "versions": versions(args),
+        "versions": versions_at_start,
         "setup": {
             "engines": args.engines,
             "gpu_blocks": args.gpu_blocks,
