@@ -249,14 +249,21 @@ def engines_for(args: argparse.Namespace, model: Path, work: Path) -> list[Engin
     return out
 
 
+# the engine's own clock (vLLM's histograms): from the request's arrival at its API server
+# to the first token, in the scheduler's queue, from scheduled to the first token
+ENGINE_TIMES = ("time_to_first_token", "request_queue_time", "request_prefill_time")
+
+
 def metrics(url: str) -> dict[str, float]:
-    """The counters the hit rate is made of, from one engine's ``/metrics``."""
+    """The counters the hit rate and the engine's own times are made of, from one
+    engine's ``/metrics``."""
     want = (
         "vllm:prefix_cache_hits_total",
         "vllm:prompt_tokens_total",
         "vllm:prefix_cache_queries_total",
         "vllm:num_requests_running",
         "vllm:num_preemptions_total",
+        *(f"vllm:{h}_seconds_{x}" for h in ENGINE_TIMES for x in ("sum", "count")),
     )
     out = dict.fromkeys(want, 0.0)
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
@@ -669,6 +676,13 @@ def one_run(
     )
     recs = records(work / "aiperf" / tag)
     span = span_s(recs)
+    inside: dict[str, float | None] = {}
+    for h in ENGINE_TIMES:
+        n = sum(a[f"vllm:{h}_seconds_count"] - b[f"vllm:{h}_seconds_count"]
+                for a, b in zip(after, before, strict=True))  # fmt: skip
+        t = sum(a[f"vllm:{h}_seconds_sum"] - b[f"vllm:{h}_seconds_sum"]
+                for a, b in zip(after, before, strict=True))  # fmt: skip
+        inside[h] = round(1000 * t / n, 1) if n > 0 else None
     placed = None
     if args.placement:
         where = engine_of_requests(engines, work, offsets)
@@ -693,6 +707,11 @@ def one_run(
         if recs
         else None,
         "events_cpu_s": round(side_cpu, 2),
+        # the engines' own means over the run's requests (their clocks start when a request
+        # reaches the engine's API server): what the client's TTFT spent inside them
+        "engine_ttft_ms_mean": inside["time_to_first_token"],
+        "engine_queue_ms_mean": inside["request_queue_time"],
+        "engine_prefill_ms_mean": inside["request_prefill_time"],
         **summarize(recs, args.slo_ms, span),
         **({"placement": placed} if placed is not None else {}),
     }
