@@ -1109,6 +1109,8 @@ PREFILL_SIZES = (64, 256, 580, 1024, 2048)
 DECODES = (1, 2, 4, 7)  # streams decoding at once (the engines run 8)
 CONTEXTS = (32, 600)  # their prompts' tokens
 PROBE = 580  # a prefill sent beside them: the conversation slice's mean prompt
+BURST_TOKENS = 1024  # sent at once as 1, 2, 4 or 8 prompts: what a prompt costs beyond its tokens
+BURSTS = (1, 2, 4, 8)
 
 
 async def _stream(
@@ -1125,7 +1127,9 @@ async def _stream(
 
 
 async def _measure(url: str, seed: int = 1) -> dict[str, float]:
-    """Median TTFT of prompts alone (3 each, distinct tokens: no hit), the step time with
+    """Median TTFT of prompts alone (3 each, distinct tokens: no hit), the last TTFT of
+    ``BURST_TOKENS`` sent at once as 1-8 prompts (what a prompt costs beyond its tokens: the
+    policies' estimate charges a queue by its tokens), the step time with
     ``d`` streams decoding (their inter-token time, tokens 10-60), and a ``PROBE``-token
     prefill's TTFT beside them, in ms."""
     rng = random.Random(seed)
@@ -1144,6 +1148,14 @@ async def _measure(url: str, seed: int = 1) -> dict[str, float]:
                 await _stream(http, url, prompt(n), 1, t)
                 ttft.append(1000 * t[0])
             out[f"prefill_{n}"] = round(statistics.median(ttft), 1)
+        for n in BURSTS:  # the last first token of n prompts sent at once, same tokens in all
+            last = []
+            for _ in range(3):
+                firsts: list[list[float]] = [[] for _ in range(n)]
+                await asyncio.gather(*(_stream(http, url, prompt(BURST_TOKENS // n), 1, firsts[i])
+                                       for i in range(n)))  # fmt: skip
+                last.append(1000 * max(f[0] for f in firsts))
+            out[f"burst_{n}x{BURST_TOKENS // n}"] = round(statistics.median(last), 1)
         for ctx in CONTEXTS:
             for d in DECODES:
                 times: list[list[float]] = [[] for _ in range(d)]
@@ -1171,6 +1183,10 @@ def modelled() -> dict[str, float]:
              "decode_ms_per_kv_token")  # fmt: skip
     c = EngineCosts(**{k: v / MODEL_SHARE if k in timed else v for k, v in cpu.items()})
     out = {f"prefill_{n}": round(c.step_ms() + c.prefill_ms(n), 1) for n in PREFILL_SIZES}
+    for n in BURSTS:  # one step of them all (the model charges no prompt beyond its tokens)
+        out[f"burst_{n}x{BURST_TOKENS // n}"] = round(
+            c.step_ms() + n * c.prefill_ms(BURST_TOKENS // n), 1
+        )
     for ctx in CONTEXTS:
         for d in DECODES:
             kv = d * ctx

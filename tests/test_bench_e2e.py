@@ -101,7 +101,11 @@ def test_measure_engine_sets_the_simulators_cpu_engine_beside_what_it_measures()
     keys = {f"prefill_{n}" for n in e2e.PREFILL_SIZES}
     keys |= {f"{k}_{d}_ctx{c}" for k in (f"prefill_{e2e.PROBE}_beside", "step")
              for d in e2e.DECODES for c in e2e.CONTEXTS}  # fmt: skip
+    keys |= {f"burst_{n}x{e2e.BURST_TOKENS // n}" for n in e2e.BURSTS}
     assert set(model) == keys
+    # the model charges tokens, not prompts: 8 prompts of 128 cost less than one of 1,024
+    # (less attention), never more
+    assert model["burst_8x128"] < model["burst_1x1024"] == model["prefill_1024"]
 
 
 def test_the_variants_are_cache_aware_started_with_their_settings() -> None:
