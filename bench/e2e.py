@@ -234,6 +234,8 @@ def engines_for(args: argparse.Namespace, model: Path, work: Path) -> list[Engin
         extra: tuple[str, ...] = ("--max-model-len", str(args.max_model_len))
         if args.placement:  # "Received request chatcmpl-<X-Request-ID>..." per request
             extra += ("--enable-log-requests",)
+        if getattr(args, "scale_out", False):  # the render and generate endpoints: tokens-in
+            extra += ("--enable-scale-out",)
         out.append(
             Engine(
                 f"e{i}",
@@ -290,6 +292,19 @@ def admission(url: str) -> dict[str, Any]:
                 out["limit"][name.split('worker="', 1)[1].split('"', 1)[0]] = float(value)
     out["held"] = round(out["held"])
     out["wait_s_sum"] = round(out["wait_s_sum"], 2)
+    return out
+
+
+def tokens_in(url: str) -> dict[str, int]:
+    """How cache-router sent the run's chats (``cache_router_tokens_in_total`` by outcome:
+    ``sent``, the router's ids; any other, as chats and why)."""
+    out: dict[str, int] = {}
+    with contextlib.suppress(httpx.HTTPError):
+        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("cache_router_tokens_in_total{") and 'outcome="' in line:
+                name, value = line.rsplit(" ", 1)
+                outcome = name.split('outcome="', 1)[1].split('"', 1)[0]
+                out[outcome] = out.get(outcome, 0) + round(float(value))
     return out
 
 
@@ -657,6 +672,7 @@ def one_run(
         duration = time.monotonic() - t0
         cpu, side_cpu = proc.cpu_s() - cpu0, sum(p.cpu_s() for p in side) - side0
         held = admission(url) if kind in OURS else None
+        ids = tokens_in(url) if kind in OURS else None
     after = [metrics(e.url) for e in engines]
     hits = sum(
         a["vllm:prefix_cache_hits_total"] - b["vllm:prefix_cache_hits_total"]
@@ -700,6 +716,7 @@ def one_run(
         "prompt_tokens_by_engine": per_engine,
         "engine_preemptions": round(preempted),
         **({"admission": held} if held is not None else {}),
+        **({"tokens_in": ids} if ids is not None else {}),
         "router_cpu_s": round(cpu, 2),
         "router_idle_cpu_ms_per_s": round(1000 * idle, 1),
         # the load's share: the run's CPU less its idle rate over the same time
@@ -1290,6 +1307,12 @@ def main() -> None:
         help="engines log each request (vLLM --enable-log-requests); per run, where each "
         "request went against its trace parent's engine (logs/<tag>/requests.json)",
     )
+    ap.add_argument(
+        "--scale-out",
+        action="store_true",
+        help="engines with vLLM's --enable-scale-out: cache-router then sends chats as its "
+        "token ids (chat_tokens_in), so the engines' front ends do not tokenize them again",
+    )
     ap.add_argument("--workdir", type=Path)
     ap.add_argument("--out", type=Path)
     ap.add_argument(
@@ -1435,6 +1458,7 @@ def main() -> None:
             "slo_ms": args.slo_ms,
             "repeat": args.repeat,
             "warmup": args.warmup,
+            "scale_out": args.scale_out,
             "cache_router_env": args.cache_router_env,
             "engine_start_s": engine_start_s,
             "load_average_1m": os.getloadavg()[0],
