@@ -930,12 +930,12 @@ def paired(
     return out
 
 
-def _ci(x: dict[str, Any], scale: float = 1.0, nd: int = 0) -> str:
+def _ci(x: dict[str, Any], scale: float = 1.0, nd: int = 0, unit: str = "") -> str:
     def f(v: float) -> str:
         return f"{v * scale:+.{nd}f}"
 
     ci = x["ci"] or [x["diff_mean"], x["diff_mean"]]
-    return f"{f(x['diff_mean'])} [{f(ci[0])}, {f(ci[1])}] {x['verdict']}"
+    return f"{f(x['diff_mean'])}{unit} [{f(ci[0])}, {f(ci[1])}] {x['verdict']}"
 
 
 def table(report: dict[str, Any]) -> str:
@@ -966,8 +966,9 @@ def table(report: dict[str, Any]) -> str:
             if pr and all(m in pr for m in PAIRED_METRICS):
                 lines.append(
                     f"| {k} - {BASELINE}, {pr['rounds']} rounds | | "
-                    f"{_ci(pr['hit'], 100, 2)} pt | p50 {_ci(pr['p50'])}; p90 {_ci(pr['p90'])}; "
-                    f"p99 {_ci(pr['p99'])} | noise sd p50 {pr['p50']['noise_sd']} | |"
+                    f"{_ci(pr['hit'], 100, 2, ' pt')} | p50 {_ci(pr['p50'])}; "
+                    f"p90 {_ci(pr['p90'])}; p99 {_ci(pr['p99'])} "
+                    f"| noise sd p50 {pr['p50']['noise_sd']} | |"
                 )
         lines.append("")
     return "\n".join(lines)
