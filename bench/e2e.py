@@ -251,8 +251,9 @@ def engines_for(args: argparse.Namespace, model: Path, work: Path) -> list[Engin
     return out
 
 
-# the engine's own clock (vLLM's histograms): from the request's arrival at its API server
-# to the first token, in the scheduler's queue, from scheduled to the first token
+# the engine's own clock (vLLM's histograms): from the request's arrival (stamped by its input
+# processor, after the API server parsed, rendered and tokenized it) to the first token, in
+# the scheduler's queue, from scheduled to the first token
 ENGINE_TIMES = ("time_to_first_token", "request_queue_time", "request_prefill_time")
 
 
@@ -724,8 +725,8 @@ def one_run(
         if recs
         else None,
         "events_cpu_s": round(side_cpu, 2),
-        # the engines' own means over the run's requests (their clocks start when a request
-        # reaches the engine's API server): what the client's TTFT spent inside them
+        # the engines' own means over the run's requests (``ENGINE_TIMES``): the client's
+        # TTFT less them is what a request spent before (client, router, engine front end)
         "engine_ttft_ms_mean": inside["time_to_first_token"],
         "engine_queue_ms_mean": inside["request_queue_time"],
         "engine_prefill_ms_mean": inside["request_prefill_time"],
