@@ -17,6 +17,9 @@ each router under test started in turn on the same engines:
   whose policy sees none of the engines' own counts (``CACHE_ROUTER_LOAD_STALE_AFTER``
   0.001 s: running, waiting and KV usage always stale, only what the router routed), so
   one command alternates them with ``cache_aware`` (not in the default set);
+- ``round_robin_events``: ``round_robin`` with ``cache_aware``'s nats-server and agents
+  running and the router ingesting their events, routing on none of it: what the event
+  path's CPU costs (not in the default set);
 - ``sglang_router``: PyPI's ``sglang-router`` with ``--policy cache_aware``;
 - ``vllm_router``: PyPI's ``vllm-router`` with ``--policy cache_aware``.
 
@@ -43,6 +46,14 @@ over ``prompt_tokens`` from the answers' usage), goodput (requests per second wi
 within ``--slo-ms``), errors, and the router's CPU (psutil, its process tree; the agents'
 and nats-server's apart): seconds per run, its idle rate (watched for 3 s before the load)
 and per request net of it. One JSON object on stdout (and ``--out``).
+
+The noise, paired (``paired`` in the JSON, and a line under each router in the markdown
+table printed on stderr): the routers of one round ran back to back on the same engines,
+so each round gives each router's difference from ``cache_aware`` on TTFT p50/p90/p99 and
+the clients' hit rate; their mean over the rounds, a 95 % interval (a two-stage bootstrap,
+rounds then the round's requests, beside Student's t over the rounds) and cache_aware's
+verdict: ahead, behind or within noise (``PAIRED_METHOD`` says why both intervals).
+``--analyze A.json [B.json ...]`` adds it to earlier reports and pools their rounds.
 
     flock /tmp/cpu-heavy.lock python3 bench/e2e.py \\
         --vllm-python /tmp/cache-router-vllm-venv/bin/python \\
@@ -98,7 +109,11 @@ VARIANTS = {
     "_open": {"CACHE_ROUTER_ADMISSION": "false"},
     "_blind": {"CACHE_ROUTER_LOAD_STALE_AFTER": "0.001"},
 }
-OURS = ("cache_aware", *(f"cache_aware{v}" for v in VARIANTS), "round_robin")
+# ``round_robin_events``: round robin with cache_aware's event path running beside it (a
+# nats-server, an agent per engine reading its KV events and polling its /metrics, the router
+# ingesting both), routing on none of it: what that path's CPU costs the engines' TTFT
+OURS = ("cache_aware", *(f"cache_aware{v}" for v in VARIANTS), "round_robin",
+        "round_robin_events")  # fmt: skip
 WORKLOADS = ("conversation", "synthetic", "agent")
 MOONCAKE_BLOCK = 512
 SCALE = MOONCAKE_BLOCK // BLOCK  # 512-token hash blocks replayed as 32-token ones
@@ -219,6 +234,8 @@ def engines_for(args: argparse.Namespace, model: Path, work: Path) -> list[Engin
         extra: tuple[str, ...] = ("--max-model-len", str(args.max_model_len))
         if args.placement:  # "Received request chatcmpl-<X-Request-ID>..." per request
             extra += ("--enable-log-requests",)
+        if getattr(args, "scale_out", False):  # the render and generate endpoints: tokens-in
+            extra += ("--enable-scale-out",)
         out.append(
             Engine(
                 f"e{i}",
@@ -234,14 +251,22 @@ def engines_for(args: argparse.Namespace, model: Path, work: Path) -> list[Engin
     return out
 
 
+# the engine's own clock (vLLM's histograms): from the request's arrival (stamped by its input
+# processor, after the API server parsed, rendered and tokenized it) to the first token, in
+# the scheduler's queue, from scheduled to the first token
+ENGINE_TIMES = ("time_to_first_token", "request_queue_time", "request_prefill_time")
+
+
 def metrics(url: str) -> dict[str, float]:
-    """The counters the hit rate is made of, from one engine's ``/metrics``."""
+    """The counters the hit rate and the engine's own times are made of, from one
+    engine's ``/metrics``."""
     want = (
         "vllm:prefix_cache_hits_total",
         "vllm:prompt_tokens_total",
         "vllm:prefix_cache_queries_total",
         "vllm:num_requests_running",
         "vllm:num_preemptions_total",
+        *(f"vllm:{h}_seconds_{x}" for h in ENGINE_TIMES for x in ("sum", "count")),
     )
     out = dict.fromkeys(want, 0.0)
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
@@ -268,6 +293,19 @@ def admission(url: str) -> dict[str, Any]:
                 out["limit"][name.split('worker="', 1)[1].split('"', 1)[0]] = float(value)
     out["held"] = round(out["held"])
     out["wait_s_sum"] = round(out["wait_s_sum"], 2)
+    return out
+
+
+def tokens_in(url: str) -> dict[str, int]:
+    """How cache-router sent the run's chats (``cache_router_tokens_in_total`` by outcome:
+    ``sent``, the router's ids; any other, as chats and why)."""
+    out: dict[str, int] = {}
+    with contextlib.suppress(httpx.HTTPError):
+        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("cache_router_tokens_in_total{") and 'outcome="' in line:
+                name, value = line.rsplit(" ", 1)
+                outcome = name.split('outcome="', 1)[1].split('"', 1)[0]
+                out[outcome] = out.get(outcome, 0) + round(float(value))
     return out
 
 
@@ -416,7 +454,7 @@ def router_stack(
     side: list[Proc] = []
     try:
         nats_url = None
-        events = kind.startswith("cache_aware")
+        events = kind.startswith("cache_aware") or kind.endswith("_events")
         if events:
             store = logs / "jetstream"
             nats = spawn(
@@ -635,6 +673,7 @@ def one_run(
         duration = time.monotonic() - t0
         cpu, side_cpu = proc.cpu_s() - cpu0, sum(p.cpu_s() for p in side) - side0
         held = admission(url) if kind in OURS else None
+        ids = tokens_in(url) if kind in OURS else None
     after = [metrics(e.url) for e in engines]
     hits = sum(
         a["vllm:prefix_cache_hits_total"] - b["vllm:prefix_cache_hits_total"]
@@ -654,6 +693,13 @@ def one_run(
     )
     recs = records(work / "aiperf" / tag)
     span = span_s(recs)
+    inside: dict[str, float | None] = {}
+    for h in ENGINE_TIMES:
+        n = sum(a[f"vllm:{h}_seconds_count"] - b[f"vllm:{h}_seconds_count"]
+                for a, b in zip(after, before, strict=True))  # fmt: skip
+        t = sum(a[f"vllm:{h}_seconds_sum"] - b[f"vllm:{h}_seconds_sum"]
+                for a, b in zip(after, before, strict=True))  # fmt: skip
+        inside[h] = round(1000 * t / n, 1) if n > 0 else None
     placed = None
     if args.placement:
         where = engine_of_requests(engines, work, offsets)
@@ -671,6 +717,7 @@ def one_run(
         "prompt_tokens_by_engine": per_engine,
         "engine_preemptions": round(preempted),
         **({"admission": held} if held is not None else {}),
+        **({"tokens_in": ids} if ids is not None else {}),
         "router_cpu_s": round(cpu, 2),
         "router_idle_cpu_ms_per_s": round(1000 * idle, 1),
         # the load's share: the run's CPU less its idle rate over the same time
@@ -678,6 +725,11 @@ def one_run(
         if recs
         else None,
         "events_cpu_s": round(side_cpu, 2),
+        # the engines' own means over the run's requests (``ENGINE_TIMES``): the client's
+        # TTFT less them is what a request spent before (client, router, engine front end)
+        "engine_ttft_ms_mean": inside["time_to_first_token"],
+        "engine_queue_ms_mean": inside["request_queue_time"],
+        "engine_prefill_ms_mean": inside["request_prefill_time"],
         **summarize(recs, args.slo_ms, span),
         **({"placement": placed} if placed is not None else {}),
     }
@@ -707,6 +759,252 @@ def pooled(args: argparse.Namespace, runs: list[dict[str, Any]], work: Path) -> 
         ),
     )
     return out
+
+
+# -- the noise, paired (every report) ---------------------------------------------------------
+
+BASELINE = "cache_aware"
+PAIRED_METRICS = ("p50", "p90", "p99", "hit")  # TTFT ms; the clients' hit rate
+BOOT = 2000
+LEVEL = 0.95
+# two-sided 97.5 % quantiles of Student's t, df 1..30 (beyond: the normal's)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
+PAIRED_METHOD = (
+    "paired by round (the routers of one round ran back to back on the same engines); "
+    "diff = router - cache_aware, its mean over rounds; ci: a two-stage bootstrap (rounds "
+    "with replacement, then the round's requests with replacement, the same draw for both "
+    "routers: the same slice) of that mean, 95 %; "
+    "ci_t: Student's t over the rounds' diffs; a verdict other than 'within noise' needs "
+    "both to exclude 0: with 4-8 rounds a bootstrap over rounds alone is too narrow (it "
+    "sees only the rounds drawn), the request stage puts back each run's own sampling "
+    "noise of a percentile, and t is the small-sample guard"
+)
+
+
+Sample = tuple[float, float, float]  # one answered request: TTFT ms, prompt and cached tokens
+
+
+def samples_of(recs: list[dict[str, Any]]) -> dict[str, Sample]:
+    """Each answered request's ``Sample`` by its place in the slice (aiperf's conversation
+    and turn: the same request in every router's run)."""
+    out: dict[str, Sample] = {}
+    for i, r in enumerate(recs):
+        m, meta = r.get("metrics", {}), r.get("metadata", {})
+        if r.get("error") or "time_to_first_token" not in m:
+            continue
+        key = f"{meta['conversation_id']}:{meta.get('turn_index', 0)}" if (
+            "conversation_id" in meta) else f"#{i}"  # fmt: skip
+        out[key] = (
+            float(m["time_to_first_token"]["value"]),
+            float(m.get("usage_prompt_tokens", {}).get("value", 0)),
+            float(m.get("usage_prompt_cache_read_tokens", {}).get("value", 0)),
+        )
+    return out
+
+
+def run_metrics(s: list[Sample]) -> dict[str, float | None]:
+    ttft = [x[0] for x in s]
+    prompt = sum(x[1] for x in s)
+    return {
+        "p50": pct(ttft, 50),
+        "p90": pct(ttft, 90),
+        "p99": pct(ttft, 99),
+        "hit": sum(x[2] for x in s) / prompt if prompt else None,
+    }
+
+
+def round_of(run: dict[str, Any]) -> Any:
+    """A run's round: ``round`` if the report has it, else its tag's first field."""
+    return run.get("round", run["tag"].split("-", 1)[0])
+
+
+def forward(rnd: Any) -> bool:
+    """Whether a round ran in the command's order (even ones; odd ones reversed). A round
+    of ``--analyze``'s is ``<report>:<round>``."""
+    return int(str(rnd).rsplit(":", 1)[-1]) % 2 == 0
+
+
+def _t_interval(diffs: list[float]) -> list[float] | None:
+    n = len(diffs)
+    if n < 2:
+        return None
+    t = _T975[n - 2] if n - 1 <= len(_T975) else 1.96
+    half = t * statistics.stdev(diffs) / math.sqrt(n)
+    m = statistics.fmean(diffs)
+    return [m - half, m + half]
+
+
+def verdict(metric: str, ci: list[float] | None, ci_t: list[float] | None) -> str:
+    """cache_aware's standing against the other router: ``ahead``, ``behind`` or ``within
+    noise`` (a lower TTFT is better, a higher hit rate is); both intervals must exclude 0
+    on the same side."""
+    if ci is None or ci_t is None:
+        return "within noise"
+    lo, hi = min(ci[0], ci_t[0]), max(ci[1], ci_t[1])  # the wider of the two
+    other_higher = lo > 0
+    if not other_higher and not hi < 0:
+        return "within noise"
+    return "ahead" if other_higher == (metric != "hit") else "behind"
+
+
+def _sd(xs: list[float], nd: int) -> float | None:
+    return round(statistics.stdev(xs), nd) if len(xs) > 1 else None
+
+
+def paired(
+    runs: list[dict[str, Any]],
+    samples: dict[str, dict[str, Sample]],
+    baseline: str = BASELINE,
+    boot: int = BOOT,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Per workload and router, each of ``PAIRED_METRICS`` against ``baseline``'s run of
+    the same round (see ``PAIRED_METHOD``): ``diffs`` (router - baseline, by round),
+    ``diff_mean``, its intervals ``ci`` and ``ci_t``, cache_aware's ``verdict``;
+    ``noise_sd``: the diffs' standard deviation (a comparison's run-to-run noise), ``sd``
+    and ``baseline_sd``: each one's own metric's over its runs; ``forward``/``reversed``:
+    the mean diff over the rounds run in the command's order and in reverse (an order
+    effect shows as their gap). ``samples``: a run's tag -> ``samples_of`` its records."""
+    rng = random.Random(seed)
+    out: dict[str, Any] = {}
+    cell: dict[tuple[str, str], dict[Any, str]] = {}  # (workload, router) -> round -> tag
+    for run in runs:
+        if "failed" not in run and samples.get(run["tag"]):
+            cell.setdefault((run["workload"], run["router"]), {})[round_of(run)] = run["tag"]
+    for (w, k), mine in cell.items():
+        base = cell.get((w, baseline))
+        if k == baseline or base is None:
+            continue
+        rounds = [rd for rd in mine if rd in base]
+        if not rounds:
+            continue
+        pairs = [(samples[mine[rd]], samples[base[rd]]) for rd in rounds]
+        # the request stage draws the same requests for both: the slice is the same
+        common = [sorted(a.keys() & b.keys()) for a, b in pairs]
+        dist: dict[str, list[float]] = {m: [] for m in PAIRED_METRICS}
+        for _ in range(boot):
+            acc: dict[str, list[float]] = {m: [] for m in PAIRED_METRICS}
+            for _ in pairs:
+                j = rng.randrange(len(pairs))
+                (a, b), keys = pairs[j], common[j]
+                if not keys:
+                    continue
+                drawn = [keys[rng.randrange(len(keys))] for _ in keys]
+                ma, mb = run_metrics([a[x] for x in drawn]), run_metrics([b[x] for x in drawn])
+                for m in PAIRED_METRICS:
+                    va, vb = ma[m], mb[m]
+                    if va is not None and vb is not None:
+                        acc[m].append(va - vb)
+            for m in PAIRED_METRICS:
+                if acc[m]:
+                    dist[m].append(statistics.fmean(acc[m]))
+        point = [(run_metrics(list(a.values())), run_metrics(list(b.values()))) for a, b in pairs]
+        res: dict[str, Any] = {"rounds": len(rounds)}
+        for m in PAIRED_METRICS:
+            nd = 4 if m == "hit" else 1
+            valid = [(pa[m], pb[m], rd) for (pa, pb), rd in zip(point, rounds, strict=True)
+                     if pa[m] is not None and pb[m] is not None]  # fmt: skip
+            diffs = [a - b for a, b, _ in valid]
+            if not diffs:
+                continue
+            d = sorted(dist[m])
+            ci = ([d[round((1 - LEVEL) / 2 * (len(d) - 1))],
+                   d[round((1 + LEVEL) / 2 * (len(d) - 1))]] if d else None)  # fmt: skip
+            ci_t = _t_interval(diffs)
+            fwd = [a - b for a, b, rd in valid if forward(rd)]
+            rev = [a - b for a, b, rd in valid if not forward(rd)]
+            res[m] = {
+                "diff_mean": round(statistics.fmean(diffs), nd),
+                "diffs": [round(x, nd) for x in diffs],
+                "ci": [round(x, nd) for x in ci] if ci else None,
+                "ci_t": [round(x, nd) for x in ci_t] if ci_t else None,
+                "noise_sd": _sd(diffs, nd),
+                "sd": _sd([a for a, _, _ in valid], nd),
+                "baseline_sd": _sd([b for _, b, _ in valid], nd),
+                "forward": round(statistics.fmean(fwd), nd) if fwd else None,
+                "reversed": round(statistics.fmean(rev), nd) if rev else None,
+                "verdict": verdict(m, ci, ci_t),
+            }
+        out.setdefault(w, {})[k] = res
+    return out
+
+
+def _ci(x: dict[str, Any], scale: float = 1.0, nd: int = 0, unit: str = "") -> str:
+    def f(v: float) -> str:
+        return f"{v * scale:+.{nd}f}"
+
+    ci = x["ci"] or [x["diff_mean"], x["diff_mean"]]
+    return f"{f(x['diff_mean'])}{unit} [{f(ci[0])}, {f(ci[1])}] {x['verdict']}"
+
+
+def table(report: dict[str, Any]) -> str:
+    """The report as markdown: per workload the pooled numbers of each router, and under
+    each other router its paired diffs against ``cache_aware`` (router - cache_aware, 95 %
+    interval, cache_aware's verdict)."""
+    lines = []
+    for w, by_router in report.get("results", {}).items():
+        lines += [f"### {w}", "",
+                  "| router | runs | hit | TTFT p50 / p90 / p99 ms (pooled) | per run p50 "
+                  "| router CPU ms/req net |", "|---|---|---|---|---|---|"]  # fmt: skip
+        paired_w = report.get("paired", {}).get(w, {})
+        for k, res in by_router.items():
+            if res is None:
+                continue
+            t = res["ttft_ms"]
+            mine = [r for r in report.get("runs", []) if r.get("router") == k]
+            per_run = [r["ttft_ms"]["p50"] for r in mine if r["workload"] == w and "ttft_ms" in r]
+            hit = res.get("client_hit_rate")
+            lines.append(
+                f"| {k} | {res['runs']} | {100 * hit:.2f} % | {t['p50']} / {t['p90']} / "
+                f"{t['p99']} | {', '.join(str(round(x)) for x in per_run if x is not None)} "
+                f"| {res.get('router_cpu_ms_per_request_net')} |"
+                if hit is not None
+                else f"| {k} | {res['runs']} | - | {t['p50']} / {t['p90']} / {t['p99']} | | |"
+            )
+            pr = paired_w.get(k)
+            if pr and all(m in pr for m in PAIRED_METRICS):
+                lines.append(
+                    f"| {k} - {BASELINE}, {pr['rounds']} rounds | | "
+                    f"{_ci(pr['hit'], 100, 2, ' pt')} | p50 {_ci(pr['p50'])}; "
+                    f"p90 {_ci(pr['p90'])}; p99 {_ci(pr['p99'])} "
+                    f"| noise sd p50 {pr['p50']['noise_sd']} | |"
+                )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def analyze(paths: list[Path], boot: int = BOOT) -> dict[str, Any]:
+    """Earlier reports (their workdirs' aiperf records still on disk) as one: their runs
+    with rounds ``<i>:<round>`` (i: the report's place in ``paths``), ``paired`` over all
+    of them, and each report's own ``paired`` added to it (written back)."""
+    all_runs: list[dict[str, Any]] = []
+    all_samples: dict[str, dict[str, Sample]] = {}
+    reports = []
+    for i, path in enumerate(paths):
+        report = json.loads(path.read_text())
+        work = Path(report["setup"]["workdir"])
+        samples = {
+            run["tag"]: samples_of(records(work / "aiperf" / run["tag"]))
+            for run in report["runs"]
+            if "failed" not in run
+        }
+        report["paired"] = paired(report["runs"], samples, boot=boot)
+        report.setdefault("setup", {})["paired_method"] = PAIRED_METHOD
+        path.write_text(json.dumps(report, indent=1) + "\n")
+        reports.append(report)
+        for run in report["runs"]:
+            tag = f"{i}:{run['tag']}"
+            all_runs.append({**run, "tag": tag, "round": f"{i}:{round_of(run)}"})
+            if run["tag"] in samples:
+                all_samples[tag] = samples[run["tag"]]
+    return {
+        "reports": [str(p) for p in paths],
+        "paired_method": PAIRED_METHOD,
+        "paired": paired(all_runs, all_samples, boot=boot),
+        "each": [r["paired"] for r in reports],
+    }
 
 
 # -- where each request went (``--placement``) ------------------------------------------------
@@ -830,6 +1128,8 @@ PREFILL_SIZES = (64, 256, 580, 1024, 2048)
 DECODES = (1, 2, 4, 7)  # streams decoding at once (the engines run 8)
 CONTEXTS = (32, 600)  # their prompts' tokens
 PROBE = 580  # a prefill sent beside them: the conversation slice's mean prompt
+BURST_TOKENS = 1024  # sent at once as 1, 2, 4 or 8 prompts: what a prompt costs beyond its tokens
+BURSTS = (1, 2, 4, 8)
 
 
 async def _stream(
@@ -846,7 +1146,9 @@ async def _stream(
 
 
 async def _measure(url: str, seed: int = 1) -> dict[str, float]:
-    """Median TTFT of prompts alone (3 each, distinct tokens: no hit), the step time with
+    """Median TTFT of prompts alone (3 each, distinct tokens: no hit), the last TTFT of
+    ``BURST_TOKENS`` sent at once as 1-8 prompts (what a prompt costs beyond its tokens: the
+    policies' estimate charges a queue by its tokens), the step time with
     ``d`` streams decoding (their inter-token time, tokens 10-60), and a ``PROBE``-token
     prefill's TTFT beside them, in ms."""
     rng = random.Random(seed)
@@ -865,6 +1167,14 @@ async def _measure(url: str, seed: int = 1) -> dict[str, float]:
                 await _stream(http, url, prompt(n), 1, t)
                 ttft.append(1000 * t[0])
             out[f"prefill_{n}"] = round(statistics.median(ttft), 1)
+        for n in BURSTS:  # the last first token of n prompts sent at once, same tokens in all
+            last = []
+            for _ in range(3):
+                firsts: list[list[float]] = [[] for _ in range(n)]
+                await asyncio.gather(*(_stream(http, url, prompt(BURST_TOKENS // n), 1, firsts[i])
+                                       for i in range(n)))  # fmt: skip
+                last.append(1000 * max(f[0] for f in firsts))
+            out[f"burst_{n}x{BURST_TOKENS // n}"] = round(statistics.median(last), 1)
         for ctx in CONTEXTS:
             for d in DECODES:
                 times: list[list[float]] = [[] for _ in range(d)]
@@ -892,6 +1202,10 @@ def modelled() -> dict[str, float]:
              "decode_ms_per_kv_token")  # fmt: skip
     c = EngineCosts(**{k: v / MODEL_SHARE if k in timed else v for k, v in cpu.items()})
     out = {f"prefill_{n}": round(c.step_ms() + c.prefill_ms(n), 1) for n in PREFILL_SIZES}
+    for n in BURSTS:  # one step of them all (the model charges no prompt beyond its tokens)
+        out[f"burst_{n}x{BURST_TOKENS // n}"] = round(
+            c.step_ms() + n * c.prefill_ms(BURST_TOKENS // n), 1
+        )
     for ctx in CONTEXTS:
         for d in DECODES:
             kv = d * ctx
@@ -973,6 +1287,13 @@ def main() -> None:
     ap.add_argument("--offset", type=int, default=0, help="first Mooncake line of a slice")
     ap.add_argument("--speedup", type=float, default=1.0)
     ap.add_argument("--repeat", type=int, default=2, help="rounds; odd ones in reverse order")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        help="runs of the first router on the first workload before the rounds, not counted "
+        "(the engines' first load; in the JSON as warmup_runs)",
+    )
     ap.add_argument("--slo-ms", type=float, default=1000.0)
     ap.add_argument("--run-timeout", type=float, default=600.0)
     ap.add_argument(
@@ -988,6 +1309,12 @@ def main() -> None:
         help="engines log each request (vLLM --enable-log-requests); per run, where each "
         "request went against its trace parent's engine (logs/<tag>/requests.json)",
     )
+    ap.add_argument(
+        "--scale-out",
+        action="store_true",
+        help="engines with vLLM's --enable-scale-out: cache-router then sends chats as its "
+        "token ids (chat_tokens_in), so the engines' front ends do not tokenize them again",
+    )
     ap.add_argument("--workdir", type=Path)
     ap.add_argument("--out", type=Path)
     ap.add_argument(
@@ -995,6 +1322,14 @@ def main() -> None:
         action="store_true",
         help="only one engine alone: its prefill and decode-step times beside the "
         "simulator's cpu costs (bench/sweep.py) over 1.5, JSON out",
+    )
+    ap.add_argument(
+        "--analyze",
+        type=Path,
+        nargs="+",
+        metavar="REPORT",
+        help="no run: earlier --out reports (their workdirs still there) get their paired "
+        "analysis against cache_aware added; with several, one over all their rounds too",
     )
     ap.add_argument(
         "--smoke",
@@ -1014,6 +1349,15 @@ def main() -> None:
     workloads = [w for w in args.workloads.split(",") if w]
     work = args.workdir or Path(tempfile.mkdtemp(prefix="cache-router-e2e-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.analyze:
+        both = analyze(args.analyze)
+        for path in args.analyze:
+            print(f"## {path}\n\n" + table(json.loads(path.read_text())), file=sys.stderr)
+        text = json.dumps(both, indent=1)
+        if args.out:
+            args.out.write_text(text + "\n")
+        print(text)
+        return
     if args.measure_engine:
         text = json.dumps(measure_engine(args, work), indent=1)
         if args.out:
@@ -1063,7 +1407,9 @@ def main() -> None:
             "unique_hash_blocks": len({h for r in rows for h in r["hash_ids"]}),
         }
     engines = engines_for(args, model, work)
+    versions_at_start = versions(args)  # the commit run, not the one checked out at the end
     runs: list[dict[str, Any]] = []
+    warmups: list[dict[str, Any]] = []
     started = time.monotonic()
     try:
         for e in engines:
@@ -1071,19 +1417,23 @@ def main() -> None:
         for e in engines:
             e.wait_ready()
         engine_start_s = round(time.monotonic() - started, 1)
+        for _ in range(args.warmup):  # the engines' first load (shapes compiled), not counted
+            w, kind = workloads[0], routers[0]
+            tag = f"warmup{len(warmups)}-{w}-{kind}"
+            warmups.append(one_run(args, kind, w, work / f"{w}.jsonl", engines, model, work, tag))
         for rep in range(args.repeat):
             order = routers if rep % 2 == 0 else routers[::-1]
             for w in workloads:
                 for kind in order:
                     tag = f"{rep}-{w}-{kind}"
                     try:
-                        runs.append(
-                            one_run(args, kind, w, work / f"{w}.jsonl", engines, model, work, tag)
-                        )
+                        run = one_run(args, kind, w, work / f"{w}.jsonl", engines, model, work, tag)
+                        runs.append({**run, "round": rep})
                     except Exception as exc:  # one router's failure is reported, not fatal
                         runs.append(
-                            {"router": kind, "workload": w, "tag": tag, "failed": repr(exc)}
-                        )
+                            {"router": kind, "workload": w, "tag": tag, "round": rep,
+                             "failed": repr(exc)}
+                        )  # fmt: skip
                         print(f"{tag}: {exc!r}", file=sys.stderr, flush=True)
     finally:
         for e in engines:
@@ -1097,7 +1447,7 @@ def main() -> None:
             ]
             results[w][kind] = pooled(args, mine, work) if mine else None
     report = {
-        "versions": versions(args),
+        "versions": versions_at_start,
         "setup": {
             "engines": args.engines,
             "gpu_blocks": args.gpu_blocks,
@@ -1109,17 +1459,28 @@ def main() -> None:
             "speedup": args.speedup,
             "slo_ms": args.slo_ms,
             "repeat": args.repeat,
+            "warmup": args.warmup,
+            "scale_out": args.scale_out,
             "cache_router_env": args.cache_router_env,
             "engine_start_s": engine_start_s,
             "load_average_1m": os.getloadavg()[0],
             "workdir": str(work),
+            "paired_method": PAIRED_METHOD,
         },
         "slices": slices,
         "skipped": skipped,
         "results": results,
         "runs": runs,
+        **({"warmup_runs": warmups} if warmups else {}),
         "wall_s": round(time.monotonic() - started, 1),
     }
+    samples = {
+        run["tag"]: samples_of(records(work / "aiperf" / run["tag"]))
+        for run in runs
+        if "failed" not in run
+    }
+    report["paired"] = paired(runs, samples)
+    print(table(report), file=sys.stderr, flush=True)
     text = json.dumps(report, indent=1)
     if args.out:
         args.out.write_text(text + "\n")

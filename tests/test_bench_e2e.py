@@ -101,7 +101,11 @@ def test_measure_engine_sets_the_simulators_cpu_engine_beside_what_it_measures()
     keys = {f"prefill_{n}" for n in e2e.PREFILL_SIZES}
     keys |= {f"{k}_{d}_ctx{c}" for k in (f"prefill_{e2e.PROBE}_beside", "step")
              for d in e2e.DECODES for c in e2e.CONTEXTS}  # fmt: skip
+    keys |= {f"burst_{n}x{e2e.BURST_TOKENS // n}" for n in e2e.BURSTS}
     assert set(model) == keys
+    # the model charges tokens, not prompts: 8 prompts of 128 cost less than one of 1,024
+    # (less attention), never more
+    assert model["burst_8x128"] < model["burst_1x1024"] == model["prefill_1024"]
 
 
 def test_the_variants_are_cache_aware_started_with_their_settings() -> None:
@@ -113,3 +117,91 @@ def test_the_variants_are_cache_aware_started_with_their_settings() -> None:
     assert e2e.VARIANTS["_open"] == {"CACHE_ROUTER_ADMISSION": "false"}
     cmd = e2e.router_command("round_robin", 1, 2, [], Path("/m"), "/p/python", None)
     assert cmd[cmd.index("--policy") + 1] == "round_robin"
+    # round robin beside cache_aware's event path: its policy, the events' nats
+    cmd = e2e.router_command("round_robin_events", 1, 2, [], Path("/m"), "/p/python", "nats://n")
+    assert cmd[cmd.index("--policy") + 1] == "round_robin" and "nats://n" in cmd
+    assert "round_robin_events" in e2e.OURS
+
+
+def _runs(ttft: dict[str, list[list[float]]], cached: dict[str, list[float]] | None = None) -> Any:
+    """Made-up reports: router -> its runs' TTFTs by round (the same requests in each
+    round, keyed as aiperf's records are); ``cached``: each router's cached share."""
+    runs, samples = [], {}
+    for router, by_round in ttft.items():
+        for rnd, values in enumerate(by_round):
+            tag = f"{rnd}-conv-{router}"
+            runs.append({"router": router, "workload": "conv", "tag": tag, "round": rnd})
+            share = (cached or {}).get(router, 0.0)
+            samples[tag] = {f"session_{i:06d}:0": (t, 100.0, 100.0 * share)
+                            for i, t in enumerate(values)}  # fmt: skip
+    return runs, samples
+
+
+def test_paired_diffs_cancel_the_rounds_drift_and_judge_a_small_steady_gap() -> None:
+    e2e = _e2e()
+    rng = __import__("random").Random(1)
+    base = [[rng.uniform(100, 2000) for _ in range(100)] for _ in range(6)]
+    # each round slows both routers alike (x1 .. x2.5: the machine's drift between rounds,
+    # far more than the gap); round robin is 30 ms slower on every request
+    ours = [[t * (1 + 0.3 * r) for t in ts] for r, ts in enumerate(base)]
+    rr = [[t + 30 for t in ts] for ts in ours]
+    runs, samples = _runs({"cache_aware": ours, "round_robin": rr},
+                          {"cache_aware": 0.3, "round_robin": 0.1})  # fmt: skip
+    out = e2e.paired(runs, samples, boot=300)["conv"]["round_robin"]
+    assert out["rounds"] == 6
+    for m in ("p50", "p90", "p99"):
+        assert out[m]["diffs"] == [30.0] * 6 and out[m]["diff_mean"] == 30.0
+        assert out[m]["noise_sd"] == 0.0 and out[m]["sd"] > 100  # the drift, paired away
+        assert out[m]["verdict"] == "ahead"  # round robin's TTFT is higher: cache_aware ahead
+    assert out["hit"]["diff_mean"] == -0.2 and out["hit"]["verdict"] == "ahead"
+    assert (out["p50"]["forward"], out["p50"]["reversed"]) == (30.0, 30.0)
+
+
+def test_a_gap_that_changes_sides_between_rounds_is_within_noise() -> None:
+    e2e = _e2e()
+    base = [[float(100 + 10 * i) for i in range(100)] for _ in range(4)]
+    # the other router 300 ms slower in the forward rounds, 300 ms faster in reversed ones:
+    # no standing either way, and the order effect shows
+    other = [[t + (300 if r % 2 == 0 else -300) for t in ts] for r, ts in enumerate(base)]
+    runs, samples = _runs({"cache_aware": base, "sglang_router": other})
+    out = e2e.paired(runs, samples, boot=300)["conv"]["sglang_router"]
+    p50 = out["p50"]
+    assert p50["diff_mean"] == 0.0 and p50["verdict"] == "within noise"
+    assert p50["ci"][0] < 0 < p50["ci"][1] and p50["ci_t"][0] < 0 < p50["ci_t"][1]
+    assert (p50["forward"], p50["reversed"]) == (300.0, -300.0)
+    assert round(p50["noise_sd"]) == round((300**2 * 4 / 3) ** 0.5)  # sd of +-300 over 4
+    assert out["hit"]["verdict"] == "within noise"  # equal hit rates: no side
+
+
+def test_a_behind_verdict_and_rounds_without_both_routers_left_out() -> None:
+    e2e = _e2e()
+    rng = __import__("random").Random(2)
+    ours = [[rng.uniform(200, 900) for _ in range(100)] for _ in range(5)]
+    rr = [[t - 50 + rng.uniform(-5, 5) for t in ts] for ts in ours]  # round robin faster
+    runs, samples = _runs({"cache_aware": ours, "round_robin": rr})
+    runs[1]["failed"] = "boom"  # cache_aware's round 1 failed: that round has no pair
+    out = e2e.paired(runs, samples, boot=300)["conv"]["round_robin"]
+    assert out["rounds"] == 4
+    assert -56 < out["p50"]["diff_mean"] < -44 and out["p50"]["verdict"] == "behind"
+    assert out["p50"]["ci"][1] < 0 and out["p50"]["ci_t"][1] < 0
+    # one round is no interval: never a verdict on it
+    one = e2e.paired(runs[:1] + runs[5:6], samples, boot=50)["conv"]["round_robin"]
+    assert one["rounds"] == 1 and one["p50"]["verdict"] == "within noise"
+    # the hit rate's side: a higher hit rate is better
+    assert e2e.verdict("hit", [0.01, 0.02], [0.005, 0.03]) == "behind"
+    assert e2e.verdict("p99", [5.0, 20.0], [-1.0, 30.0]) == "within noise"  # t includes 0
+
+
+def test_the_printed_table_has_a_paired_line_under_each_other_router() -> None:
+    e2e = _e2e()
+    ours = [[float(100 + i) for i in range(100)] for _ in range(4)]
+    rr = [[t + 20 for t in ts] for ts in ours]
+    runs, samples = _runs({"cache_aware": ours, "round_robin": rr})
+    pooled = {"runs": 4, "client_hit_rate": 0.05, "router_cpu_ms_per_request_net": 7.5,
+              "ttft_ms": {"p50": 150.0, "p90": 190.0, "p99": 199.0}}  # fmt: skip
+    report = {"results": {"conv": {"cache_aware": pooled, "round_robin": pooled}},
+              "runs": runs, "paired": e2e.paired(runs, samples, boot=50)}  # fmt: skip
+    lines = e2e.table(report).splitlines()
+    paired_lines = [x for x in lines if x.startswith("| round_robin - cache_aware, 4 rounds")]
+    assert len(paired_lines) == 1 and "p50 +20 [+20, +20] ahead" in paired_lines[0]
+    assert not any(x.startswith("| cache_aware - ") for x in lines)
