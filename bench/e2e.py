@@ -96,7 +96,9 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "real_engines"))
+sys.path.insert(0, str(ROOT / "bench"))  # load.py, when imported from a test
 
+from load import samples  # noqa: E402
 from vllm_engine import BLOCK, MODEL, Engine  # noqa: E402
 
 from sim.mock.natsd import free_ports, nats_server_binary  # noqa: E402
@@ -268,31 +270,21 @@ def metrics(url: str) -> dict[str, float]:
         "vllm:num_preemptions_total",
         *(f"vllm:{h}_seconds_{x}" for h in ENGINE_TIMES for x in ("sum", "count")),
     )
-    out = dict.fromkeys(want, 0.0)
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in out and not line.startswith("#"):
-            out[name] += float(line.rsplit(" ", 1)[1])
-    return out
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {name: sum(v for _, v in samples(text, name)) for name in want}
 
 
 def admission(url: str) -> dict[str, Any]:
     """cache-router's admission over the run (its process is fresh each run): requests
     held at the router, their wait, and the engine limits it learnt."""
-    out: dict[str, Any] = {"held": 0.0, "wait_s_sum": 0.0, "limit": {}}
+    out: dict[str, Any] = {"held": 0, "wait_s_sum": 0.0, "limit": {}}
     with contextlib.suppress(httpx.HTTPError):
-        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-            if line.startswith("#") or " " not in line:
-                continue
-            name, value = line.rsplit(" ", 1)
-            if name.startswith("cache_router_admission_queued_total"):
-                out["held"] += float(value)
-            elif name.startswith("cache_router_admission_wait_seconds_sum"):
-                out["wait_s_sum"] += float(value)
-            elif name.startswith("cache_router_admission_limit{"):
-                out["limit"][name.split('worker="', 1)[1].split('"', 1)[0]] = float(value)
-    out["held"] = round(out["held"])
-    out["wait_s_sum"] = round(out["wait_s_sum"], 2)
+        text = httpx.get(url + "/metrics", timeout=10).text
+        out["held"] = round(sum(v for _, v in samples(text, "cache_router_admission_queued_total")))
+        wait = samples(text, "cache_router_admission_wait_seconds_sum")
+        out["wait_s_sum"] = round(sum(v for _, v in wait), 2)
+        limits = samples(text, "cache_router_admission_limit")
+        out["limit"] = {labels["worker"]: v for labels, v in limits}
     return out
 
 
@@ -301,11 +293,9 @@ def tokens_in(url: str) -> dict[str, int]:
     ``sent``, the router's ids; any other, as chats and why)."""
     out: dict[str, int] = {}
     with contextlib.suppress(httpx.HTTPError):
-        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-            if line.startswith("cache_router_tokens_in_total{") and 'outcome="' in line:
-                name, value = line.rsplit(" ", 1)
-                outcome = name.split('outcome="', 1)[1].split('"', 1)[0]
-                out[outcome] = out.get(outcome, 0) + round(float(value))
+        text = httpx.get(url + "/metrics", timeout=10).text
+        for labels, value in samples(text, "cache_router_tokens_in_total"):
+            out[labels["outcome"]] = out.get(labels["outcome"], 0) + round(value)
     return out
 
 
