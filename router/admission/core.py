@@ -422,7 +422,9 @@ class Admission:
 
     def report(self, worker: str, running: int | None, waiting: int | None) -> None:
         """An engine's load; a raised limit may let held tickets go."""
-        if self.capacity.report(worker, running, waiting, self._clock()):
+        first = self.capacity.first(worker)
+        changed = self.capacity.report(worker, running, waiting, self._clock())
+        if changed or self.capacity.first(worker) != first:
             self._rooms.dirty.add(worker)
             if self._held:
                 self.pump()
@@ -598,23 +600,26 @@ class Admission:
                 del seen[name]
 
     def entitled(self, ticket: Ticket, now: float) -> bool:
-        """Whether ``ticket`` may take a worker's reserved slots: it is urgent (priority
-        below 0), or its tenant has fewer requests in flight than its weighted share of
-        the candidates' slots among the tenants active now (in flight, or arrived within
-        ``ACTIVE`` seconds). A tenant alone is under its share whatever it sends."""
+        """Whether ``ticket`` may take a worker's reserved slots, or pass a provisional
+        limit (``Capacity.first``): it is urgent (priority below 0), or its tenant has
+        fewer requests in flight than its weighted share of the candidates' slots among
+        the tenants active now (in flight, or arrived within ``ACTIVE`` seconds). A
+        tenant alone is under its share whatever it sends. A candidate without a limit
+        counts the most it ran in its last report (``Capacity.slots``: at least what it
+        runs); one never reported leaves the share unknown, and every ticket entitled."""
         if ticket.priority < 0:
             return True
-        total = 0
-        for w in ticket.candidates:
-            limit = self.capacity.limit(w)
-            if limit is None:
-                return True
-            total += limit
         active = {t for t, at in self._seen.items() if now - at <= ACTIVE}
         active.update(self._flying)
         active.add(ticket.tenant)
         if len(active) == 1:
             return True
+        total = 0
+        for w in ticket.candidates:
+            slots = self.capacity.slots(w)
+            if slots is None:
+                return True
+            total += slots
         weight = self.weight
         share = total * weight(ticket.tenant) / sum(weight(t) for t in active)
         return self._flying[ticket.tenant] < share
@@ -635,7 +640,11 @@ class Admission:
         """The workers ``ticket`` may be bound to now (None: it waits); ``rooms`` keeps
         whether each worker has room over one pass of the queue."""
         rooms = {} if rooms is None else rooms
-        entitled = self.capacity.reserve <= 0 or self.entitled(ticket, now)
+        capacity = self.capacity
+        # a share decides only where a reserve or a provisional limit is kept
+        entitled = (capacity.reserve <= 0 and not capacity.provisional) or self.entitled(
+            ticket, now
+        )
         free: frozenset[str]
         if self._rooms.tracking:
             free = self._rooms.free(ticket.every, entitled)
