@@ -773,3 +773,20 @@ def test_capacity_keeps_a_provisional_limit_for_one_report() -> None:
     fixed = Capacity(max_inflight=2)
     fixed.report("w", 2, 3, 0.0)
     assert fixed.first("w") is None
+
+
+def test_a_flood_held_off_one_full_engine_does_not_pile_onto_the_other() -> None:
+    """One engine reports requests waiting, the other only that it runs 4: the tenant over
+    its share may fill the second up to what it ran (and its headroom), not without
+    bound (bench/overload.py at 2x: 20 in flight on the engine of 4 slots that had not
+    reported waiting yet, while the other was held at its provisional limit)."""
+    pool = Pool(2, engine_queue=1)
+    pool.ticket("steady", candidates=("w1",))
+    for _ in range(5):
+        pool.ticket("flood", candidates=("w0",))
+    pool.adm.report("w0", 4, 1)
+    pool.adm.report("w1", 1, 0)
+    states = [pool.ticket("flood").state for _ in range(6)]
+    # w1 ran 1 in its last report: up to 1 + its headroom 1 in flight there (1 is steady's)
+    assert states == [State.BOUND] + [State.QUEUED] * 5
+    assert pool.ticket("steady").state is State.BOUND  # under its share: not held

@@ -189,10 +189,16 @@ class Capacity:
         """Requests the worker can take now (a large number without a limit): all its
         slots and its headroom for an ``entitled`` request, else its slots but the
         reserved ones (``reserved``; with no reserve, its headroom too). A request not
-        ``entitled`` is held at a provisional limit too (``first``)."""
+        ``entitled`` is held at a provisional limit too (``first``), and, while some
+        engine has a limit, at what an engine without one ran in its last report."""
         limit = self.limit(worker)
         if limit is None:
             limit = None if entitled else self._first.get(worker)
+            if limit is None and not entitled and (self._limits or self._first):
+                # some engine is full: one that never reported waiting takes a tenant
+                # over its share up to what it ran, not past it (the flood held off a
+                # full engine went to the other: 20 in flight on 4 slots, session 20)
+                limit = self._running.get(worker) or None
             if limit is None:
                 return 1 << 30
         if entitled or self.reserve <= 0:
