@@ -53,7 +53,7 @@ import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,7 @@ from router.forward.upstream import Upstream, UpstreamError  # noqa: E402
 from sim.mock.natsd import free_ports  # noqa: E402
 
 MODEL = "overload-model"
+RUN = ["r0"]  # the current run's tag, the first part of every request id
 MAX_TOKENS = [20]  # the answers' length (--max-tokens)
 STREAMS = ("steady", "urgent", "flood")
 # stream -> (tenant, priority)
@@ -84,6 +85,8 @@ class Outcome:
     retry_after: bool = False
     complete: bool = False
     error: str = ""
+    rid: str = ""  # its x-request-id (``--requests-out``)
+    worker: str = ""  # the engine the router chose (x-cache-router-worker)
 
 
 @dataclass
@@ -137,8 +140,9 @@ async def _one(
     upstream: Upstream, url: str, stream: str, i: int, timeout: float, out: list[Outcome]
 ) -> None:
     tenant, _ = WHO[stream]
-    headers = [(b"content-type", b"application/json"), (b"x-tenant-id", tenant.encode())]
-    o = Outcome(stream, time.perf_counter())
+    o = Outcome(stream, time.perf_counter(), rid=f"{RUN[0]}-{stream}-{i}")
+    headers = [(b"content-type", b"application/json"), (b"x-tenant-id", tenant.encode()),
+               (b"x-request-id", o.rid.encode())]  # fmt: skip
     out.append(o)
     try:
         async with asyncio.timeout(timeout):
@@ -146,6 +150,7 @@ async def _one(
             o.status = resp.status
             o.answered = time.perf_counter() - o.sent
             o.retry_after = resp.header(b"retry-after") is not None
+            o.worker = (resp.header(b"x-cache-router-worker") or b"").decode()
             body = b""
             try:
                 async for chunk in resp.chunks(timeout):
@@ -396,6 +401,7 @@ class Config:
     lifo: bool = True
     engine_priority: bool = False
     pool_reserve: bool = False
+    tree: str = ""  # the router's code from this checkout ("": this one)
 
 
 def _loadavg() -> str:
@@ -417,11 +423,13 @@ def _router(procs: list[subprocess.Popen[bytes]], port: int, engines: list[int],
         "CACHE_ROUTER_HEALTH_INTERVAL": "0.25",
         "CACHE_ROUTER_LOAD_STALE_AFTER": "0.2",
     }
+    if c.tree:  # its modules first (the shared interpreter may have another installed)
+        env["PYTHONPATH"] = c.tree
     workers = [f"--worker=e{i}=http://127.0.0.1:{p}" for i, p in enumerate(engines)]
     cmd = [sys.executable, "-m", "router.cli", "serve", "--port", str(port), "--policy", c.policy,
            "--log-level", "error", *workers]  # fmt: skip
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        cmd, cwd=c.tree or ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     procs.append(proc)
     wait_ready(port, proc)
@@ -502,6 +510,9 @@ def _run(args: argparse.Namespace, vllm_ports: list[int] | None) -> dict[str, An
         for prio in prios
         for reserve in reserves
     ]
+    if args.compare_tree:  # the same admission configurations on another checkout's code
+        tree = str(Path(args.compare_tree).resolve())
+        configs += [replace(c, tree=tree) for c in configs if c.admission]
     loads = [float(x) for x in args.loads.split(",")]
     results: list[dict[str, Any]] = []
     with processes() as procs:
@@ -533,8 +544,14 @@ def _run(args: argparse.Namespace, vllm_ports: list[int] | None) -> dict[str, An
             (port,) = free_ports(1)
             router = _router(procs, port, engine_ports, c)
             url = f"http://127.0.0.1:{port}"
-            for load in loads:
+            for k, load in enumerate(loads):
                 _idle(engine_ports)
+                if k and args.fresh_router:  # nothing learnt in the last run: its onset
+                    router.terminate()
+                    router.wait(10)
+                    (port,) = free_ports(1)
+                    router = _router(procs, port, engine_ports, c)
+                    url = f"http://127.0.0.1:{port}"
                 flood = max(0.0, load * capacity - rates["steady"] - rates["urgent"])
                 offered = {**rates, "flood": flood}
                 t0 = time.perf_counter()
@@ -542,6 +559,8 @@ def _run(args: argparse.Namespace, vllm_ports: list[int] | None) -> dict[str, An
                 sampler = Sampler(engine_ports, router=port if admission else None)
                 sampler.start()
                 waited = (runnable_wait(router.pid), runnable_wait())
+                RUN[0] = _label(c, load)
+                start = time.perf_counter()
                 run_ = asyncio.run(
                     _offer(url, offered, args.duration, args.client_timeout, args.seed)
                 )
@@ -554,6 +573,8 @@ def _run(args: argparse.Namespace, vllm_ports: list[int] | None) -> dict[str, An
                     "client_loop_lags": run_.loop_lags,
                 }
                 summary = _summary(run_, args.duration, args.slo, c.queue_timeout)
+                if args.requests_out:
+                    _requests_out(Path(args.requests_out), RUN[0], start, run_)
                 st = summary["streams"]
                 steady = st.get("steady", {}).get("ttft_p99_s")
                 urgent = st.get("urgent", {}).get("ttft_p99_s")
@@ -565,6 +586,7 @@ def _run(args: argparse.Namespace, vllm_ports: list[int] | None) -> dict[str, An
                         "lifo": c.lifo if admission else None,
                         "engine_priority": c.engine_priority if admission else None,
                         "pool_reserve": c.pool_reserve if admission else None,
+                        "tree": c.tree or None,
                         "load": load,
                         "loadavg": _loadavg(),
                         "offered_rps": {k: round(v, 2) for k, v in offered.items()},
@@ -593,10 +615,36 @@ def _run(args: argparse.Namespace, vllm_ports: list[int] | None) -> dict[str, An
         "duration_s": args.duration,
         "queue_timeouts_s": timeouts,
         "loadavg_at_end": _loadavg(),
+        "fresh_router": args.fresh_router,
         "alone": alone,
         "cpu_count": os.cpu_count(),
         "results": results,
     }
+
+
+def _label(c: Config, load: float) -> str:
+    """A run's tag: its configuration and load."""
+    if not c.admission:
+        return f"{c.policy}-L{load:g}"
+    named = (("-lifo", c.lifo), ("-prio", c.engine_priority), ("-reserve", c.pool_reserve),
+             ("-" + Path(c.tree).name, bool(c.tree)))  # fmt: skip
+    flags = "".join(k for k, on in named if on)
+    return f"{c.policy}-adm-qt{c.queue_timeout:g}{flags}-L{load:g}"
+
+
+def _requests_out(folder: Path, label: str, start: float, run_: Run) -> None:
+    """Every request of a run, one JSON line each (``--requests-out``): its stream, when it
+    was sent (seconds from the run's start, and on the machine's monotonic clock, which the
+    router and the engines share), its TTFT, status, code and engine."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / f"{label}.jsonl").open("wb") as f:
+        for o in run_.outcomes:
+            line = {
+                "rid": o.rid, "stream": o.stream, "at_s": round(o.sent - start, 4),
+                "sent_mono": o.sent, "ttft_s": o.ttft, "status": o.status, "code": o.code,
+                "worker": o.worker, "complete": o.complete,
+            }  # fmt: skip
+            f.write(orjson.dumps(line) + b"\n")
 
 
 def _ratio(value: float | None, base: float | None) -> float | None:
@@ -642,6 +690,20 @@ def main() -> None:
     ap.add_argument("--client-timeout", type=float, default=60.0)
     ap.add_argument("--capacity-seconds", type=float, default=4.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--fresh-router", action="store_true",
+        help="a new router for every load, so that each run starts with nothing learnt (the "
+        "flood's onset); without, one router per configuration serves its loads in turn",
+    )  # fmt: skip
+    ap.add_argument(
+        "--compare-tree", default="",
+        help="another checkout (a path): every admission configuration is also run with the "
+        "router's code from there, in the same run (e.g. main against a branch)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--requests-out", default="",
+        help="a folder: every request of each run as JSON lines, <configuration>-L<load>.jsonl",
+    )  # fmt: skip
     print(orjson.dumps(run(ap.parse_args()), option=orjson.OPT_INDENT_2).decode())
 
 

@@ -699,3 +699,94 @@ def test_under_the_pool_reserve_an_entitled_request_takes_an_idle_slot(reserve: 
     steady = pool.ticket("steady")
     assert steady.state is State.BOUND
     assert steady.worker == ("w1" if reserve else "w0")
+
+
+def test_a_flood_is_held_from_the_first_report_with_waiting_a_steady_tenant_is_not() -> None:
+    """A flood's onset: before any limit is learnt the flood fills both engines past their
+    slots; from the first report with requests waiting (not the second, which confirms a
+    limit), the tenant over its fair share waits at the router, while a tenant under it
+    and an urgent request still go at once (bench/overload.py's onset, session 20)."""
+    pool = Pool(2, engine_queue=1)
+    pool.ticket("steady")  # a second tenant is active: the flood has a share, not all
+    flood = [pool.ticket("flood", candidates=(f"w{i % 2}",)) for i in range(10)]
+    assert all(t.state is State.BOUND for t in flood)  # nothing learnt: nothing held
+    pool.adm.report("w0", 4, 1)
+    pool.adm.report("w1", 4, 1)  # once: no limit yet, a provisional one
+    more = pool.ticket("flood")
+    assert more.state is State.QUEUED  # 5-6 in flight on each, its share of 8 slots is 4
+    assert pool.adm.capacity.limit("w0") is None and pool.adm.capacity.first("w0") == 4
+    steady = pool.ticket("steady")
+    urgent = pool.ticket("flood", priority=-10)
+    assert steady.state is State.BOUND and urgent.state is State.BOUND
+    # the second report confirms: the limit holds everyone as before
+    pool.adm.report("w0", 4, 2)
+    pool.adm.report("w1", 4, 2)
+    assert pool.adm.capacity.limit("w0") == 4 and pool.adm.capacity.first("w0") is None
+    assert pool.ticket("steady").state is State.QUEUED and more.state is State.QUEUED
+
+
+def test_a_provisional_limit_the_next_report_does_not_confirm_lets_the_held_go() -> None:
+    """A burst that the next step takes (no waiting in the next report): the provisional
+    limit goes, and what it held goes with it."""
+    pool = Pool(1, engine_queue=0)
+    pool.ticket("steady")
+    for _ in range(3):
+        pool.ticket("flood")
+    pool.adm.report("w0", 3, 1)
+    held = pool.ticket("flood")
+    assert held.state is State.QUEUED
+    pool.adm.report("w0", 4, 0)
+    assert held.state is State.BOUND and pool.adm.capacity.first("w0") is None
+    assert pool.adm.capacity.limit("w0") is None and pool.adm.queued == 0
+
+
+def test_a_tenant_alone_never_waits_on_a_provisional_limit() -> None:
+    """One tenant is under its share whatever it sends: a single report with requests
+    waiting (a burst during one long step, the simulator's case) holds none of its
+    requests; only the second, confirming the limit, does."""
+    pool = Pool(2, engine_queue=0)
+    for _ in range(12):
+        pool.ticket("only")
+    pool.adm.report("w0", 5, 4)
+    pool.adm.report("w1", 5, 4)
+    assert all(pool.ticket("only").state is State.BOUND for _ in range(5))
+    anonymous = Pool(1, engine_queue=0)
+    anonymous.ticket()
+    anonymous.adm.report("w0", 1, 3)
+    assert anonymous.ticket().state is State.BOUND
+
+
+def test_capacity_keeps_a_provisional_limit_for_one_report() -> None:
+    cap = Capacity(engine_queue=1)
+    assert cap.slots("w") is None and not cap.provisional
+    assert not cap.report("w", 3, 0, 0.0) and cap.slots("w") == 3 and cap.first("w") is None
+    assert not cap.report("w", 4, 2, 0.25)  # the limit itself is not learnt from one
+    assert cap.first("w") == 4 and cap.provisional and cap.limited
+    assert cap.room("w", 5, entitled=True) > 1000  # an entitled request passes it
+    assert cap.room("w", 5, entitled=False) == 0 and cap.room("w", 4, entitled=False) == 1
+    assert cap.report("w", 4, 1, 0.5) and cap.limit("w") == 4 and cap.first("w") is None
+    dropped = Capacity()
+    dropped.report("w", 4, 2, 0.0)
+    dropped.report("w", 4, 0, 0.25)
+    assert dropped.first("w") is None and not dropped.limited
+    assert Capacity(max_inflight=2).first("w") is None
+    fixed = Capacity(max_inflight=2)
+    fixed.report("w", 2, 3, 0.0)
+    assert fixed.first("w") is None
+
+
+def test_a_flood_held_off_one_full_engine_does_not_pile_onto_the_other() -> None:
+    """One engine reports requests waiting, the other only that it runs 4: the tenant over
+    its share may fill the second up to what it ran (and its headroom), not without
+    bound (bench/overload.py at 2x: 20 in flight on the engine of 4 slots that had not
+    reported waiting yet, while the other was held at its provisional limit)."""
+    pool = Pool(2, engine_queue=1)
+    pool.ticket("steady", candidates=("w1",))
+    for _ in range(5):
+        pool.ticket("flood", candidates=("w0",))
+    pool.adm.report("w0", 4, 1)
+    pool.adm.report("w1", 1, 0)
+    states = [pool.ticket("flood").state for _ in range(6)]
+    # w1 ran 1 in its last report: up to 1 + its headroom 1 in flight there (1 is steady's)
+    assert states == [State.BOUND] + [State.QUEUED] * 5
+    assert pool.ticket("steady").state is State.BOUND  # under its share: not held

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 from load import stream_complete  # noqa: E402
-from overload import Run, _watch_loop  # noqa: E402
+from overload import Config, Outcome, Run, _label, _requests_out, _watch_loop  # noqa: E402
 
 from router.http.errors import sse_error  # noqa: E402
 
@@ -61,3 +61,23 @@ def test_the_clients_loop_lag_is_seen() -> None:
 
     run = asyncio.run(main())
     assert run.loop_lags >= 1 and run.loop_lag_max >= 0.15
+
+
+def test_each_configuration_and_load_has_its_own_requests_file(tmp_path: Path) -> None:
+    """``--requests-out``: one file per run, named so that a configuration on another
+    checkout (``--compare-tree``) does not overwrite the same one on this."""
+    configs = [
+        Config("least_load", False, 2.0),
+        Config("cache_aware", True, 2.0),
+        Config("cache_aware", True, 2.0, pool_reserve=True),
+        Config("cache_aware", True, 2.0, tree="/tmp/main"),
+        Config("cache_aware", True, 0.5),
+    ]
+    labels = {_label(c, load) for c in configs for load in (0.5, 1.0, 2.0)}
+    assert len(labels) == 15
+    run = Run([Outcome("steady", 10.25, 200, 0.031, rid="x-steady-0", worker="e1", complete=True)])
+    _requests_out(tmp_path, "x", 10.0, run)
+    (line,) = (tmp_path / "x.jsonl").read_bytes().splitlines()
+    got = orjson.loads(line)
+    assert got["at_s"] == 0.25 and got["ttft_s"] == 0.031 and got["worker"] == "e1"
+    assert got["rid"] == "x-steady-0" and got["complete"] is True

@@ -52,6 +52,20 @@ so the next request of a well-behaved tenant finds an idle slot instead of waiti
 one to free (on bench/overload.py's mock pool, slots free every ~28 ms at random: a
 wait of up to ~130 ms at p99, three times the 44 ms TTFT of the tenant alone).
 
+A first report with requests waiting, not yet confirmed by the next, sets a provisional
+limit (what the engine ran then) that holds back only the requests of a tenant over its
+fair share (``room`` with ``entitled`` False; ``router.admission.core``): a burst that the
+next step takes costs them at most one report interval, while a flood's onset is held
+from the first sign of it, not the second. The next report confirms it (waiting again)
+or drops it (none waiting). A tenant alone is never over its share, so a pool with one
+tenant never waits on a provisional limit (the simulator's chat trace above). On
+bench/overload.py's mock pool (2 engines of 4 slots, the engines scraped every 0.25 s,
+a flood at 2x capacity beside a steady tenant; session 20) the first report with waiting
+came 0.37 s into the flood and the second confirmed the limit at 0.97 s: meanwhile the
+flood had put 9-13 requests on each engine of 4 slots, the steady tenant's requests sent
+then waited in the engines' queues behind them (0.2-0.5 s) and those sent later at the
+router while that backlog drained (0.2-0.6 s), against 24 ms alone.
+
 ``max_inflight`` fixes every limit instead (engines that report no load).
 """
 
@@ -73,8 +87,8 @@ class Capacity:
     """Per-worker limits and the pace at which their slots free; plain and synchronous."""
 
     __slots__ = (
-        "_freed_at", "_interval", "_limits", "_over", "_queued", "engine_queue", "max_inflight",
-        "reserve",
+        "_first", "_freed_at", "_interval", "_limits", "_over", "_queued", "_running",
+        "engine_queue", "max_inflight", "reserve",
     )  # fmt: skip
     # worker -> (the limit, the window's start, the most seen running in this window)
 
@@ -93,11 +107,36 @@ class Capacity:
         self._interval: dict[str, float] = {}  # seconds between two slots freeing
         self._over: set[str] = set()  # workers whose last report had too many waiting
         self._queued: set[str] = set()  # workers whose last report had any waiting
+        # worker -> the provisional limit of a first report with waiting, not confirmed yet
+        self._first: dict[str, int] = {}
+        self._running: dict[str, int] = {}  # worker -> running in its last report
 
     @property
     def limited(self) -> bool:
-        """Whether any worker has a limit (none: nothing is ever held)."""
-        return self.max_inflight is not None or bool(self._limits)
+        """Whether any worker has a limit, provisional or not (none: nothing is ever
+        held)."""
+        return self.max_inflight is not None or bool(self._limits) or bool(self._first)
+
+    @property
+    def provisional(self) -> bool:
+        """Whether some worker has only a provisional limit (a tenant's share then
+        decides whether its requests may go there)."""
+        return bool(self._first)
+
+    def first(self, worker: str) -> int | None:
+        """The worker's provisional limit (None: none, or its limit is confirmed)."""
+        return self._first.get(worker)
+
+    def slots(self, worker: str) -> int | None:
+        """What the worker is known to run at most: its limit, provisional or not, else
+        the most it ran in its last report (None: never reported)."""
+        limit = self.limit(worker)
+        if limit is not None:
+            return limit
+        first = self._first.get(worker)
+        if first is not None:
+            return first
+        return self._running.get(worker) or None
 
     def limit(self, worker: str) -> int | None:
         """Requests the worker runs before it queues (None: never seen full)."""
@@ -107,9 +146,12 @@ class Capacity:
         return None if found is None else found[0]
 
     def report(self, worker: str, running: int | None, waiting: int | None, now: float) -> bool:
-        """An engine's load report at ``now``; whether the worker's limit changed."""
+        """An engine's load report at ``now``; whether the worker's limit changed (not
+        counting its provisional one, ``first``)."""
         if running is None or waiting is None:
             return False
+        self._running[worker] = running
+        self._first.pop(worker, None)
         found = self._limits.get(worker)
         old = None if found is None else found[0]
         if found is not None and now - found[1] >= WINDOW:
@@ -137,6 +179,8 @@ class Capacity:
         (self._queued.add if waiting > 0 else self._queued.discard)(worker)
         if found is None:
             self._limits.pop(worker, None)
+            if waiting > 0 and self.max_inflight is None:  # once: provisional (``first``)
+                self._first[worker] = max(1, running)
             return old is not None
         self._limits[worker] = found
         return found[0] != old
@@ -144,11 +188,20 @@ class Capacity:
     def room(self, worker: str, inflight: int, entitled: bool = True) -> int:
         """Requests the worker can take now (a large number without a limit): all its
         slots and its headroom for an ``entitled`` request, else its slots but the
-        reserved ones (``reserved``)."""
+        reserved ones (``reserved``; with no reserve, its headroom too). A request not
+        ``entitled`` is held at a provisional limit too (``first``), and, while some
+        engine has a limit, at what an engine without one ran in its last report."""
         limit = self.limit(worker)
         if limit is None:
-            return 1 << 30
-        if entitled:
+            limit = None if entitled else self._first.get(worker)
+            if limit is None and not entitled and (self._limits or self._first):
+                # some engine is full: one that never reported waiting takes a tenant
+                # over its share up to what it ran, not past it (the flood held off a
+                # full engine went to the other: 20 in flight on 4 slots, session 20)
+                limit = self._running.get(worker) or None
+            if limit is None:
+                return 1 << 30
+        if entitled or self.reserve <= 0:
             return limit + self.headroom(limit) - inflight
         return limit - self.reserved(limit) - inflight
 
@@ -176,7 +229,7 @@ class Capacity:
 
     def forget(self, worker: str) -> None:
         """The worker left the pool."""
-        for table in (self._limits, self._freed_at, self._interval):
+        for table in (self._limits, self._freed_at, self._interval, self._first, self._running):
             table.pop(worker, None)
 
     def snapshot(self, worker: str) -> dict[str, float | int | None]:

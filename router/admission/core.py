@@ -210,7 +210,7 @@ class Rooms:
     with room are kept too: a full pool's free workers are read, not searched for.
     """
 
-    __slots__ = ("_capacity", "_inflight", "_known", "_sets", "closed", "dirty", "tracking")
+    __slots__ = ("_capacity", "_inflight", "_sets", "closed", "dirty", "known", "tracking")
 
     SETS = 8  # candidate sets kept (one a model; a retry's set without a target is new)
 
@@ -219,7 +219,7 @@ class Rooms:
         self._inflight = inflight
         self.tracking = False
         self.dirty: set[str] = set()  # workers whose room may have changed
-        self._known: set[str] = set()  # workers whose room was asked once
+        self.known: set[str] = set()  # workers whose room was asked once
         # per ``entitled`` (False, True): the workers without room
         self.closed: tuple[set[str], set[str]] = (set(), set())
         # a candidate set -> per ``entitled``, its members with room; the same frozen
@@ -228,7 +228,7 @@ class Rooms:
 
     def _settle(self) -> None:
         dirty, room, inflight = self.dirty, self._capacity.room, self._inflight
-        self._known |= dirty
+        self.known |= dirty
         while dirty:
             w = dirty.pop()
             n = inflight(w)
@@ -247,7 +247,7 @@ class Rooms:
         """``every``'s members with room now (``entitled``: its headroom too)."""
         found = self._sets.get(every)
         if found is None:  # a new candidate set: those never asked are asked once
-            self.dirty |= every - self._known
+            self.dirty |= every - self.known
             self._settle()
             if len(self._sets) >= self.SETS:
                 del self._sets[next(iter(self._sets))]
@@ -297,6 +297,9 @@ class Admission:
         # worker -> its bound tickets not finished, in the order they were bound
         self._bound: dict[str, dict[int, Ticket]] = {}
         self._rooms = Rooms(self.capacity, inflight)  # once told each move (``track_moves``)
+        # a candidate set -> the slots its engines are known to run (``entitled``; -1: one
+        # never reported)
+        self._slots: dict[frozenset[str], int] = {}
         # the pool reserve: seconds between two entitled requests bound (their pace), and
         # when the last one was
         self._entitled_gap: float | None = None
@@ -422,7 +425,14 @@ class Admission:
 
     def report(self, worker: str, running: int | None, waiting: int | None) -> None:
         """An engine's load; a raised limit may let held tickets go."""
-        if self.capacity.report(worker, running, waiting, self._clock()):
+        capacity = self.capacity
+        first, ran, limited = capacity.first(worker), capacity.slots(worker), capacity.limited
+        changed = capacity.report(worker, running, waiting, self._clock())
+        if capacity.limited != limited:  # every engine without a limit: see ``room``
+            self._rooms.dirty |= self._rooms.known
+            changed = True
+        if changed or capacity.first(worker) != first or capacity.slots(worker) != ran:
+            self._slots.clear()
             self._rooms.dirty.add(worker)
             if self._held:
                 self.pump()
@@ -598,22 +608,33 @@ class Admission:
                 del seen[name]
 
     def entitled(self, ticket: Ticket, now: float) -> bool:
-        """Whether ``ticket`` may take a worker's reserved slots: it is urgent (priority
-        below 0), or its tenant has fewer requests in flight than its weighted share of
-        the candidates' slots among the tenants active now (in flight, or arrived within
-        ``ACTIVE`` seconds). A tenant alone is under its share whatever it sends."""
+        """Whether ``ticket`` may take a worker's reserved slots, or pass a provisional
+        limit (``Capacity.first``): it is urgent (priority below 0), or its tenant has
+        fewer requests in flight than its weighted share of the candidates' slots among
+        the tenants active now (in flight, or arrived within ``ACTIVE`` seconds). A
+        tenant alone is under its share whatever it sends. A candidate without a limit
+        counts the most it ran in its last report (``Capacity.slots``: at least what it
+        runs); one never reported leaves the share unknown, and every ticket entitled."""
         if ticket.priority < 0:
             return True
-        total = 0
-        for w in ticket.candidates:
-            limit = self.capacity.limit(w)
-            if limit is None:
-                return True
-            total += limit
         active = {t for t, at in self._seen.items() if now - at <= ACTIVE}
         active.update(self._flying)
         active.add(ticket.tenant)
         if len(active) == 1:
+            return True
+        total = self._slots.get(ticket.every)
+        if total is None:  # kept until a report changes what an engine is known to run
+            total = 0
+            for w in ticket.candidates:
+                slots = self.capacity.slots(w)
+                if slots is None:
+                    total = -1
+                    break
+                total += slots
+            if len(self._slots) >= Rooms.SETS:
+                self._slots.clear()
+            self._slots[ticket.every] = total
+        if total < 0:  # an engine never reported: the share is unknown
             return True
         weight = self.weight
         share = total * weight(ticket.tenant) / sum(weight(t) for t in active)
@@ -635,7 +656,9 @@ class Admission:
         """The workers ``ticket`` may be bound to now (None: it waits); ``rooms`` keeps
         whether each worker has room over one pass of the queue."""
         rooms = {} if rooms is None else rooms
-        entitled = self.capacity.reserve <= 0 or self.entitled(ticket, now)
+        capacity = self.capacity
+        # a share decides only where a reserve or a limit is kept
+        entitled = not capacity.limited or self.entitled(ticket, now)
         free: frozenset[str]
         if self._rooms.tracking:
             free = self._rooms.free(ticket.every, entitled)
