@@ -62,7 +62,13 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.load import http_get, processes, stream_complete, wait_ready  # noqa: E402
+from bench.load import (  # noqa: E402
+    http_get,
+    processes,
+    samples,
+    stream_complete,
+    wait_ready,
+)
 from router.forward.upstream import Upstream, UpstreamError  # noqa: E402
 from sim.mock.natsd import free_ports  # noqa: E402
 
@@ -268,25 +274,23 @@ def _summary(run: Run, duration: float, slo: float, queue_timeout: float) -> dic
     }
 
 
+def _scrape(port: int) -> str:
+    return http_get(port, "/metrics")[1].decode()
+
+
 def _engine_load(port: int) -> tuple[float, float]:
     """An engine's (running, waiting) from its ``/metrics``."""
-    running = waiting = 0.0
-    for line in http_get(port, "/metrics")[1].decode().splitlines():
-        if line.startswith("vllm:num_requests_running"):
-            running += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("vllm:num_requests_waiting"):
-            waiting += float(line.rsplit(" ", 1)[1])
-    return running, waiting
+    text = _scrape(port)
+    running = sum(v for _, v in samples(text, "vllm:num_requests_running"))
+    return running, sum(v for _, v in samples(text, "vllm:num_requests_waiting"))
 
 
 def _router_limits(port: int) -> dict[str, float]:
     """The limits admission learnt, per worker (``cache_router_admission_limit``)."""
-    out = {}
-    for line in http_get(port, "/metrics")[1].decode().splitlines():
-        if line.startswith("cache_router_admission_limit{"):
-            name, _, value = line.rpartition(" ")
-            out[name[name.index('"') + 1 : name.rindex('"')]] = float(value)
-    return out
+    return {
+        labels["worker"]: v
+        for labels, v in samples(_scrape(port), "cache_router_admission_limit")
+    }
 
 
 class Sampler(threading.Thread):
@@ -315,12 +319,12 @@ class Sampler(threading.Thread):
 
     def summary(self) -> dict[str, Any]:
         out = {}
-        for i, samples in enumerate(self.samples):
-            if not samples:
+        for i, loads in enumerate(self.samples):
+            if not loads:
                 continue
-            waiting = [w for _, w in samples]
+            waiting = [w for _, w in loads]
             out[f"e{i}"] = {
-                "running_mean": round(sum(r for r, _ in samples) / len(samples), 2),
+                "running_mean": round(sum(r for r, _ in loads) / len(loads), 2),
                 "waiting_mean": round(sum(waiting) / len(waiting), 2),
                 "waiting_max": max(waiting),
                 "waiting_share": round(sum(w > 0 for w in waiting) / len(waiting), 2),
@@ -339,20 +343,14 @@ Waits = dict[tuple[str, str], tuple[list[float], float]]
 def _router_waits(port: int) -> Waits:
     """The router's admission wait histograms: (tenant, priority) -> (cumulative bucket
     counts, sum of seconds), from ``cache_router_admission_wait_seconds``."""
+    text = _scrape(port)
     out: Waits = {}
-    for line in http_get(port, "/metrics")[1].decode().splitlines():
-        if not line.startswith("cache_router_admission_wait_seconds_"):
-            continue
-        name, _, value = line.rpartition(" ")
-        inner = name[name.index("{") + 1 : name.rindex("}")]
-        labels = dict(kv.split("=", 1) for kv in inner.split(","))
-        key = (labels["tenant"].strip('"'), labels["priority"].strip('"'))
-        buckets, total = out.get(key, ([], 0.0))
-        if "_bucket" in name:
-            buckets.append(float(value))
-        elif "_sum" in name:
-            total = float(value)
-        out[key] = (buckets, total)
+    buckets = samples(text, "cache_router_admission_wait_seconds_bucket")
+    for labels, value in sorted(buckets, key=lambda b: float(b[0]["le"])):
+        out.setdefault((labels["tenant"], labels["priority"]), ([], 0.0))[0].append(value)
+    for labels, value in samples(text, "cache_router_admission_wait_seconds_sum"):
+        key = (labels["tenant"], labels["priority"])
+        out[key] = (out.get(key, ([], 0.0))[0], value)
     return out
 
 
@@ -383,12 +381,7 @@ def _idle(ports: list[int], timeout: float = 120.0) -> None:
     """Wait until no engine runs or queues anything (the last run's backlog drained)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        busy = 0.0
-        for port in ports:
-            for line in http_get(port, "/metrics")[1].decode().splitlines():
-                if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
-                    busy += float(line.rsplit(" ", 1)[1])
-        if busy == 0:
+        if not any(sum(_engine_load(port)) for port in ports):
             return
         time.sleep(0.2)
 
