@@ -148,6 +148,7 @@ class CacheAware(Policy):
         fade: bool = True,
         common: bool = True,
         live_whole: bool = True,
+        ended_turns: bool = True,
     ) -> None:
         super().__init__(rng)
         if not 0 < prefetch_fraction <= 1:
@@ -186,6 +187,7 @@ class CacheAware(Policy):
         self.fade = bool(fade)
         self.common = bool(common)
         self.live_whole = bool(live_whole)
+        self.ended_turns = bool(ended_turns)
         # Blocks each worker computed for the requests this policy routed (new content in
         # its cache): a cold prefix goes where the least was placed (``_place``).
         self._placed: OrderedDict[str, float] = OrderedDict()
@@ -885,12 +887,19 @@ class CacheAware(Policy):
         one, times the mean growth per request), so a prefix worth much of a session's
         work is not copied for balance. Agent sessions (22 requests, 2.6K tokens each) add
         ~0.07 to the factor for a 4K-token tool prompt; chat (6.7 turns, 1.5K each) ~0.6
-        for a 5K-token system prompt."""
+        for a 5K-token system prompt.
+
+        Requests per session are counted over the sessions that *ended* in the window
+        (``_turns``), not over those that started: a live session has sent only part of
+        its requests, and counting it as whole made a young pool's sessions look short
+        (bench/e2e.py's 100-request agent slices: ~5 where they run 10-20), their later
+        prompts small and every lead large, so the holder of a 6-block tool prompt was
+        spared and took 5 of 6 sessions on one of two engines, whose cache then held
+        half their histories."""
         g = self._growth
         if not g:
             return
-        turns = len(self._recent) / (self._recent_new + 1)
-        later = (turns - 1.0) * g
+        later = (self._turns() - 1.0) * g
         if later <= 0:
             return
         free = max((m.total for i, m in enumerate(matches) if i not in barred), default=0)
@@ -898,6 +907,26 @@ class CacheAware(Policy):
             lead = matches[i].total - free
             if lead > 0 and self._fits(cands[i].worker_id, len(cands), lead * block_size / later):
                 barred.discard(i)
+
+    def _turns(self) -> float:
+        """Requests per session over the window: its requests over the sessions that
+        ended in it (last request before the live horizon, ``_LIVE_GAPS`` mean gaps), the
+        mean duration estimated from durations partly observed (a live session's requests
+        count, only its end is not seen yet). None ended yet: the window's requests all
+        belong to sessions still running, as if to one. With ``ended_turns`` off, over the
+        sessions that started in it (plus one)."""
+        recent = len(self._recent)
+        if not self.ended_turns or self._gap is None:
+            return recent / (self._recent_new + 1)
+        n = self._decisions
+        start, live = n - recent, n - _LIVE_GAPS * self._gap
+        ended = 0
+        for _, at, _ in reversed(self._sessions.values()):
+            if at < start:
+                break
+            if at < live:
+                ended += 1
+        return recent / max(ended, 1)
 
     def _live_sessions(self, since: float) -> dict[str, int]:
         """Sessions per worker whose last request came after decision ``since``: the ones

@@ -3,6 +3,7 @@ records them, a merge keeps them, and a misspelt one fails before anything runs.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -285,3 +286,47 @@ def test_admission_only_runs_every_policy_admitted_under_its_own_name(
     assert seen == {"cache_aware": True, "least_load": True}
     assert set(row["results"]) == set(policies) and "shed" in row["results"]["cache_aware"]
     assert sweep.judge(row)["best_p90_other"] == "least_load"
+
+
+def test_the_e2e_agent_slice_spreads_sessions_where_none_has_ended(tmp_path: Path) -> None:
+    """``--grid e2e`` on fresh seed 648 (bench/e2e.py's 100-request agent slice, two
+    engines of 256 pages, x1.5, ``cpu``): requests per session counted over the sessions
+    that started made them look ~5 requests long where they run 10-20, so the holder of
+    a 6-block tool prompt was spared the session bound and took 5 of 7 sessions, and
+    its cache held about half their histories. Counted over the sessions that ended the
+    bound holds (3 and 4) and the hits return."""
+    sweep = _sweep()
+    setting = dataclasses.replace(sweep.FAMILIES["e2e"][0], seed=648)
+    trace = sweep._trace(setting, tmp_path)
+    config = SimConfig(workers=2, l1_blocks=256, seed=648, engine_seed=648, max_num_seqs=8,
+                       costs=sweep.EngineCosts.from_config(sweep.COSTS["cpu"]))  # fmt: skip
+    firsts = _session_starts([r.router_hashes.tolist() for r in trace.requests])
+    assert len(firsts) == 7
+
+    def run(params: dict[str, Any]) -> tuple[float, list[int]]:
+        sim = Simulation(trace, "cache_aware", config, policy_params=params)
+        report = sim.run()
+        on = [r.worker for r in sim.requests if r.idx in firsts]
+        return report["hit_rate"], [on.count(0), on.count(1)]
+
+    hit, split = run({})
+    old_hit, old_split = run({"ended_turns": False})
+    assert sorted(old_split) == [2, 5]
+    assert sorted(split) == [3, 4]
+    assert hit >= old_hit + 0.05  # 0.864 against 0.749
+
+
+def _session_starts(prompts: list[list[int]]) -> set[int]:
+    """The requests that start a session: those sharing no more than the tool prompt
+    (8 blocks of 32 tokens, at most) with any earlier prompt."""
+    out = set()
+    for i, mine in enumerate(prompts):
+        best = 0
+        for theirs in prompts[:i]:
+            k = 0
+            while k < min(len(mine), len(theirs)) and mine[k] == theirs[k]:
+                k += 1
+            best = max(best, k)
+        if best <= 8:
+            out.add(i)
+    return out

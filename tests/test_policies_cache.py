@@ -925,3 +925,40 @@ def test_cache_aware_bounds_a_handful_of_live_sessions_in_whole_sessions() -> No
     assert run(CacheAware(random.Random(0), live_whole=False)) == "w1"
     # in whole sessions it may hold 1.25 * ceil(5 / 2) = 3.75: the session starts on w0
     assert run(CacheAware(random.Random(0))) == "w0"
+
+
+def test_cache_aware_counts_a_young_pool_s_sessions_by_the_ones_that_ended() -> None:
+    """``bench/sweep.py --grid e2e`` (bench/e2e.py's 100-request agent slices), fresh seeds:
+    the bound's sparing (``replica_slack``) weighs a holder's lead against a session's
+    later prompts, requests per session less one times the growth. Counted over the
+    sessions that *started* in the window, a young pool's live sessions looked short (2.4
+    requests here, where none has ended), so a few blocks of shared tool prompt spared an
+    over-share holder: 5 of 6 sessions on one of two engines. Over the sessions that
+    *ended* (none: all of the window's requests belong to live sessions) the lead is
+    small against their later prompts and the bound holds."""
+    tool = chain(1, 8)
+    w0, w1 = WorkerView("w0"), WorkerView("w1")
+
+    def run(policy: CacheAware) -> str:
+        # one session on w0, three on w1, interleaved (two rounds: a young pool, none of
+        # the four has ended); each step adds 16 blocks
+        steps = {k: 0 for k in range(4)}
+        for _ in range(2):
+            for k, w in ((0, w0), (0, w0), (0, w0), (1, w1), (2, w1), (3, w1)):
+                n = 16 + 16 * steps[k]
+                steps[k] += 1
+                r = RouteRequest(f"s{k}.{steps[k]}", "m", n * BS, chain(10 + k, n - 8, tool),
+                                 BS, f"s{k}")  # fmt: skip
+                policy.select(r, [w])
+                policy.on_finish(r, w.worker_id)
+        # a new session on the tool prompt, held on w1 alone (over its share of the live
+        # sessions); both queues empty
+        new = RouteRequest("n.0", "m", 12 * BS, chain(30, 4, tool), BS, "n")
+        held = [WorkerView("w0"), WorkerView("w1", match=tm(gpu=8))]
+        return policy.select(new, held).worker_id
+
+    # started sessions: 12 requests / (4 + 1) = 2.4 a session, later 1.4 x 16 blocks; the
+    # lead of 8 adds 0.36 to the factor and w1 may take a 4th of 5 live sessions
+    assert run(CacheAware(random.Random(0), ended_turns=False)) == "w1"
+    # ended sessions: none, 12 requests as if one session: the lead adds 0.04, w1 barred
+    assert run(CacheAware(random.Random(0))) == "w0"
