@@ -590,35 +590,60 @@ def aiperf_slice(dataset: Path) -> list[dict[str, Any]]:
         out.append({"ts": turn["timestamp"], "body": body})
 
 
-async def replay(port: int, timed: list[tuple[float, bytes]]) -> tuple[int, float]:
+async def _read_timed(reader: asyncio.StreamReader, sent: float) -> tuple[int, float | None]:
+    """A response's status and its first body chunk's time after ``sent`` (s; None: no
+    chunked body), its body read to the end."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head[9:12])
+    low = head.lower()
+    at = low.find(b"content-length:")
+    if at >= 0:
+        await reader.readexactly(int(low[at + 15 : low.find(b"\r\n", at)]))
+        return status, None
+    first = None
+    while True:
+        size = int((await reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
+        await reader.readexactly(size + 2)
+        if first is None:
+            first = time.perf_counter() - sent
+        if size == 0:
+            return status, first
+
+
+async def replay(
+    port: int, timed: list[tuple[float, bytes]]
+) -> tuple[int, float, list[float | None]]:
     """Each request at its time (s from the start) on a pooled keep-alive connection, as
-    aiperf's pooled aiohttp connector: (errors, wall seconds)."""
+    aiperf's pooled aiohttp connector: (errors, wall seconds, each request's time to its
+    first chunk in s, None where it failed)."""
     pool: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
     errors = 0
+    ttft: list[float | None] = [None] * len(timed)
     t0 = time.monotonic()
 
-    async def one(at: float, request: bytes) -> None:
+    async def one(i: int, at: float, request: bytes) -> None:
         nonlocal errors
         await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
+        sent = time.perf_counter()
         if pool:
             conn = pool.pop()
         else:
             conn = await asyncio.open_connection("127.0.0.1", port, limit=1 << 24)
         conn[1].write(request)
         try:
-            ok = await _read_response(conn[0]) == 200
+            status, ttft[i] = await _read_timed(conn[0], sent)
         except (asyncio.IncompleteReadError, ConnectionError):
             conn[1].close()
             errors += 1
             return
-        errors += not ok
+        errors += status != 200
         pool.append(conn)
 
-    await asyncio.gather(*(one(at, r) for at, r in timed))
+    await asyncio.gather(*(one(i, at, r) for i, (at, r) in enumerate(timed)))
     wall = time.monotonic() - t0
     for _, w in pool:
         w.close()
-    return errors, wall
+    return errors, wall, ttft
 
 
 def phase_e2e_shape(
@@ -626,9 +651,12 @@ def phase_e2e_shape(
     slices: dict[str, list[dict[str, Any]]],
     speedup: float,
     rounds: int,
+    engine_ttft_s: float,
 ) -> dict[str, Any]:
     """Every target on every slice, fresh each replay (no warm-up), ``rounds`` times with
-    the order reversed every other time: CPU per request net of idle, per replay and mean."""
+    the order reversed every other time: CPU per request net of idle, per replay and mean,
+    and the time to first token each request spent outside the engine (its first chunk
+    at the client less the engine's TTFT): mean, p90 and the first burst's mean."""
     out: dict[str, Any] = {}
     for r in range(rounds):
         order = list(commands_of) if r % 2 == 0 else list(commands_of)[::-1]
@@ -645,8 +673,16 @@ def phase_e2e_shape(
                     idle = (cpu_ns(pids) - c0) / (time.perf_counter() - t0)  # ns per s
                     timed = [(row["ts"] / 1e3 / speedup, http_body(row["body"])) for row in rows]
                     c0 = cpu_ns(pids)
-                    errors, wall = asyncio.run(replay(port, timed))
+                    errors, wall, ttft = asyncio.run(replay(port, timed))
                     used = cpu_ns(pids) - c0
+                # the time to first token the router added: less the engine's own TTFT
+                added = [(t - engine_ttft_s) * 1e3 for t in ttft if t is not None]
+                first = rows[0]["ts"]  # the first burst: the requests sent at the start
+                burst = [
+                    (t - engine_ttft_s) * 1e3
+                    for t, row in zip(ttft, rows, strict=True)
+                    if t is not None and row["ts"] == first
+                ]
                 entry = out.setdefault(sname, {}).setdefault(name, {"runs": []})
                 entry["runs"].append({
                     "round": r,
@@ -655,11 +691,20 @@ def phase_e2e_shape(
                     "idle_cpu_ms_per_s": round(idle / 1e6, 3),
                     "cpu_s": round(used / 1e9, 4),
                     "cpu_ms_per_request_net": round((used - idle * wall) / len(rows) / 1e6, 3),
+                    "ttft_added_ms_mean": round(statistics.mean(added), 2) if added else None,
+                    "ttft_added_ms_p90": round(pct(added, 90), 2) if added else None,
+                    "first_burst_requests": len(burst),
+                    "first_burst_ttft_added_ms_mean": (
+                        round(statistics.mean(burst), 2) if burst else None
+                    ),
                 })  # fmt: skip
     for by_target in out.values():
         for entry in by_target.values():
             nets = [run["cpu_ms_per_request_net"] for run in entry["runs"]]
             entry["cpu_ms_per_request_net_mean"] = round(statistics.mean(nets), 3)
+            for key in ("ttft_added_ms_mean", "first_burst_ttft_added_ms_mean"):
+                got = [run[key] for run in entry["runs"] if run[key] is not None]
+                entry[f"{key}_over_runs"] = round(statistics.mean(got), 2) if got else None
             entry["errors"] = sum(run["errors"] for run in entry["runs"])
     ratios: dict[str, Any] = {}
     for sname, by_target in out.items():
@@ -1025,7 +1070,9 @@ def e2e_shape_main(args: argparse.Namespace) -> None:
     with process(engine, cwd=ROOT):
         for p in ports:
             wait_http(p, "/health")
-        result["e2e_shape"] = phase_e2e_shape(commands_of, slices, args.speedup, args.rounds)
+        result["e2e_shape"] = phase_e2e_shape(
+            commands_of, slices, args.speedup, args.rounds, args.engine_ttft_ms / 1e3
+        )
     result["load_average_1m_end"] = os.getloadavg()[0]
     print(json.dumps(result, indent=2))
 
