@@ -625,9 +625,13 @@ async def replay(
         nonlocal errors
         await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
         sent = time.perf_counter()
-        if pool:
+        conn = None
+        while pool and conn is None:
             conn = pool.pop()
-        else:
+            if conn[0].at_eof() or conn[1].is_closing():  # the router closed it idle
+                conn[1].close()
+                conn = None
+        if conn is None:
             conn = await asyncio.open_connection("127.0.0.1", port, limit=1 << 24)
         conn[1].write(request)
         try:
