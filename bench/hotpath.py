@@ -29,6 +29,19 @@ the bottleneck); ``direct`` is the engine alone. Phases, all printed as one JSON
   busy / idle p99);
 - ``saturation``: short chat requests at concurrency 32 through 1, 4 and 16 workers:
   requests/s and the router's CPU per request (``--saturation-only``: this phase alone);
+- ``e2e_shape`` (``--e2e-shape-only --slice FILE [--slice FILE ...]``): bench/e2e.py's
+  requests without its engines: each slice's chat bodies as aiperf sends them (one user
+  message, streaming with ``include_usage``, ``max_completion_tokens``, ``ignore_eos``),
+  replayed on their own schedule (``ts`` in ms, divided by ``--speedup``) against a
+  canned engine that streams like vLLM (the first token after ``--engine-ttft-ms``, one
+  chunk a token ``--engine-itl-ms`` apart, the usage chunk, ``[DONE]``), each target
+  started fresh for each replay and given no warm-up (bench/e2e.py starts a router per
+  run), with the e2e's router settings (``--tokenizer`` the e2e's model directory:
+  its ``tokenizer.json`` and chat template; ``--block-size 32``). CPU per request is the
+  router's over the replay less its idle rate, as bench/e2e.py reports it. ``--rounds``
+  replays, the targets' order reversed every other one. A slice file holds one JSON
+  object a line, ``{"ts": ms, "body": {...}}``; ``--aiperf-dataset DIR`` writes one
+  from aiperf's dataset cache (``~/.cache/aiperf/dataset_mmap/<key>``) and exits;
 - ``idle_cpu_ms_per_s``: what the router burns with no request (health checks, load
   scrapes); it is inside every per-request CPU figure, amortized over the requests;
 - ``cache_router_no_forecast_no_prefix_cache``: that with ``prefix_cache_mb = 0`` too, to
@@ -467,6 +480,254 @@ async def _concurrent(port: int, requests: list[bytes], concurrency: int) -> flo
     return len(requests) / (time.perf_counter() - t0)
 
 
+# -- the e2e shape: aiperf's chats, streamed by a canned engine at a pace -----------------
+
+E2E_MODEL = "tiny"  # bench/e2e.py's served model name (tests/real_engines/vllm_engine.py)
+
+
+def _chunked(data: bytes) -> bytes:
+    return b"%x\r\n" % len(data) + data + b"\r\n"
+
+
+def _sse(obj: Any) -> bytes:
+    return _chunked(b"data: " + orjson.dumps(obj) + b"\n\n")
+
+
+def stream_events(n_out: int, n_prompt: int) -> list[bytes]:
+    """A vLLM chat stream of ``n_out`` tokens as the writes it leaves the engine in: the
+    role chunk with the first token, one chunk a token, the usage chunk and ``[DONE]``
+    with the last (chunked transfer encoding, its terminator last)."""
+    base = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1,
+            "model": E2E_MODEL}  # fmt: skip
+    role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "finish_reason": None}  # fmt: skip
+    out = [_sse({**base, "choices": [role]})]
+    for i in range(n_out):
+        fin = "length" if i == n_out - 1 else None
+        choice = {"index": 0, "delta": {"content": " tok"}, "logprobs": None, "finish_reason": fin}
+        out.append(_sse({**base, "choices": [choice]}))
+    usage = {"prompt_tokens": n_prompt, "total_tokens": n_prompt + n_out,
+             "completion_tokens": n_out, "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+    out[-1] += _sse({**base, "choices": [], "usage": usage}) + _chunked(b"data: [DONE]\n\n")
+    out[-1] += b"0\r\n\r\n"
+    return [out[0] + out[1], *out[2:]]
+
+
+_STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+)
+_E2E_MODEL_ROW = {"id": E2E_MODEL, "object": "model", "owned_by": "vllm", "max_model_len": 4096}
+_E2E_MODELS = _EngineProtocol.answer({"object": "list", "data": [_E2E_MODEL_ROW]})
+
+
+class _StreamingEngine(_EngineProtocol):
+    """bench/proxy.py's canned engine, but a streamed chat is answered as vLLM streams
+    it, at a pace: ``TTFT`` s to the first token, ``ITL`` s between tokens."""
+
+    TTFT = 0.0
+    ITL = 0.0
+
+    def _write(self, data: bytes) -> None:
+        if not self.transport.is_closing():
+            self.transport.write(data)
+
+    def answer_request(self, path: bytes, body: bytes) -> bytes | None:
+        if path == b"/v1/models":
+            return _E2E_MODELS
+        if path != b"/v1/chat/completions":
+            return None
+        req = orjson.loads(body)
+        if not req.get("stream"):
+            return None
+        n = int(req.get("max_completion_tokens") or req.get("max_tokens") or 1)
+        loop = asyncio.get_running_loop()
+        at = self.TTFT
+        for k, part in enumerate(stream_events(n, 512)):
+            loop.call_later(at, self._write, part)
+            if 0 < k < n:
+                at += self.ITL
+        return _STREAM_HEAD
+
+
+def run_streaming_engine(ports: list[int], ttft_ms: float, itl_ms: float) -> None:
+    import uvloop
+
+    _StreamingEngine.TTFT, _StreamingEngine.ITL = ttft_ms / 1e3, itl_ms / 1e3
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        servers = [
+            await loop.create_server(_StreamingEngine, "127.0.0.1", p, backlog=4096) for p in ports
+        ]
+        await asyncio.gather(*(s.serve_forever() for s in servers))
+
+    uvloop.run(serve())
+
+
+def aiperf_slice(dataset: Path) -> list[dict[str, Any]]:
+    """aiperf's conversations from its dataset cache entry (``dataset.dat``, JSON objects
+    one after another) as ``{"ts", "body"}``: the chat body its OpenAI chat endpoint
+    builds for bench/e2e.py's flags (aiperf/endpoints/openai_chat.py, 0.13)."""
+    raw = (dataset / "dataset.dat").read_text()
+    dec = json.JSONDecoder()
+    out: list[dict[str, Any]] = []
+    i = 0
+    while True:
+        while i < len(raw) and raw[i].isspace():
+            i += 1
+        if i >= len(raw):
+            return out
+        conv, i = dec.raw_decode(raw, i)
+        turn = conv["turns"][0]
+        body = {
+            "messages": [{"role": "user", "content": turn["texts"][0]["contents"][0]}],
+            "model": turn["model"],
+            "stream": True,
+            "max_completion_tokens": turn["max_tokens"],
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
+        out.append({"ts": turn["timestamp"], "body": body})
+
+
+async def _read_timed(reader: asyncio.StreamReader, sent: float) -> tuple[int, float | None]:
+    """A response's status and its first body chunk's time after ``sent`` (s; None: no
+    chunked body), its body read to the end."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head[9:12])
+    low = head.lower()
+    at = low.find(b"content-length:")
+    if at >= 0:
+        await reader.readexactly(int(low[at + 15 : low.find(b"\r\n", at)]))
+        return status, None
+    first = None
+    while True:
+        size = int((await reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
+        await reader.readexactly(size + 2)
+        if first is None:
+            first = time.perf_counter() - sent
+        if size == 0:
+            return status, first
+
+
+async def replay(
+    port: int, timed: list[tuple[float, bytes]]
+) -> tuple[int, float, list[float | None]]:
+    """Each request at its time (s from the start) on a pooled keep-alive connection, as
+    aiperf's pooled aiohttp connector: (errors, wall seconds, each request's time to its
+    first chunk in s, None where it failed)."""
+    pool: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    errors = 0
+    ttft: list[float | None] = [None] * len(timed)
+    t0 = time.monotonic()
+
+    async def one(i: int, at: float, request: bytes) -> None:
+        nonlocal errors
+        await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
+        sent = time.perf_counter()
+        conn = None
+        while pool and conn is None:
+            conn = pool.pop()
+            if conn[0].at_eof() or conn[1].is_closing():  # the router closed it idle
+                conn[1].close()
+                conn = None
+        if conn is None:
+            conn = await asyncio.open_connection("127.0.0.1", port, limit=1 << 24)
+        conn[1].write(request)
+        try:
+            status, ttft[i] = await _read_timed(conn[0], sent)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            conn[1].close()
+            errors += 1
+            return
+        errors += status != 200
+        pool.append(conn)
+
+    await asyncio.gather(*(one(i, at, r) for i, (at, r) in enumerate(timed)))
+    wall = time.monotonic() - t0
+    for _, w in pool:
+        w.close()
+    return errors, wall, ttft
+
+
+def phase_e2e_shape(
+    commands_of: dict[str, list[str]],
+    slices: dict[str, list[dict[str, Any]]],
+    speedup: float,
+    rounds: int,
+    engine_ttft_s: float,
+) -> dict[str, Any]:
+    """Every target on every slice, fresh each replay (no warm-up), ``rounds`` times with
+    the order reversed every other time: CPU per request net of idle, per replay and mean,
+    and the time to first token each request spent outside the engine (its first chunk
+    at the client less the engine's TTFT): mean, p90 and the first burst's mean."""
+    out: dict[str, Any] = {}
+    for r in range(rounds):
+        order = list(commands_of) if r % 2 == 0 else list(commands_of)[::-1]
+        for sname, rows in slices.items():
+            for name in order:
+                port, port2 = free_ports(2)
+                argv = [a.format(port=port, port2=port2) for a in commands_of[name]]
+                with process(argv) as proc:
+                    wait_http(port, "/health")
+                    time.sleep(1.5)  # SGLang activates its workers after /health answers
+                    pids = [proc.pid]
+                    c0, t0 = cpu_ns(pids), time.perf_counter()
+                    time.sleep(IDLE_S)
+                    idle = (cpu_ns(pids) - c0) / (time.perf_counter() - t0)  # ns per s
+                    timed = [(row["ts"] / 1e3 / speedup, http_body(row["body"])) for row in rows]
+                    c0 = cpu_ns(pids)
+                    errors, wall, ttft = asyncio.run(replay(port, timed))
+                    used = cpu_ns(pids) - c0
+                # the time to first token the router added: less the engine's own TTFT
+                added = [(t - engine_ttft_s) * 1e3 for t in ttft if t is not None]
+                first = rows[0]["ts"]  # the first burst: the requests sent at the start
+                burst = [
+                    (t - engine_ttft_s) * 1e3
+                    for t, row in zip(ttft, rows, strict=True)
+                    if t is not None and row["ts"] == first
+                ]
+                entry = out.setdefault(sname, {}).setdefault(name, {"runs": []})
+                entry["runs"].append({
+                    "round": r,
+                    "errors": errors,
+                    "wall_s": round(wall, 3),
+                    "idle_cpu_ms_per_s": round(idle / 1e6, 3),
+                    "cpu_s": round(used / 1e9, 4),
+                    "cpu_ms_per_request_net": round((used - idle * wall) / len(rows) / 1e6, 3),
+                    "ttft_added_ms_mean": round(statistics.mean(added), 2) if added else None,
+                    "ttft_added_ms_p90": round(pct(added, 90), 2) if added else None,
+                    "first_burst_requests": len(burst),
+                    "first_burst_ttft_added_ms_mean": (
+                        round(statistics.mean(burst), 2) if burst else None
+                    ),
+                })  # fmt: skip
+    for by_target in out.values():
+        for entry in by_target.values():
+            nets = [run["cpu_ms_per_request_net"] for run in entry["runs"]]
+            entry["cpu_ms_per_request_net_mean"] = round(statistics.mean(nets), 3)
+            for key in ("ttft_added_ms_mean", "first_burst_ttft_added_ms_mean"):
+                got = [run[key] for run in entry["runs"] if run[key] is not None]
+                entry[f"{key}_over_runs"] = round(statistics.mean(got), 2) if got else None
+            entry["errors"] = sum(run["errors"] for run in entry["runs"])
+    ratios: dict[str, Any] = {}
+    for sname, by_target in out.items():
+        ours = by_target.get("cache_router")
+        for peer in ("sglang_router", "cache_router_baseline"):
+            if ours is not None and peer in by_target:
+                mine = ours["cpu_ms_per_request_net_mean"]
+                theirs = by_target[peer]["cpu_ms_per_request_net_mean"]
+                ratios.setdefault(sname, {})[f"cache_router_over_{peer}"] = round(mine / theirs, 3)
+    return {"by_slice": out, "ratios": ratios}
+
+
+IDLE_S = 3.0  # bench/e2e.py's idle watch before each run
+
+
+def http_body(body: dict[str, Any]) -> bytes:
+    return http("/v1/chat/completions", body)
+
+
 # -- the routers -----------------------------------------------------------------------------
 
 
@@ -555,7 +816,12 @@ def tokenizer_dir(path: str, into: str) -> Any:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokenizer", required=True, help="a tokenizer.json (Llama SentencePiece)")
+    ap.add_argument(
+        "--tokenizer",
+        required=True,
+        help="a tokenizer.json (Llama SentencePiece); with --e2e-shape-only the e2e's model "
+        "directory (its tokenizer.json and tokenizer_config.json)",
+    )
     ap.add_argument("--peers-python", default="/work/venv-peers/bin/python")
     ap.add_argument("--quick", action="store_true", help="short lengths, few requests (smoke)")
     ap.add_argument("--seconds", type=float, default=4.0, help="each interference half")
@@ -594,7 +860,30 @@ def main() -> None:
     ap.add_argument(
         "--targets", help="comma-separated routers to run (default: all; 'direct' always)"
     )
+    ap.add_argument(
+        "--e2e-shape-only",
+        action="store_true",
+        help="only bench/e2e.py's requests replayed on their schedule (--slice)",
+    )
+    ap.add_argument("--slice", action="append", default=[], help="a slice file (JSONL: ts, body)")
+    ap.add_argument("--speedup", type=float, default=1.5, help="divides the slices' timestamps")
+    ap.add_argument("--rounds", type=int, default=4, help="replays of each slice per target")
+    ap.add_argument("--engine-ttft-ms", type=float, default=300.0)
+    ap.add_argument("--engine-itl-ms", type=float, default=40.0)
+    ap.add_argument(
+        "--aiperf-dataset",
+        metavar="DIR",
+        help="write aiperf's dataset cache entry DIR as a slice file on stdout and exit",
+    )
+    if "--aiperf-dataset" in sys.argv:  # no --tokenizer needed
+        at = sys.argv.index("--aiperf-dataset")
+        for row in aiperf_slice(Path(sys.argv[at + 1])):
+            print(json.dumps(row))
+        return
     args = ap.parse_args()
+    if args.e2e_shape_only:
+        e2e_shape_main(args)
+        return
     if not 1 <= args.repeat <= 50:
         ap.error("--repeat must be 1-50")
     one_phase = args.multi_turn_only or args.interference_only or args.shared_prefix_only
@@ -735,6 +1024,60 @@ def main() -> None:
             result.update(entries)
         result["ratios"] = _ratios(result, lengths)
         result["load_average_1m_end"] = os.getloadavg()[0]
+    print(json.dumps(result, indent=2))
+
+
+def e2e_shape_main(args: argparse.Namespace) -> None:
+    """``--e2e-shape-only``: bench/e2e.py's router settings in front of two streaming
+    canned engines; cache_router (this checkout), cache_router_baseline (``--baseline``)
+    and sglang_router (``--peers-python``), or ``--targets``."""
+    if not args.slice:
+        sys.exit("--e2e-shape-only needs --slice FILE")
+    slices = {
+        Path(f).stem: [json.loads(line) for line in Path(f).read_text().splitlines() if line]
+        for f in args.slice
+    }
+    ports = free_ports(2)
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    workers = [a for i, u in enumerate(urls) for a in ("--worker", f"e{i}={u}")]
+    ours = [
+        sys.executable, "-m", "router.cli", "serve", "--port", "{port}", *workers,
+        "--policy", "round_robin", "--tokenizer", args.tokenizer, "--block-size", "32",
+        "--admin-token", "bench", "--log-level", "warning",
+    ]  # fmt: skip
+    commands_of: dict[str, list[str]] = {"cache_router": ours}
+    if args.baseline is not None:
+        commands_of["cache_router_baseline"] = ["env", "-C", args.baseline, *ours]
+    peers_py = args.peers_python
+    if peers_py and Path(peers_py).exists():
+        commands_of["sglang_router"] = [
+            peers_py, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
+            "--policy", "cache_aware", "--host", "127.0.0.1", "--port", "{port}",
+            "--prometheus-port", "{port2}", "--log-level", "warn",
+        ]  # fmt: skip
+    if args.targets is not None:
+        commands_of = {k: v for k, v in commands_of.items() if k in args.targets.split(",")}
+    engine = [
+        sys.executable, __file__, "--streaming-engine", str(args.engine_ttft_ms),
+        str(args.engine_itl_ms), *map(str, ports),
+    ]  # fmt: skip
+    result: dict[str, Any] = {
+        "load_average_1m_start": os.getloadavg()[0],
+        "cpu_count": os.cpu_count(),
+        "tokenizer": args.tokenizer,
+        "policy": "round_robin",
+        "speedup": args.speedup,
+        "engine_ttft_ms": args.engine_ttft_ms,
+        "engine_itl_ms": args.engine_itl_ms,
+        "requests": {name: len(rows) for name, rows in slices.items()},
+    }
+    with process(engine, cwd=ROOT):
+        for p in ports:
+            wait_http(p, "/health")
+        result["e2e_shape"] = phase_e2e_shape(
+            commands_of, slices, args.speedup, args.rounds, args.engine_ttft_ms / 1e3
+        )
+    result["load_average_1m_end"] = os.getloadavg()[0]
     print(json.dumps(result, indent=2))
 
 
@@ -925,5 +1268,8 @@ def _ratios(result: dict[str, Any], lengths: tuple[int, ...]) -> dict[str, Any]:
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--engine":
         run_engine([int(p) for p in sys.argv[2:]])
+    elif len(sys.argv) > 4 and sys.argv[1] == "--streaming-engine":
+        ttft, itl = float(sys.argv[2]), float(sys.argv[3])
+        run_streaming_engine([int(p) for p in sys.argv[4:]], ttft, itl)
     else:
         main()

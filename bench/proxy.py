@@ -104,8 +104,19 @@ class _EngineProtocol(asyncio.Protocol):
             if len(self.buf) < end + 4 + length:
                 return
             path = head.split(b" ", 2)[1].split(b"?", 1)[0]
+            body = self.buf[end + 4 : end + 4 + length]
             self.buf = self.buf[end + 4 + length :]
-            self.transport.write(_ANSWERS.get(path, _OTHER))
+            own = self.answer_request(path, body)
+            self.transport.write(_ANSWERS.get(path, _OTHER) if own is None else own)
+
+    def answer_request(self, path: bytes, body: bytes) -> bytes | None:
+        """A subclass's own answer (bench/hotpath.py's streaming engine); None: canned."""
+        return None
+
+    @staticmethod
+    def answer(obj: object) -> bytes:
+        """``obj`` as a whole JSON response."""
+        return _response(orjson.dumps(obj))
 
 
 def run_engine(port: int) -> None:

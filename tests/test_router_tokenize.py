@@ -161,6 +161,23 @@ def test_tokenizer_set_loads_once_per_path(tok_dir):
     assert tokenizers.get("nope") is tokenizers.fallback
 
 
+def test_the_default_tokenizer_is_loaded_at_start_not_by_the_first_request(tok_dir):
+    """Workers given without a model (their models are learnt from the engines later):
+    the ``tokenizer`` every model falls back to is loaded when the router starts, so
+    the first request finds it (it used to load there: ~130 ms of a fresh router's
+    first request for Llama's tokenizer, inside bench/e2e.py's CPU per request), and
+    any model then gets that same one."""
+    cfg = RouterConfig(tokenizer=str(tok_dir), workers=[WorkerSpec("w0", "http://127.0.0.1:9")])
+    app = RouterApp(cfg)
+    tokenizers = app.state.tokenizers
+    assert not tokenizers._by_path  # nothing loaded when the app is built
+    app.state.warn_fallbacks()  # RouterState.start's step
+    loaded = tokenizers._by_path.get(str(tok_dir))
+    assert isinstance(loaded, HFTokenizer)
+    assert tokenizers.get("learnt-later") is loaded
+    assert tokenizers.load(str(tok_dir)) is loaded  # once per path
+
+
 async def test_router_and_engine_with_the_same_tokenizer_agree_on_blocks(tok_dir, nats_url):
     """The router's hashes of a chat prompt match the blocks the engine reports."""
     tok = HFTokenizer(tok_dir)

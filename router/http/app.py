@@ -301,6 +301,10 @@ class RouterState:
         for m in models:
             if self.cfg.tokenizer_for(m) is not None:
                 self.tokenizers.get(m)  # load now: a bad path fails at start, not mid-traffic
+        if self.cfg.tokenizer is not None:
+            # the models learnt from the engines later use it: loaded now, not by the
+            # first request (router.tokens.tokenize.TokenizerSet.load)
+            self.tokenizers.load(self.cfg.tokenizer)
 
     async def stop(self) -> None:
         if self.epp is not None:

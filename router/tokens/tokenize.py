@@ -677,13 +677,19 @@ class TokenizerSet:
         if tok is not None:
             return tok
         path = self._path_for(model)
-        if path is None:
-            tok = self.fallback
-        else:
-            tok = self._by_path.get(path)
-            if tok is None:
-                tok = self._by_path[path] = HFTokenizer(path, self.processes)
-                if not tok.has_template:
-                    log.warning("tokenizer %s has no chat template; using the fallback one", path)
+        tok = self.fallback if path is None else self.load(path)
         self._by_model[model] = tok
+        return tok
+
+    def load(self, path: str) -> Tokenizer:
+        """The tokenizer at ``path``, loaded once. The router loads its default one at
+        start (``RouterState.warn_fallbacks``): the models its engines serve are learnt
+        later, and the first request of a model nobody named used to pay the load,
+        ~130 ms of CPU for Llama's 32K-piece ``tokenizer.json`` (and the wait), inside
+        bench/e2e.py's per-request CPU: a fresh router per run of ~100 requests."""
+        tok = self._by_path.get(path)
+        if tok is None:
+            tok = self._by_path[path] = HFTokenizer(path, self.processes)
+            if not tok.has_template:
+                log.warning("tokenizer %s has no chat template; using the fallback one", path)
         return tok
