@@ -92,6 +92,7 @@ from proxy import (  # puts ROOT on sys.path for router.*
     ROOT,
     _EngineProtocol,
     _read_response,
+    _read_timed,
     _requests,
     process,
     wait_http,
@@ -588,26 +589,6 @@ def aiperf_slice(dataset: Path) -> list[dict[str, Any]]:
             "stream_options": {"include_usage": True},
         }
         out.append({"ts": turn["timestamp"], "body": body})
-
-
-async def _read_timed(reader: asyncio.StreamReader, sent: float) -> tuple[int, float | None]:
-    """A response's status and its first body chunk's time after ``sent`` (s; None: no
-    chunked body), its body read to the end."""
-    head = await reader.readuntil(b"\r\n\r\n")
-    status = int(head[9:12])
-    low = head.lower()
-    at = low.find(b"content-length:")
-    if at >= 0:
-        await reader.readexactly(int(low[at + 15 : low.find(b"\r\n", at)]))
-        return status, None
-    first = None
-    while True:
-        size = int((await reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
-        await reader.readexactly(size + 2)
-        if first is None:
-            first = time.perf_counter() - sent
-        if size == 0:
-            return status, first
 
 
 async def replay(

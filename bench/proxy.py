@@ -134,19 +134,28 @@ def run_engine(port: int) -> None:
 
 
 async def _read_response(reader: asyncio.StreamReader) -> int:
+    return (await _read_timed(reader, 0.0))[0]
+
+
+async def _read_timed(reader: asyncio.StreamReader, sent: float) -> tuple[int, float | None]:
+    """A response's status and its first body chunk's time after ``sent`` (s; None: no
+    chunked body), its body read to the end."""
     head = await reader.readuntil(b"\r\n\r\n")
     status = int(head[9:12])
     low = head.lower()
     at = low.find(b"content-length:")
     if at >= 0:
         await reader.readexactly(int(low[at + 15 : low.find(b"\r\n", at)]))
-    elif b"transfer-encoding: chunked" in low:
-        while True:
-            size = int((await reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
-            await reader.readexactly(size + 2)
-            if size == 0:
-                break
-    return status
+        return status, None
+    first = None
+    while b"transfer-encoding: chunked" in low:
+        size = int((await reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
+        await reader.readexactly(size + 2)
+        if first is None:
+            first = time.perf_counter() - sent
+        if size == 0:
+            break
+    return status, first
 
 
 def _requests(port: int, n: int) -> list[bytes]:

@@ -893,6 +893,26 @@ def test_cache_aware_stays_on_a_holder_whose_running_prompt_is_nearly_done() -> 
     assert whole.scores["w0"]["queue_ms"] == pytest.approx(seen[0.0][1])
 
 
+def _a_new_session_beside_four(policy: CacheAware, rounds: int) -> str:
+    """Where a new session on a shared tool prompt starts: four live sessions, one on w0
+    (three steps a round) and three on w1, each step 16 blocks more; then the new
+    session, its tool prompt held on w1 alone, both queues empty."""
+    tool = chain(1, 8)
+    w0, w1 = WorkerView("w0"), WorkerView("w1")
+    steps = {k: 0 for k in range(4)}
+    for _ in range(rounds):
+        for k, w in ((0, w0), (0, w0), (0, w0), (1, w1), (2, w1), (3, w1)):
+            n = 16 + 16 * steps[k]
+            steps[k] += 1
+            r = RouteRequest(f"s{k}.{steps[k]}", "m", n * BS, chain(10 + k, n - 8, tool),
+                             BS, f"s{k}")  # fmt: skip
+            policy.select(r, [w])
+            policy.on_finish(r, w.worker_id)
+    new = RouteRequest("n.0", "m", 12 * BS, chain(30, 4, tool), BS, "n")
+    held = [WorkerView("w0"), WorkerView("w1", match=tm(gpu=8))]
+    return policy.select(new, held).worker_id
+
+
 def test_cache_aware_bounds_a_handful_of_live_sessions_in_whole_sessions() -> None:
     """Issue 35, ``bench/e2e.py``'s agent trace on two vLLM engines: the live-session bound
     was ``ceil(session_load * (live + 1) / workers)``, and rounded up after the factor it
@@ -900,31 +920,10 @@ def test_cache_aware_bounds_a_handful_of_live_sessions_in_whole_sessions() -> No
     on one engine, one on the other, and the loaded engine's queue evicted the histories
     its waiting steps were sent there for (TTFT p99 3-10 s). Counted in whole sessions
     (the fair share rounded up, then the factor) it holds at most 2 of 4."""
-    tool = chain(1, 8)
-    w0, w1 = WorkerView("w0"), WorkerView("w1")
-
-    def run(policy: CacheAware) -> str:
-        # one session on w0, three on w1, interleaved: all four live, and as many recent
-        # requests on each worker (w0's sends three steps a round); each step adds 16
-        # blocks (agent steps: the tool prompt is worth little of a session's prefill)
-        steps = {k: 0 for k in range(4)}
-        for _ in range(8):
-            for k, w in ((0, w0), (0, w0), (0, w0), (1, w1), (2, w1), (3, w1)):
-                n = 16 + 16 * steps[k]
-                steps[k] += 1
-                r = RouteRequest(f"s{k}.{steps[k]}", "m", n * BS, chain(10 + k, n - 8, tool),
-                                 BS, f"s{k}")  # fmt: skip
-                policy.select(r, [w])
-                policy.on_finish(r, w.worker_id)
-        # a new session on the tool prompt, held on w1 alone; both queues empty
-        new = RouteRequest("n.0", "m", 12 * BS, chain(30, 4, tool), BS, "n")
-        held = [WorkerView("w0"), WorkerView("w1", match=tm(gpu=8))]
-        return policy.select(new, held).worker_id
-
     # rounded after the factor, w1 takes a 4th of 5 live sessions (ceil(1.25 * 5 / 2) = 4)
-    assert run(CacheAware(random.Random(0), live_whole=False)) == "w1"
+    assert _a_new_session_beside_four(CacheAware(random.Random(0), live_whole=False), 8) == "w1"
     # in whole sessions it may hold 1.25 * ceil(5 / 2) = 3.75: the session starts on w0
-    assert run(CacheAware(random.Random(0))) == "w0"
+    assert _a_new_session_beside_four(CacheAware(random.Random(0)), 8) == "w0"
 
 
 def test_cache_aware_counts_a_young_pool_s_sessions_by_the_ones_that_ended() -> None:
@@ -936,29 +935,8 @@ def test_cache_aware_counts_a_young_pool_s_sessions_by_the_ones_that_ended() -> 
     over-share holder: 5 of 6 sessions on one of two engines. Over the sessions that
     *ended* (none: all of the window's requests belong to live sessions) the lead is
     small against their later prompts and the bound holds."""
-    tool = chain(1, 8)
-    w0, w1 = WorkerView("w0"), WorkerView("w1")
-
-    def run(policy: CacheAware) -> str:
-        # one session on w0, three on w1, interleaved (two rounds: a young pool, none of
-        # the four has ended); each step adds 16 blocks
-        steps = {k: 0 for k in range(4)}
-        for _ in range(2):
-            for k, w in ((0, w0), (0, w0), (0, w0), (1, w1), (2, w1), (3, w1)):
-                n = 16 + 16 * steps[k]
-                steps[k] += 1
-                r = RouteRequest(f"s{k}.{steps[k]}", "m", n * BS, chain(10 + k, n - 8, tool),
-                                 BS, f"s{k}")  # fmt: skip
-                policy.select(r, [w])
-                policy.on_finish(r, w.worker_id)
-        # a new session on the tool prompt, held on w1 alone (over its share of the live
-        # sessions); both queues empty
-        new = RouteRequest("n.0", "m", 12 * BS, chain(30, 4, tool), BS, "n")
-        held = [WorkerView("w0"), WorkerView("w1", match=tm(gpu=8))]
-        return policy.select(new, held).worker_id
-
     # started sessions: 12 requests / (4 + 1) = 2.4 a session, later 1.4 x 16 blocks; the
     # lead of 8 adds 0.36 to the factor and w1 may take a 4th of 5 live sessions
-    assert run(CacheAware(random.Random(0), ended_turns=False)) == "w1"
+    assert _a_new_session_beside_four(CacheAware(random.Random(0), ended_turns=False), 2) == "w1"
     # ended sessions: none, 12 requests as if one session: the lead adds 0.04, w1 barred
-    assert run(CacheAware(random.Random(0))) == "w0"
+    assert _a_new_session_beside_four(CacheAware(random.Random(0)), 2) == "w0"
