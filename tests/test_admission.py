@@ -758,10 +758,10 @@ def test_a_tenant_alone_never_waits_on_a_provisional_limit() -> None:
 
 def test_capacity_keeps_a_provisional_limit_for_one_report() -> None:
     cap = Capacity(engine_queue=1)
-    assert cap.slots("w") is None and not cap.provisional
+    assert cap.slots("w") is None and cap.first("w") is None
     assert not cap.report("w", 3, 0, 0.0) and cap.slots("w") == 3 and cap.first("w") is None
     assert not cap.report("w", 4, 2, 0.25)  # the limit itself is not learnt from one
-    assert cap.first("w") == 4 and cap.provisional and cap.limited
+    assert cap.first("w") == 4 and cap.limited
     assert cap.room("w", 5, entitled=True) > 1000  # an entitled request passes it
     assert cap.room("w", 5, entitled=False) == 0 and cap.room("w", 4, entitled=False) == 1
     assert cap.report("w", 4, 1, 0.5) and cap.limit("w") == 4 and cap.first("w") is None

@@ -117,12 +117,6 @@ class Capacity:
         held)."""
         return self.max_inflight is not None or bool(self._limits) or bool(self._first)
 
-    @property
-    def provisional(self) -> bool:
-        """Whether some worker has only a provisional limit (a tenant's share then
-        decides whether its requests may go there)."""
-        return bool(self._first)
-
     def first(self, worker: str) -> int | None:
         """The worker's provisional limit (None: none, or its limit is confirmed)."""
         return self._first.get(worker)
@@ -192,15 +186,13 @@ class Capacity:
         ``entitled`` is held at a provisional limit too (``first``), and, while some
         engine has a limit, at what an engine without one ran in its last report."""
         limit = self.limit(worker)
+        if limit is None and not entitled and self.limited:
+            # some engine is full: one that never reported waiting takes a tenant over
+            # its share up to what it ran, not past it (the flood held off a full engine
+            # went to the other: 20 in flight on 4 slots, session 20)
+            limit = self.slots(worker)
         if limit is None:
-            limit = None if entitled else self._first.get(worker)
-            if limit is None and not entitled and (self._limits or self._first):
-                # some engine is full: one that never reported waiting takes a tenant
-                # over its share up to what it ran, not past it (the flood held off a
-                # full engine went to the other: 20 in flight on 4 slots, session 20)
-                limit = self._running.get(worker) or None
-            if limit is None:
-                return 1 << 30
+            return 1 << 30
         if entitled or self.reserve <= 0:
             return limit + self.headroom(limit) - inflight
         return limit - self.reserved(limit) - inflight
