@@ -114,14 +114,12 @@ WORDS = ("cache", "router", "engine", "prefix", "token", "block", "hash", "worke
 # -- the engine: bench/proxy.py's canned server on several ports ---------------------------
 
 
-def run_engine(ports: list[int]) -> None:
+def run_engine(ports: list[int], protocol: type[asyncio.Protocol] = _EngineProtocol) -> None:
     import uvloop
 
     async def serve() -> None:
         loop = asyncio.get_running_loop()
-        servers = [
-            await loop.create_server(_EngineProtocol, "127.0.0.1", p, backlog=4096) for p in ports
-        ]
+        servers = [await loop.create_server(protocol, "127.0.0.1", p, backlog=4096) for p in ports]
         await asyncio.gather(*(s.serve_forever() for s in servers))
 
     uvloop.run(serve())
@@ -551,18 +549,8 @@ class _StreamingEngine(_EngineProtocol):
 
 
 def run_streaming_engine(ports: list[int], ttft_ms: float, itl_ms: float) -> None:
-    import uvloop
-
     _StreamingEngine.TTFT, _StreamingEngine.ITL = ttft_ms / 1e3, itl_ms / 1e3
-
-    async def serve() -> None:
-        loop = asyncio.get_running_loop()
-        servers = [
-            await loop.create_server(_StreamingEngine, "127.0.0.1", p, backlog=4096) for p in ports
-        ]
-        await asyncio.gather(*(s.serve_forever() for s in servers))
-
-    uvloop.run(serve())
+    run_engine(ports, _StreamingEngine)
 
 
 def aiperf_slice(dataset: Path) -> list[dict[str, Any]]:
