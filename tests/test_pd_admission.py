@@ -139,8 +139,9 @@ async def test_held_before_its_prefill_and_released_when_a_prefill_slot_frees(
         # its prefill ended (the decode may go on): the third takes the slot
         await until(lambda: "three" in prompts(s, holder), what="the third's prefill sent")
         assert queued(s) == 0
-        if protocol == "vllm":
-            assert s.held["d0"].waiting >= 1  # a decode still in flight, the slot free
+        if protocol == "vllm":  # d0 is held, so two's decode cannot have ended: it reaches
+            # d0 (after its prefill leg, maybe after three's prefill was sent) and waits there
+            await until(lambda: s.held["d0"].waiting >= 1, what="two's decode held on d0")
         # admission counts two in flight (one and three prefilling): two's slot was freed
         # when its prefill leg ended, its decode going on or not
         assert gate(s).core._flying[""] == 2
