@@ -19,14 +19,25 @@ class LoadReport:
     waiting: int
     kv_usage: float
     ts: float
+    # why requests wait, where the engine says (None: it does not)
+    deferred: int | None = None
+    preemptions: float | None = None
+    kv_tokens: int | None = None
 
     def to_json(self) -> wire.LoadReport:
-        return {
+        out: wire.LoadReport = {
             "running": self.running,
             "waiting": self.waiting,
             "kv_usage": self.kv_usage,
             "ts": self.ts,
         }
+        if self.deferred is not None:
+            out["deferred"] = self.deferred
+        if self.preemptions is not None:
+            out["preemptions"] = self.preemptions
+        if self.kv_tokens is not None:
+            out["kv_tokens"] = self.kv_tokens
+        return out
 
 
 def parse_load(text: str, *, ts: float | None = None) -> LoadReport:
@@ -39,4 +50,7 @@ def parse_load(text: str, *, ts: float | None = None) -> LoadReport:
         waiting=load.waiting,
         kv_usage=load.kv_usage,
         ts=time.time() if ts is None else ts,
+        deferred=load.deferred,
+        preemptions=load.preemptions,
+        kv_tokens=load.kv_tokens,
     )

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 DEFAULT_PREFIX = "kv"
 
@@ -115,6 +115,11 @@ class LoadReport(TypedDict):
     waiting: int
     kv_usage: float  # 0..1
     ts: float  # unix seconds at the scrape
+    # where the engine says (router.workers.load.EngineLoad): of ``waiting``, those held
+    # back for their own reasons; requests preempted so far; its KV cache in tokens
+    deferred: NotRequired[int]
+    preemptions: NotRequired[float]
+    kv_tokens: NotRequired[int]
 
 
 class PrefetchHintMessage(TypedDict):

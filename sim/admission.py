@@ -12,6 +12,7 @@ requests count in the report's ``shed``; they have no TTFT.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol, cast
 
 from router.admission.core import Admission, AdmissionSettings, State, Ticket
@@ -19,6 +20,7 @@ from router.admission.core import Admission, AdmissionSettings, State, Ticket
 if TYPE_CHECKING:
     from policies.base import WorkerView
     from policies.cost_model import EngineCosts
+    from router.workers.load import RunningPrefills
     from sim.request import SimRequest
 
 
@@ -31,7 +33,12 @@ class Simulated(Protocol):
     targets: list[str]
     target_engines: dict[str, list[int]]
     inflight: list[int]
+    inflight_prefill: list[int]
+    prefilled: list[int]
+    kv_tokens: list[int]
+    prefills: dict[str, RunningPrefills]
     reported: list[tuple[int, int, float]]
+    reported_waiting: list[int]
     done: int
     progress: Callable[[int], None] | None
 
@@ -43,10 +50,13 @@ class Simulated(Protocol):
 class SimAdmission:
     def __init__(self, sim: Simulated, settings: AdmissionSettings) -> None:
         self.sim = sim
+        if settings.engine_batch_tokens > 0:  # the engines' budget, as an operator knows it
+            settings = replace(settings, engine_batch_tokens=sim.costs.max_batch_tokens)
         self.core = Admission(
             settings, self._inflight, self._bind, self._shed, lambda: sim.now / 1000.0
         )
         self.tickets: dict[int, Ticket] = {}  # by request index, until it ends
+        self._prefilled: dict[str, int] = {}  # target -> its engines' prefilled then
         self.shed = 0
 
     def _inflight(self, target: str) -> int:
@@ -95,9 +105,24 @@ class SimAdmission:
             self.core.finish(ticket, req.output_len)
 
     def sample(self) -> None:
-        """The engines' load as just sampled, per routing target."""
+        """The engines' load as just sampled, per routing target (waiting as vLLM
+        reports it, ``BatchEngine.reported_waiting``), with what tells why requests wait
+        there: KV usage and size, and the prompt tokens each engine had to prefill since
+        the last sample (sent there with no first token yet, or whose first token came
+        since; the engines never preempt: each reserves its answer's pages when it
+        admits a request)."""
         sim = self.sim
         for target, ks in sim.target_engines.items():
+            prefilled = self._prefilled.get(target, 0)
+            self._prefilled[target] = sum(sim.prefilled[k] for k in ks)
             reported = [sim.reported[k] for k in ks]
             running = sum(r[0] for r in reported)
-            self.core.report(target, running, sum(r[1] for r in reported))
+            waiting = sum(sim.reported_waiting[k] for k in ks)
+            self.core.report(
+                target, running, waiting,
+                kv_usage=max(r[2] for r in reported),
+                kv_tokens=min(sim.kv_tokens[k] for k in ks),
+                prefill=sum(sim.inflight_prefill[k] for k in ks)
+                + self._prefilled[target] - prefilled,
+                need=sim.prefills[target].smallest(),
+            )  # fmt: skip

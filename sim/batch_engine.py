@@ -69,6 +69,7 @@ class BatchEngine:
         self._version = 0
         # Decoding context: sum over decoding requests of (prompt + 1 - step they began).
         self._kv_base = 0
+        self._left_waiting = 0  # requests the last schedule left waiting
 
     # -- load as the engine reports it ------------------------------------------------
     @property
@@ -78,6 +79,15 @@ class BatchEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def reported_waiting(self) -> int:
+        """Waiting as vLLM reports it: those its last schedule left waiting. A request
+        that arrives during a step sits in vLLM's input queue, not in ``waiting``, until
+        the next schedule takes it (vllm/v1/engine/core.py ``run_busy_loop``; the stats
+        are made after the step, in ``update_from_output``), so it counts as waiting
+        only if that schedule leaves it there too."""
+        return self._left_waiting if self.busy else len(self.waiting)
 
     def _decode_kv_tokens(self) -> int:
         return self._kv_base + len(self.decoding) * self.steps
@@ -145,6 +155,7 @@ class BatchEngine:
     def _start_step(self, now: float) -> None:
         n_dec = len(self.decoding)
         chunks, prefill_ms = self._admit(now, self.costs.max_batch_tokens - n_dec)
+        self._left_waiting = len(self.waiting)
         if not chunks and not n_dec:
             self.busy = False
             return

@@ -154,13 +154,17 @@ class Simulation:
         # per routing target, as the router keeps them per worker (a DP worker whose
         # ranks it cannot tell apart has one queue of flights in the router's eyes)
         self.prefills = {t: RunningPrefills() for t in self.targets}
+        # each engine's KV cache in tokens (vLLM's ``cache_config_info``, to admission)
+        self.kv_tokens = [e.cache.gpu_blocks * e.cache.block_size for e in self.engines]
         # The router's own load counts per worker.
         self.inflight = [0] * n
         self.inflight_prefill = [0] * n
+        self.prefilled = [0] * n  # prompt tokens whose first token came, so far
         self.decode_streams = [0] * n
         self.routed = [0] * n
         # Engine-reported load as last sampled: (running, waiting, kv usage).
         self.reported: list[tuple[int, int, float]] = [(0, 0, 0.0)] * n
+        self.reported_waiting = [0] * n
         self.link_free = [0.0] * n  # when each target's prefetch link is next idle
         self.requests: list[SimRequest] = []
         self.route_us: list[float] = []
@@ -278,6 +282,9 @@ class Simulation:
 
     def _sample(self) -> None:
         self.reported = [(e.running, e.num_waiting, e.cache.usage) for e in self.engines]
+        # admission reads waiting as vLLM reports it (the policies' views keep the count
+        # they were tuned on, arrivals during a step included)
+        self.reported_waiting = [e.reported_waiting for e in self.engines]
         if self.admission is not None:
             self.admission.sample()
         if self.done < len(self.trace.requests):
@@ -325,6 +332,7 @@ class Simulation:
         req.first_token_ms = now
         w = req.worker
         self.inflight_prefill[w] -= req.est_prefill
+        self.prefilled[w] += req.est_prefill
         self.prefills[self.engines[w].source].remove(req, now)
         self.decode_streams[w] += 1
         self.policy.on_first_token(req.route, self.engines[w].source, now - req.arrival_ms)

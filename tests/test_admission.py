@@ -325,9 +325,14 @@ def test_a_held_request_waits_for_its_holder_while_the_holders_queue_drains_in_t
 def test_capacity_learns_each_engines_limit_from_its_reports() -> None:
     cap = Capacity(engine_queue=1)
     assert cap.limit("w") is None and cap.room("w", 10_000) > 0
-    assert not cap.report("w", 9, 0, 0.0)  # never seen full: no limit
+    assert not cap.report("w", 3, 0, 0.0)  # never seen full: no limit
     assert not cap.report("w", 4, 1, 0.0)  # one waiting, once: maybe between two steps
     assert cap.report("w", 4, 1, 0.0) and cap.limit("w") == 4
+    # waiting at fewer running than the engine was ever seen to run: not its slots
+    ran9 = Capacity()
+    ran9.report("w", 9, 0, 0.0)
+    assert not ran9.report("w", 4, 1, 0.1) and not ran9.report("w", 4, 1, 0.2)
+    assert ran9.limit("w") is None and ran9.first("w") is None
     # many waiting once: maybe a burst that arrived during one long step (the simulator's
     # seed 5 at 3x learnt 5 on an engine of 256 slots so), learnt only if they stay
     burst = Capacity()
@@ -341,12 +346,13 @@ def test_capacity_learns_each_engines_limit_from_its_reports() -> None:
     # one waiting at fewer running (a request between two steps): the most seen stands
     assert not cap.report("w", 2, 1, 3.0) and cap.limit("w") == 6
     # more waiting than its headroom twice running: it runs fewer now (a full KV cache)
-    assert not cap.report("w", 5, 2, 3.4) and cap.limit("w") == 6
-    assert cap.report("w", 5, 2, 3.5) and cap.limit("w") == 5
+    full = {"kv_usage": 0.95}
+    assert not cap.report("w", 5, 2, 3.4, **full) and cap.limit("w") == 6
+    assert cap.report("w", 5, 2, 3.5, **full) and cap.limit("w") == 5
     assert cap.report("w", 6, 1, 3.6) and cap.limit("w") == 6
     assert not cap.report("w", None, 5, 4.0)
     # a new window: the last one's peak; then one never full forgets the limit
-    assert not cap.report("w", 3, 1, WINDOW) and cap.limit("w") == 6
+    assert not cap.report("w", 3, 1, WINDOW, **full) and cap.limit("w") == 6
     assert cap.report("w", 1, 0, 2 * WINDOW) and cap.limit("w") == 3
     assert cap.report("w", 1, 0, 3 * WINDOW) and cap.limit("w") is None
     assert Capacity(max_inflight=3).limit("any") == 3
@@ -415,8 +421,13 @@ def test_without_headroom_a_limit_cut_by_a_passing_wait_comes_back() -> None:
     cap.report("w", 4, 1, 0.0)
     cap.report("w", 4, 1, 0.1)
     assert cap.limit("w") == 4
-    cap.report("w", 3, 1, 0.2)  # a slot freed, its next request not yet scheduled
+    # a slot freed, its next request not yet scheduled: fewer running than the engine
+    # ran, so not what its slots hold (until session 21 this cut the limit to 3)
+    cap.report("w", 3, 1, 0.2)
     cap.report("w", 3, 1, 0.3)
+    assert cap.limit("w") == 4
+    cap.report("w", 3, 1, 0.2, kv_usage=0.95)  # its KV cache full: it runs fewer now
+    cap.report("w", 3, 1, 0.3, kv_usage=0.95)
     assert cap.limit("w") == 3
     cap.report("w", 3, 0, 0.4)  # all it was given runs, nothing waits: one more
     assert cap.limit("w") == 4

@@ -188,7 +188,12 @@ async def test_index_follows_the_engine_through_stores_and_evictions(
     assert stats["published"] == engine.publisher.seq  # type: ignore[union-attr]
     assert stats["restarts"] == 0 and stats["publish_failed"] == 0
     report = loads[-1]
-    assert set(report) == {"running", "waiting", "kv_usage", "ts"}
+    # and why requests wait, as the mock says it like vLLM 0.32 (none deferred, never
+    # preempting, its 20 pages)
+    assert set(report) == {"running", "waiting", "kv_usage", "ts", "deferred", "preemptions",
+                           "kv_tokens"}  # fmt: skip
+    assert (report["deferred"], report["preemptions"]) == (0, 0)
+    assert report["kv_tokens"] == 20 * BS
     assert 0.0 <= report["kv_usage"] <= 1.0 and report["waiting"] == 0  # type: ignore[operator]
 
 

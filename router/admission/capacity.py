@@ -72,6 +72,7 @@ router while that backlog drained (0.2-0.6 s), against 24 ms alone.
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 # How much a new interval between two ends on a worker moves its average: about the
 # last eight, enough to follow a load change within a second at mock-engine rates.
@@ -81,27 +82,84 @@ WINDOW = 30.0  # seconds a limit is remembered without being seen again
 # an engine whose limit was learnt low runs them all, with none waiting, and raises it
 # by as much at each report, instead of by ``engine_queue``.
 PROBE = 8
+# The engines' token budget of one step, when not told (``engine_batch_tokens``): vLLM's
+# smallest default ``max_num_batched_tokens`` (its CPU build's and small GPUs' API
+# server), SGLang's ``chunked_prefill_size`` on small GPUs. A larger real budget makes
+# more waiting look like slots or memory (as before), never less.
+BUDGET = 2048
+# KV usage at which memory explains waiting whatever the prompts' sizes (the engine's KV
+# capacity unknown): an engine this full admits a request only where its pages fit.
+FULL = 0.9
+
+Cause = Literal["slots", "memory", "compute"]
+
+
+def cause(
+    running: int,
+    most: int,
+    budget: int,
+    kv_usage: float | None = None,
+    kv_tokens: int | None = None,
+    preempted: bool = False,
+    prefill: int | None = None,
+    need: int | None = None,
+) -> Cause:
+    """Why an engine running ``running`` (the ``most`` it was ever seen running) keeps
+    requests waiting.
+
+    ``memory``: it preempted since its last report, or its KV cache is ``FULL``, or its
+    free pages hold fewer tokens than the smallest prompt sent to it without a first
+    token (``need``; vLLM admits a request only with room for its whole prompt, so none
+    of them can start). ``slots``: it
+    runs the most it ever ran (an engine of S slots never runs more than S, so below
+    that slots cannot be what it waits for), and the prompt tokens it had to compute
+    (``prefill``: those not started and those started since its last report, uncached)
+    with one token for each running request fit one step's ``budget``, so no step can
+    have spent it. ``compute`` otherwise: a step's token budget was spent on prefill,
+    and the next step takes the next prompt whatever the router holds."""
+    if preempted:
+        return "memory"
+    if kv_usage is not None:
+        if kv_usage >= FULL:
+            return "memory"
+        if kv_tokens and need and (1.0 - kv_usage) * kv_tokens < need:
+            return "memory"
+    if running < most:
+        return "compute"
+    if budget > 0 and prefill is not None and running + prefill >= budget:
+        return "compute"
+    return "slots"
 
 
 class Capacity:
     """Per-worker limits and the pace at which their slots free; plain and synchronous."""
 
     __slots__ = (
-        "_first", "_freed_at", "_interval", "_limits", "_over", "_queued", "_running",
-        "engine_queue", "max_inflight", "reserve",
+        "_first", "_freed_at", "_interval", "_limits", "_most", "_over", "_preemptions",
+        "_queued", "_running", "budget", "engine_queue", "max_inflight", "reserve",
     )  # fmt: skip
     # worker -> (the limit, the window's start, the most seen running in this window)
 
     def __init__(
-        self, engine_queue: int = 1, max_inflight: int | None = None, reserve: float = 0.0
+        self,
+        engine_queue: int = 1,
+        max_inflight: int | None = None,
+        reserve: float = 0.0,
+        budget: int = BUDGET,
     ) -> None:
         if engine_queue < 0 or (max_inflight is not None and max_inflight < 1):
             raise ValueError("engine_queue must be >= 0 and max_inflight >= 1")
         if not 0.0 <= reserve < 1.0:
             raise ValueError("reserve must be in [0, 1)")
+        if budget < 0:
+            raise ValueError("budget must be >= 0")
         self.engine_queue = engine_queue
         self.reserve = reserve
         self.max_inflight = max_inflight
+        # the engines' token budget of one step (0: waiting is never read as compute)
+        self.budget = budget
+        self._most: dict[str, int] = {}  # worker -> the most it was ever seen running
+        self._preemptions: dict[str, float] = {}  # worker -> its last preemption count
         self._limits: dict[str, tuple[int, float, int]] = {}
         self._freed_at: dict[str, float] = {}
         self._interval: dict[str, float] = {}  # seconds between two slots freeing
@@ -139,11 +197,44 @@ class Capacity:
         found = self._limits.get(worker)
         return None if found is None else found[0]
 
-    def report(self, worker: str, running: int | None, waiting: int | None, now: float) -> bool:
+    def report(
+        self,
+        worker: str,
+        running: int | None,
+        waiting: int | None,
+        now: float,
+        *,
+        deferred: int | None = None,
+        kv_usage: float | None = None,
+        kv_tokens: int | None = None,
+        preemptions: float | None = None,
+        prefill: int | None = None,
+        need: int | None = None,
+    ) -> bool:
         """An engine's load report at ``now``; whether the worker's limit changed (not
-        counting its provisional one, ``first``)."""
+        counting its provisional one, ``first``).
+
+        Besides running and waiting, what tells why requests wait (each None: unknown):
+        ``deferred``, of the waiting, those the engine holds back for reasons of their
+        own (vLLM's ``reason="deferred"``); its KV cache's ``kv_usage`` (0-1) and size
+        in tokens (``kv_tokens``); its ``preemptions`` so far (a counter); the uncached
+        prompt tokens it had to prefill since its last report or still has to
+        (``prefill``: of the requests sent to it, those with no first token yet and
+        those whose first token came since); and of the requests with no first token,
+        the smallest prompt (``need``). Waiting that neither slots nor memory explain
+        (``cause``) says nothing about the engine's slots, and is read as none."""
         if running is None or waiting is None:
             return False
+        waiting = max(0, waiting - (deferred or 0))
+        most = self._most[worker] = max(self._most.get(worker, 0), running)
+        last = self._preemptions.get(worker)
+        preempted = preemptions is not None and last is not None and preemptions > last
+        if preemptions is not None:
+            self._preemptions[worker] = preemptions
+        if waiting > 0 and self.max_inflight is None:
+            why = cause(running, most, self.budget, kv_usage, kv_tokens, preempted, prefill, need)
+            if why == "compute":
+                waiting = 0
         self._running[worker] = running
         self._first.pop(worker, None)
         found = self._limits.get(worker)
@@ -221,8 +312,13 @@ class Capacity:
 
     def forget(self, worker: str) -> None:
         """The worker left the pool."""
-        for table in (self._limits, self._freed_at, self._interval, self._first, self._running):
+        for table in (
+            self._limits, self._freed_at, self._interval, self._first, self._running,
+            self._most, self._preemptions,
+        ):  # fmt: skip
             table.pop(worker, None)
+        self._over.discard(worker)
+        self._queued.discard(worker)
 
     def snapshot(self, worker: str) -> dict[str, float | int | None]:
         interval = self._interval.get(worker)

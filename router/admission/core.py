@@ -43,9 +43,9 @@ import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from router.admission.capacity import Capacity
+from router.admission.capacity import BUDGET, Capacity
 from router.admission.fair import TokenBucket, VirtualCounters, retry_after
 from router.admission.stats import AdmissionStats
 
@@ -92,6 +92,10 @@ class AdmissionSettings:
     queue_size: int = 1024  # tickets held at once
     queue_timeout: float = 10.0  # seconds a ticket may wait before it is shed
     engine_queue: int = 1  # requests a full engine is still given (see ``capacity``)
+    # the engines' token budget of one step (vLLM's max_num_batched_tokens): waiting while
+    # more prompt tokens than that are sent and not started is compute, not full slots
+    # (``capacity.cause``); 0: all waiting counts, as before
+    engine_batch_tokens: int = BUDGET
     max_inflight: int | None = None  # a fixed per-worker limit (None: learnt)
     starve_after: float = 5.0
     starve_share: int = 8
@@ -274,7 +278,10 @@ class Admission:
         clock: Callable[[], float],
     ) -> None:
         self.settings = settings
-        self.capacity = Capacity(settings.engine_queue, settings.max_inflight, settings.reserve)
+        self.capacity = Capacity(
+            settings.engine_queue, settings.max_inflight, settings.reserve,
+            settings.engine_batch_tokens,
+        )  # fmt: skip
         self.stats = AdmissionStats(settings.tenants)
         self._inflight = inflight
         self._bind = bind
@@ -423,11 +430,14 @@ class Admission:
         if self._held:
             self.pump()
 
-    def report(self, worker: str, running: int | None, waiting: int | None) -> None:
-        """An engine's load; a raised limit may let held tickets go."""
+    def report(
+        self, worker: str, running: int | None, waiting: int | None, **why: Any
+    ) -> None:
+        """An engine's load; a raised limit may let held tickets go. ``why``: what tells
+        why its requests wait (``Capacity.report``'s keywords)."""
         capacity = self.capacity
         first, ran, limited = capacity.first(worker), capacity.slots(worker), capacity.limited
-        changed = capacity.report(worker, running, waiting, self._clock())
+        changed = capacity.report(worker, running, waiting, self._clock(), **why)
         if capacity.limited != limited:  # every engine without a limit: see ``room``
             self._rooms.dirty |= self._rooms.known
             changed = True

@@ -55,6 +55,7 @@ def make_gate(cfg: RouterConfig, router: Router, registry: WorkerRegistry) -> Ga
         queue_size=cfg.queue_size,
         queue_timeout=cfg.queue_timeout,
         engine_queue=cfg.engine_queue,
+        engine_batch_tokens=cfg.engine_batch_tokens,
         max_inflight=cfg.engine_max_inflight,
         starve_after=cfg.priority_starve_after,
         starve_share=cfg.priority_starve_share,
@@ -161,6 +162,7 @@ class Gate:
         # the last plain request's (model's workers list, candidates, their set)
         self._every: tuple[list[Worker], tuple[str, ...], frozenset[str]] | None = None
         self._seen: dict[str, float] = {}  # worker -> the report last handed on
+        self._prefilled: dict[str, int] = {}  # worker -> its ``prefilled`` then
         self.via: Counter[tuple[str, str]] = Counter()  # (path, outcome) -> requests
         self.default_via = "proxy"  # the proxy's path ("gateway" in gateway mode)
         # gateway mode: a request's home cluster (router.routing.gateway), held for as a
@@ -421,9 +423,24 @@ class Gate:
             self._seen[worker.id] = load.engine_seen
             engine = load.engine
             ranks = len(worker.targets)
+            # prompt tokens whose first byte came since the last report (the engine
+            # prefilled them meanwhile)
+            prefilled = load.prefilled - self._prefilled.get(worker.id, load.prefilled)
+            self._prefilled[worker.id] = load.prefilled
+            # why its requests wait (``capacity.cause``): the engine's KV cache, deferred
+            # requests and preemptions, and the prompts it had to prefill since its last
+            # report (sent there without a first token yet, or whose first token came)
+            why = {
+                "deferred": _share(engine.deferred, ranks),
+                "kv_usage": engine.kv_usage,
+                "kv_tokens": engine.kv_tokens,
+                "preemptions": engine.preemptions,
+                "prefill": _share(load.inflight_prefill_tokens + prefilled, ranks),
+                "need": load.prefills.smallest(),
+            }
             for target in worker.targets:
                 self.core.report(
-                    target, _share(engine.running, ranks), _share(engine.waiting, ranks)
+                    target, _share(engine.running, ranks), _share(engine.waiting, ranks), **why
                 )
         if self.core.queued:
             self.core.pump()

@@ -424,6 +424,12 @@ class OverloadSettings:
     )
     engine_queue: int = setting(1, Range(0, 1 << 20))  # requests a full engine still gets
     engine_max_inflight: int | None = setting(None, _COUNT)  # a fixed engine limit; None: learnt
+    # the engines' token budget of one step (vLLM --max-num-batched-tokens, SGLang
+    # --chunked-prefill-size): requests waiting while an engine had this many prompt
+    # tokens or more to prefill (not started, or started since its last report) wait
+    # for compute, not for a slot, and teach admission no limit; 0: all waiting does
+    # (docs/overload.md)
+    engine_batch_tokens: int = setting(2048, Range(0, 1 << 30))
     # a share of a full engine's slots kept for tenants under their fair share and for
     # urgent requests (priority < 0); 0: none, every slot works (docs/overload.md)
     reserve_share: float = setting(0.0, Range(0, 0.9))

@@ -41,6 +41,13 @@ class EngineLoad:
     running: int | None = None
     waiting: int | None = None
     kv_usage: float | None = None
+    # why requests wait (``router.admission.capacity.cause``), each None where the engine
+    # does not say: of ``waiting``, those held back for reasons of their own (vLLM's
+    # ``reason="deferred"``: a LoRA budget, a KV transfer, a grammar), the requests it
+    # preempted so far (a counter), and its KV cache's size in tokens
+    deferred: int | None = None
+    preemptions: float | None = None
+    kv_tokens: int | None = None
 
 
 class RunningPrefills:
@@ -74,6 +81,10 @@ class RunningPrefills:
             self._head_since = now
         del flights[key]
 
+    def smallest(self) -> int:
+        """The fewest tokens of one flight (0 with none)."""
+        return min((tokens for tokens, _ in self._flights.values()), default=0)
+
     def oldest(self, now: float) -> tuple[int, float]:
         """``(tokens, running time)`` of the oldest flight; ``(0, 0.0)`` with none."""
         flights = self._flights
@@ -99,6 +110,7 @@ class WorkerLoad:
         "peer_decode_streams",
         "peer_prefill_tokens",
         "peer_requests",
+        "prefilled",
         "prefills",
         "slot",
         "watched",
@@ -117,6 +129,9 @@ class WorkerLoad:
         # this router's own flights waiting for their first byte (the peers' are counts
         # only): when the oldest was sent, in monotonic ms
         self.prefills = RunningPrefills()
+        # prompt tokens of this router's flights whose first byte came, so far (what the
+        # engine prefilled between two of its reports, for admission: ``capacity.cause``)
+        self.prefilled = 0
         # a wide pool's load board (router/routing/prune.py): told each move of the two
         # counters it orders by, so no decision reads every target's load
         self.board: LoadBoard | None = None
@@ -222,6 +237,7 @@ class Flight:
         if self.state is WAITING:
             load = self.load
             load.inflight_prefill_tokens -= self.prefill
+            load.prefilled += self.prefill
             load.prefills.remove(self, _now_ms())
             load.decode_streams += 1
             self.state = DECODING
@@ -262,6 +278,9 @@ def parse_load_report(data: bytes) -> EngineLoad:
         running=_count(obj.get("running"), "running"),
         waiting=_count(obj.get("waiting"), "waiting"),
         kv_usage=_num(obj.get("kv_usage"), "kv_usage", 1.0),
+        deferred=_count(obj.get("deferred"), "deferred"),
+        preemptions=_num(obj.get("preemptions"), "preemptions", math.inf),
+        kv_tokens=_tokens(obj.get("kv_tokens"), "kv_tokens"),
     )
 
 
@@ -280,11 +299,25 @@ def _count(value: Any, name: str) -> int | None:
     return None if number is None else int(number)
 
 
+def _tokens(value: Any, name: str) -> int | None:
+    number = _num(value, name, MAX_KV_TOKENS)
+    return None if number is None else int(number)
+
+
 # Prometheus names (newest vLLM, older vLLM, SGLang); the first present in a scrape wins.
 # The node agent (``agent.load``) reads the same gauges for its load reports.
 RUNNING_GAUGES = ("vllm:num_requests_running", "sglang:num_running_reqs")
 WAITING_GAUGES = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 KV_USAGE_GAUGES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+# Why requests wait (vLLM 0.32 and newer; older engines have none of these): waiting by
+# reason ("capacity": slots, KV or the step's token budget; "deferred": held back for
+# their own reasons), preemptions so far, the KV cache's size (vLLM: the labels of its
+# ``cache_config_info``; SGLang: a gauge)
+WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
+PREEMPTION_COUNTERS = ("vllm:num_preemptions_total",)
+KV_INFO = "vllm:cache_config_info"
+KV_TOKEN_GAUGES = ("sglang:max_total_num_tokens",)
+MAX_KV_TOKENS = 1 << 40  # a KV cache's tokens, at most (a bound on a forged report)
 
 
 def parse_engine_metrics(text: str) -> EngineLoad:
@@ -294,28 +327,72 @@ def parse_engine_metrics(text: str) -> EngineLoad:
     since the fullest rank is the one that queues.
     """
     values: dict[str, list[float]] = {}
-    wanted = set(RUNNING_GAUGES + WAITING_GAUGES + KV_USAGE_GAUGES)
+    wanted = set(RUNNING_GAUGES + WAITING_GAUGES + KV_USAGE_GAUGES + PREEMPTION_COUNTERS)
+    wanted |= set(KV_TOKEN_GAUGES)
+    deferred: list[float] = []
+    kv_tokens: list[float] = []
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
         name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
-        if name_end < 0 or line[:name_end] not in wanted:
+        if name_end < 0:
+            continue
+        name = line[:name_end]
+        if name == KV_INFO:  # the size in its labels: blocks of block_size tokens
+            size = _kv_tokens(line)
+            if size is not None:
+                kv_tokens.append(size)
+            continue
+        if name not in wanted and name != WAITING_BY_REASON:
             continue
         fields = line.rsplit("}", 1)[-1].split() if "{" in line else line.split()[1:]
         try:
             value = float(fields[0])
         except (IndexError, ValueError):
             continue
-        if 0 <= value <= MAX_ENGINE_COUNT:  # NaN, inf, negatives: not a load
-            values.setdefault(line[:name_end], []).append(value)
+        if name == WAITING_BY_REASON:
+            if 0 <= value <= MAX_ENGINE_COUNT and 'reason="deferred"' in line:
+                deferred.append(value)
+        elif name in KV_TOKEN_GAUGES:
+            if 0 < value <= MAX_KV_TOKENS:
+                kv_tokens.append(value)
+        elif 0 <= value <= (MAX_ENGINE_COUNT if name not in PREEMPTION_COUNTERS else 2**53):
+            values.setdefault(name, []).append(value)  # NaN, inf, negatives: not a load
 
     def first(names: tuple[str, ...]) -> list[float] | None:
         return next((values[n] for n in names if n in values), None)
 
     running, waiting = first(RUNNING_GAUGES), first(WAITING_GAUGES)
     usage = first(KV_USAGE_GAUGES)
+    preempted = first(PREEMPTION_COUNTERS)
     return EngineLoad(
         running=None if running is None else min(int(sum(running)), MAX_ENGINE_COUNT),
         waiting=None if waiting is None else min(int(sum(waiting)), MAX_ENGINE_COUNT),
         kv_usage=None if usage is None else min(max(usage), 1.0),
+        deferred=min(int(sum(deferred)), MAX_ENGINE_COUNT) if deferred else None,
+        preemptions=None if preempted is None else sum(preempted),
+        # the smallest rank's: the one whose cache fills first
+        kv_tokens=int(min(kv_tokens)) if kv_tokens else None,
     )
+
+
+def _kv_tokens(line: str) -> float | None:
+    """A ``vllm:cache_config_info`` sample's KV cache size in tokens: its
+    ``kv_cache_size_tokens`` label, else ``num_gpu_blocks`` x ``block_size`` (None: no
+    size in it)."""
+    labels: dict[str, str] = {}
+    inside = line[line.find("{") + 1 : line.rfind("}")] if "{" in line else ""
+    for part in inside.split('",'):
+        key, eq, value = part.partition("=")
+        if eq:
+            labels[key.strip()] = value.strip().strip('"')
+    try:
+        size = labels.get("kv_cache_size_tokens")
+        tokens = (
+            float(size)
+            if size not in (None, "", "None")
+            else float(labels["num_gpu_blocks"]) * float(labels["block_size"])
+        )
+    except (KeyError, ValueError):
+        return None
+    return tokens if 0 < tokens <= MAX_KV_TOKENS else None

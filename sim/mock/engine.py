@@ -158,6 +158,7 @@ _HELP = {
     "vllm:prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens.",
     "vllm:prompt_tokens": "Number of prefill tokens processed.",
     "vllm:generation_tokens": "Number of generation tokens processed.",
+    "vllm:num_preemptions": "Cumulative number of preemption from the engine.",
 }
 
 
@@ -179,7 +180,7 @@ class _Metrics:
                 hit_rate = s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0
                 values: dict[str, float] = {
                     "sglang:num_running_reqs": len(s.running),
-                    "sglang:num_queue_reqs": len(s.waiting),
+                    "sglang:num_queue_reqs": s.reported_waiting,
                     "sglang:token_usage": rank.cache.usage,
                     "sglang:cache_hit_rate": hit_rate,
                 }
@@ -187,7 +188,7 @@ class _Metrics:
             else:
                 values = {
                     "vllm:num_requests_running": len(s.running),
-                    "vllm:num_requests_waiting": len(s.waiting),
+                    "vllm:num_requests_waiting": s.reported_waiting,
                     "vllm:kv_cache_usage_perc": rank.cache.usage,
                 }
                 counts = {
@@ -195,6 +196,8 @@ class _Metrics:
                     "vllm:prefix_cache_hits": s.prefix_hits,
                     "vllm:prompt_tokens": s.prompt_tokens,
                     "vllm:generation_tokens": s.generation_tokens,
+                    # never: a request's answer has its pages from its admission on
+                    "vllm:num_preemptions": 0,
                 }
             for name, value in values.items():
                 if name not in gauges:
@@ -206,6 +209,17 @@ class _Metrics:
                 counters[name].add_metric(labels, count)
         yield from gauges.values()
         yield from counters.values()
+        if e.cfg.encoding != "sglang":  # vLLM 0.32's waiting by reason: none deferred here
+            by_reason = GaugeMetricFamily(
+                "vllm:num_requests_waiting_by_reason",
+                "Number of requests waiting, by the reason they wait.",
+                labels=[*names, "reason"],
+            )
+            for rank in e.ranks:
+                labels = [e.cfg.model, str(rank.rank)]
+                by_reason.add_metric([*labels, "capacity"], rank.scheduler.reported_waiting)
+                by_reason.add_metric([*labels, "deferred"], 0)
+            yield by_reason
         if e.cfg.lora_modules and e.cfg.encoding != "sglang":
             yield e.lora_info()
         if e.cfg.encoding != "sglang":  # vLLM's info gauge: its CacheConfig as labels

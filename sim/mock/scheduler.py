@@ -109,7 +109,18 @@ class Scheduler:
         self.prefix_hits = 0  # of which cached, GPU or host (vllm:prefix_cache_hits)
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self._left = 0  # requests the last step's schedule left waiting
         self._wake = asyncio.Event()
+
+    @property
+    def reported_waiting(self) -> int:
+        """Waiting as vLLM's ``/metrics`` says it: those its last schedule left waiting.
+        A request that arrives during a step sits in vLLM's input queue until the next
+        schedule takes it (vllm/v1/engine/core.py ``run_busy_loop``; the stats are made
+        after the step), so it counts only if that schedule leaves it waiting too: a
+        router reading waiting > 0 then knows a slot, the KV cache or the step's token
+        budget kept it there, not the moment it came."""
+        return min(self._left, len(self.waiting))
 
     def submit(self, seq: Sequence) -> None:
         seq.arrival = next(_arrivals)
@@ -205,6 +216,7 @@ class Scheduler:
             prefill += chunk
             if seq.computed == len(seq.prompt):
                 emitting.append(seq)
+        self._left = len(self.waiting)
         t = self.timing
         cost = 1 / t.decode_tps if decoding or prefill else 0.0
         cost += prefill / t.prefill_tps + loaded * t.load_s_per_block
