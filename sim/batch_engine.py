@@ -2,8 +2,9 @@
 
 Each step spends a token budget (``max_batch_tokens``): one token per decoding request,
 then prefill chunks of admitted requests, then new requests in arrival order (the head
-waits while its pages cannot be freed, so later ones wait too, as in vLLM). The step
-lasts ``EngineCosts.step_ms`` plus the prefill of its chunks (attention over the
+waits while its pages cannot be freed, so later ones wait too, as in vLLM; what a
+schedule leaves waiting is what the engine reports waiting, ``reported_waiting``). The
+step lasts ``EngineCosts.step_ms`` plus the prefill of its chunks (attention over the
 context already in place) plus host-to-GPU loads of newly admitted requests' host hits.
 
 Steps that only decode are run in bulk: up to the next request's last token, cut short

@@ -10,6 +10,36 @@ their KV caches a third full, and taking each report's running as the limit held
 the router what the engines had room for (TTFT p50 161 ms -> 3.9 s). Within a window,
 because a limit set by long prompts in a full cache must come down when they go.
 
+Waiting teaches a limit only when the engine's slots or its memory explain it
+(``cause``; session 21, issues 31 and 35). vLLM also keeps requests waiting whenever a
+step's token budget is spent (``max_num_batched_tokens``, 2,048 on its CPU build: its
+scheduler admits waiting requests ``while token_budget > 0``, vllm/v1/core/sched/
+scheduler.py in 0.32), with slots and KV cache free, and says neither setting in its
+``/metrics``: with prompts of 500-1,800 tokens the router learnt limits of 3-4 on
+bench/e2e.py's engines of 8 slots and held requests the next step would have started
+(11 and 20 a run, 71-88 ms of mean TTFT, session 20). So a report's waiting counts
+(less what the engine defers for reasons of its own, vLLM's ``reason="deferred"``) when
+the engine preempted, its KV cache is ``FULL`` or its free pages cannot hold the
+smallest prompt sent to it (memory); or when it runs the most it ever ran (an engine of
+S slots never runs more than S) and the prompt tokens it had to prefill since its last
+report, started or not (the router knows them: its requests there without a first
+token, and those whose first token came since), with a token for each running request,
+fit one step's budget (``engine_batch_tokens``, ``BUDGET`` by default), so that no step
+can have spent it (slots). Any other waiting is read as none: the engine's own queue
+takes the next prompt at the next step. On bench/sweep.py's ``e2e-mooncake``
+conversation slices in the simulator (bench/e2e.py's engines: 2 of 8 slots, a 2,048-
+token budget, 256 pages of 32 tokens; seeds 0-5), the rule until now held 85 requests
+(94 s in all; 193 and 336 s at the ``cpu-slow`` costs) and took TTFT mean / p50 / p99
+from no admission's 790 / 706 / 2,207 ms to 879 / 776 / 2,718 (cpu-slow 1,564 / 1,498 /
+3,837 -> 1,684 / 1,507 / 4,522); with this rule 2 (17 at cpu-slow), the KV caches
+91-100 % full, and 804 / 712 / 2,207 (1,578 / 1,504 / 3,837). Running at its most
+alone was not enough: it learnt 7-8 there and held 10 (seed 1). The price: an engine
+whose slots are full while the prompts queued there also fill a step is read as
+compute, its limit not learnt (the simulator's engines of 8 slots with 4,096 pages at 4
+and 5 requests a second: the rule until now learnt 8 and held 19 and 47 requests, for
+TTFT means of 632 and 1,023 ms against 636 and 1,019 ms held by none), so fair shares
+between tenants are not kept on such an engine: ``engine_max_inflight`` fixes its limit.
+
 More waiting than the router means to leave there (below), in two reports in a row,
 says the engine runs fewer now (its KV cache filled): its limit comes down by an
 eighth, or to what it runs if that is more. On the same trace at 3x load, running fell
@@ -20,17 +50,19 @@ An engine never seen with requests waiting in two reports in a row has no limit:
 router holds nothing for it, so traffic that never saturates an engine never waits at
 the router. However many wait in one report, they may be a burst that arrived during one
 long step (a prefill chunk takes ~0.5 s on the simulator's engines) and goes into the
-next: on the simulator's chat trace (bench/admission_sim.py, seed 5 at 3x load) an
-engine of 256 slots, its KV cache 7 % used, reported 5 running and 4 waiting once, and
-learning 5 from that one report (the rule until session 19) held at the router what the
-engines could run while the limit climbed by its headroom a report (5 -> 45 in 9.5 s, 69
-held, no engine with any waiting in 14 of the 19 reports meanwhile): the share of
-requests served within 2 s fell from no admission's 0.585 to 0.130. With two reports
-(seeds 1-6, loads 1.5x, 2x and 3x): 0.615 there, admission's mean share 0.683 -> 0.723
-(no admission 0.727) and its worst against no admission -0.455 -> -0.078 (seed 6 at 3x;
-seed 2 at 2x lost most, 0.773 -> 0.649 against no admission's 0.640). Learning from the
-first report with any waiting was worse still (seed 3 at 2x: TTFT p90 0.38 s without
-admission, 3.1 s with).
+next (so the simulator's engines reported until session 21; vLLM's do not: a request
+that arrives during a step sits in its input queue until the next schedule, and counts
+as waiting only if that leaves it there, ``sim.batch_engine``): on the simulator's chat
+trace (bench/admission_sim.py, seed 5 at 3x load) an engine of 256 slots, its KV cache
+7 % used, reported 5 running and 4 waiting once, and learning 5 from that one report (the
+rule until session 19) held at the router what the engines could run while the limit
+climbed by its headroom a report (5 -> 45 in 9.5 s, 69 held, no engine with any waiting
+in 14 of the 19 reports meanwhile): the share of requests served within 2 s fell from no
+admission's 0.585 to 0.130. With two reports (seeds 1-6, loads 1.5x, 2x and 3x): 0.615
+there, admission's mean share 0.683 -> 0.723 (no admission 0.727) and its worst against
+no admission -0.455 -> -0.078 (seed 6 at 3x; seed 2 at 2x lost most, 0.773 -> 0.649
+against no admission's 0.640). Learning from the first report with any waiting was worse
+still (seed 3 at 2x: TTFT p90 0.38 s without admission, 3.1 s with).
 
 Without any headroom (``engine_queue`` 0 and a limit under ``PROBE``) an engine is never
 offered more than its limit, so its limit could only come down: a request sent as a slot

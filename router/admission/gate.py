@@ -9,9 +9,11 @@ one worker. A held request waits on a future that ``bind`` resolves, with its de
 as the timeout; a client that goes away cancels the wait and leaves the queue.
 
 Engine load reaches admission without a hook in the event or health code: a task
-(``run``) reads each worker's last report ten times a second and hands new ones on; it
-also pumps the queue, so a ticket waiting for its prefix holder is let go elsewhere
-when its hold ends even if nothing else happens.
+(``run``) reads each worker's last report ten times a second and hands new ones on, with
+the prompt tokens the engine had to prefill since its previous report (what tells a
+spent token budget from full slots, ``capacity.cause``); it also pumps the queue, so a
+ticket waiting for its prefix holder is let go elsewhere when its hold ends even if
+nothing else happens.
 
 Three paths enter besides the proxy's: the Endpoint Picker (router.epp: ``exclude``
 holds the workers outside the gateway's subset, which the ticket may never be bound

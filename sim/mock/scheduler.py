@@ -9,7 +9,9 @@ too) while fewer than ``max_num_seqs`` run. The step then "runs" for a modelled 
 
 so prefill latency grows with uncached tokens, a lone request decodes at ``decode_tps``
 and everything speeds up by ``speed`` for tests. Blocks are cached as their prefill
-chunk is scheduled; the step's KV events go out as one batch after it.
+chunk is scheduled; the step's KV events go out as one batch after it. Its ``/metrics``
+say waiting as vLLM does (``reported_waiting``): what the last schedule left waiting,
+not a request that came during the step.
 
 The waiting queue's order is vLLM's ``--scheduling-policy`` (vllm/v1/core/sched/
 scheduler.py and request_queue.py, read in vLLM 0.32.0 and at main of 2026): ``fcfs``,
