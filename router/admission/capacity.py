@@ -16,29 +16,31 @@ step's token budget is spent (``max_num_batched_tokens``, 2,048 on its CPU build
 scheduler admits waiting requests ``while token_budget > 0``, vllm/v1/core/sched/
 scheduler.py in 0.32), with slots and KV cache free, and says neither setting in its
 ``/metrics``: with prompts of 500-1,800 tokens the router learnt limits of 3-4 on
-bench/e2e.py's engines of 8 slots and held requests the next step would have started
-(11 and 20 a run, 71-88 ms of mean TTFT, session 20). So a report's waiting counts
-(less what the engine defers for reasons of its own, vLLM's ``reason="deferred"``) when
-the engine preempted, its KV cache is ``FULL`` or its free pages cannot hold the
-smallest prompt sent to it (memory); or when it runs the most it ever ran (an engine of
-S slots never runs more than S) and the prompt tokens it had to prefill since its last
-report, started or not (the router knows them: its requests there without a first
-token, and those whose first token came since), with a token for each running request,
-fit one step's budget (``engine_batch_tokens``, ``BUDGET`` by default), so that no step
-can have spent it (slots). Any other waiting is read as none: the engine's own queue
-takes the next prompt at the next step. On bench/sweep.py's ``e2e-mooncake``
-conversation slices in the simulator (bench/e2e.py's engines: 2 of 8 slots, a 2,048-
-token budget, 256 pages of 32 tokens; seeds 0-5), the rule until now held 85 requests
-(94 s in all; 193 and 336 s at the ``cpu-slow`` costs) and took TTFT mean / p50 / p99
-from no admission's 790 / 706 / 2,207 ms to 879 / 776 / 2,718 (cpu-slow 1,564 / 1,498 /
-3,837 -> 1,684 / 1,507 / 4,522); with this rule 2 (17 at cpu-slow), the KV caches
-91-100 % full, and 804 / 712 / 2,207 (1,578 / 1,504 / 3,837). Running at its most
-alone was not enough: it learnt 7-8 there and held 10 (seed 1). The price: an engine
-whose slots are full while the prompts queued there also fill a step is read as
-compute, its limit not learnt (the simulator's engines of 8 slots with 4,096 pages at 4
-and 5 requests a second: the rule until now learnt 8 and held 19 and 47 requests, for
-TTFT means of 632 and 1,023 ms against 636 and 1,019 ms held by none), so fair shares
-between tenants are not kept on such an engine: ``engine_max_inflight`` fixes its limit.
+bench/e2e.py's engines of 8 slots and held requests the next step would have started (11
+and 20 a run, 71-88 ms of mean TTFT, session 20). So a report's waiting counts (less
+what the engine defers for reasons of its own, vLLM's ``reason="deferred"``) when the
+engine preempted, its KV cache is ``FULL`` or its free pages cannot hold the smallest
+prompt sent to it (memory); or when it runs the most it ever ran (an engine of S slots
+never runs more than S) and the prompt tokens it had to prefill since its last report,
+started or not (the router knows them: its requests there without a first token, and
+those whose first token came since), with a token for each running request, fit one
+step's budget (``engine_batch_tokens``, ``BUDGET`` by default), so that no step can have
+spent it (slots). Any other waiting is read as none: the engine's own queue takes the
+next prompt at the next step. On bench/sweep.py's ``e2e-mooncake`` conversation slices
+in the simulator (bench/e2e.py's engines: 2 of 8 slots, a 2,048-token budget, 256 pages
+of 32 tokens; seeds 0-5), the rule until now held 85 requests (94 s in all; 193 and
+336 s at the ``cpu-slow`` costs) and took TTFT mean / p50 / p99 from no admission's 790 /
+706 / 2,207 ms to 879 / 776 / 2,718 (cpu-slow 1,564 / 1,498 / 3,837 -> 1,684 / 1,507 /
+4,522); with this rule 2 (17 at cpu-slow), the KV caches 91-100 % full, and 804 / 712 /
+2,207 (1,578 / 1,504 / 3,837). Running at its most alone was not enough: it learnt 7-8
+there and held 10 (seed 1). On bench/e2e.py itself (real vLLM, conversation@1.5, 2
+rounds) no limit was learnt and no request held in either run (session 20: 11 and 20
+held, 7.1 and 8.8 s in all, limits 8 / 4 and 7 / 3). The price: an engine whose slots
+are full while the prompts queued there also fill a step is read as compute, its limit
+not learnt (the simulator's engines of 8 slots with 4,096 pages at 4 and 5 requests a
+second: the rule until now learnt 8 and held 19 and 47 requests, for TTFT means of 632
+and 1,023 ms against 636 and 1,019 ms held by none), so fair shares between tenants are
+not kept on such an engine: ``engine_max_inflight`` fixes its limit.
 
 More waiting than the router means to leave there (below), in two reports in a row,
 says the engine runs fewer now (its KV cache filled): its limit comes down by an
