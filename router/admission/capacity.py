@@ -118,8 +118,9 @@ WINDOW = 30.0  # seconds a limit is remembered without being seen again
 PROBE = 8
 # The engines' token budget of one step, when not told (``engine_batch_tokens``): vLLM's
 # smallest default ``max_num_batched_tokens`` (its CPU build's and small GPUs' API
-# server), SGLang's ``chunked_prefill_size`` on small GPUs. A larger real budget makes
-# more waiting look like slots or memory (as before), never less.
+# server), SGLang's ``chunked_prefill_size`` on small GPUs. Set above an engine's real
+# budget, some of its compute waiting reads as slots (the rule before session 21); below
+# it, slot waiting past the setting's tokens reads as compute (no limit, nothing held).
 BUDGET = 2048
 # KV usage at which memory explains waiting whatever the prompts' sizes (the engine's KV
 # capacity unknown): an engine this full admits a request only where its pages fit.
