@@ -509,7 +509,9 @@ async def probe_responses(deps: ProxyDeps, url: str, model: str) -> Capability |
     room = max_len - len(ids)
     rid = "resp_cacherouterprobe" + random_hex()
     one = {"max_output_tokens": 2, "temperature": 0.0, "request_id": rid}
-    status, answer = await _call(deps, url, RESPONSES, {**body, **one, "store": True})
+    # each asked with a salt of its own: both cold, so their usage must be the same
+    salted = {**body, **one, "store": True, "cache_salt": random_hex()}
+    status, answer = await _call(deps, url, RESPONSES, salted)
     if status != 200:
         return None
     status, _ = await _call(deps, url, f"{RESPONSES}/{rid}", None)
@@ -527,7 +529,8 @@ async def probe_responses(deps: ProxyDeps, url: str, model: str) -> Capability |
     if cap.capped:
         return cap  # every request goes as it came ("max_tokens"): nothing to compare
     block = deps.router.workers_for(model)[0].pool.block_size
-    plan = ResponsesPlan({**body, **one}, ids, cap, cap.served, block, lambda: None)
+    salted = {**body, **one, "cache_salt": random_hex()}
+    plan = ResponsesPlan(salted, ids, cap, cap.served, block, lambda: None)
     status, generated = await _call(deps, url, GENERATE, plan.body)
     if status != 200:
         return None
@@ -537,8 +540,11 @@ async def probe_responses(deps: ProxyDeps, url: str, model: str) -> Capability |
         log.warning("engine %s: its tokens-in answer does not make a Responses answer (%r)",
                     url, exc)  # fmt: skip
         return None
-    if _comparable(mine) != _comparable(answer):
-        log.warning("engine %s answers Responses otherwise than the router would", url)
+    mine, answer = _comparable(mine), _comparable(answer)
+    if mine != answer:
+        differ = sorted(k for k in {*mine, *answer} if mine.get(k) != answer.get(k))
+        log.warning("engine %s answers Responses otherwise than the router would (%s)",
+                    url, ", ".join(differ))  # fmt: skip
         return None
     return cap
 
