@@ -108,8 +108,8 @@ def test_the_generate_request_carries_the_responses_sampling() -> None:
     assert sp["stop"] == ["x"] and sp["logprobs"] == 2 and sp["max_tokens"] == 6
     assert "stream" not in body
     # no max_output_tokens: the context left, as vLLM's default
-    assert ResponsesPlan({**BODY, "max_output_tokens": None}, IDS, CAP, "tiny", 32,
-                         lambda: None).body["sampling_params"]["max_tokens"] == 1024 - len(IDS)  # fmt: skip
+    unlimited = plan(max_output_tokens=None).body["sampling_params"]
+    assert unlimited["max_tokens"] == 1024 - len(IDS)
     streamed = plan(stream=True).body
     assert streamed["stream"] is True and streamed["stream_options"] == {"include_usage": True}
 

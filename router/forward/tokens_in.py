@@ -22,10 +22,18 @@ engine's own chat layer would have given, field for field:
   ``meta_info`` of its own and cumulative text in each streamed event; rebuilding its chat
   layer's answer from it would copy that layer into the router, version by version.)
 
-The Responses and Messages APIs are not sent as ids: the router renders them as chat
-messages only approximately, to hash them (``router.routing.responses``), not as the
-engine's layers do (docs/engines.md says where they differ), and a stored response must
-reach the engine's Responses layer to be found again.
+Responses requests (``/v1/responses``), to vLLM only, go as ids too when the router's
+rendering of their input is exactly vLLM's (``router.routing.responses.render_reason``;
+vLLM encodes it with the tokenizer's special tokens, as the router hashes it) and their
+fields are ones the router reproduces (``router.forward.responses_out.request_reason``);
+their answer is shaped as vLLM's Responses layer shapes it (``responses_out``). The
+probe (``probe_responses``): ``/v1/responses/render`` gives exactly the router's ids for
+an input of every shape let through, no reasoning parser, and a one-token request asked
+of ``/v1/responses`` and of the generate endpoint (each with a cache salt of its own)
+answers alike once shaped; it also learns whether the engine keeps responses
+(``VLLM_ENABLE_RESPONSES_API_STORE``): then one with ``store`` not false goes as it came
+(``stored``), as do ``previous_response_id`` and ``background``. The Messages API
+(``/v1/messages``) is not sent as ids: the router renders it as a chat only approximately.
 
 The router pays for the ids as JSON: ~36 ns a token (0.14 ms at 4K tokens, orjson of a
 list); vLLM's front end saves ~5 ms a turn at 1-3K tokens (``bench/tokens_in.py``,
@@ -69,7 +77,8 @@ Which requests go as today (``cache_router_tokens_in{outcome}`` counts each reas
 - ``context`` (vLLM): a prompt at the model's length, or an explicit ``max_tokens`` on an engine
   whose generation config caps it (``max_tokens``): the chat layer's own answer;
 - ``engine``: the worker is not (yet) known to take tokens in; ``probing``: its probe
-  is under way; ``disaggregated``, ``gateway``: prefill/decode pools and region gateways.
+  is under way; ``disaggregated``, ``gateway``: prefill/decode pools and region gateways;
+- ``stored`` (Responses): a response the engine's store must see (above).
 
 An engine's error status is passed on as it came (the generate endpoint answers invalid
 sampling fields with the chat endpoint's error body). An answer the router cannot read
@@ -323,9 +332,7 @@ class TokensIn:
                 return None, "probing"
         return seen, "sent"
 
-    def _check_responses(
-        self, prep: Prepared, worker: Worker
-    ) -> tuple[str, Capability | None]:
+    def _check_responses(self, prep: Prepared, worker: Worker) -> tuple[str, Capability | None]:
         """A Responses request: its input rendered exactly, its fields reproduced, the
         engine a vLLM whose Responses answer the probe matched, no store to keep it in."""
         body = prep.parsed.body
