@@ -214,6 +214,7 @@ def test_only_input_rendered_exactly_goes_as_ids(body: dict[str, Any], reason: s
         ({"top_logprobs": 30}, "field"),
         ({"metadata": {"a": 1}}, "field"),
         ({"presence_penalty": 3}, "field"),
+        ({"max_output_tokens": 0}, "field"),
         ({"min_tokens": 3}, "field"),  # not a Responses field: vLLM ignores it
         ({"vllm_xargs": {"a": 1}}, "field"),
     ],

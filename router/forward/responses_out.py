@@ -101,6 +101,9 @@ def request_reason(body: Mapping[str, Any]) -> str | None:
     top = body.get("top_logprobs", 0)
     if not _int(top) or not 0 <= top <= 20:
         return "field"
+    limit = body.get("max_output_tokens")
+    if limit is not None and not (_int(limit) and limit > 0):
+        return "field"  # the engine's own error
     if body.get("truncation", "disabled") != "disabled":
         return "field"
     metadata = body.get("metadata")
