@@ -39,14 +39,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
 from router.tokens.media import as_ints
 
 if TYPE_CHECKING:
-    from router.forward.tokens_in import Capability
     from router.routing.decide import Prepared
 
 GENERATE = "/inference/v1/generate"
@@ -71,6 +70,20 @@ _REASON_OF = {
     "structured_outputs": "structured_output", "mm_processor_kwargs": "media",
     "media_io_kwargs": "media",
 }  # fmt: skip
+
+
+class Capability(Protocol):
+    """What the probe learnt of the engine that this module reads
+    (``router.forward.tokens_in.Capability``)."""
+
+    @property
+    def defaults(self) -> dict[str, Any]: ...
+    @property
+    def stop_token_ids(self) -> list[int]: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def served(self) -> str: ...
 
 
 def random_hex() -> str:
