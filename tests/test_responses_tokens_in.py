@@ -31,7 +31,7 @@ from router.config import RouterConfig, WorkerSpec
 from router.forward.responses_out import ResponsesPlan, request_reason
 from router.forward.tokens_in import _DEFAULTED, Capability
 from router.http.app import RouterApp
-from router.routing.responses import render_reason
+from router.routing.responses import prompt_chat, render_reason
 
 CAPTURED = json.loads((Path(__file__).parent / "responses_vllm_032.json").read_text())
 BODY = {"model": "tiny", "input": "Say hello.", "instructions": "You are terse.",
@@ -297,3 +297,17 @@ async def test_through_the_router_the_client_gets_vllms_answer(
         tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
         r = await http.post("/v1/responses", json={**BODY, "tools": [tool]})
         assert r.status_code == 200 and engine.asked[-1] == ("responses", {**BODY, "tools": [tool]})
+
+
+def test_a_responses_prompt_is_encoded_with_special_tokens_as_vllm_does(hf: Any) -> None:
+    """vLLM encodes a rendered Responses input with the tokenizer's special tokens (a
+    chat's without): the router's ids are those, and a tokenizer that adds none keeps
+    the plain chat body (so the prefix and segment caches still serve it)."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    chat = prompt_chat(messages, hf)
+    ids, text = hf.chat(chat)
+    plain, _ = hf.chat({"messages": messages})
+    assert list(ids) == list(hf.encode(text, True))
+    adds = len(hf.encode("a", True)) != len(hf.encode("a", False))
+    assert chat.get("add_special_tokens", False) is adds
+    assert (list(ids) != list(plain)) is adds

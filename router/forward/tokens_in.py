@@ -503,7 +503,7 @@ async def probe_responses(deps: ProxyDeps, url: str, model: str) -> Capability |
         return None  # SGLang's Responses layer is not translated (it goes as it came)
     body = {"model": model, **PROBE_RESPONSE}
     tok = deps.router.tokenizers.get(model)
-    ids = as_ints(tok.chat(prompt_chat(as_messages(body)))[0])
+    ids = as_ints(tok.chat(prompt_chat(as_messages(body), tok))[0])
     status, rendered = await _call(deps, url, RESPONSES_RENDER, body)
     if status != 200 or not isinstance(rendered, dict):
         return None

@@ -46,7 +46,14 @@ from router.routing.session_key import derive
 from router.tokens.media import as_ints, block_keys, expand
 from router.tokens.pool import TokenizePool
 from router.tokens.prefix_cache import Lookup, PrefixCache
-from router.tokens.tokenize import HFTokenizer, TokenIds, TokenizerSet, has_media, num_tokens
+from router.tokens.tokenize import (
+    HFTokenizer,
+    TokenIds,
+    Tokenizer,
+    TokenizerSet,
+    has_media,
+    num_tokens,
+)
 from router.workers.pools import Pool
 from router.workers.registry import Worker, WorkerRegistry
 
@@ -231,7 +238,7 @@ class Router:
         if self.prefixes is None or parsed.kind == "completion":
             return None
         tok = self.tokenizers.get(parsed.model)
-        chat = _chat_of(parsed)
+        chat = _chat_of(parsed, tok)
         if (
             not isinstance(tok, HFTokenizer)
             or not tok.cuts
@@ -272,7 +279,7 @@ class Router:
         if parsed.kind == "completion":
             ids, _ = tok.completion(body["prompt"], bool(body.get("add_special_tokens", True)))
         else:
-            ids, _ = tok.chat(_chat_of(parsed))
+            ids, _ = tok.chat(_chat_of(parsed, tok))
         hashable: int | None = None
         media: dict[int, list[Any]] | None = None
         keyed = ids  # the tokens hashed (the engine's own, once media items are expanded)
@@ -502,14 +509,14 @@ class Router:
                 self.on_predict(worker_id, hashes, ttl)
 
 
-def _chat_of(parsed: Parsed) -> dict[str, Any]:
+def _chat_of(parsed: Parsed, tok: Tokenizer) -> dict[str, Any]:
     """The chat body the engine renders for a chat, Responses or Messages request (a
     Responses request's with the tokenizer's special tokens, as vLLM encodes it)."""
     assert parsed.messages is not None
     if parsed.kind == "chat":
         return parsed.body
     if parsed.kind == "responses":
-        return prompt_chat(parsed.messages)
+        return prompt_chat(parsed.messages, tok)
     return {"messages": parsed.messages}
 
 

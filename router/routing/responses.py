@@ -25,9 +25,11 @@ made ``id`` (``router.forward.passthrough``).
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 from router.http.errors import ApiError
+from router.tokens.tokenize import Tokenizer, num_tokens
 
 
 def _bad(message: str, param: str) -> ApiError:
@@ -68,10 +70,20 @@ def content_text(content: Any) -> str:
     return ""
 
 
-def prompt_chat(messages: list[dict[str, Any]]) -> dict[str, Any]:
+def prompt_chat(messages: list[dict[str, Any]], tok: Tokenizer) -> dict[str, Any]:
     """The chat body the router's tokenizer renders and encodes for a Responses request's
-    ``messages``: with special tokens, as vLLM's Responses layer encodes it."""
-    return {"messages": messages, "add_special_tokens": True}
+    ``messages``: with special tokens, as vLLM's Responses layer encodes it, when the
+    tokenizer adds any (else without: the same ids, and the conversation prefix cache
+    and the segment cache still serve it)."""
+    if adds_special_tokens(tok):
+        return {"messages": messages, "add_special_tokens": True}
+    return {"messages": messages}
+
+
+@lru_cache(maxsize=64)
+def adds_special_tokens(tok: Tokenizer) -> bool:
+    """Whether encoding with special tokens adds any (a BOS, an EOS) to a text."""
+    return num_tokens(tok.encode("a", True)) != num_tokens(tok.encode("a", False))
 
 
 # the fields of an input message item vLLM's Responses layer reads as the router does
