@@ -30,9 +30,10 @@ their answer is shaped as vLLM's Responses layer shapes it (``responses_out``). 
 probe (``probe_responses``): ``/v1/responses/render`` gives exactly the router's ids for
 an input of every shape let through, no reasoning parser, and a one-token request asked
 of ``/v1/responses`` and of the generate endpoint (each with a cache salt of its own)
-answers alike once shaped; it also learns whether the engine keeps responses
-(``VLLM_ENABLE_RESPONSES_API_STORE``): then one with ``store`` not false goes as it came
-(``stored``), as do ``previous_response_id`` and ``background``. The Messages API
+answers alike once shaped; it also learns, without making a response, whether the
+engine keeps responses (``VLLM_ENABLE_RESPONSES_API_STORE``): then one with ``store``
+not false goes as it came (``stored``), as do ``previous_response_id`` and
+``background``. The Messages API
 (``/v1/messages``) is not sent as ids: the router renders it as a chat only approximately.
 
 The router pays for the ids as JSON: ~36 ns a token (0.14 ms at 4K tokens, orjson of a
@@ -515,13 +516,18 @@ async def probe_responses(deps: ProxyDeps, url: str, model: str) -> Capability |
     sp = rendered["sampling_params"]
     room = max_len - len(ids)
     rid = "resp_cacherouterprobe" + random_hex()
-    one = {"max_output_tokens": 2, "temperature": 0.0, "request_id": rid}
+    one = {"max_output_tokens": 2, "temperature": 0.0, "request_id": rid, "store": False}
     # each asked with a salt of its own: both cold, so their usage must be the same
-    salted = {**body, **one, "store": True, "cache_salt": random_hex()}
+    salted = {**body, **one, "cache_salt": random_hex()}
     status, answer = await _call(deps, url, RESPONSES, salted)
     if status != 200:
         return None
-    status, _ = await _call(deps, url, f"{RESPONSES}/{rid}", None)
+    # whether it keeps responses, asked without making one: a stored background request
+    # is refused (400) by an engine without a store, and reaches the lookup of its
+    # previous response (404) in one with it (vLLM 0.32's order); anything else: a store
+    ask = {"model": model, "input": "x", "store": True, "background": True,
+           "previous_response_id": "resp_cacherouterprobe_none"}  # fmt: skip
+    status = await _status(deps, url, RESPONSES, ask)
     cap = Capability(
         engine="vllm",
         defaults={k: sp.get(k, d) for k, d in _DEFAULTED.items()},
@@ -531,7 +537,7 @@ async def probe_responses(deps: ProxyDeps, url: str, model: str) -> Capability |
         served=answer["model"],
         fingerprint=None,
         details=True,
-        stores=status == 200,
+        stores=status != 400,
     )
     if cap.capped:
         return cap  # every request goes as it came ("max_tokens"): nothing to compare
@@ -554,6 +560,17 @@ async def probe_responses(deps: ProxyDeps, url: str, model: str) -> Capability |
                     url, ", ".join(differ))  # fmt: skip
         return None
     return cap
+
+
+async def _status(deps: ProxyDeps, url: str, path: str, body: dict[str, Any]) -> int:
+    """The status of a POST (its body read and dropped)."""
+    headers = [(b"content-type", b"application/json")]
+    resp = await deps.upstream.send(url, path, headers, orjson.dumps(body), PROBE_TIMEOUT)
+    try:
+        await resp.read(PROBE_TIMEOUT, 1 << 20, path)
+    finally:
+        resp.close()
+    return resp.status
 
 
 def _comparable(response: Mapping[str, Any]) -> dict[str, Any]:
