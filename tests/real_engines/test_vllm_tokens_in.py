@@ -11,6 +11,13 @@ streams must say the same (role, text, logprobs, finish, usage, one ``[DONE]``),
 the engine's steps cut them into events (a loaded machine cuts two streams of the same
 tokens differently: seen once at 12 events against 11). Then a conversation growing turn
 by turn, warm: the router's ``cached_tokens`` are vLLM's.
+
+The same for Responses requests (router.forward.responses_out): each asked of vLLM's
+``/v1/responses`` and through the router, as ids, with the same ``request_id``; whole
+answers equal but for the clock and the output item's random id, streams equal in what
+they say (event types in order with a run of deltas as one, text, logprobs, every other
+event whole). Requests the router cannot render exactly go as they came, and on an engine
+that keeps responses (``VLLM_ENABLE_RESPONSES_API_STORE=1``) those to keep do too.
 """
 
 from __future__ import annotations
@@ -412,3 +419,52 @@ async def test_a_growing_responses_conversation_hits_as_vllm_says(
         reply = answer["output"][0]["content"][0]["text"]
         items.append({"role": "assistant", "content": reply})
     assert cached[0] == 0 and all(c >= BLOCK for c in cached[1:])
+
+
+@pytest.fixture(scope="module")
+def store_engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    """A vLLM that keeps responses (``VLLM_ENABLE_RESPONSES_API_STORE=1``)."""
+    work = tmp_path_factory.mktemp("vllm-store")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+    env["VLLM_ENABLE_RESPONSES_API_STORE"] = "1"
+    e = Engine("t1", engine_python(), model_dir, work, env, extra=("--enable-scale-out",))
+    with running([e]):
+        yield e
+
+
+@pytest.mark.timeout(900)
+async def test_an_engine_that_keeps_responses_gets_the_ones_to_keep(
+    store_engine: Engine, model_dir: Path
+) -> None:
+    """The probe finds the store (without making a response); a request with ``store`` (true
+    by default) goes to the engine's Responses layer, which keeps it for a
+    ``previous_response_id``; one with ``store: false`` goes as ids."""
+    cfg = RouterConfig(
+        block_size=BLOCK,
+        tokenizer=str(model_dir),
+        workers=[WorkerSpec(store_engine.name, store_engine.url, model=MODEL)],
+    )
+    app = RouterApp(cfg)
+    router = await Served(app).start()
+    try:
+        async with httpx.AsyncClient(base_url=router.url, timeout=120) as http:
+            body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, "store": False}
+            for _ in range(300):  # the probe
+                r = await http.post("/v1/responses", json=body)
+                assert r.status_code == 200, r.text
+                if outcome(app, "sent"):
+                    break
+                await asyncio.sleep(0.2)
+            assert outcome(app, "sent"), "the router never took the engine's answer as its own"
+            direct = httpx.AsyncClient(base_url=store_engine.url, timeout=120)
+            async with direct:
+                stored = outcome(app, "stored")
+                r = await http.post("/v1/responses", json={**body, "store": True})
+                assert r.status_code == 200 and outcome(app, "stored") == stored + 1
+                kept = await direct.get(f"/v1/responses/{r.json()['id']}")
+                assert kept.status_code == 200, kept.text
+                follow = {**body, "input": "more", "previous_response_id": r.json()["id"]}
+                r = await http.post("/v1/responses", json=follow)
+                assert r.status_code == 200 and outcome(app, "stored") == stored + 2
+    finally:
+        await router.stop()
