@@ -1,7 +1,10 @@
 """A chat tokenized once, measured on a real vLLM: the engine's CPU per chat turn and the
 client's TTFT with the router sending chats as token ids (``chat_tokens_in``, the
 default where the engine takes them) and as chats (off), on conversations growing to a
-few thousand tokens (issue 35 item 3).
+few thousand tokens (issue 35 item 3). ``--api responses``: the same conversations as
+Responses requests (``instructions`` and ``input`` items, ``store: false``), sent as ids
+(router.forward.responses_out) or as they came; TTFT is then the time to the first
+``response.output_text.delta`` (vLLM sends ``response.created`` before any work).
 
 One vLLM CPU engine (the real-engine tests' tiny Llama, ``--enable-scale-out``, 16K
 tokens of KV cache so no conversation is evicted) and two routers in this process in
@@ -12,7 +15,7 @@ pattern (each turn hits its conversation's previous turns). Per turn: the engine
 (psutil: its API server process, where a chat is rendered and tokenized, and its whole
 process tree) and the client's time to the first streamed event. One JSON object out.
 
-    flock /tmp/cpu-heavy.lock python3 bench/tokens_in.py \\
+    flock /tmp/cpu-heavy.lock python3 bench/tokens_in.py [--api responses] \\
         --vllm-python /tmp/cache-router-vllm-venv/bin/python   # ~3 min on 2 cores
 """
 
@@ -133,6 +136,40 @@ async def turn(
     }
 
 
+async def responses_turn(
+    http: httpx.AsyncClient, url: str, messages: list[dict[str, str]], proc: psutil.Process
+) -> dict[str, Any]:
+    """One Responses turn: the system message as ``instructions``, the rest as items."""
+    body = {"model": MODEL, "instructions": messages[0]["content"], "input": messages[1:],
+            "max_output_tokens": 16, "temperature": 0, "stream": True, "store": False}  # fmt: skip
+    f0, t0 = cpu(proc)
+    start = time.perf_counter()
+    ttft = None
+    reply: list[str] = []
+    usage: dict[str, Any] = {}
+    async with http.stream("POST", url + "/v1/responses", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            obj = json.loads(line[6:])
+            if obj["type"] == "response.output_text.delta":
+                if ttft is None:
+                    ttft = time.perf_counter() - start
+                reply.append(obj["delta"])
+            elif obj["type"] == "response.completed":
+                usage = obj["response"]["usage"]
+    f1, t1 = cpu(proc)
+    messages.append({"role": "assistant", "content": "".join(reply)})
+    return {
+        "ttft_ms": (ttft or 0.0) * 1000,
+        "engine_front_cpu_ms": (f1 - f0) * 1000,
+        "engine_cpu_ms": (t1 - t0) * 1000,
+        "prompt_tokens": usage.get("input_tokens"),
+        "cached_tokens": (usage.get("input_tokens_details") or {}).get("cached_tokens"),
+    }
+
+
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     def q(key: str, p: float) -> float:
         values = sorted(r[key] for r in rows)
@@ -155,29 +192,31 @@ async def run(args: argparse.Namespace, engine: Engine, model_dir: Path) -> dict
     assert engine.proc is not None
     proc = psutil.Process(engine.proc.pid)
     routers: dict[str, tuple[RouterApp, Served]] = {}
-    for name, on in (("tokens_in", True), ("chat", False)):
+    other = args.api  # the way as the client sent it: "chat" or "responses"
+    ask = turn if other == "chat" else responses_turn
+    for name, on in (("tokens_in", True), (other, False)):
         cfg = RouterConfig(block_size=BLOCK, tokenizer=str(model_dir), chat_tokens_in=on,
                            workers=[WorkerSpec(engine.name, engine.url, model=MODEL)])  # fmt: skip
         app = RouterApp(cfg)
         routers[name] = (app, await Served(app).start())
-    rows: dict[str, list[dict[str, Any]]] = {"tokens_in": [], "chat": []}
+    rows: dict[str, list[dict[str, Any]]] = {"tokens_in": [], other: []}
     async with httpx.AsyncClient(timeout=300) as http:
-        warm = [{"role": "user", "content": "warm up"}]
+        warm = [{"role": "system", "content": "warm"}, {"role": "user", "content": "warm up"}]
         for _ in range(100):  # the tokens-in router's probe
-            await turn(http, routers["tokens_in"][1].url, list(warm), proc)
+            await ask(http, routers["tokens_in"][1].url, list(warm), proc)
             if sent(routers["tokens_in"][0]):
                 break
             await asyncio.sleep(0.2)
         for conv in range(args.conversations):
-            order = ["tokens_in", "chat"] if conv % 2 == 0 else ["chat", "tokens_in"]
+            order = ["tokens_in", other] if conv % 2 == 0 else [other, "tokens_in"]
             for way in order:
-                seed = conv * 2 + (way == "chat")
+                seed = conv * 2 + (way == other)
                 messages = [{"role": "system", "content": text(seed + 1000, 40)}]
                 for t in range(args.turns):
                     messages.append(
                         {"role": "user", "content": text(seed * 31 + t, args.user_words)}
                     )
-                    row = await turn(http, routers[way][1].url, messages, proc)
+                    row = await ask(http, routers[way][1].url, messages, proc)
                     row.update(conversation=conv, turn=t)
                     rows[way].append(row)
     as_ids = sent(routers["tokens_in"][0])
@@ -201,6 +240,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--user-words", type=int, default=300)
     ap.add_argument("--out", default="")
+    ap.add_argument("--api", choices=("chat", "responses"), default="chat")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="tokens-in-") as tmp:
         work = Path(tmp)

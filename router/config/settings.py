@@ -333,7 +333,8 @@ class TokenizerSettings:
     # chats go to engines that take token ids (vLLM's /inference/v1/generate, SGLang's chat
     # endpoint with input_ids; found by a probe per engine) as the router's ids, answered in
     # the chat shape, so the engine does not render and tokenize the conversation again
-    # (router.forward.tokens_in). Off: as today
+    # (router.forward.tokens_in); Responses requests too, to vLLM, answered in the Responses
+    # shape (router.forward.responses_out). Off: as today
     chat_tokens_in: bool = setting(True)
     # the conversation prefix cache (router.tokens.prefix_cache): a chat's token ids and block
     # hashes up to its last cut point, so the next turn encodes only what is new; 64 MiB

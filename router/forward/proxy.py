@@ -75,9 +75,10 @@ class Proxy:
         # the client's credentials are for this router, not for every engine behind it
         auth = () if deps.cfg.forward_authorization else (b"authorization",)
         self.drop = REQ_DROP | frozenset(auth)
-        # chats go to engines that take them as the router's token ids (router.forward.tokens_in)
-        on = kind == "chat" and deps.router.cfg.chat_tokens_in
-        self.tokens_in = TokensIn(deps) if on else None
+        # chats and Responses requests go to engines that take them as the router's token
+        # ids (router.forward.tokens_in)
+        on = kind in ("chat", "responses") and deps.router.cfg.chat_tokens_in
+        self.tokens_in = TokensIn(deps, kind) if on else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         st = self.deps

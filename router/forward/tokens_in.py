@@ -22,10 +22,19 @@ engine's own chat layer would have given, field for field:
   ``meta_info`` of its own and cumulative text in each streamed event; rebuilding its chat
   layer's answer from it would copy that layer into the router, version by version.)
 
-The Responses and Messages APIs are not sent as ids: the router renders them as chat
-messages only approximately, to hash them (``router.routing.responses``), not as the
-engine's layers do (docs/engines.md says where they differ), and a stored response must
-reach the engine's Responses layer to be found again.
+Responses requests (``/v1/responses``), to vLLM only, go as ids too when the router's
+rendering of their input is exactly vLLM's (``router.routing.responses.render_reason``;
+vLLM encodes it with the tokenizer's special tokens, as the router hashes it) and their
+fields are ones the router reproduces (``router.forward.responses_out.request_reason``);
+their answer is shaped as vLLM's Responses layer shapes it (``responses_out``). The
+probe (``probe_responses``): ``/v1/responses/render`` gives exactly the router's ids for
+an input of every shape let through, no reasoning parser, and a one-token request asked
+of ``/v1/responses`` and of the generate endpoint (each with a cache salt of its own)
+answers alike once shaped; it also learns, without making a response, whether the
+engine keeps responses (``VLLM_ENABLE_RESPONSES_API_STORE``): then one with ``store``
+not false goes as it came (``stored``), as do ``previous_response_id`` and
+``background``. The Messages API
+(``/v1/messages``) is not sent as ids: the router renders it as a chat only approximately.
 
 The router pays for the ids as JSON: ~36 ns a token (0.14 ms at 4K tokens, orjson of a
 list); vLLM's front end saves ~5 ms a turn at 1-3K tokens (``bench/tokens_in.py``,
@@ -69,7 +78,8 @@ Which requests go as today (``cache_router_tokens_in{outcome}`` counts each reas
 - ``context`` (vLLM): a prompt at the model's length, or an explicit ``max_tokens`` on an engine
   whose generation config caps it (``max_tokens``): the chat layer's own answer;
 - ``engine``: the worker is not (yet) known to take tokens in; ``probing``: its probe
-  is under way; ``disaggregated``, ``gateway``: prefill/decode pools and region gateways.
+  is under way; ``disaggregated``, ``gateway``: prefill/decode pools and region gateways;
+- ``stored`` (Responses): a response the engine's store must see (above).
 
 An engine's error status is passed on as it came (the generate endpoint answers invalid
 sampling fields with the chat endpoint's error body). An answer the router cannot read
@@ -84,12 +94,15 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
+from router.forward.responses_out import ResponsesPlan, random_hex
+from router.forward.responses_out import request_reason as responses_field_reason
 from router.forward.upstream import Response, UpstreamError
 from router.http.errors import error_body
+from router.routing.responses import as_messages, prompt_chat, render_reason
 from router.tokens.media import as_ints
 from router.tokens.tokenize import has_media
 
@@ -160,8 +173,21 @@ _REASON_OF = {
 OUTCOMES = (
     "sent", "tools", "structured_output", "reasoning", "media", "n", "echo",
     "stream_options", "field", "context", "max_tokens", "engine", "probing",
-    "disaggregated", "gateway",
+    "disaggregated", "gateway", "stored",
 )  # fmt: skip
+RESPONSES_RENDER = "/v1/responses/render"
+RESPONSES = "/v1/responses"
+# every input shape router.routing.responses.render_reason lets through, rendered by the
+# engine and by the router alike
+PROBE_RESPONSE = {
+    "instructions": "You are a probe.",
+    "input": [
+        {"role": "user", "content": "Say one word."},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Cache."}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "Another one."}]},
+    ],
+}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +203,7 @@ class Capability:
     served: str  # the model name the chat layer answers with for the base model
     fingerprint: str | None  # the chat answer's system_fingerprint
     details: bool  # usage has prompt_tokens_details (vLLM --enable-prompt-tokens-details)
+    stores: bool = False  # Responses: the engine keeps responses (a store=true one goes as today)
 
 
 # what SGLang's chat layer still does to a chat sent with input_ids (it renders nothing of
@@ -235,16 +262,18 @@ def sglang_reason(body: Mapping[str, Any]) -> str | None:
 
 
 class TokensIn:
-    """Per chat proxy: which workers take tokens in, and each request's plan."""
+    """Per chat (or Responses) proxy: which workers take tokens in, and each request's
+    plan."""
 
-    def __init__(self, deps: ProxyDeps) -> None:
+    def __init__(self, deps: ProxyDeps, kind: str = "chat") -> None:
         self.deps = deps
+        self.kind = kind
         # worker id -> (its url, when probed, what was learnt; None: no tokens-in)
         self.known: dict[str, tuple[str, float, Capability | None]] = {}
         self._probes: dict[str, asyncio.Task[None]] = {}
         self.counts = {o: deps.metrics.tokens_in.labels(o) for o in OUTCOMES}
 
-    def plan(self, prep: Prepared, worker: Worker) -> Plan | WithIds | None:
+    def plan(self, prep: Prepared, worker: Worker) -> Plan | WithIds | Shaped | None:
         """The tokens-in request for ``prep`` on ``worker``, or None (counted: why not)."""
         reason, cap = self._check(prep, worker)
         self.counts[reason].inc()
@@ -253,7 +282,10 @@ class TokensIn:
         if cap.engine == "sglang":
             return WithIds(prep)
         lora = self.deps.registry.lora_name(prep.parsed.model) is not None
-        return Plan(prep, cap, lora, lambda: self.known.pop(worker.id, None))
+        gone = lambda: self.known.pop(worker.id, None)  # noqa: E731
+        if self.kind == "responses":
+            return Shaped(ResponsesPlan.of(prep, cap, lora, gone))
+        return Plan(prep, cap, lora, gone)
 
     def _check(self, prep: Prepared, worker: Worker) -> tuple[str, Capability | None]:
         st = self.deps
@@ -261,6 +293,8 @@ class TokensIn:
             return "gateway", None
         if st.pd is not None and st.pd.disaggregated(prep):
             return "disaggregated", None
+        if self.kind == "responses":
+            return self._check_responses(prep, worker)
         body = prep.parsed.body
         reason = request_reason(body)
         if reason is not None:  # what no engine takes as ids
@@ -269,13 +303,9 @@ class TokensIn:
                 return loose, None
         if prep.ids is None:
             return "field", None
-        seen = self.known.get(worker.id)
-        if seen is None or seen[0] != worker.url or time.monotonic() - seen[1] > PROBE_EVERY:
-            model = prep.parsed.model  # probed as its base model (the chat layer's name)
-            self._start_probe(worker, st.registry.adapters.get(model, model))
-            if seen is None or seen[0] != worker.url:
-                return "probing", None
-        assert seen is not None
+        seen, why = self._seen(prep, worker)
+        if seen is None:
+            return why, None
         cap = seen[2]
         if cap is None:
             return "engine", None
@@ -290,6 +320,45 @@ class TokensIn:
             return "max_tokens", None
         return "sent", cap
 
+    def _seen(
+        self, prep: Prepared, worker: Worker
+    ) -> tuple[tuple[str, float, Capability | None] | None, str]:
+        """What the last probe of ``worker`` learnt (a new one started when it is old);
+        None while the first is under way (``probing``)."""
+        seen = self.known.get(worker.id)
+        if seen is None or seen[0] != worker.url or time.monotonic() - seen[1] > PROBE_EVERY:
+            model = prep.parsed.model  # probed as its base model (the chat layer's name)
+            self._start_probe(worker, self.deps.registry.adapters.get(model, model))
+            if seen is None or seen[0] != worker.url:
+                return None, "probing"
+        return seen, "sent"
+
+    def _check_responses(self, prep: Prepared, worker: Worker) -> tuple[str, Capability | None]:
+        """A Responses request: its input rendered exactly, its fields reproduced, the
+        engine a vLLM whose Responses answer the probe matched, no store to keep it in."""
+        body = prep.parsed.body
+        reason = render_reason(body) or responses_field_reason(body)
+        if reason is not None:
+            return reason, None
+        if prep.ids is None:
+            return "field", None
+        seen, why = self._seen(prep, worker)
+        if seen is None:
+            return why, None
+        cap = seen[2]
+        if cap is None:
+            return "engine", None
+        if cap.stores and body.get("store", True):
+            return "stored", None  # the engine keeps it for a previous_response_id
+        limit = body.get("max_output_tokens")
+        if prep.request.num_tokens + (limit if isinstance(limit, int) else 0) > cap.max_model_len:
+            return "context", None
+        if prep.request.num_tokens >= cap.max_model_len:
+            return "context", None
+        if cap.capped:
+            return "max_tokens", None
+        return "sent", cap
+
     def _start_probe(self, worker: Worker, model: str) -> None:
         running = self._probes.get(worker.id)
         if running is not None and not running.done():
@@ -300,13 +369,15 @@ class TokensIn:
     async def _probe(self, worker: Worker, model: str) -> None:
         when = time.monotonic()
         try:
-            cap = await probe(self.deps, worker.url, model)
+            ask = probe if self.kind == "chat" else probe_responses
+            cap = await ask(self.deps, worker.url, model)
         except (UpstreamError, OSError, ValueError, KeyError, TypeError) as exc:
             log.info("tokens-in probe of %s failed: %s", worker.id, exc)
             cap = None
             when -= PROBE_EVERY - PROBE_RETRY  # unreachable or odd: asked again sooner
         if cap is None:
-            log.info("worker %s: chats go to its chat endpoint (no tokens-in)", worker.id)
+            log.info("worker %s: %s requests go as they came (no tokens-in)", worker.id,
+                     self.kind)  # fmt: skip
         self.known[worker.id] = (worker.url, when, cap)
 
 
@@ -417,6 +488,98 @@ async def _probe_sglang(deps: ProxyDeps, url: str, model: str) -> Capability | N
     )
 
 
+async def probe_responses(deps: ProxyDeps, url: str, model: str) -> Capability | None:
+    """What the engine at ``url`` adds to a Responses request, if its Responses layer
+    renders the probe's input (every shape ``render_reason`` lets through) to exactly the
+    router's ids and answers a one-token request field for field as
+    ``router.forward.responses_out`` builds it from the tokens-in answer (None: it does
+    not). Also whether it keeps responses (``VLLM_ENABLE_RESPONSES_API_STORE``)."""
+    status, models = await _call(deps, url, "/v1/models", None)
+    if status != 200:
+        return None
+    cards = [m for m in models["data"] if isinstance(m, dict)]
+    card = next((m for m in cards if m.get("id") == model), cards[0] if cards else {})
+    max_len = card.get("max_model_len")
+    if card.get("owned_by") != "vllm" or not isinstance(max_len, int):
+        return None  # SGLang's Responses layer is not translated (it goes as it came)
+    body = {"model": model, **PROBE_RESPONSE}
+    tok = deps.router.tokenizers.get(model)
+    ids = as_ints(tok.chat(prompt_chat(as_messages(body), tok))[0])
+    status, rendered = await _call(deps, url, RESPONSES_RENDER, body)
+    if status != 200 or not isinstance(rendered, dict):
+        return None
+    if rendered.get("token_ids") != ids:
+        log.warning("engine %s renders Responses input to other ids than the router", url)
+        return None
+    if rendered.get("reasoning_parser_kwargs") is not None:
+        return None  # a reasoning parser splits the answer into items
+    sp = rendered["sampling_params"]
+    room = max_len - len(ids)
+    rid = "resp_cacherouterprobe" + random_hex()
+    one = {"max_output_tokens": 2, "temperature": 0.0, "request_id": rid, "store": False}
+    # each asked with a salt of its own: both cold, so their usage must be the same
+    salted = {**body, **one, "cache_salt": random_hex()}
+    status, answer = await _call(deps, url, RESPONSES, salted)
+    if status != 200:
+        return None
+    # whether it keeps responses, asked without making one: a stored background request
+    # is refused (400) by an engine without a store, and reaches the lookup of its
+    # previous response (404) in one with it (vLLM 0.32's order); anything else: a store
+    ask = {"model": model, "input": "x", "store": True, "background": True,
+           "previous_response_id": "resp_cacherouterprobe_none"}  # fmt: skip
+    status = await _status(deps, url, RESPONSES, ask)
+    cap = Capability(
+        engine="vllm",
+        defaults={k: sp.get(k, d) for k, d in _DEFAULTED.items()},
+        stop_token_ids=list(sp.get("stop_token_ids") or []),
+        max_model_len=max_len,
+        capped=sp.get("max_tokens", room) < room,
+        served=answer["model"],
+        fingerprint=None,
+        details=True,
+        stores=status != 400,
+    )
+    if cap.capped:
+        return cap  # every request goes as it came ("max_tokens"): nothing to compare
+    block = deps.router.workers_for(model)[0].pool.block_size
+    salted = {**body, **one, "cache_salt": random_hex()}
+    plan = ResponsesPlan(salted, ids, cap, cap.served, block, lambda: None)
+    status, generated = await _call(deps, url, GENERATE, plan.body)
+    if status != 200:
+        return None
+    try:
+        mine = plan.whole(generated)
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        log.warning("engine %s: its tokens-in answer does not make a Responses answer (%r)",
+                    url, exc)  # fmt: skip
+        return None
+    mine, answer = _comparable(mine), _comparable(answer)
+    if mine != answer:
+        differ = sorted(k for k in {*mine, *answer} if mine.get(k) != answer.get(k))
+        log.warning("engine %s answers Responses otherwise than the router would (%s)",
+                    url, ", ".join(differ))  # fmt: skip
+        return None
+    return cap
+
+
+async def _status(deps: ProxyDeps, url: str, path: str, body: dict[str, Any]) -> int:
+    """The status of a POST (its body read and dropped)."""
+    headers = [(b"content-type", b"application/json")]
+    resp = await deps.upstream.send(url, path, headers, orjson.dumps(body), PROBE_TIMEOUT)
+    try:
+        await resp.read(PROBE_TIMEOUT, 1 << 20, path)
+    finally:
+        resp.close()
+    return resp.status
+
+
+def _comparable(response: Mapping[str, Any]) -> dict[str, Any]:
+    """A response object without what differs between two answers to one request."""
+    out = {k: v for k, v in response.items() if k != "created_at"}
+    out["output"] = [{k: v for k, v in item.items() if k != "id"} for item in out["output"]]
+    return out
+
+
 def _max_tokens(body: Mapping[str, Any]) -> Any:
     value = body.get("max_completion_tokens")
     return body.get("max_tokens") if value is None else value
@@ -497,24 +660,11 @@ class Plan:
         self.created = 0
 
     async def answer(self, resp: Response, timeout: float) -> Response:
-        """The engine's answer as the chat answer (an error status passes as it came; a
-        404 also makes the next chat on this engine wait for a new probe)."""
-        if resp.status != 200:
-            if resp.status == 404:
-                self.gone()
-            return resp
-        if self.stream:
-            return Streamed(resp, self)
-        try:
-            raw = await resp.read(timeout, ANSWER_LIMIT, "the engine's answer")
-        finally:
-            resp.close()
-        try:
-            out = orjson.dumps(self.whole(orjson.loads(raw)))
-        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, ValueError) as exc:
-            message = f"bad answer from the engine's tokens-in endpoint: {exc!r}"
-            return Whole(resp, 502, error_body(502, message, "upstream_error"))
-        return Whole(resp, 200, out)
+        """The engine's answer as the chat answer (``translate``)."""
+        return await translate(self, resp, timeout)
+
+    def start(self) -> bytes:
+        return b""  # the role chunk goes with the first event (its id is the engine's)
 
     # -- the chat layer's answer ------------------------------------------------------
     def _chat_id(self, request_id: str) -> str:
@@ -631,6 +781,56 @@ class Plan:
         return out
 
 
+class _Shaper(Protocol):
+    """What ``Shaped`` and ``Streamed`` need of a request's translation."""
+
+    path: str
+    body: dict[str, Any]
+    raw: bytes
+    stream: bool
+
+    gone: Callable[[], object]
+
+    def whole(self, gen: Mapping[str, Any]) -> dict[str, Any]: ...
+    def start(self) -> bytes: ...
+    def event(self, data: bytes) -> bytes: ...
+
+
+class Shaped:
+    """A tokens-in request whose answer ``shaper`` translates (a Responses request:
+    ``router.forward.responses_out``)."""
+
+    __slots__ = ("body", "path", "raw", "shaper")
+
+    def __init__(self, shaper: _Shaper) -> None:
+        self.shaper = shaper
+        self.path, self.body, self.raw = shaper.path, shaper.body, shaper.raw
+
+    async def answer(self, resp: Response, timeout: float) -> Response:
+        return await translate(self.shaper, resp, timeout)
+
+
+async def translate(shaper: _Shaper, resp: Response, timeout: float) -> Response:
+    """The engine's answer as ``shaper`` shapes it (an error status passes as it came; a
+    404 also makes the next request to this engine wait for a new probe)."""
+    if resp.status != 200:
+        if resp.status == 404:
+            shaper.gone()
+        return resp
+    if shaper.stream:
+        return Streamed(resp, shaper)
+    try:
+        raw = await resp.read(timeout, ANSWER_LIMIT, "the engine's answer")
+    finally:
+        resp.close()
+    try:
+        out = orjson.dumps(shaper.whole(orjson.loads(raw)))
+    except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, ValueError) as exc:
+        message = f"bad answer from the engine's tokens-in endpoint: {exc!r}"
+        return Whole(resp, 502, error_body(502, message, "upstream_error"))
+    return Whole(resp, 200, out)
+
+
 class Whole(Response):
     """A whole answer, already read and translated."""
 
@@ -663,11 +863,12 @@ class Whole(Response):
 
 
 class Streamed(Response):
-    """A generate stream read as it comes, each event passed on as the chat's."""
+    """A generate stream read as it comes, each event passed on as the chat's (or the
+    Responses request's)."""
 
     __slots__ = ("_inner", "_plan", "_rest")
 
-    def __init__(self, inner: Response, plan: Plan) -> None:
+    def __init__(self, inner: Response, plan: _Shaper) -> None:
         self._inner = inner
         self._plan = plan
         self._rest = b""
@@ -682,6 +883,9 @@ class Streamed(Response):
 
     async def chunks(self, timeout: float | Callable[[], float]) -> AsyncIterator[bytes]:
         inner = self._inner
+        first = self._plan.start()
+        if first:  # what the engine's own layer sends before any token
+            yield first
         async for chunk in inner.chunks(timeout):
             self.complete = inner.complete
             out = self._feed(chunk)
@@ -699,7 +903,8 @@ class Streamed(Response):
                     continue  # SSE comments and blank lines
                 try:
                     out += self._plan.event(line[5:].strip())
-                except (orjson.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
+                except (orjson.JSONDecodeError, KeyError, IndexError, TypeError,
+                        ValueError) as exc:  # fmt: skip
                     message = f"bad event from the engine's tokens-in stream: {exc!r}"
                     raise UpstreamError(message) from exc
         return out

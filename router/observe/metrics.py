@@ -81,8 +81,8 @@ class RouterMetrics:
         )
         self.tokens_in = Counter(
             "cache_router_tokens_in",
-            "Chats sent to the engine as the router's token ids (outcome sent), or as chats "
-            "and why (router.forward.tokens_in)",
+            "Chats and Responses requests sent to the engine as the router's token ids "
+            "(outcome sent), or as they came and why (router.forward.tokens_in)",
             ["outcome"],
             registry=r,
         )

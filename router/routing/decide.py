@@ -41,12 +41,19 @@ from router.routing.messages import as_messages as anthropic_messages
 from router.routing.messages import check_messages
 from router.routing.prune import AVAILABLE as PRUNING
 from router.routing.prune import PRUNE_ABOVE, Pruner, Target
-from router.routing.responses import as_messages, check_responses
+from router.routing.responses import as_messages, check_responses, prompt_chat
 from router.routing.session_key import derive
 from router.tokens.media import as_ints, block_keys, expand
 from router.tokens.pool import TokenizePool
 from router.tokens.prefix_cache import Lookup, PrefixCache
-from router.tokens.tokenize import HFTokenizer, TokenIds, TokenizerSet, has_media, num_tokens
+from router.tokens.tokenize import (
+    HFTokenizer,
+    TokenIds,
+    Tokenizer,
+    TokenizerSet,
+    has_media,
+    num_tokens,
+)
 from router.workers.pools import Pool
 from router.workers.registry import Worker, WorkerRegistry
 
@@ -231,7 +238,7 @@ class Router:
         if self.prefixes is None or parsed.kind == "completion":
             return None
         tok = self.tokenizers.get(parsed.model)
-        chat = parsed.body if parsed.kind == "chat" else {"messages": parsed.messages}
+        chat = _chat_of(parsed, tok)
         if (
             not isinstance(tok, HFTokenizer)
             or not tok.cuts
@@ -272,8 +279,7 @@ class Router:
         if parsed.kind == "completion":
             ids, _ = tok.completion(body["prompt"], bool(body.get("add_special_tokens", True)))
         else:
-            chat = body if parsed.kind == "chat" else {"messages": parsed.messages}
-            ids, _ = tok.chat(chat)
+            ids, _ = tok.chat(_chat_of(parsed, tok))
         hashable: int | None = None
         media: dict[int, list[Any]] | None = None
         keyed = ids  # the tokens hashed (the engine's own, once media items are expanded)
@@ -501,6 +507,17 @@ class Router:
             prep.pool.index.predict(worker_id, hashes, ttl)
             if self.on_predict is not None:
                 self.on_predict(worker_id, hashes, ttl)
+
+
+def _chat_of(parsed: Parsed, tok: Tokenizer) -> dict[str, Any]:
+    """The chat body the engine renders for a chat, Responses or Messages request (a
+    Responses request's with the tokenizer's special tokens, as vLLM encodes it)."""
+    assert parsed.messages is not None
+    if parsed.kind == "chat":
+        return parsed.body
+    if parsed.kind == "responses":
+        return prompt_chat(parsed.messages, tok)
+    return {"messages": parsed.messages}
 
 
 def _text_prompt(parsed: Parsed) -> bool:

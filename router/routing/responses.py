@@ -3,7 +3,16 @@
 A create request is routed cache-aware like a chat completion: its ``instructions`` and
 ``input`` rendered as chat messages (a string input is one user message; content parts
 contribute their text) are what the engine's template sees first, so their blocks are
-the prefix the index matches. The body goes to the engine unchanged.
+the prefix the index matches. The body goes to the engine unchanged, or, where the
+engine takes token ids and the rendering is exact (``render_reason``), as the router's
+ids (``router.forward.tokens_in``, ``router.forward.responses_out``).
+
+vLLM (0.32, non-Harmony models) renders a Responses request as a chat
+(``responses/utils.py``: ``construct_input_messages``), then encodes the rendered text
+*with* the tokenizer's special tokens (a ``ResponsesRequest``'s tokenize parameters keep
+``add_special_tokens`` at its default, true; a chat request's is false): a Llama
+tokenizer whose template writes ``<s>`` itself gets two. ``prompt_chat`` asks the
+router's tokenizer for the same, so the blocks the router hashes are the engine's.
 
 With ``previous_response_id`` the engine that stored that response is the only one
 that can answer (``router.routing.affinity``); the routing decision pins it. The stored
@@ -16,9 +25,11 @@ made ``id`` (``router.forward.passthrough``).
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 from router.http.errors import ApiError
+from router.tokens.tokenize import Tokenizer, num_tokens
 
 
 def _bad(message: str, param: str) -> ApiError:
@@ -57,6 +68,83 @@ def content_text(content: Any) -> str:
             str(p.get("text", "")) for p in content if isinstance(p, dict) and "text" in p
         )
     return ""
+
+
+def prompt_chat(messages: list[dict[str, Any]], tok: Tokenizer) -> dict[str, Any]:
+    """The chat body the router's tokenizer renders and encodes for a Responses request's
+    ``messages``: with special tokens, as vLLM's Responses layer encodes it, when the
+    tokenizer adds any (else without: the same ids, and the conversation prefix cache
+    and the segment cache still serve it)."""
+    if adds_special_tokens(tok):
+        return {"messages": messages, "add_special_tokens": True}
+    return {"messages": messages}
+
+
+@lru_cache(maxsize=64)
+def adds_special_tokens(tok: Tokenizer) -> bool:
+    """Whether encoding with special tokens adds any (a BOS, an EOS) to a text."""
+    return num_tokens(tok.encode("a", True)) != num_tokens(tok.encode("a", False))
+
+
+# the fields of an input message item vLLM's Responses layer reads as the router does
+_ITEM_KEYS = frozenset(("role", "content", "type", "id", "status"))
+_PART_KEYS = frozenset(("type", "text", "annotations", "logprobs"))
+_TOOL_ITEMS = frozenset(
+    ("function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output",
+     "mcp_call", "mcp_list_tools", "mcp_approval_request", "mcp_approval_response",
+     "computer_call", "computer_call_output", "web_search_call", "file_search_call",
+     "code_interpreter_call", "local_shell_call", "local_shell_call_output")
+)  # fmt: skip
+
+
+def render_reason(body: dict[str, Any]) -> str | None:
+    """Why vLLM's Responses layer may render this request's ``instructions`` and ``input``
+    to other tokens than ``as_messages`` + ``prompt_chat`` (None: the same ids).
+
+    Exact: a string input; or items that are messages (``role`` user, system or
+    assistant; no ``type`` or ``type: message``; ``status`` absent or completed) whose
+    content is a string or one text part (``input_text``; an assistant's
+    ``output_text``). Not: tool calls and their outputs, reasoning items (``tools``,
+    ``reasoning``), media parts (``media``), several text parts (vLLM joins them by a
+    newline or hands the template a list, by the template's content format), the
+    ``developer`` role (vLLM adds a ``tools`` key to it), a partial last assistant
+    message (vLLM continues it) or any other key (``field``)."""
+    given = body.get("input")
+    if isinstance(given, str):
+        return None
+    if not isinstance(given, list):
+        return "field"
+    for item in given:
+        if not isinstance(item, dict):
+            return "field"
+        kind = item.get("type")
+        if kind in _TOOL_ITEMS:
+            return "tools"
+        if kind == "reasoning":
+            return "reasoning"
+        role = item.get("role")
+        if kind not in (None, "message") or role not in ("user", "system", "assistant"):
+            return "field"
+        if not _ITEM_KEYS.issuperset(item) or item.get("status", "completed") != "completed":
+            return "field"
+        content = item.get("content")
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, list) or len(content) != 1:
+            return "field"
+        (part,) = content
+        if not isinstance(part, dict):
+            return "field"
+        if part.get("type") in ("input_image", "input_file", "input_audio"):
+            return "media"
+        want = "output_text" if role == "assistant" else "input_text"
+        if (
+            part.get("type") != want
+            or not isinstance(part.get("text"), str)
+            or not _PART_KEYS.issuperset(part)
+        ):
+            return "field"
+    return None
 
 
 def as_messages(body: dict[str, Any]) -> list[dict[str, str]]:

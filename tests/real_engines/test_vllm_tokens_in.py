@@ -11,6 +11,13 @@ streams must say the same (role, text, logprobs, finish, usage, one ``[DONE]``),
 the engine's steps cut them into events (a loaded machine cuts two streams of the same
 tokens differently: seen once at 12 events against 11). Then a conversation growing turn
 by turn, warm: the router's ``cached_tokens`` are vLLM's.
+
+The same for Responses requests (router.forward.responses_out): each asked of vLLM's
+``/v1/responses`` and through the router, as ids, with the same ``request_id``; whole
+answers equal but for the clock and the output item's random id, streams equal in what
+they say (event types in order with a run of deltas as one, text, logprobs, every other
+event whole). Requests the router cannot render exactly go as they came, and on an engine
+that keeps responses (``VLLM_ENABLE_RESPONSES_API_STORE=1``) those to keep do too.
 """
 
 from __future__ import annotations
@@ -209,3 +216,255 @@ async def test_a_growing_conversation_hits_as_vllm_says(both: Both) -> None:
         reply = answer["choices"][0]["message"]["content"]
         messages.append({"role": "assistant", "content": reply})
     assert cached[0] == 0 and all(c >= BLOCK for c in cached[1:])
+
+
+# -- the Responses API (router.forward.responses_out) --------------------------------------
+def outcome(app: RouterApp, name: str) -> float:
+    for metric in app.state.metrics.registry.collect():
+        if metric.name == "cache_router_tokens_in":
+            for s in metric.samples:
+                if s.name.endswith("_total") and s.labels["outcome"] == name:
+                    return s.value
+    return 0.0
+
+
+class BothResponses(Both):
+    async def post(self, base: str, body: dict[str, Any], rid: str) -> httpx.Response:
+        r = await self.http.post(base + "/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        return r
+
+    async def both(self, body: dict[str, Any]) -> tuple[Any, Any]:
+        """The engine's Responses answer and the router's tokens-in one, each on a cold
+        cache; the same ``request_id`` names both."""
+        self.n += 1
+        body = {**body, "request_id": f"resp_tin{self.n}"}
+        await self.reset()
+        direct = await self.post(self.engine.url, body, "")
+        await self.reset()
+        before = self.sent()
+        routed = await self.post(self.router.url, body, "")
+        assert self.sent() == before + 1, "the router sent it as it came"
+        return responses_parsed(direct), responses_parsed(routed)
+
+
+def comparable(response: dict[str, Any]) -> dict[str, Any]:
+    """A response object without its clock and its output items' random ids."""
+    out = {k: v for k, v in response.items() if k != "created_at"}
+    out["output"] = [{k: v for k, v in item.items() if k != "id"} for item in out["output"]]
+    return out
+
+
+def responses_parsed(r: httpx.Response) -> Any:
+    if not r.headers["content-type"].startswith("text/event-stream"):
+        return comparable(r.json())
+    return [orjson.loads(e.split("\ndata: ", 1)[1]) for e in r.text.split("\n\n") if e]
+
+
+def responses_folded(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """A Responses stream as what it says, not how the engine's steps cut it: the event
+    types in order (a run of deltas as one), the text and logprobs of the deltas, every
+    sequence number in order, and each non-delta event whole (but for ids and clocks)."""
+    types: list[str] = []
+    text = ""
+    logprobs: list[Any] = []
+    others = []
+    for event in events:
+        kind = event["type"]
+        if kind == "response.output_text.delta":
+            text += event["delta"]
+            logprobs += event["logprobs"]
+            if types[-1] == kind:
+                continue
+        else:
+            rest = {k: v for k, v in event.items() if k not in ("sequence_number", "item_id")}
+            if "response" in rest:
+                rest["response"] = comparable(rest["response"])
+            if "item" in rest:
+                rest["item"] = {k: v for k, v in rest["item"].items() if k != "id"}
+            others.append(rest)
+        types.append(kind)
+    numbers = [e["sequence_number"] for e in events]
+    assert numbers == list(range(len(events))), numbers
+    ids = {e["item_id"] for e in events if "item_id" in e}
+    assert len(ids) <= 1, ids
+    return {"types": types, "text": text, "logprobs": logprobs, "events": others}
+
+
+@pytest.fixture
+async def both_responses(engine: Engine, model_dir: Path) -> AsyncIterator[BothResponses]:
+    cfg = RouterConfig(
+        block_size=BLOCK,
+        tokenizer=str(model_dir),
+        workers=[WorkerSpec(engine.name, engine.url, model=MODEL)],
+    )
+    app = RouterApp(cfg)
+    router = await Served(app).start()
+    b = BothResponses(engine, router, app)
+    try:
+        warm = {"model": MODEL, "input": "hi", "max_output_tokens": 1}
+        for _ in range(300):  # the first requests start the probe and go as they came
+            await b.post(router.url, warm, "")
+            if b.sent():
+                break
+            await asyncio.sleep(0.2)
+        assert b.sent(), "the router never took the engine's Responses answer as its own"
+        yield b
+    finally:
+        await b.http.aclose()
+        await router.stop()
+
+
+def responses(text: str, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "instructions": SYSTEM, "input": text, **extra}
+
+
+ITEMS = [
+    {"role": "user", "content": "Tell me about caches."},
+    {"type": "message", "role": "assistant",
+     "content": [{"type": "output_text", "text": "They keep things."}]},
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": [{"type": "input_text", "text": "And routers?"}]},
+]  # fmt: skip
+LOGPROBS = ["message.output_text.logprobs"]
+
+
+@pytest.mark.timeout(900)
+async def test_the_same_responses_as_vllms_responses_endpoint(
+    both_responses: BothResponses,
+) -> None:
+    both = both_responses
+    bodies = [
+        responses("Say hello.", max_output_tokens=12, temperature=0),
+        responses("Count to five.", max_output_tokens=16, temperature=0.8, seed=7),
+        responses(
+            "Name a colour.",
+            max_output_tokens=8,
+            temperature=0.7,
+            top_p=0.9,
+            seed=3,
+            metadata={"k": "v"},
+            user="u1",
+            service_tier="default",
+        ),
+        responses(
+            "And again.", max_output_tokens=6, temperature=0, include=LOGPROBS, top_logprobs=2
+        ),
+        responses("Once more.", max_output_tokens=4, temperature=0, include=LOGPROBS),
+        responses(
+            "Go on.",
+            max_output_tokens=10,
+            temperature=0,
+            presence_penalty=0.5,
+            store=False,
+            parallel_tool_calls=False,
+        ),
+        {"model": MODEL, "input": ITEMS, "max_output_tokens": 7, "temperature": 0},
+    ]
+    for body in bodies:
+        direct, routed = await both.both(body)
+        assert routed == direct, body
+        direct, routed = await both.both({**body, "stream": True})
+        assert responses_folded(routed) == responses_folded(direct), body
+    # stop strings: stop at a piece of what the model says
+    direct, _ = await both.both(responses("Say hello.", max_output_tokens=12, temperature=0))
+    text = direct["output"][0]["content"][0]["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    for include in (False, True):
+        body = responses("Say hello.", max_output_tokens=12, temperature=0, stop=[stop],
+                         include_stop_str_in_output=include)  # fmt: skip
+        direct, routed = await both.both(body)
+        assert routed == direct and routed["status"] == "completed"
+        direct, routed = await both.both({**body, "stream": True})
+        assert responses_folded(routed) == responses_folded(direct)
+
+
+@pytest.mark.timeout(900)
+async def test_responses_the_router_cannot_render_go_as_they_came(
+    both_responses: BothResponses,
+) -> None:
+    """Tools, a reasoning item, two text parts: the engine's own Responses layer answers."""
+    both = both_responses
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
+    cases = {
+        "tools": responses("Say hello.", max_output_tokens=3, tools=[tool]),
+        "field": {"model": MODEL, "max_output_tokens": 3, "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "a"},
+                                         {"type": "input_text", "text": "b"}]}]},
+    }  # fmt: skip
+    for reason, body in cases.items():
+        before, sent = outcome(both.app, reason), both.sent()
+        r = await both.http.post(both.router.url + "/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        assert outcome(both.app, reason) == before + 1 and both.sent() == sent
+
+
+@pytest.mark.timeout(900)
+async def test_a_growing_responses_conversation_hits_as_vllm_says(
+    both_responses: BothResponses,
+) -> None:
+    """Warm turns through the router, every one as ids (the input items growing): the
+    engine's cache serves each turn's conversation so far."""
+    both = both_responses
+    await both.reset()
+    items: list[dict[str, Any]] = []
+    cached = []
+    for turn in range(4):
+        items.append({"role": "user", "content": f"turn {turn}: tell me more " * 8})
+        before = both.sent()
+        body = responses("", max_output_tokens=8, temperature=0) | {"input": items}
+        answer = (await both.post(both.router.url, body, "")).json()
+        assert both.sent() == before + 1
+        cached.append(answer["usage"]["input_tokens_details"]["cached_tokens"])
+        reply = answer["output"][0]["content"][0]["text"]
+        items.append({"role": "assistant", "content": reply})
+    assert cached[0] == 0 and all(c >= BLOCK for c in cached[1:])
+
+
+@pytest.fixture(scope="module")
+def store_engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    """A vLLM that keeps responses (``VLLM_ENABLE_RESPONSES_API_STORE=1``)."""
+    work = tmp_path_factory.mktemp("vllm-store")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+    env["VLLM_ENABLE_RESPONSES_API_STORE"] = "1"
+    e = Engine("t1", engine_python(), model_dir, work, env, extra=("--enable-scale-out",))
+    with running([e]):
+        yield e
+
+
+@pytest.mark.timeout(900)
+async def test_an_engine_that_keeps_responses_gets_the_ones_to_keep(
+    store_engine: Engine, model_dir: Path
+) -> None:
+    """The probe finds the store (without making a response); a request with ``store`` (true
+    by default) goes to the engine's Responses layer, which keeps it for a
+    ``previous_response_id``; one with ``store: false`` goes as ids."""
+    cfg = RouterConfig(
+        block_size=BLOCK,
+        tokenizer=str(model_dir),
+        workers=[WorkerSpec(store_engine.name, store_engine.url, model=MODEL)],
+    )
+    app = RouterApp(cfg)
+    router = await Served(app).start()
+    try:
+        async with httpx.AsyncClient(base_url=router.url, timeout=120) as http:
+            body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, "store": False}
+            for _ in range(300):  # the probe
+                r = await http.post("/v1/responses", json=body)
+                assert r.status_code == 200, r.text
+                if outcome(app, "sent"):
+                    break
+                await asyncio.sleep(0.2)
+            assert outcome(app, "sent"), "the router never took the engine's answer as its own"
+            direct = httpx.AsyncClient(base_url=store_engine.url, timeout=120)
+            async with direct:
+                stored = outcome(app, "stored")
+                r = await http.post("/v1/responses", json={**body, "store": True})
+                assert r.status_code == 200 and outcome(app, "stored") == stored + 1
+                kept = await direct.get(f"/v1/responses/{r.json()['id']}")
+                assert kept.status_code == 200, kept.text
+                follow = {**body, "input": "more", "previous_response_id": r.json()["id"]}
+                r = await http.post("/v1/responses", json=follow)
+                assert r.status_code == 200 and outcome(app, "stored") == stored + 2
+    finally:
+        await router.stop()
