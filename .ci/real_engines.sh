@@ -4,7 +4,8 @@
 # they go), then the router's suite in front of real engines. Run by .ci/run after the
 # main suite; the venv is kept for later runs ($CACHE_ROUTER_VLLM_VENV). Measured on the
 # 2-core machine: a fresh venv 9 min (torch 2 min, vLLM and its stack 6.5 min; 3.4 GB),
-# the tests 12-19 min (four vLLM starts of 1-3 min each, one with two DP ranks).
+# the tests 12-21 min (five vLLM starts of 1-3 min each, one with two DP ranks, one keeping
+# Responses).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${CACHE_ROUTER_VLLM_VENV:-/tmp/cache-router-vllm-venv}
