@@ -224,6 +224,7 @@ class Simulation:
                     engine_waiting=sum(r[1] for r in reported),
                     kv_usage=max(r[2] for r in reported),
                     running_prefill=self.prefills[t].oldest(self.now),
+                    capacity_blocks=sum(self.engines[k].cache.gpu_blocks for k in ks),
                 )
             )
         return views
