@@ -72,8 +72,9 @@ class WorkerView:
     # and how long it has been computing: the policy discounts what is already done
     running_prefill_tokens: int = 0
     running_prefill_ms: float = 0.0
-    # the engine's GPU KV cache in blocks (pages), when known: how much of what is routed
-    # there it can keep (None: unknown, the policy assumes room)
+    # the engine's KV cache in blocks (pages), GPU and host memory, when known: how much
+    # of what is routed there it keeps without computing it again (None: unknown, the
+    # policy assumes room)
     capacity_blocks: int | None = None
 
     @classmethod

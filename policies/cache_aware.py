@@ -28,11 +28,13 @@ conversation's next turn, whatever its key (``_lookup``: aiperf's one-message tu
 new derived key each); a worker out of sync has no hit;
 a leading block in nearly every client's prompt (BOS, a chat template's header) is held
 by every worker, so it breaks no tie (``_common``, issue 35). New sessions start only
-where their load stays bounded (``session_load``, ``live_sessions``), spared by what
-barring a holder costs (``replica_slack``); cold prefixes may be placed as SGLang does
-(``place_slack_ms``). A prefetch hint moves a prefix to a queued worker only where the
-transfer lands before admission and pays after its risk and the memory it takes
-(``prefetch_fraction``, ``landing_rate``, ``copy_weight``). Ties (``tie_ms``) break at
+where their load stays bounded (``session_load``, ``live_sessions``; from the first
+continued session, before any has ended: ``young_bound``), spared by what barring a holder
+costs (``replica_slack``), and where the cache can keep the live sessions' histories to
+their ends (``fit_cache``, ``WorkerView.capacity_blocks``); cold prefixes may be placed
+as SGLang does (``place_slack_ms``). A prefetch hint moves a prefix to a queued worker
+only where the transfer lands before admission and pays after its risk and the memory it
+takes (``prefetch_fraction``, ``landing_rate``, ``copy_weight``). Ties (``tie_ms``) break at
 random. Why each part exists, what it measured and the commit that set each default:
 ``docs/history/cache_aware.md``.
 """
@@ -151,6 +153,8 @@ class CacheAware(Policy):
         ended_turns: bool = True,
         fit_cache: bool = True,
         young_bound: bool = True,
+        cadence: bool = False,
+        fit_cost: bool = False,
     ) -> None:
         super().__init__(rng)
         if not 0 < prefetch_fraction <= 1:
@@ -192,6 +196,9 @@ class CacheAware(Policy):
         self.ended_turns = bool(ended_turns)
         self.fit_cache = bool(fit_cache)
         self.young_bound = bool(young_bound)
+        self.cadence = bool(cadence)
+        self.fit_cost = bool(fit_cost)
+        self._cadence: OrderedDict[str, int] = OrderedDict()  # session -> its last gap
         self._ended = False  # a session was seen to end (``_young``)
         # Blocks each worker computed for the requests this policy routed (new content in
         # its cache): a cold prefix goes where the least was placed (``_place``).
@@ -522,6 +529,8 @@ class CacheAware(Policy):
         if session is not None:
             prev = self._sessions.get(session)
             base = prev[3] if prev is not None and prev[0] is not None else known * bs
+            if self.cadence and prev is not None and prev[0] is not None:
+                _put(self._cadence, session, self._decisions - prev[1])
             self._sessions[session] = (chosen, self._decisions, ntok, min(base, ntok))
         if self.common:
             self._lead(session or request.request_id, request.block_hashes)
@@ -957,6 +966,27 @@ class CacheAware(Policy):
                 own[worker] = own.get(worker, 0) + tokens - base
         return live, own
 
+    def _live_by_cadence(self, gap: float) -> tuple[dict[str, int], dict[str, int]]:
+        """Live sessions per worker and their own tokens, each session live for
+        ``_LIVE_GAPS`` of its own last gap or of the mean, the longer (``cadence``): the
+        mean is the fast sessions', and a slower one still running is not gone from the
+        cache it needs. Over the window's decisions."""
+        n = self._decisions
+        start = n - len(self._recent)
+        cadence = self._cadence
+        live: dict[str, int] = {}
+        own: dict[str, int] = {}
+        for session, (worker, at, tokens, base) in reversed(self._sessions.items()):
+            if at < start:
+                break
+            if worker is None:
+                continue
+            own_gap = cadence.get(session, 0)
+            if at >= n - _LIVE_GAPS * (own_gap if own_gap > gap else gap):
+                live[worker] = live.get(worker, 0) + 1
+                own[worker] = own.get(worker, 0) + tokens - base
+        return live, own
+
     def _bar_full(
         self,
         barred: set[int],
@@ -972,7 +1002,8 @@ class CacheAware(Policy):
         its live sessions' own tokens (not the prefix their first request shared) and the
         new session's, each grown by a whole session's growth (requests per session less
         one, times the mean growth per request: an upper bound, a live session is partly
-        through), stay within its capacity (``WorkerView.capacity_blocks``; unknown: it
+        through), stay within its capacity (``WorkerView.capacity_blocks``: GPU and host
+        memory, a history demoted to the host is loaded back, not computed; unknown: it
         fits). The session bound's choice is kept where it leaves a worker that fits; else
         the workers that fit; where none does, the ones least full after it (the pool
         cannot keep every history: spread the evictions)."""
@@ -982,9 +1013,28 @@ class CacheAware(Policy):
         known = min(max(self._known, est.best_hit), est.cacheable)
         new = max(request.num_tokens - known * bs, 0)
         live, _, own = self._live_now(self._gap)
+        if self.cadence:
+            live, own = self._live_by_cadence(self._gap)
         # every live history grows to its end, the new one too: the growth per request
         # times the requests a session runs (over the window, ``_turns``) less one
         g = (self._growth or 0.0) * max(self._turns() - 1.0, 1.0)
+        if self.fit_cost:
+            # no bar: each worker is charged the prefill of what the session makes its
+            # cache evict beyond what it evicts anyway (equal where every cache overflows)
+            ppt = self.costs.prefill_ms_per_token
+            scores = list(est.scores.values())
+            for i, w in enumerate(cands):
+                cap = w.capacity_blocks
+                if cap is None or cap <= 0:
+                    continue
+                wid = w.worker_id
+                before = own.get(wid, 0) + g * live.get(wid, 0) - cap * bs
+                after = before + new + g
+                over = max(after, 0.0) - max(before, 0.0)
+                if over > 0:
+                    est.ranked[i] += over * ppt
+                    scores[i]["recompute_ms"] += over * ppt
+            return
         fill: list[float] = []
         for w in cands:
             cap = w.capacity_blocks
