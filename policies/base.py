@@ -72,6 +72,10 @@ class WorkerView:
     # and how long it has been computing: the policy discounts what is already done
     running_prefill_tokens: int = 0
     running_prefill_ms: float = 0.0
+    # the engine's KV cache in blocks (pages), GPU and host memory, when known: how much
+    # of what is routed there it keeps without computing it again (None: unknown, the
+    # policy assumes room)
+    capacity_blocks: int | None = None
 
     @classmethod
     def of(
@@ -86,6 +90,7 @@ class WorkerView:
         engine_waiting: int | None,
         kv_usage: float | None,
         running_prefill: tuple[int, float] = (0, 0.0),
+        capacity_blocks: int | None = None,
     ) -> WorkerView:
         """The view the simulators build, and the router too, inlined (``Router.views``:
         a frame less per candidate): a worker whose events are out of sync shows no
@@ -95,6 +100,7 @@ class WorkerView:
         return cls(
             worker_id, match, inflight_requests, inflight_prefill_tokens, decode_streams,
             engine_running, engine_waiting, kv_usage, True, in_sync, *running_prefill,
+            capacity_blocks,
         )  # fmt: skip
 
 

@@ -28,11 +28,13 @@ conversation's next turn, whatever its key (``_lookup``: aiperf's one-message tu
 new derived key each); a worker out of sync has no hit;
 a leading block in nearly every client's prompt (BOS, a chat template's header) is held
 by every worker, so it breaks no tie (``_common``, issue 35). New sessions start only
-where their load stays bounded (``session_load``, ``live_sessions``), spared by what
-barring a holder costs (``replica_slack``); cold prefixes may be placed as SGLang does
-(``place_slack_ms``). A prefetch hint moves a prefix to a queued worker only where the
-transfer lands before admission and pays after its risk and the memory it takes
-(``prefetch_fraction``, ``landing_rate``, ``copy_weight``). Ties (``tie_ms``) break at
+where their load stays bounded (``session_load``, ``live_sessions``; from the first
+continued session, before any has ended: ``young_bound``), spared by what barring a holder
+costs (``replica_slack``), and where the cache can keep the live sessions' histories to
+their ends (``fit_cache``, ``WorkerView.capacity_blocks``); cold prefixes may be placed
+as SGLang does (``place_slack_ms``). A prefetch hint moves a prefix to a queued worker
+only where the transfer lands before admission and pays after its risk and the memory it
+takes (``prefetch_fraction``, ``landing_rate``, ``copy_weight``). Ties (``tie_ms``) break at
 random. Why each part exists, what it measured and the commit that set each default:
 ``docs/history/cache_aware.md``.
 """
@@ -149,6 +151,10 @@ class CacheAware(Policy):
         common: bool = True,
         live_whole: bool = True,
         ended_turns: bool = True,
+        fit_cache: bool = True,
+        young_bound: bool = True,
+        cadence: bool = False,
+        fit_cost: bool = False,
     ) -> None:
         super().__init__(rng)
         if not 0 < prefetch_fraction <= 1:
@@ -188,6 +194,12 @@ class CacheAware(Policy):
         self.common = bool(common)
         self.live_whole = bool(live_whole)
         self.ended_turns = bool(ended_turns)
+        self.fit_cache = bool(fit_cache)
+        self.young_bound = bool(young_bound)
+        self.cadence = bool(cadence)
+        self.fit_cost = bool(fit_cost)
+        self._cadence: OrderedDict[str, int] = OrderedDict()  # session -> its last gap
+        self._ended = False  # a session was seen to end (``_young``)
         # Blocks each worker computed for the requests this policy routed (new content in
         # its cache): a cold prefix goes where the least was placed (``_place``).
         self._placed: OrderedDict[str, float] = OrderedDict()
@@ -212,11 +224,12 @@ class CacheAware(Policy):
         self._recent: deque[tuple[str, bool]] = deque()
         self._recent_count: dict[str, int] = {}
         self._recent_new = 0  # first requests of sessions among them
-        # session -> (worker of its last request, decision number, its prompt tokens),
-        # most recent last
-        self._sessions: OrderedDict[str, tuple[str | None, int, int]] = OrderedDict()
+        # session -> (worker of its last request, decision number, its prompt tokens, the
+        # tokens of them its first request shared with earlier prompts), most recent last
+        self._sessions: OrderedDict[str, tuple[str | None, int, int, int]] = OrderedDict()
         self._growth: float | None = None  # prompt tokens a session's request adds, mean
-        self._live: tuple[dict[str, int], int] | None = None  # this decision's live sessions
+        # this decision's live sessions per worker, their sum, their own tokens per worker
+        self._live: tuple[dict[str, int], int, dict[str, int]] | None = None
         self._decisions = 0
         self._gap: float | None = None  # decisions between a session's requests, moving mean
         # The last _PROMPTS prompts routed, found by anchors (``_anchor_positions``): block
@@ -275,6 +288,8 @@ class CacheAware(Policy):
         barred = self._barred(session, cands, request.num_tokens, continues)
         if barred and self.replica_slack:
             self._spare_holders(barred, cands, est.matches, request.block_size)
+        if barred is not None and self.fit_cache and self._long_sessions():
+            self._bar_full(barred, cands, request, est)
         if barred:
             for i in barred:
                 est.ranked[i] = _INF
@@ -512,7 +527,11 @@ class CacheAware(Policy):
         self._remember(request.request_id, chosen, request.block_hashes, session, known)
         self._count_recent(chosen, bounded)
         if session is not None:
-            self._sessions[session] = (chosen, self._decisions, ntok)
+            prev = self._sessions.get(session)
+            base = prev[3] if prev is not None and prev[0] is not None else known * bs
+            if self.cadence and prev is not None and prev[0] is not None:
+                _put(self._cadence, session, self._decisions - prev[1])
+            self._sessions[session] = (chosen, self._decisions, ntok, min(base, ntok))
         if self.common:
             self._lead(session or request.request_id, request.block_hashes)
         reason = f"min cost: ttft {score['ttft_ms']:.1f} ms"
@@ -842,14 +861,14 @@ class CacheAware(Policy):
             g = self._growth
             self._growth = grow if g is None else g + _GAP_ALPHA * (grow - g)
             return None
-        seen[session] = (None, n, tokens)
+        seen[session] = (None, n, tokens, 0)
         if len(seen) > _MAX_TRACKED:
             seen.popitem(last=False)
         if continues:
             return None
+        self._live = None
         if not self._long_sessions():
             return set()  # a new session, but sessions are too short to bind
-        self._live = None
         barred = {i for i, w in enumerate(cands) if not self._fits(w.worker_id, len(cands), 0.0)}
         return barred if len(barred) < len(cands) else set()
 
@@ -862,10 +881,7 @@ class CacheAware(Policy):
             return False
         if not self.live_sessions or self._gap is None:
             return True
-        if self._live is None:
-            live = self._live_sessions(self._decisions - _LIVE_GAPS * self._gap)
-            self._live = (live, sum(live.values()))
-        live, total = self._live
+        live, total, _ = self._live_now(self._gap)
         if not self.live_whole:
             return live.get(worker_id, 0) + 1 <= math.ceil(c * (total + 1) / workers)
         # whole sessions: the fair share rounded up, then the factor. Rounded after the
@@ -921,28 +937,151 @@ class CacheAware(Policy):
         n = self._decisions
         start, live = n - recent, n - _LIVE_GAPS * self._gap
         ended = 0
-        for _, at, _ in reversed(self._sessions.values()):
+        for _, at, _, _ in reversed(self._sessions.values()):
             if at < start:
                 break
             if at < live:
                 ended += 1
         return recent / max(ended, 1)
 
-    def _live_sessions(self, since: float) -> dict[str, int]:
+    def _live_now(self, gap: float) -> tuple[dict[str, int], int, dict[str, int]]:
+        """This decision's live sessions (``_live_sessions``), computed once."""
+        if self._live is None:
+            live, own = self._live_sessions(self._decisions - _LIVE_GAPS * gap)
+            self._live = (live, sum(live.values()), own)
+        return self._live
+
+    def _live_sessions(self, since: float) -> tuple[dict[str, int], dict[str, int]]:
         """Sessions per worker whose last request came after decision ``since``: the ones
-        still sending turns there."""
+        still sending turns there; and the tokens of their last prompts that are their
+        own (not what their first request shared with earlier prompts: a system or tool
+        prompt is held once, whatever the sessions on it)."""
         live: dict[str, int] = {}
-        for worker, at, _ in reversed(self._sessions.values()):
+        own: dict[str, int] = {}
+        for worker, at, tokens, base in reversed(self._sessions.values()):
             if at < since:
                 break
             if worker is not None:
                 live[worker] = live.get(worker, 0) + 1
-        return live
+                own[worker] = own.get(worker, 0) + tokens - base
+        return live, own
+
+    def _live_by_cadence(self, gap: float) -> tuple[dict[str, int], dict[str, int]]:
+        """Live sessions per worker and their own tokens, each session live for
+        ``_LIVE_GAPS`` of its own last gap or of the mean, the longer (``cadence``): the
+        mean is the fast sessions', and a slower one still running is not gone from the
+        cache it needs. Over the window's decisions."""
+        n = self._decisions
+        start = n - len(self._recent)
+        cadence = self._cadence
+        live: dict[str, int] = {}
+        own: dict[str, int] = {}
+        for session, (worker, at, tokens, base) in reversed(self._sessions.items()):
+            if at < start:
+                break
+            if worker is None:
+                continue
+            own_gap = cadence.get(session, 0)
+            if at >= n - _LIVE_GAPS * (own_gap if own_gap > gap else gap):
+                live[worker] = live.get(worker, 0) + 1
+                own[worker] = own.get(worker, 0) + tokens - base
+        return live, own
+
+    def _bar_full(
+        self,
+        barred: set[int],
+        cands: Sequence[WorkerView],
+        request: RouteRequest,
+        est: _Estimates,
+    ) -> None:
+        """Bar, for a new session, the workers whose cache cannot keep it beside the live
+        sessions' histories there (``fit_cache``): a history evicted between two turns is
+        computed again, and a cache holding more live histories than it has pages for
+        evicts one on every turn (bench/e2e.py's slices: two engines of 8,192 tokens,
+        agent histories of 2-3.5K; four live on one engine thrashed it). A worker fits while
+        its live sessions' own tokens (not the prefix their first request shared) and the
+        new session's, each grown by a whole session's growth (requests per session less
+        one, times the mean growth per request: an upper bound, a live session is partly
+        through), stay within its capacity (``WorkerView.capacity_blocks``: GPU and host
+        memory, a history demoted to the host is loaded back, not computed; unknown: it
+        fits). The session bound's choice is kept where it leaves a worker that fits; else
+        the workers that fit; where none does, the ones least full after it (the pool
+        cannot keep every history: spread the evictions)."""
+        if self._gap is None:
+            return
+        bs = request.block_size
+        known = min(max(self._known, est.best_hit), est.cacheable)
+        new = max(request.num_tokens - known * bs, 0)
+        live, _, own = self._live_now(self._gap)
+        if self.cadence:
+            live, own = self._live_by_cadence(self._gap)
+        # every live history grows to its end, the new one too: the growth per request
+        # times the requests a session runs (over the window, ``_turns``) less one
+        g = (self._growth or 0.0) * max(self._turns() - 1.0, 1.0)
+        if self.fit_cost:
+            # no bar: each worker is charged the prefill of what the session makes its
+            # cache evict beyond what it evicts anyway (equal where every cache overflows)
+            ppt = self.costs.prefill_ms_per_token
+            scores = list(est.scores.values())
+            for i, w in enumerate(cands):
+                cap = w.capacity_blocks
+                if cap is None or cap <= 0:
+                    continue
+                wid = w.worker_id
+                before = own.get(wid, 0) + g * live.get(wid, 0) - cap * bs
+                after = before + new + g
+                over = max(after, 0.0) - max(before, 0.0)
+                if over > 0:
+                    est.ranked[i] += over * ppt
+                    scores[i]["recompute_ms"] += over * ppt
+            return
+        fill: list[float] = []
+        for w in cands:
+            cap = w.capacity_blocks
+            if cap is None or cap <= 0:
+                fill.append(0.0)
+            else:
+                wid = w.worker_id
+                need = own.get(wid, 0) + new + g * (live.get(wid, 0) + 1)
+                fill.append(need / (cap * bs))
+        n = len(cands)
+        fits = {i for i in range(n) if fill[i] <= 1.0}
+        allowed = fits - barred
+        if allowed:
+            barred.update(i for i in range(n) if i not in allowed)
+            return
+        if not fits:
+            lo = min(fill)
+            fits = {i for i in range(n) if fill[i] <= lo}
+        barred.clear()
+        barred.update(i for i in range(n) if i not in fits)
 
     def _long_sessions(self) -> bool:
         """Sessions average ``_BOUND_TURNS`` requests or more over the window: a first
         placement decides where the later turns queue."""
-        return len(self._recent) >= _BOUND_TURNS * (self._recent_new + 1)
+        if len(self._recent) >= _BOUND_TURNS * (self._recent_new + 1):
+            return True
+        return self.young_bound and self._young()
+
+    def _young(self) -> bool:
+        """A session continued and none was seen to end yet (``young_bound``): sessions
+        run more than one request, how many is unknown, and the window's count says
+        little (its first requests are first turns). Until one ends they are bounded as
+        long ones: unbounded, the first sessions of bench/e2e.py's agent slices all
+        started where the tool prompt was, and three live agent histories on one engine of
+        8,192 tokens evicted each other for the rest of the run. None continued: the
+        window's count decides (sessions of one request, Mooncake's). Read off the least
+        recently active session (``_sessions`` order)."""
+        if self._ended:
+            return False
+        g = self._gap
+        if g is None or not self._sessions:
+            return False
+        at = next(iter(self._sessions.values()))[1]
+        if at < self._decisions - _LIVE_GAPS * g:
+            self._ended = True
+            return False
+        return True
 
     def _count_recent(self, worker_id: str, new_session: bool) -> None:
         recent, counts = self._recent, self._recent_count

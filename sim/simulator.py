@@ -228,6 +228,10 @@ class Simulation:
                     engine_waiting=sum(r[1] for r in reported),
                     kv_usage=max(r[2] for r in reported),
                     running_prefill=self.prefills[t].oldest(self.now),
+                    capacity_blocks=sum(
+                        self.engines[k].cache.gpu_blocks + self.engines[k].cache.host_blocks
+                        for k in ks
+                    ),
                 )
             )
         return views

@@ -309,11 +309,17 @@ def test_the_e2e_agent_slice_spreads_sessions_where_none_has_ended(tmp_path: Pat
         on = [r.worker for r in sim.requests if r.idx in firsts]
         return report["hit_rate"], [on.count(0), on.count(1)]
 
-    hit, split = run({})
-    old_hit, old_split = run({"ended_turns": False})
+    # the count alone (the later bounds, ``young_bound`` and ``fit_cache``, off: they too
+    # keep the holder from 5 of 7)
+    alone = {"young_bound": False, "fit_cache": False}
+    hit, split = run(alone)
+    old_hit, old_split = run({**alone, "ended_turns": False})
     assert sorted(old_split) == [2, 5]
     assert sorted(split) == [3, 4]
     assert hit >= old_hit + 0.05  # 0.864 against 0.749
+    # and with every bound (the defaults)
+    hit, split = run({})
+    assert sorted(split) == [3, 4] and hit >= old_hit + 0.05
 
 
 def _session_starts(prompts: list[list[int]]) -> set[int]:

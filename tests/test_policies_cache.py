@@ -940,3 +940,62 @@ def test_cache_aware_counts_a_young_pool_s_sessions_by_the_ones_that_ended() -> 
     assert _a_new_session_beside_four(CacheAware(random.Random(0), ended_turns=False), 2) == "w1"
     # ended sessions: none, 12 requests as if one session: the lead adds 0.04, w1 barred
     assert _a_new_session_beside_four(CacheAware(random.Random(0)), 2) == "w0"
+
+
+def _first_sessions_on_a_tool_prompt(policy: CacheAware) -> list[str]:
+    """An agent session's first two steps, then two new sessions' first, their tool prompt
+    held on w1 (all of it a step: no queue anywhere)."""
+    tool = chain(1, 2)
+    out = []
+    for k, step in ((0, 0), (0, 1), (1, 0), (2, 0)):
+        n = 16 + 16 * step
+        r = RouteRequest(f"s{k}.{step}", "m", (2 + n) * BS, chain(10 + k, n, tool), BS, f"s{k}")
+        cands = [WorkerView("w0"), WorkerView("w1", match=tm(gpu=2))]
+        out.append(policy.select(r, cands).worker_id)
+        policy.on_finish(r, out[-1])
+    return out
+
+
+def test_cache_aware_bounds_sessions_before_any_has_ended() -> None:
+    """``bench/sweep.py --grid e2e``, seed 643: the first agent sessions of a slice came
+    before the window counted two requests a session, so no bound applied and all three
+    started on the engine holding the tool prompt; their histories outgrew its 8,192
+    tokens and evicted each other for the rest of the run (TTFT p90 7.1 s, x3 cpu-slow).
+    Once a session has continued and until one is seen to end, how long they run is
+    unknown: bounded as long ones, the second new session starts elsewhere."""
+    # 3 requests of 2 sessions: under 2 a session, no bound, all on the tool prompt's holder
+    unbound = CacheAware(random.Random(0), young_bound=False)
+    assert _first_sessions_on_a_tool_prompt(unbound) == ["w1", "w1", "w1", "w1"]
+    # s0 continued and has not ended: the live bound keeps s1 off w1 (2 of 2 live there)
+    young = CacheAware(random.Random(0))
+    assert _first_sessions_on_a_tool_prompt(young) == ["w1", "w1", "w0", "w1"]
+
+
+def _a_new_session_beside_a_long_history(policy: CacheAware) -> str:
+    """Two live sessions, one a worker, w1's history 62 blocks, w0's 8; then a new session
+    whose tool prompt w1 holds, both workers of 64 blocks, both queues empty."""
+    tool = chain(1, 4)
+    for step in range(4):
+        for k, w, n in ((0, "w0", 8), (1, "w1", 62)):
+            r = RouteRequest(f"s{k}.{step}", "m", n * BS, chain(10 + k, n - 4, tool), BS, f"s{k}")
+            policy.select(r, [WorkerView(w, capacity_blocks=64)])
+            policy.on_finish(r, w)
+    new = RouteRequest("n.0", "m", 12 * BS, chain(30, 8, tool), BS, "n")
+    held = [
+        WorkerView("w0", capacity_blocks=64),
+        WorkerView("w1", match=tm(gpu=4), capacity_blocks=64),
+    ]
+    return policy.select(new, held).worker_id
+
+
+def test_cache_aware_starts_a_session_where_the_cache_can_keep_it() -> None:
+    """Issue 31 / 35 (``bench/e2e.py``'s slices: two engines of 256 pages, agent histories
+    of 2-3.5K tokens): the session bound counts sessions, not what their histories take,
+    so a new session could start beside a history that already filled an engine's cache,
+    and the two evicted each other on every turn. With ``fit_cache`` a worker takes a new
+    session only while the live sessions' own tokens there and the new one's fit its
+    ``capacity_blocks``: w1 (58 own blocks and 8 of 64) is barred.
+    (The histories here do not grow: the projection to their ends adds nothing.)"""
+    unfit = CacheAware(random.Random(0), fit_cache=False)
+    assert _a_new_session_beside_a_long_history(unfit) == "w1"
+    assert _a_new_session_beside_a_long_history(CacheAware(random.Random(0))) == "w0"

@@ -34,9 +34,13 @@ def test_holding_at_the_router_keeps_the_queue_where_it_can_be_late_bound(tmp: P
     frees, the same requests wait ~10 s at p90 (~7 s while a limit was learnt from one
     report), for ~6 points of hit rate, 4 of 987 shed (none then). (The fading charge,
     now the default, no longer piles up here; nor does the unfaded one with sessions
-    counted by those that ended, ``ended_turns``: p90 5.2 s, so it is off here.)"""
+    counted by those that ended, ``ended_turns``, nor with the bounds of session 21,
+    ``young_bound`` and ``fit_cache``: off here.)"""
     trace = _chat(tmp, speedup=2.0)
-    unfaded = {"fade": False, "common": False, "ended_turns": False}
+    unfaded = {
+        "fade": False, "common": False, "ended_turns": False, "young_bound": False,
+        "fit_cache": False,
+    }  # fmt: skip
     off = Simulation(trace, "cache_aware", SimConfig(workers=4), policy_params=unfaded).run()
     on = Simulation(
         trace, "cache_aware", SimConfig(workers=4, admission=AdmissionSettings()),

@@ -34,10 +34,12 @@ def test_new_sessions_spread_across_workers(agent_trace: Trace) -> None:
     config = SimConfig(workers=8, l1_blocks=4096, seed=1, engine_seed=1)
     ours = Simulation(agent_trace, "cache_aware", config).run()
     # neither bound nor fading charge (issue 31's fade alone spreads them too: 1.89, p90
-    # 784 ms, against 2.74 and 2,861 ms without either)
+    # 784 ms, against 2.74 and 2,861 ms without either; so does the cache's capacity,
+    # ``fit_cache``: 1.48)
     unbounded = Simulation(
-        agent_trace, "cache_aware", config, policy_params={"session_load": 1e9, "fade": False}
-    ).run()
+        agent_trace, "cache_aware", config,
+        policy_params={"session_load": 1e9, "fade": False, "fit_cache": False},
+    ).run()  # fmt: skip
     ref = Simulation(agent_trace, "sglang_cache_aware", config).run()
     # the pile-up this guards against is real on this trace
     assert unbounded["requests_max_over_mean"] >= 1.6
