@@ -52,7 +52,7 @@ def test_the_routers_views_follow_the_same_rule() -> None:
     pool.ingest.mark_out_of_sync(targets[1])
     a = reg.get("a")
     assert a is not None
-    a.load.report(EngineLoad(running=3, waiting=1, kv_usage=0.25))
+    a.load.report(EngineLoad(running=3, waiting=1, kv_usage=0.25, kv_tokens=4096))
     a.rank_loads[0].begin(40)
     reg.drain("c")
     views = router.views(prep)
@@ -72,7 +72,11 @@ def test_the_routers_views_follow_the_same_rule() -> None:
             v.engine_waiting,
             v.kv_usage,
             (v.running_prefill_tokens, v.running_prefill_ms),
+            v.capacity_blocks,
         )
         assert v == want
         assert (v.engine_running, v.kv_usage) == ((2, 0.25) if ranks == 2 else (None, None))
+        # the engine's KV size (vLLM's cache_config_info) in the pool's blocks, a rank each
+        blocks = 4096 // pool.block_size if ranks == 2 else None
+        assert v.capacity_blocks == blocks
     assert views[0].running_prefill_tokens == 40 and views[0].inflight_requests == 1

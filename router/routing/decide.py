@@ -366,7 +366,10 @@ class Router:
             least = pruner.least(prep.workers, exclude, now, policy.must_see(prep.request))
             if least is not None:
                 unmatched = [(t, NO_MATCH) for t in least]
-                return _kept_views(unmatched, _NOBODY, False, now, now_ms, stale), False
+                return (
+                    _kept_views(unmatched, _NOBODY, False, now, now_ms, stale, pool.block_size),
+                    False,
+                )
         # the engines never count the block holding the prompt's last token as cached
         hashes = _cacheable(prep.request)
         blind = self.blind is not None and self.blind(now)
@@ -381,12 +384,13 @@ class Router:
                 must = [*must, *behind]
             kept = pruner.pick(prep.workers, () if blind else hashes, exclude, now, must)
             if kept is not None:
-                return _kept_views(kept, behind, blind, now, now_ms, stale), True
+                return _kept_views(kept, behind, blind, now, now_ms, stale, pool.block_size), True
         matches = index.match_tiers(hashes) if hashes else {}
         if groups is not None and matches:
             # a hybrid model: a hit counts only as deep as every KV-cache group reuses it
             matches = clip_matches(matches, hashes, groups, index.holds, pool.block_size)
         match_of = matches.get
+        block_size = pool.block_size
         view = WorkerView
         views: list[WorkerView] = []
         append = views.append
@@ -397,9 +401,12 @@ class Router:
             # over its ranks, shared out evenly
             ranks = w.rank_loads
             wload = w.load
-            running = waiting = kv_usage = None
+            running = waiting = kv_usage = blocks = None
             if now - wload.engine_seen <= stale:  # ``WorkerLoad.engine_fresh``, inlined
                 engine = wload.engine
+                # its KV cache in the pool's blocks (each rank has one of that size)
+                if engine.kv_tokens:
+                    blocks = engine.kv_tokens // block_size
                 if ranks:
                     share = len(ranks)
                     running = _share(engine.running, share)
@@ -420,7 +427,7 @@ class Router:
                         tid, match_of(tid, NO_MATCH) if synced else NO_MATCH,
                         load.inflight_requests, load.inflight_prefill_tokens,
                         load.decode_streams, running, waiting, kv_usage, True, synced,
-                        tokens, ran,
+                        tokens, ran, blocks,
                     )
                 )  # fmt: skip
         return views, True
@@ -558,6 +565,7 @@ def _kept_views(
     now: float,
     now_ms: float,
     stale: float,
+    block_size: int,
 ) -> list[WorkerView]:
     """The kept candidates' views (in candidate order), as the loop over every candidate
     in ``Router._views`` builds each: out of sync (``behind``, or the feed down:
@@ -567,7 +575,7 @@ def _kept_views(
     views: list[WorkerView] = []
     append = views.append
     last = None
-    running = waiting = kv_usage = None
+    running = waiting = kv_usage = blocks = None
     for (w, tid, load), match in kept:
         if w is not last:
             last = w
@@ -582,15 +590,16 @@ def _kept_views(
                     if waiting is not None:
                         waiting = -(-waiting // ranks)
                 kv_usage = engine.kv_usage
+                blocks = engine.kv_tokens // block_size if engine.kv_tokens else None
             else:
-                running = waiting = kv_usage = None
+                running = waiting = kv_usage = blocks = None
         synced = not blind and tid not in behind
         tokens, ran = load.prefills.oldest(now_ms)
         append(
             WorkerView(
                 tid, match if synced else NO_MATCH, load.inflight_requests,
                 load.inflight_prefill_tokens, load.decode_streams, running, waiting, kv_usage,
-                True, synced, tokens, ran,
+                True, synced, tokens, ran, blocks,
             )
         )  # fmt: skip
     return views
