@@ -301,14 +301,9 @@ class TokensIn:
             loose = request_reason(body, sglang=True) if reason in _CHAT_LAYER else reason
             if loose is not None:
                 return loose, None
-        if prep.ids is None:
-            return "field", None
-        seen, why = self._seen(prep, worker)
-        if seen is None:
-            return why, None
-        cap = seen[2]
+        why, cap = self._engine(prep, worker)
         if cap is None:
-            return "engine", None
+            return why, None
         if cap.engine == "sglang":
             reason = sglang_reason(body)
             return ("sent", cap) if reason is None else (reason, None)
@@ -320,18 +315,20 @@ class TokensIn:
             return "max_tokens", None
         return "sent", cap
 
-    def _seen(
-        self, prep: Prepared, worker: Worker
-    ) -> tuple[tuple[str, float, Capability | None] | None, str]:
-        """What the last probe of ``worker`` learnt (a new one started when it is old);
-        None while the first is under way (``probing``)."""
+    def _engine(self, prep: Prepared, worker: Worker) -> tuple[str, Capability | None]:
+        """What the last probe of ``worker`` learnt (a new one started when it is old),
+        or why the request cannot go as ids whatever it learnt: no ids (``field``), the
+        first probe under way (``probing``), no tokens-in endpoint found (``engine``)."""
+        if prep.ids is None:
+            return "field", None
         seen = self.known.get(worker.id)
         if seen is None or seen[0] != worker.url or time.monotonic() - seen[1] > PROBE_EVERY:
             model = prep.parsed.model  # probed as its base model (the chat layer's name)
             self._start_probe(worker, self.deps.registry.adapters.get(model, model))
             if seen is None or seen[0] != worker.url:
-                return None, "probing"
-        return seen, "sent"
+                return "probing", None
+        cap = seen[2]
+        return ("sent", cap) if cap is not None else ("engine", None)
 
     def _check_responses(self, prep: Prepared, worker: Worker) -> tuple[str, Capability | None]:
         """A Responses request: its input rendered exactly, its fields reproduced, the
@@ -340,14 +337,9 @@ class TokensIn:
         reason = render_reason(body) or responses_field_reason(body)
         if reason is not None:
             return reason, None
-        if prep.ids is None:
-            return "field", None
-        seen, why = self._seen(prep, worker)
-        if seen is None:
-            return why, None
-        cap = seen[2]
+        why, cap = self._engine(prep, worker)
         if cap is None:
-            return "engine", None
+            return why, None
         if cap.stores and body.get("store", True):
             return "stored", None  # the engine keeps it for a previous_response_id
         limit = body.get("max_output_tokens")
