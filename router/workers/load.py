@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -376,16 +377,20 @@ def parse_engine_metrics(text: str) -> EngineLoad:
     )
 
 
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def labels_of(series: str) -> dict[str, str]:
+    """The labels of one Prometheus series (``name{key="value",...} number``, or what
+    is between its braces)."""
+    return dict(_LABEL.findall(series))
+
+
 def _kv_tokens(line: str) -> float | None:
     """A ``vllm:cache_config_info`` sample's KV cache size in tokens: its
     ``kv_cache_size_tokens`` label, else ``num_gpu_blocks`` x ``block_size`` (None: no
     size in it)."""
-    labels: dict[str, str] = {}
-    inside = line[line.find("{") + 1 : line.rfind("}")] if "{" in line else ""
-    for part in inside.split('",'):
-        key, eq, value = part.partition("=")
-        if eq:
-            labels[key.strip()] = value.strip().strip('"')
+    labels = labels_of(line)
     try:
         size = labels.get("kv_cache_size_tokens")
         tokens = (

@@ -17,9 +17,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from router.workers.load import labels_of
+
 MODELS_EVERY = 5  # health checks between two reads of an engine's /v1/models
 _INFO = re.compile(r"^vllm:lora_requests_info\{([^}]*)\}", re.M)
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
 MAX_ADAPTERS = 4096  # names kept per engine: no engine serves more; bounds a bad scrape
 
 
@@ -44,7 +45,7 @@ def parse_lora_info(text: str) -> LoraSlots | None:
     found = _INFO.findall(text)
     if not found:
         return None
-    labels = dict(_LABEL.findall(found[-1]))
+    labels = labels_of(found[-1])
     try:
         max_loras = int(labels.get("max_lora", ""))
     except ValueError:
