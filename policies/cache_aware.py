@@ -1012,9 +1012,10 @@ class CacheAware(Policy):
         bs = request.block_size
         known = min(max(self._known, est.best_hit), est.cacheable)
         new = max(request.num_tokens - known * bs, 0)
-        live, _, own = self._live_now(self._gap)
         if self.cadence:
             live, own = self._live_by_cadence(self._gap)
+        else:
+            live, _, own = self._live_now(self._gap)
         # every live history grows to its end, the new one too: the growth per request
         # times the requests a session runs (over the window, ``_turns``) less one
         g = (self._growth or 0.0) * max(self._turns() - 1.0, 1.0)

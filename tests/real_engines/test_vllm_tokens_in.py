@@ -23,10 +23,11 @@ that keeps responses (``VLLM_ENABLE_RESPONSES_API_STORE=1``) those to keep do to
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import orjson
@@ -37,6 +38,7 @@ from vllm_engine import BLOCK, MODEL, Engine, engine_python, running
 from router.config import RouterConfig, WorkerSpec
 from router.http.app import RouterApp
 
+B = TypeVar("B", bound="Both")
 SYSTEM = "You are a terse assistant of the cache router test. " * 4
 
 
@@ -50,6 +52,15 @@ def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield e
 
 
+def outcome(app: RouterApp, name: str) -> float:
+    for metric in app.state.metrics.registry.collect():
+        if metric.name == "cache_router_tokens_in":
+            for s in metric.samples:
+                if s.name.endswith("_total") and s.labels["outcome"] == name:
+                    return s.value
+    return 0.0
+
+
 class Both:
     def __init__(self, engine: Engine, router: Served, app: RouterApp) -> None:
         self.engine, self.router, self.app = engine, router, app
@@ -57,12 +68,7 @@ class Both:
         self.n = 0
 
     def sent(self) -> float:
-        for metric in self.app.state.metrics.registry.collect():
-            if metric.name == "cache_router_tokens_in":
-                for s in metric.samples:
-                    if s.name.endswith("_total") and s.labels["outcome"] == "sent":
-                        return s.value
-        return 0.0
+        return outcome(self.app, "sent")
 
     async def reset(self) -> None:
         for _ in range(100):
@@ -128,8 +134,12 @@ def folded(events: list[Any]) -> dict[str, Any]:
     return out
 
 
-@pytest.fixture
-async def both(engine: Engine, model_dir: Path) -> AsyncIterator[Both]:
+@contextlib.asynccontextmanager
+async def served(
+    cls: type[B], engine: Engine, model_dir: Path, warm: dict[str, Any], rid: str, never: str
+) -> AsyncIterator[B]:
+    """A router in front of ``engine``, warmed until it sends ``warm`` as ids (the first
+    requests start the probe and go as they came)."""
     cfg = RouterConfig(
         block_size=BLOCK,
         tokenizer=str(model_dir),
@@ -137,19 +147,26 @@ async def both(engine: Engine, model_dir: Path) -> AsyncIterator[Both]:
     )
     app = RouterApp(cfg)
     router = await Served(app).start()
-    b = Both(engine, router, app)
+    b = cls(engine, router, app)
     try:
-        warm = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-        for _ in range(300):  # the first chats start the probe and go as chats
-            await b.post(router.url, warm, "warm")
+        for _ in range(300):
+            await b.post(router.url, warm, rid)
             if b.sent():
                 break
             await asyncio.sleep(0.2)
-        assert b.sent(), "the router never found the engine's tokens-in endpoint"
+        assert b.sent(), never
         yield b
     finally:
         await b.http.aclose()
         await router.stop()
+
+
+@pytest.fixture
+async def both(engine: Engine, model_dir: Path) -> AsyncIterator[Both]:
+    warm = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    never = "the router never found the engine's tokens-in endpoint"
+    async with served(Both, engine, model_dir, warm, "warm", never) as b:
+        yield b
 
 
 def chat(user: str, **extra: Any) -> dict[str, Any]:
@@ -219,15 +236,6 @@ async def test_a_growing_conversation_hits_as_vllm_says(both: Both) -> None:
 
 
 # -- the Responses API (router.forward.responses_out) --------------------------------------
-def outcome(app: RouterApp, name: str) -> float:
-    for metric in app.state.metrics.registry.collect():
-        if metric.name == "cache_router_tokens_in":
-            for s in metric.samples:
-                if s.name.endswith("_total") and s.labels["outcome"] == name:
-                    return s.value
-    return 0.0
-
-
 class BothResponses(Both):
     async def post(self, base: str, body: dict[str, Any], rid: str) -> httpx.Response:
         r = await self.http.post(base + "/v1/responses", json=body)
@@ -293,26 +301,10 @@ def responses_folded(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 @pytest.fixture
 async def both_responses(engine: Engine, model_dir: Path) -> AsyncIterator[BothResponses]:
-    cfg = RouterConfig(
-        block_size=BLOCK,
-        tokenizer=str(model_dir),
-        workers=[WorkerSpec(engine.name, engine.url, model=MODEL)],
-    )
-    app = RouterApp(cfg)
-    router = await Served(app).start()
-    b = BothResponses(engine, router, app)
-    try:
-        warm = {"model": MODEL, "input": "hi", "max_output_tokens": 1}
-        for _ in range(300):  # the first requests start the probe and go as they came
-            await b.post(router.url, warm, "")
-            if b.sent():
-                break
-            await asyncio.sleep(0.2)
-        assert b.sent(), "the router never took the engine's Responses answer as its own"
+    warm = {"model": MODEL, "input": "hi", "max_output_tokens": 1}
+    never = "the router never took the engine's Responses answer as its own"
+    async with served(BothResponses, engine, model_dir, warm, "", never) as b:
         yield b
-    finally:
-        await b.http.aclose()
-        await router.stop()
 
 
 def responses(text: str, **extra: Any) -> dict[str, Any]:
@@ -439,32 +431,15 @@ async def test_an_engine_that_keeps_responses_gets_the_ones_to_keep(
     """The probe finds the store (without making a response); a request with ``store`` (true
     by default) goes to the engine's Responses layer, which keeps it for a
     ``previous_response_id``; one with ``store: false`` goes as ids."""
-    cfg = RouterConfig(
-        block_size=BLOCK,
-        tokenizer=str(model_dir),
-        workers=[WorkerSpec(store_engine.name, store_engine.url, model=MODEL)],
-    )
-    app = RouterApp(cfg)
-    router = await Served(app).start()
-    try:
-        async with httpx.AsyncClient(base_url=router.url, timeout=120) as http:
-            body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, "store": False}
-            for _ in range(300):  # the probe
-                r = await http.post("/v1/responses", json=body)
-                assert r.status_code == 200, r.text
-                if outcome(app, "sent"):
-                    break
-                await asyncio.sleep(0.2)
-            assert outcome(app, "sent"), "the router never took the engine's answer as its own"
-            direct = httpx.AsyncClient(base_url=store_engine.url, timeout=120)
-            async with direct:
-                stored = outcome(app, "stored")
-                r = await http.post("/v1/responses", json={**body, "store": True})
-                assert r.status_code == 200 and outcome(app, "stored") == stored + 1
-                kept = await direct.get(f"/v1/responses/{r.json()['id']}")
-                assert kept.status_code == 200, kept.text
-                follow = {**body, "input": "more", "previous_response_id": r.json()["id"]}
-                r = await http.post("/v1/responses", json=follow)
-                assert r.status_code == 200 and outcome(app, "stored") == stored + 2
-    finally:
-        await router.stop()
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, "store": False}
+    never = "the router never took the engine's answer as its own"
+    async with served(BothResponses, store_engine, model_dir, body, "", never) as b:
+        app, url = b.app, b.router.url
+        stored = outcome(app, "stored")
+        r = await b.post(url, {**body, "store": True}, "")
+        assert outcome(app, "stored") == stored + 1
+        kept = await b.http.get(f"{store_engine.url}/v1/responses/{r.json()['id']}")
+        assert kept.status_code == 200, kept.text
+        follow = {**body, "input": "more", "previous_response_id": r.json()["id"]}
+        await b.post(url, follow, "")
+        assert outcome(app, "stored") == stored + 2
